@@ -1,0 +1,354 @@
+//! The shared namespace index: a hash table the daemon publishes in a memfd
+//! and clients map read-only, so `exists` and repeated `retrieve` of a sealed
+//! key take no round trip to the daemon.
+//!
+//! One table per namespace. The daemon is the only writer (under its store
+//! lock); readers are lock-free and use a per-slot sequence lock. Every word is
+//! accessed as an `AtomicU64`, so concurrent reads of memory another process
+//! writes are well defined. Layout (all little-endian `u64` words, see
+//! `doc/POOL-FORMAT.md`):
+//!
+//! ```text
+//! header (8 words): magic, nslots, flags (bit 0 = retired), epoch, live, removals,
+//!                   2 reserved
+//! slot (40 words):  seq, generation, hash, size, pool|flags<<32, offset, key_len, reserved,
+//!                   key bytes (32 words = 256 bytes, zero padded)
+//! ```
+//!
+//! `generation == 0` marks a never-used slot (ends a probe), `generation == TOMBSTONE` a
+//! deleted one. Linear probing; a key never moves while it lives, so a reader
+//! that finds it is linearizable per slot. When the table fills up the daemon
+//! builds a larger one and sets the retired flag on the old one; readers then
+//! fetch the new table.
+
+use std::sync::atomic::{AtomicU64, Ordering, fence};
+
+use crate::name::MAX_NAME_LEN;
+
+/// Magic of an index table (`MARUIDX1`).
+pub const INDEX_MAGIC: u64 = u64::from_le_bytes(*b"MARUIDX1");
+/// Words in the header.
+pub const HEADER_WORDS: usize = 8;
+/// Words per slot.
+pub const SLOT_WORDS: usize = 40;
+/// Key words per slot.
+const KEY_WORDS: usize = 32;
+/// Generation value of a deleted slot.
+pub const TOMBSTONE: u64 = u64::MAX;
+/// Flag bit: entry is pinned.
+pub const FLAG_PINNED: u32 = 1;
+
+/// Bytes needed for a table of `nslots` slots.
+pub fn table_bytes(nslots: usize) -> usize {
+    (HEADER_WORDS + nslots * SLOT_WORDS) * 8
+}
+
+/// FNV-1a, 64 bit: stable across builds and processes.
+pub fn hash_key(key: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in key {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    // Never 0, so an empty slot is recognisable by generation alone.
+    h | 1
+}
+
+/// What a slot says about a sealed entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotView {
+    /// Entry generation.
+    pub generation: u64,
+    /// Size in bytes.
+    pub size: u64,
+    /// Pool id.
+    pub pool: u32,
+    /// Flags (`FLAG_PINNED`).
+    pub flags: u32,
+    /// Offset in the pool.
+    pub offset: u64,
+}
+
+/// A view of a table in memory (either side).
+pub struct Table<'a> {
+    words: &'a [AtomicU64],
+}
+
+impl<'a> Table<'a> {
+    /// Wraps table memory.
+    ///
+    /// # Safety
+    /// `ptr` must be 8-byte aligned and valid for reads of `len` bytes for `'a`,
+    /// and every access to that memory by anyone must be through atomics.
+    pub unsafe fn from_raw(ptr: *const u8, len: usize) -> Option<Self> {
+        if len < HEADER_WORDS * 8 || !(ptr as usize).is_multiple_of(8) {
+            return None;
+        }
+        // SAFETY: caller guarantees validity and alignment; AtomicU64 has the layout of u64.
+        let words = unsafe { std::slice::from_raw_parts(ptr.cast::<AtomicU64>(), len / 8) };
+        let t = Table { words };
+        if t.words[0].load(Ordering::Relaxed) != INDEX_MAGIC {
+            return None;
+        }
+        let n = t.nslots();
+        if n == 0 || !n.is_power_of_two() || table_bytes(n) > len {
+            return None;
+        }
+        Some(t)
+    }
+
+    /// Slots in the table (a power of two).
+    pub fn nslots(&self) -> usize {
+        self.words[1].load(Ordering::Relaxed) as usize
+    }
+
+    /// True once the daemon replaced this table with another.
+    pub fn retired(&self) -> bool {
+        self.words[2].load(Ordering::Acquire) & 1 != 0
+    }
+
+    /// Changes with every update of any slot.
+    pub fn epoch(&self) -> u64 {
+        self.words[3].load(Ordering::Acquire)
+    }
+
+    /// Changes with every removal (delete, eviction).
+    pub fn removals(&self) -> u64 {
+        self.words[5].load(Ordering::Acquire)
+    }
+
+    /// Live entries.
+    pub fn live(&self) -> u64 {
+        self.words[4].load(Ordering::Relaxed)
+    }
+
+    fn slot(&self, i: usize) -> &[AtomicU64] {
+        let s = HEADER_WORDS + i * SLOT_WORDS;
+        &self.words[s..s + SLOT_WORDS]
+    }
+
+    /// Looks a key up. Lock-free; retries a slot while its writer is mid-update.
+    pub fn lookup(&self, key: &[u8]) -> Option<SlotView> {
+        if key.len() > MAX_NAME_LEN {
+            return None;
+        }
+        let h = hash_key(key);
+        let n = self.nslots();
+        let mask = n - 1;
+        let mut i = (h as usize) & mask;
+        for _ in 0..n {
+            let s = self.slot(i);
+            loop {
+                let seq1 = s[0].load(Ordering::Acquire);
+                if seq1 & 1 == 1 {
+                    std::hint::spin_loop();
+                    continue;
+                }
+                let generation = s[1].load(Ordering::Relaxed);
+                if generation == 0 {
+                    fence(Ordering::Acquire);
+                    if s[0].load(Ordering::Relaxed) != seq1 {
+                        continue;
+                    }
+                    return None;
+                }
+                let mut hit = None;
+                if generation != TOMBSTONE
+                    && s[2].load(Ordering::Relaxed) == h
+                    && s[6].load(Ordering::Relaxed) as usize == key.len()
+                    && key_matches(&s[8..8 + KEY_WORDS], key)
+                {
+                    let pf = s[4].load(Ordering::Relaxed);
+                    hit = Some(SlotView {
+                        generation,
+                        size: s[3].load(Ordering::Relaxed),
+                        pool: pf as u32,
+                        flags: (pf >> 32) as u32,
+                        offset: s[5].load(Ordering::Relaxed),
+                    });
+                }
+                fence(Ordering::Acquire);
+                if s[0].load(Ordering::Relaxed) != seq1 {
+                    continue;
+                }
+                if hit.is_some() {
+                    return hit;
+                }
+                break;
+            }
+            i = (i + 1) & mask;
+        }
+        None
+    }
+}
+
+fn key_matches(words: &[AtomicU64], key: &[u8]) -> bool {
+    for (wi, chunk) in key.chunks(8).enumerate() {
+        let mut b = [0u8; 8];
+        b[..chunk.len()].copy_from_slice(chunk);
+        if words[wi].load(Ordering::Relaxed) != u64::from_le_bytes(b) {
+            return false;
+        }
+    }
+    true
+}
+
+/// The daemon's side of a table: it alone writes.
+pub struct TableWriter<'a> {
+    t: Table<'a>,
+}
+
+impl<'a> TableWriter<'a> {
+    /// Initializes zeroed memory as an empty table of `nslots` slots.
+    ///
+    /// # Safety
+    /// As [`Table::from_raw`], the memory must be zeroed, writable, at least
+    /// `table_bytes(nslots)` long, and written by no one else.
+    pub unsafe fn init(ptr: *mut u8, len: usize, nslots: usize) -> Self {
+        assert!(nslots.is_power_of_two() && table_bytes(nslots) <= len);
+        // SAFETY: caller guarantees validity; AtomicU64 has the layout of u64.
+        let words = unsafe { std::slice::from_raw_parts(ptr.cast::<AtomicU64>(), len / 8) };
+        words[1].store(nslots as u64, Ordering::Relaxed);
+        words[0].store(INDEX_MAGIC, Ordering::Release);
+        TableWriter {
+            t: Table { words },
+        }
+    }
+
+    /// The read view.
+    pub fn table(&self) -> &Table<'a> {
+        &self.t
+    }
+
+    fn bump_epoch(&self) {
+        self.t.words[3].fetch_add(1, Ordering::Release);
+    }
+
+    /// Inserts a key the caller knows is absent. Returns its slot, or `None` when full.
+    pub fn insert(&self, key: &[u8], v: SlotView) -> Option<usize> {
+        assert!(key.len() <= MAX_NAME_LEN && v.generation != 0 && v.generation != TOMBSTONE);
+        let h = hash_key(key);
+        let n = self.t.nslots();
+        let mask = n - 1;
+        let mut i = (h as usize) & mask;
+        for _ in 0..n {
+            let s = self.t.slot(i);
+            let generation = s[1].load(Ordering::Relaxed);
+            if generation == 0 || generation == TOMBSTONE {
+                self.write_slot(s, |s| {
+                    s[1].store(v.generation, Ordering::Relaxed);
+                    s[2].store(h, Ordering::Relaxed);
+                    s[3].store(v.size, Ordering::Relaxed);
+                    s[4].store(
+                        u64::from(v.pool) | (u64::from(v.flags) << 32),
+                        Ordering::Relaxed,
+                    );
+                    s[5].store(v.offset, Ordering::Relaxed);
+                    s[6].store(key.len() as u64, Ordering::Relaxed);
+                    for (wi, w) in s[8..8 + KEY_WORDS].iter().enumerate() {
+                        let mut b = [0u8; 8];
+                        let lo = (wi * 8).min(key.len());
+                        let hi = (wi * 8 + 8).min(key.len());
+                        b[..hi - lo].copy_from_slice(&key[lo..hi]);
+                        w.store(u64::from_le_bytes(b), Ordering::Relaxed);
+                    }
+                });
+                self.t.words[4].fetch_add(1, Ordering::Relaxed);
+                self.bump_epoch();
+                return Some(i);
+            }
+            i = (i + 1) & mask;
+        }
+        None
+    }
+
+    /// Marks slot `i` deleted.
+    pub fn remove(&self, i: usize) {
+        let s = self.t.slot(i);
+        self.write_slot(s, |s| s[1].store(TOMBSTONE, Ordering::Relaxed));
+        self.t.words[4].fetch_sub(1, Ordering::Relaxed);
+        self.t.words[5].fetch_add(1, Ordering::Release);
+        self.bump_epoch();
+    }
+
+    /// Updates the flags of slot `i`.
+    pub fn set_flags(&self, i: usize, flags: u32) {
+        let s = self.t.slot(i);
+        self.write_slot(s, |s| {
+            let pf = s[4].load(Ordering::Relaxed);
+            s[4].store((pf & 0xffff_ffff) | (u64::from(flags) << 32), Ordering::Relaxed);
+        });
+        self.bump_epoch();
+    }
+
+    /// Marks this table replaced.
+    pub fn retire(&self) {
+        self.t.words[2].fetch_or(1, Ordering::Release);
+        self.bump_epoch();
+    }
+
+    fn write_slot(&self, s: &[AtomicU64], f: impl FnOnce(&[AtomicU64])) {
+        let seq = s[0].load(Ordering::Relaxed);
+        s[0].store(seq + 1, Ordering::Relaxed);
+        fence(Ordering::Release);
+        f(s);
+        s[0].store(seq + 2, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(generation: u64) -> SlotView {
+        SlotView {
+            generation,
+            size: generation * 10,
+            pool: 1,
+            flags: 0,
+            offset: generation * 4096,
+        }
+    }
+
+    #[test]
+    fn insert_lookup_remove() {
+        let n = 64;
+        let mut mem = vec![0u64; table_bytes(n) / 8];
+        // SAFETY: the vector is zeroed, aligned and outlives the writer.
+        let w = unsafe { TableWriter::init(mem.as_mut_ptr().cast(), mem.len() * 8, n) };
+        let mut slots = Vec::new();
+        for g in 1..=40u64 {
+            slots.push(w.insert(format!("key-{g}").as_bytes(), view(g)).unwrap());
+        }
+        for g in 1..=40u64 {
+            assert_eq!(
+                w.table().lookup(format!("key-{g}").as_bytes()),
+                Some(view(g))
+            );
+        }
+        assert_eq!(w.table().lookup(b"nope"), None);
+        w.remove(slots[4]);
+        assert_eq!(w.table().lookup(b"key-5"), None);
+        assert_eq!(w.table().lookup(b"key-6"), Some(view(6)));
+        w.set_flags(slots[5], FLAG_PINNED);
+        assert_eq!(w.table().lookup(b"key-6").unwrap().flags, FLAG_PINNED);
+        assert_eq!(w.table().live(), 39);
+        let long = [b'x'; 255];
+        w.insert(&long, view(99)).unwrap();
+        assert_eq!(w.table().lookup(&long), Some(view(99)));
+    }
+
+    #[test]
+    fn full_table_refuses() {
+        let n = 4;
+        let mut mem = vec![0u64; table_bytes(n) / 8];
+        // SAFETY: as above.
+        let w = unsafe { TableWriter::init(mem.as_mut_ptr().cast(), mem.len() * 8, n) };
+        for g in 1..=4 {
+            assert!(w.insert(format!("{g}").as_bytes(), view(g)).is_some());
+        }
+        assert!(w.insert(b"5", view(5)).is_none());
+        // Lookup of a missing key in a full table terminates.
+        assert_eq!(w.table().lookup(b"6"), None);
+    }
+}

@@ -1,0 +1,646 @@
+//! The control protocol: length-prefixed serde_json frames on a Unix stream
+//! socket, with file descriptors passed as `SCM_RIGHTS` ancillary data.
+//!
+//! A frame is a little-endian `u32` byte count followed by that many bytes of
+//! JSON. A response that carries descriptors says how many in its `fds` field;
+//! they arrive, in order, with the frame's bytes. See `doc/PROTOCOL.md`.
+
+use std::collections::VecDeque;
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, WireError};
+
+/// The protocol version this build speaks.
+pub const PROTOCOL_VERSION: u32 = 1;
+/// The largest frame body accepted, in bytes.
+pub const MAX_FRAME: usize = 4 << 20;
+/// The most descriptors one frame may carry (the kernel's `SCM_MAX_FD` is 253).
+pub const MAX_FDS_PER_FRAME: usize = 240;
+/// The most keys in one batch request.
+pub const MAX_BATCH: usize = 4096;
+
+/// A request from a client.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Request {
+    /// Chosen by the client, echoed in the response.
+    pub id: u64,
+    /// What to do.
+    #[serde(flatten)]
+    pub op: Op,
+}
+
+/// The operations of the control protocol.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(tag = "op", content = "args", rename_all = "snake_case")]
+pub enum Op {
+    /// Must be the first request of a connection.
+    Hello {
+        /// The client's protocol version.
+        version: u32,
+        /// A free-form client name (shown in stats).
+        client: String,
+    },
+    /// Create a namespace (parents must exist).
+    Mkdir {
+        /// Namespace path.
+        ns: String,
+        /// Permission bits (e.g. 0o755).
+        mode: u32,
+    },
+    /// Remove an empty namespace.
+    Rmdir {
+        /// Namespace path.
+        ns: String,
+    },
+    /// Reserve `count` writable allocations of `size` bytes each.
+    Alloc {
+        /// Bytes per allocation (> 0).
+        size: u64,
+        /// How many (1..=MAX_FDS_PER_FRAME).
+        count: u32,
+        /// Pool to allocate from (by name); placement policy when absent.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pool: Option<String>,
+    },
+    /// Give back allocations that were not published.
+    Free {
+        /// Allocation ids.
+        allocs: Vec<u64>,
+    },
+    /// Publish (seal) an allocation under `ns/key`. First writer wins.
+    Publish {
+        /// Allocation id from `Alloc`.
+        alloc: u64,
+        /// Namespace.
+        ns: String,
+        /// Key.
+        key: String,
+        /// Bytes of the allocation that hold data (<= its size); the whole allocation when absent.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        len: Option<u64>,
+    },
+    /// Locate sealed entries and receive their descriptors.
+    Retrieve {
+        /// Namespace.
+        ns: String,
+        /// Keys.
+        keys: Vec<String>,
+    },
+    /// Drop leases taken by `Retrieve` (raw pools).
+    Release {
+        /// Entry generations.
+        gens: Vec<u64>,
+    },
+    /// Which keys exist (sealed).
+    Exists {
+        /// Namespace.
+        ns: String,
+        /// Keys.
+        keys: Vec<String>,
+    },
+    /// Delete sealed entries.
+    Delete {
+        /// Namespace.
+        ns: String,
+        /// Keys.
+        keys: Vec<String>,
+    },
+    /// Pin (protect from eviction) or unpin entries.
+    Pin {
+        /// Namespace.
+        ns: String,
+        /// Keys.
+        keys: Vec<String>,
+        /// true = pin, false = unpin.
+        pinned: bool,
+    },
+    /// Get a read-only descriptor of the namespace's shared index.
+    Index {
+        /// Namespace.
+        ns: String,
+    },
+    /// List a namespace: child namespaces and entries.
+    List {
+        /// Namespace ("" = the root).
+        ns: String,
+    },
+    /// Store-wide statistics.
+    Stats,
+    /// Evict least recently used entries until `bytes` are free.
+    Evict {
+        /// Bytes to make free.
+        bytes: u64,
+    },
+}
+
+impl Op {
+    /// A short name for logs and metrics.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Hello { .. } => "hello",
+            Op::Mkdir { .. } => "mkdir",
+            Op::Rmdir { .. } => "rmdir",
+            Op::Alloc { .. } => "alloc",
+            Op::Free { .. } => "free",
+            Op::Publish { .. } => "publish",
+            Op::Retrieve { .. } => "retrieve",
+            Op::Release { .. } => "release",
+            Op::Exists { .. } => "exists",
+            Op::Delete { .. } => "delete",
+            Op::Pin { .. } => "pin",
+            Op::Index { .. } => "index",
+            Op::List { .. } => "list",
+            Op::Stats => "stats",
+            Op::Evict { .. } => "evict",
+        }
+    }
+}
+
+/// A response to one request.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Response {
+    /// The request's id.
+    pub id: u64,
+    /// How many descriptors travel with this frame.
+    #[serde(default)]
+    pub fds: u32,
+    /// The outcome.
+    #[serde(flatten)]
+    pub result: Outcome,
+}
+
+/// Success with a body, or an error.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    /// The operation succeeded.
+    Ok(Body),
+    /// The operation failed.
+    Err(WireError),
+}
+
+/// The kind of a pool.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Hash)]
+#[serde(rename_all = "snake_case")]
+pub enum PoolKind {
+    /// A memory filesystem directory; one backing file per entry.
+    Memfs,
+    /// A DAX character device carved into regions.
+    Devdax,
+    /// A regular file treated like a DAX device.
+    File,
+}
+
+impl PoolKind {
+    /// True for pools carved into regions (devdax and file).
+    pub fn is_raw(self) -> bool {
+        !matches!(self, PoolKind::Memfs)
+    }
+}
+
+/// A pool as the daemon describes it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct PoolInfo {
+    /// Index of the pool in the daemon's list (stable for the daemon's life).
+    pub id: u32,
+    /// Name (from the spec, or the path).
+    pub name: String,
+    /// Kind.
+    pub kind: PoolKind,
+    /// Path of the directory, device or file.
+    pub path: String,
+    /// Capacity in bytes.
+    pub capacity: u64,
+    /// Bytes in use (sealed + being written + held by leases or mappings).
+    pub used: u64,
+    /// Bytes of sealed entries.
+    pub sealed_bytes: u64,
+    /// Sealed entries.
+    pub entries: u64,
+    /// Bytes handed out to clients in regions or allocations, not yet published.
+    pub writing_bytes: u64,
+    /// Bytes of this pool in 2 MiB pages (memfs: `ShmemHugePages` share of the files; raw: n/a).
+    #[serde(default)]
+    pub huge_bytes: u64,
+    /// Entries evicted since start.
+    pub evictions: u64,
+}
+
+/// Where a sealed entry lives, as returned by `Retrieve` and `List`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Located {
+    /// The key.
+    pub key: String,
+    /// Unique id of this sealed entry (changes if the key is deleted and stored again).
+    pub generation: u64,
+    /// Pool id.
+    pub pool: u32,
+    /// Byte offset in the pool (raw pools; 0 for memfs).
+    pub offset: u64,
+    /// Size in bytes.
+    pub size: u64,
+    /// Pinned against eviction.
+    pub pinned: bool,
+    /// A descriptor travels with this item (memfs: the entry's file; raw: the pool, first time only).
+    pub fd: bool,
+}
+
+/// One writable allocation.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Grant {
+    /// Allocation id (for `Publish` / `Free`).
+    pub alloc: u64,
+    /// Pool id.
+    pub pool: u32,
+    /// Offset in the pool (raw pools; 0 for memfs).
+    pub offset: u64,
+    /// Size in bytes.
+    pub size: u64,
+    /// A descriptor travels with this item (memfs: the new file; raw: the pool, first time only).
+    pub fd: bool,
+}
+
+/// A namespace as listed.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct NsInfo {
+    /// Full path.
+    pub ns: String,
+    /// Owner uid.
+    pub uid: u32,
+    /// Owner gid.
+    pub gid: u32,
+    /// Mode bits.
+    pub mode: u32,
+    /// Sealed entries directly in it.
+    pub entries: u64,
+    /// Their bytes.
+    pub bytes: u64,
+}
+
+/// Usage of one client connection.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ClientInfo {
+    /// Session id.
+    pub session: u64,
+    /// Client name from the hello.
+    pub name: String,
+    /// Peer pid / uid.
+    pub pid: i32,
+    /// Peer uid.
+    pub uid: u32,
+    /// Bytes granted and not yet published or freed.
+    pub allocated: u64,
+    /// Bytes of entries this client published (still live).
+    pub used: u64,
+    /// Granted bytes not holding data (`allocated` of raw regions minus packed data).
+    pub slack: u64,
+    /// Leases held.
+    pub leases: u64,
+}
+
+/// Store-wide statistics.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Stats {
+    /// Pools.
+    pub pools: Vec<PoolInfo>,
+    /// Namespaces.
+    pub namespaces: Vec<NsInfo>,
+    /// Clients.
+    pub clients: Vec<ClientInfo>,
+    /// Operation counters by name.
+    pub ops: std::collections::BTreeMap<String, u64>,
+    /// Eviction policy (`lru` or `off`).
+    pub eviction: String,
+}
+
+/// The body of a successful response.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Body {
+    /// Reply to `Hello`.
+    Hello {
+        /// The daemon's protocol version.
+        version: u32,
+        /// The daemon's name and version.
+        server: String,
+        /// This connection's session id.
+        session: u64,
+        /// The pools.
+        pools: Vec<PoolInfo>,
+    },
+    /// Nothing to say.
+    Done,
+    /// Reply to `Alloc`: one grant per allocation.
+    Allocated {
+        /// The grants.
+        grants: Vec<Grant>,
+    },
+    /// Reply to `Publish`.
+    Published {
+        /// The new entry's generation.
+        generation: u64,
+    },
+    /// Reply to `Retrieve`: one item per key, `None` for a missing key.
+    Retrieved {
+        /// Items.
+        items: Vec<Option<Located>>,
+    },
+    /// Reply to `Exists`.
+    Exists {
+        /// One flag per key.
+        found: Vec<bool>,
+    },
+    /// Per-key outcome of a batch (`Delete`, `Pin`): `None` = success.
+    Batch {
+        /// One outcome per key.
+        results: Vec<Option<WireError>>,
+    },
+    /// Reply to `Index`: one read-only descriptor follows.
+    Index {
+        /// Slots in the table.
+        slots: u64,
+    },
+    /// Reply to `List`.
+    Listing {
+        /// The namespace itself.
+        ns: Option<NsInfo>,
+        /// Child namespaces.
+        children: Vec<NsInfo>,
+        /// Sealed entries.
+        entries: Vec<Located>,
+    },
+    /// Reply to `Stats`.
+    Stats(Stats),
+    /// Reply to `Evict`.
+    Evicted {
+        /// Entries evicted.
+        entries: u64,
+        /// Bytes freed.
+        bytes: u64,
+    },
+}
+
+/// Encodes a message as one frame (length prefix included).
+pub fn encode<T: Serialize>(msg: &T) -> Vec<u8> {
+    let mut out = vec![0u8; 4];
+    serde_json::to_writer(&mut out, msg).expect("serializing a protocol message cannot fail");
+    let len = (out.len() - 4) as u32;
+    out[..4].copy_from_slice(&len.to_le_bytes());
+    out
+}
+
+/// Decodes a frame body.
+pub fn decode<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, Error> {
+    serde_json::from_slice(body).map_err(|e| Error::Protocol(format!("bad frame: {e}")))
+}
+
+/// Incoming bytes and descriptors of one connection, split into frames.
+#[derive(Debug, Default)]
+pub struct FrameReader {
+    buf: Vec<u8>,
+    start: usize,
+    fds: VecDeque<OwnedFd>,
+}
+
+/// Space for the control message of the largest descriptor batch.
+const CMSG_SPACE: usize = 8 * 256 + 64;
+
+impl FrameReader {
+    /// A new, empty reader.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// One `recvmsg` from `fd` into the buffer. Returns the bytes read; 0 means end of stream.
+    pub fn read_from(&mut self, fd: BorrowedFd<'_>) -> io::Result<usize> {
+        if self.start > 0 && self.start == self.buf.len() {
+            self.buf.clear();
+            self.start = 0;
+        } else if self.start > (1 << 20) {
+            self.buf.drain(..self.start);
+            self.start = 0;
+        }
+        let old = self.buf.len();
+        let want = 64 * 1024;
+        self.buf.resize(old + want, 0);
+        let mut cmsg = [0u8; CMSG_SPACE];
+        let mut iov = libc::iovec {
+            iov_base: self.buf[old..].as_mut_ptr().cast(),
+            iov_len: want,
+        };
+        // SAFETY: an all-zero msghdr is a valid empty value.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = cmsg.as_mut_ptr().cast();
+        msg.msg_controllen = cmsg.len();
+        // SAFETY: msg points at live buffers of the given sizes for the whole call.
+        let n = unsafe { libc::recvmsg(fd.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+        if n < 0 {
+            self.buf.truncate(old);
+            return Err(io::Error::last_os_error());
+        }
+        self.buf.truncate(old + n as usize);
+        // SAFETY: msg was filled by recvmsg; the CMSG macros walk inside msg_control.
+        unsafe {
+            let mut c = libc::CMSG_FIRSTHDR(&msg);
+            while !c.is_null() {
+                if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                    let data = libc::CMSG_DATA(c) as *const RawFd;
+                    let count =
+                        ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / size_of::<RawFd>();
+                    for i in 0..count {
+                        let raw = std::ptr::read_unaligned(data.add(i));
+                        self.fds.push_back(OwnedFd::from_raw_fd(raw));
+                    }
+                }
+                c = libc::CMSG_NXTHDR(&msg, c);
+            }
+        }
+        if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "descriptors were truncated",
+            ));
+        }
+        Ok(n as usize)
+    }
+
+    /// The next complete frame body, if buffered. A length over [`MAX_FRAME`] is an error.
+    pub fn next_frame(&mut self) -> Result<Option<Vec<u8>>, Error> {
+        let avail = &self.buf[self.start..];
+        if avail.len() < 4 {
+            return Ok(None);
+        }
+        let len = u32::from_le_bytes(avail[..4].try_into().expect("4 bytes")) as usize;
+        if len > MAX_FRAME {
+            return Err(Error::Protocol(format!(
+                "frame of {len} bytes exceeds the limit of {MAX_FRAME}"
+            )));
+        }
+        if avail.len() < 4 + len {
+            return Ok(None);
+        }
+        let body = avail[4..4 + len].to_vec();
+        self.start += 4 + len;
+        Ok(Some(body))
+    }
+
+    /// Bytes buffered but not yet consumed as frames.
+    pub fn pending_bytes(&self) -> usize {
+        self.buf.len() - self.start
+    }
+
+    /// Takes the next `n` received descriptors.
+    pub fn take_fds(&mut self, n: usize) -> Result<Vec<OwnedFd>, Error> {
+        if self.fds.len() < n {
+            return Err(Error::Protocol(format!(
+                "frame announces {n} descriptors, {} arrived",
+                self.fds.len()
+            )));
+        }
+        Ok(self.fds.drain(..n).collect())
+    }
+
+    /// Descriptors received and not claimed by a frame.
+    pub fn stray_fds(&self) -> usize {
+        self.fds.len()
+    }
+
+    /// Drops every unclaimed descriptor.
+    pub fn drop_fds(&mut self) {
+        self.fds.clear();
+    }
+}
+
+/// One `sendmsg` of `bytes` with `fds` attached. Returns the bytes written
+/// (the descriptors go with the first byte; resend the rest without them).
+pub fn send_some(fd: BorrowedFd<'_>, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<usize> {
+    let mut iov = libc::iovec {
+        iov_base: bytes.as_ptr() as *mut libc::c_void,
+        iov_len: bytes.len(),
+    };
+    let mut cmsg = [0u8; CMSG_SPACE];
+    // SAFETY: an all-zero msghdr is a valid empty value.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    if !fds.is_empty() {
+        assert!(fds.len() <= MAX_FDS_PER_FRAME);
+        let payload = fds.len() * size_of::<RawFd>();
+        // SAFETY: CMSG_SPACE only computes a size.
+        let space = unsafe { libc::CMSG_SPACE(payload as u32) } as usize;
+        msg.msg_control = cmsg.as_mut_ptr().cast();
+        msg.msg_controllen = space;
+        // SAFETY: msg_control points at `space` (< CMSG_SPACE) writable bytes, enough for one
+        // header and `fds.len()` descriptors.
+        unsafe {
+            let c = libc::CMSG_FIRSTHDR(&msg);
+            (*c).cmsg_level = libc::SOL_SOCKET;
+            (*c).cmsg_type = libc::SCM_RIGHTS;
+            (*c).cmsg_len = libc::CMSG_LEN(payload as u32) as usize;
+            let data = libc::CMSG_DATA(c) as *mut RawFd;
+            for (i, f) in fds.iter().enumerate() {
+                std::ptr::write_unaligned(data.add(i), f.as_raw_fd());
+            }
+        }
+    }
+    // SAFETY: msg points at live buffers for the whole call.
+    let n = unsafe { libc::sendmsg(fd.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(n as usize)
+}
+
+/// Sends a whole frame on a blocking socket.
+pub fn send_all(fd: BorrowedFd<'_>, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
+    let mut off = 0;
+    let mut first = true;
+    while off < bytes.len() {
+        let r = if first {
+            send_some(fd, &bytes[off..], fds)
+        } else {
+            send_some(fd, &bytes[off..], &[])
+        };
+        match r {
+            Ok(n) => {
+                off += n;
+                first = false;
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_json_shape() {
+        let r = Request {
+            id: 3,
+            op: Op::Exists {
+                ns: "m".into(),
+                keys: vec!["a".into()],
+            },
+        };
+        let s = serde_json::to_string(&r).unwrap();
+        assert_eq!(s, r#"{"id":3,"op":"exists","args":{"ns":"m","keys":["a"]}}"#);
+        let back: Request = serde_json::from_str(&s).unwrap();
+        assert_eq!(back, r);
+        let stats: Request = serde_json::from_str(r#"{"id":1,"op":"stats"}"#).unwrap();
+        assert_eq!(stats.op, Op::Stats);
+    }
+
+    #[test]
+    fn response_json_shape() {
+        let r = Response {
+            id: 9,
+            fds: 0,
+            result: Outcome::Ok(Body::Published { generation: 5 }),
+        };
+        let s = serde_json::to_string(&r).unwrap();
+        assert_eq!(s, r#"{"id":9,"fds":0,"ok":{"type":"published","generation":5}}"#);
+        assert_eq!(serde_json::from_str::<Response>(&s).unwrap(), r);
+    }
+
+    #[test]
+    fn frames_roundtrip_with_fds() {
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        use std::os::fd::AsFd;
+        let f = std::fs::File::open("/proc/self/exe").unwrap();
+        let frame = encode(&Request {
+            id: 1,
+            op: Op::Stats,
+        });
+        send_all(a.as_fd(), &frame, &[f.as_fd()]).unwrap();
+        send_all(a.as_fd(), &frame, &[]).unwrap();
+        let mut r = FrameReader::new();
+        let mut got = Vec::new();
+        while got.len() < 2 {
+            if let Some(body) = r.next_frame().unwrap() {
+                got.push(body);
+                continue;
+            }
+            assert!(r.read_from(b.as_fd()).unwrap() > 0);
+        }
+        assert_eq!(r.take_fds(1).unwrap().len(), 1);
+        assert!(r.take_fds(1).is_err());
+        let req: Request = decode(&got[1]).unwrap();
+        assert_eq!(req.op, Op::Stats);
+    }
+
+    #[test]
+    fn oversized_frame_is_refused() {
+        let mut r = FrameReader::new();
+        r.buf.extend_from_slice(&(MAX_FRAME as u32 + 1).to_le_bytes());
+        assert!(r.next_frame().is_err());
+    }
+}
