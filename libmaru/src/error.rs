@@ -69,7 +69,7 @@ impl Error {
             Error::NoSpace(_) => libc::ENOSPC,
             Error::Quota(_) => libc::EDQUOT,
             Error::PermissionDenied(_) => libc::EACCES,
-            Error::ReadOnly(_) => libc::EROFS,
+            Error::ReadOnly(_) => libc::EPERM,
             Error::InvalidArgument(_) => libc::EINVAL,
             Error::NotEmpty(_) => libc::ENOTEMPTY,
             Error::Busy(_) => libc::EBUSY,

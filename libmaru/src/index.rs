@@ -215,6 +215,13 @@ impl<'a> TableWriter<'a> {
         }
     }
 
+    /// Wraps an existing table for writing.
+    ///
+    /// The caller must be the table's only writer (the daemon holds its store lock).
+    pub fn from_table(t: Table<'a>) -> Self {
+        TableWriter { t }
+    }
+
     /// The read view.
     pub fn table(&self) -> &Table<'a> {
         &self.t

@@ -1,0 +1,230 @@
+//! marud's settings: command-line flags over a TOML config file over defaults.
+
+use std::path::PathBuf;
+
+use clap::Parser;
+use serde::Deserialize;
+
+use crate::pool::PoolSpec;
+use crate::store::Eviction;
+
+/// Default mount point.
+pub const DEFAULT_MOUNT: &str = "/maru";
+/// Default control socket.
+pub const DEFAULT_SOCKET: &str = "/run/maru/marud.sock";
+/// Default state directory.
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/maru";
+/// Default pool of the embedded configuration.
+pub const DEFAULT_POOL: &str = "memfs:/run/maru/pool0";
+
+/// marud: the maru KV-cache store daemon.
+///
+/// With no flags it runs the embedded default: one memfs pool (a daemon-mounted tmpfs with 2 MiB
+/// pages, half of RAM) under /run/maru/pool0, the filesystem at /maru, the control socket at
+/// /run/maru/marud.sock and state under /var/lib/maru.
+#[derive(Debug, Parser, Default)]
+#[command(name = "marud", version)]
+pub struct Cli {
+    /// A pool: memfs:DIR[,size=N][,huge=within_size|always|never][,numa=N][,name=X],
+    /// devdax:/dev/daxX.Y[,name=X] or file:PATH,size=N[,name=X]. Repeatable; placement tries
+    /// pools in this order.
+    #[arg(long = "pool", value_name = "SPEC")]
+    pub pools: Vec<String>,
+    /// Where to mount the filesystem.
+    #[arg(long, value_name = "DIR")]
+    pub mount: Option<PathBuf>,
+    /// Do not mount the filesystem (control socket only).
+    #[arg(long)]
+    pub no_mount: bool,
+    /// The control socket.
+    #[arg(long, value_name = "PATH")]
+    pub socket: Option<PathBuf>,
+    /// Group that may use the socket and the mount (default: `maru` if it exists).
+    #[arg(long, value_name = "GROUP")]
+    pub group: Option<String>,
+    /// Where namespaces and raw pool logs are kept.
+    #[arg(long, value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// A TOML config file (flags win over it).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Log filter (tracing EnvFilter syntax; `MARU_LOG` wins).
+    #[arg(long, value_name = "FILTER")]
+    pub log_level: Option<String>,
+    /// What to do when pools are full: `lru` (evict) or `off` (ENOSPC).
+    #[arg(long, value_name = "POLICY")]
+    pub eviction: Option<String>,
+    /// Unmount the memfs pools this daemon mounted when it exits cleanly (drops their entries).
+    #[arg(long)]
+    pub unmount_pools: bool,
+    /// fsync raw pool logs after each record.
+    #[arg(long)]
+    pub wal_sync: bool,
+    /// FUSE worker threads.
+    #[arg(long, value_name = "N")]
+    pub fuse_threads: Option<usize>,
+    /// Write the daemon's pid here once it serves.
+    #[arg(long, value_name = "FILE")]
+    pub pid_file: Option<PathBuf>,
+}
+
+/// The config file: every flag has a key.
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    /// Pool specs.
+    #[serde(default)]
+    pub pools: Vec<String>,
+    /// Mount point.
+    pub mount: Option<PathBuf>,
+    /// No mount.
+    pub no_mount: Option<bool>,
+    /// Socket.
+    pub socket: Option<PathBuf>,
+    /// Group.
+    pub group: Option<String>,
+    /// State dir.
+    pub state_dir: Option<PathBuf>,
+    /// Log filter.
+    pub log_level: Option<String>,
+    /// Eviction.
+    pub eviction: Option<String>,
+    /// Unmount pools at exit.
+    pub unmount_pools: Option<bool>,
+    /// fsync logs.
+    pub wal_sync: Option<bool>,
+    /// FUSE threads.
+    pub fuse_threads: Option<usize>,
+    /// Pid file.
+    pub pid_file: Option<PathBuf>,
+}
+
+/// Resolved settings.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Pools.
+    pub pools: Vec<PoolSpec>,
+    /// Mount point (None = no mount).
+    pub mount: Option<PathBuf>,
+    /// Socket.
+    pub socket: PathBuf,
+    /// Group name.
+    pub group: Option<String>,
+    /// State dir.
+    pub state_dir: PathBuf,
+    /// Log filter.
+    pub log_level: String,
+    /// Eviction.
+    pub eviction: Eviction,
+    /// Unmount pools at exit.
+    pub unmount_pools: bool,
+    /// fsync logs.
+    pub wal_sync: bool,
+    /// FUSE threads.
+    pub fuse_threads: usize,
+    /// Pid file.
+    pub pid_file: Option<PathBuf>,
+}
+
+impl Settings {
+    /// Merges flags over the config file over defaults.
+    pub fn resolve(cli: Cli) -> anyhow::Result<Self> {
+        use anyhow::Context;
+        let file: FileConfig = match &cli.config {
+            Some(p) => {
+                let text = std::fs::read_to_string(p)
+                    .with_context(|| format!("reading config {}", p.display()))?;
+                toml::from_str(&text).with_context(|| format!("parsing config {}", p.display()))?
+            }
+            None => FileConfig::default(),
+        };
+        let specs = if !cli.pools.is_empty() {
+            cli.pools
+        } else if !file.pools.is_empty() {
+            file.pools
+        } else {
+            vec![DEFAULT_POOL.to_owned()]
+        };
+        let pools = specs
+            .iter()
+            .map(|s| PoolSpec::parse(s))
+            .collect::<Result<Vec<_>, _>>()?;
+        let no_mount = cli.no_mount || file.no_mount.unwrap_or(false);
+        let eviction = match cli
+            .eviction
+            .or(file.eviction)
+            .unwrap_or_else(|| "lru".into())
+            .as_str()
+        {
+            "lru" => Eviction::Lru,
+            "off" => Eviction::Off,
+            other => anyhow::bail!("eviction must be `lru` or `off`, not `{other}`"),
+        };
+        Ok(Settings {
+            pools,
+            mount: if no_mount {
+                None
+            } else {
+                Some(
+                    cli.mount
+                        .or(file.mount)
+                        .unwrap_or_else(|| DEFAULT_MOUNT.into()),
+                )
+            },
+            socket: cli
+                .socket
+                .or(file.socket)
+                .unwrap_or_else(|| DEFAULT_SOCKET.into()),
+            group: cli.group.or(file.group),
+            state_dir: cli
+                .state_dir
+                .or(file.state_dir)
+                .unwrap_or_else(|| DEFAULT_STATE_DIR.into()),
+            log_level: cli
+                .log_level
+                .or(file.log_level)
+                .unwrap_or_else(|| "info".into()),
+            eviction,
+            unmount_pools: cli.unmount_pools || file.unmount_pools.unwrap_or(false),
+            wal_sync: cli.wal_sync || file.wal_sync.unwrap_or(false),
+            fuse_threads: cli.fuse_threads.or(file.fuse_threads).unwrap_or(4),
+            pid_file: cli.pid_file.or(file.pid_file),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_win_over_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = dir.path().join("marud.toml");
+        std::fs::write(
+            &cfg,
+            "pools = [\"memfs:/tmp/a,size=1G\"]\nsocket = \"/tmp/f.sock\"\neviction = \"off\"\n",
+        )
+        .unwrap();
+        let cli = Cli {
+            config: Some(cfg.clone()),
+            socket: Some("/tmp/flag.sock".into()),
+            ..Default::default()
+        };
+        let s = Settings::resolve(cli).unwrap();
+        assert_eq!(s.socket, PathBuf::from("/tmp/flag.sock"));
+        assert_eq!(s.eviction, Eviction::Off);
+        assert_eq!(s.pools[0].size, Some(1 << 30));
+        assert_eq!(s.mount, Some(PathBuf::from("/maru")));
+        let d = Settings::resolve(Cli::default()).unwrap();
+        assert_eq!(d.pools[0].path, PathBuf::from("/run/maru/pool0"));
+        std::fs::write(&cfg, "bogus = 1\n").unwrap();
+        assert!(
+            Settings::resolve(Cli {
+                config: Some(cfg),
+                ..Default::default()
+            })
+            .is_err()
+        );
+    }
+}

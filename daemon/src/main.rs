@@ -1,0 +1,102 @@
+//! marud: the maru daemon.
+
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::Parser;
+use maru_daemon::config::{Cli, Settings};
+use maru_daemon::store::{Store, StoreConfig};
+use maru_daemon::{mount, server};
+
+fn init_logging(filter: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("MARU_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(filter));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+fn group_id(name: &str) -> Option<u32> {
+    let c = std::ffi::CString::new(name).ok()?;
+    // SAFETY: valid C string; getgrnam returns a pointer into static storage or NULL.
+    let g = unsafe { libc::getgrnam(c.as_ptr()) };
+    if g.is_null() {
+        None
+    } else {
+        // SAFETY: non-null result of getgrnam.
+        Some(unsafe { (*g).gr_gid })
+    }
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let settings = match Settings::resolve(cli) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("marud: {e:#}");
+            std::process::exit(2);
+        }
+    };
+    init_logging(&settings.log_level);
+    if let Err(e) = run(settings) {
+        tracing::error!("{e:#}");
+        eprintln!("marud: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(s: Settings) -> anyhow::Result<()> {
+    // Files the daemon creates are its own unless it says otherwise.
+    // SAFETY: umask has no preconditions.
+    unsafe { libc::umask(0o077) };
+    let gid = match &s.group {
+        Some(g) => Some(group_id(g).with_context(|| format!("no group named `{g}`"))?),
+        None => group_id("maru"),
+    };
+    let store = Store::open(
+        StoreConfig {
+            eviction: s.eviction,
+            state_dir: s.state_dir.clone(),
+            wal_sync: s.wal_sync,
+            max_copy_entry: 1 << 30,
+        },
+        &s.pools,
+    )?;
+    for p in store.pools() {
+        tracing::info!(pool = %p.name, kind = ?p.kind, capacity = p.capacity, entries = p.entries, "pool ready");
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let mounted = match &s.mount {
+        Some(dir) => Some(mount::mount(store.clone(), dir, s.fuse_threads)?),
+        None => None,
+    };
+    let result = rt.block_on(async {
+        let listener = server::bind(&s.socket, gid)?;
+        tracing::info!(socket = %s.socket.display(), "serving");
+        if let Some(p) = &s.pid_file {
+            std::fs::write(p, format!("{}\n", std::process::id()))?;
+        }
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        let srv = tokio::spawn(server::serve(store.clone(), listener));
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => tracing::info!("interrupted"),
+            _ = term.recv() => tracing::info!("terminated"),
+        }
+        srv.abort();
+        anyhow::Ok(())
+    });
+    drop(mounted);
+    let _ = std::fs::remove_file(&s.socket);
+    store.sync();
+    if s.unmount_pools {
+        store.unmount_pools();
+    }
+    rt.shutdown_timeout(std::time::Duration::from_millis(200));
+    tracing::info!("stopped");
+    let _: Arc<Store> = store;
+    result
+}

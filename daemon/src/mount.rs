@@ -1,0 +1,166 @@
+//! Runs the `/maru` filesystem in-process over the store.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::Context;
+use maru::Result;
+use maru_fsd::fs::Fs;
+use maru_fsd::fuse::FuseFs;
+use maru_fsd::{Attr, Backend, Caller, DirEntry, OpenedFile, Xattr};
+
+use crate::store::{Invalidation, Store};
+
+/// The store seen through the filesystem's [`Backend`] trait.
+pub struct StoreFs(pub Arc<Store>);
+
+impl Backend for StoreFs {
+    fn lookup(&self, parent: u64, name: &str) -> Result<Attr> {
+        self.0.fs_lookup(parent, name)
+    }
+    fn getattr(&self, ino: u64) -> Result<Attr> {
+        self.0.fs_getattr(ino)
+    }
+    fn readdir(&self, c: &Caller, ino: u64) -> Result<Vec<DirEntry>> {
+        self.0.fs_readdir(c, ino)
+    }
+    fn mkdir(&self, c: &Caller, parent: u64, name: &str, mode: u32) -> Result<Attr> {
+        self.0.fs_mkdir(c, parent, name, mode)
+    }
+    fn rmdir(&self, c: &Caller, parent: u64, name: &str) -> Result<()> {
+        self.0.fs_rmdir(c, parent, name)
+    }
+    fn create(&self, c: &Caller, parent: u64, name: &str, mode: u32) -> Result<(Attr, OpenedFile)> {
+        self.0.fs_create(c, parent, name, mode)
+    }
+    fn open(&self, c: &Caller, ino: u64, write: bool) -> Result<OpenedFile> {
+        self.0.fs_open(c, ino, write)
+    }
+    fn close(&self, ino: u64) {
+        self.0.fs_close(ino)
+    }
+    fn seal(&self, ino: u64) -> Result<()> {
+        self.0.fs_seal(ino)
+    }
+    fn abort(&self, ino: u64) {
+        self.0.fs_abort(ino)
+    }
+    fn truncate(&self, ino: u64, size: u64) -> Result<Attr> {
+        self.0.fs_truncate(ino, size)
+    }
+    fn chmod_chown(&self, c: &Caller, ino: u64, mode: Option<u32>, uid: Option<u32>, gid: Option<u32>) -> Result<Attr> {
+        self.0.fs_chmod_chown(c, ino, mode, uid, gid)
+    }
+    fn read(&self, ino: u64, offset: u64, len: u32) -> Result<Vec<u8>> {
+        self.0.fs_read(ino, offset, len)
+    }
+    fn write(&self, ino: u64, offset: u64, data: &[u8]) -> Result<u32> {
+        self.0.fs_write(ino, offset, data)
+    }
+    fn unlink(&self, c: &Caller, parent: u64, name: &str) -> Result<()> {
+        self.0.fs_unlink(c, parent, name)
+    }
+    fn rename(&self, c: &Caller, parent: u64, name: &str, newparent: u64, newname: &str) -> Result<()> {
+        self.0.fs_rename(c, parent, name, newparent, newname)
+    }
+    fn statfs(&self) -> (u64, u64, u64) {
+        self.0.fs_statfs()
+    }
+    fn xattrs(&self, ino: u64) -> Result<Vec<Xattr>> {
+        self.0.fs_xattrs(ino)
+    }
+    fn set_pinned(&self, c: &Caller, ino: u64, pinned: bool) -> Result<()> {
+        self.0.fs_set_pinned(c, ino, pinned)
+    }
+    fn count_upcall(&self, op: &'static str) {
+        self.0.count_upcall(op)
+    }
+}
+
+/// A live mount; unmounts on drop.
+pub struct Mounted {
+    session: Option<fuser::BackgroundSession>,
+    store: Arc<Store>,
+    dir: PathBuf,
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        self.store.set_invalidate(None);
+        if let Some(s) = self.session.take() {
+            if let Err(e) = s.umount_and_join() {
+                tracing::warn!("unmounting {}: {e}", self.dir.display());
+            }
+        }
+        tracing::info!(dir = %self.dir.display(), "unmounted");
+    }
+}
+
+/// Detaches a dead FUSE mount (ENOTCONN) left at `dir` by a crashed daemon.
+pub fn clear_stale(dir: &Path) -> anyhow::Result<()> {
+    let Some(fstype) = crate::pool::mounted_fstype(dir) else {
+        return Ok(());
+    };
+    if !fstype.starts_with("fuse") {
+        anyhow::bail!("{} is already a {fstype} mount", dir.display());
+    }
+    match std::fs::metadata(dir) {
+        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {
+            tracing::warn!(dir = %dir.display(), "replacing a dead mount left by a crash");
+            let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes())?;
+            // SAFETY: valid C string.
+            if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } != 0 {
+                return Err(std::io::Error::last_os_error()).context("detaching the dead mount");
+            }
+            Ok(())
+        }
+        _ => anyhow::bail!("{} is already mounted by a live FUSE server", dir.display()),
+    }
+}
+
+/// Mounts the filesystem at `dir` with `threads` workers.
+pub fn mount(store: Arc<Store>, dir: &Path, threads: usize) -> anyhow::Result<Mounted> {
+    clear_stale(dir)?;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let mut cfg = fuser::Config::default();
+    cfg.mount_options = vec![
+        fuser::MountOption::FSName("maru".into()),
+        fuser::MountOption::Subtype("maru".into()),
+        fuser::MountOption::DefaultPermissions,
+        fuser::MountOption::NoDev,
+        fuser::MountOption::NoSuid,
+        fuser::MountOption::NoExec,
+    ];
+    cfg.acl = fuser::SessionACL::All;
+    cfg.n_threads = Some(threads.max(1));
+    cfg.clone_fd = true;
+    let fs = FuseFs::new(Fs::new(StoreFs(store.clone())));
+    let session = fuser::spawn_mount(fs, dir, &cfg)
+        .with_context(|| format!("mounting the filesystem on {}", dir.display()))?;
+    // Names removed behind the kernel's back (socket deletes, eviction) are invalidated from
+    // a thread of their own: never from inside a FUSE request.
+    let notifier = session.notifier();
+    let (tx, rx) = std::sync::mpsc::channel::<Invalidation>();
+    std::thread::Builder::new()
+        .name("maru-inval".into())
+        .spawn(move || {
+            for inv in rx {
+                let _ = notifier.delete(
+                    fuser::INodeNo(inv.parent),
+                    fuser::INodeNo(inv.ino),
+                    std::ffi::OsStr::new(&inv.name),
+                );
+                let _ = notifier.inval_entry(fuser::INodeNo(inv.parent), std::ffi::OsStr::new(&inv.name));
+            }
+        })?;
+    let tx = parking_lot::Mutex::new(tx);
+    store.set_invalidate(Some(Box::new(move |inv| {
+        let _ = tx.lock().send(inv);
+    })));
+    tracing::info!(dir = %dir.display(), "mounted");
+    Ok(Mounted {
+        session: Some(session),
+        store,
+        dir: dir.to_owned(),
+    })
+}

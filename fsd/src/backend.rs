@@ -1,0 +1,158 @@
+//! What the filesystem needs from the store.
+
+use std::fs::File;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use maru::Result;
+
+/// Inode number of the mount's root.
+pub const ROOT_INO: u64 = 1;
+
+/// Who is asking (from the FUSE request or `SO_PEERCRED`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller {
+    /// User id.
+    pub uid: u32,
+    /// Primary group id.
+    pub gid: u32,
+    /// Supplementary groups.
+    pub groups: Vec<u32>,
+    /// Process id.
+    pub pid: i32,
+}
+
+impl Caller {
+    /// Root.
+    pub fn root() -> Self {
+        Caller {
+            uid: 0,
+            gid: 0,
+            groups: Vec::new(),
+            pid: 0,
+        }
+    }
+
+    /// True if the caller is in group `gid`.
+    pub fn in_group(&self, gid: u32) -> bool {
+        self.gid == gid || self.groups.contains(&gid)
+    }
+
+    /// Whether `mode` (owned by uid/gid) grants `want` (a mask of 4=r, 2=w, 1=x).
+    pub fn may(&self, uid: u32, gid: u32, mode: u32, want: u32) -> bool {
+        if self.uid == 0 {
+            return true;
+        }
+        let bits = if self.uid == uid {
+            (mode >> 6) & 7
+        } else if self.in_group(gid) {
+            (mode >> 3) & 7
+        } else {
+            mode & 7
+        };
+        bits & want == want
+    }
+}
+
+/// Kind of a node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// A namespace.
+    Dir,
+    /// An entry.
+    File,
+}
+
+/// Attributes of a node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Attr {
+    /// Inode number.
+    pub ino: u64,
+    /// Kind.
+    pub kind: Kind,
+    /// Size in bytes.
+    pub size: u64,
+    /// Permission bits.
+    pub mode: u32,
+    /// Owner.
+    pub uid: u32,
+    /// Group.
+    pub gid: u32,
+    /// Modification time.
+    pub mtime: SystemTime,
+    /// Sealed (immutable) entry; false for a file being written and for directories.
+    pub sealed: bool,
+}
+
+/// A directory listing item.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DirEntry {
+    /// Inode number.
+    pub ino: u64,
+    /// Name.
+    pub name: String,
+    /// Kind.
+    pub kind: Kind,
+}
+
+/// How an opened file is served.
+#[derive(Debug, Clone)]
+pub enum OpenedFile {
+    /// By the kernel, passing through to this backing file (memfs pools).
+    Passthrough(Arc<File>),
+    /// By the daemon, copying (raw pools).
+    Copy,
+}
+
+/// `user.maru.*` attributes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Xattr {
+    /// Name without the `user.maru.` prefix.
+    pub name: &'static str,
+    /// Value.
+    pub value: String,
+}
+
+/// The store, as the filesystem sees it. Names are single components.
+pub trait Backend: Send + Sync + 'static {
+    /// Looks up `name` in directory `parent`. Entries being written are not visible.
+    fn lookup(&self, parent: u64, name: &str) -> Result<Attr>;
+    /// Attributes of a node (including a file being written, for its writer).
+    fn getattr(&self, ino: u64) -> Result<Attr>;
+    /// Lists a directory.
+    fn readdir(&self, c: &Caller, ino: u64) -> Result<Vec<DirEntry>>;
+    /// Creates a namespace.
+    fn mkdir(&self, c: &Caller, parent: u64, name: &str, mode: u32) -> Result<Attr>;
+    /// Removes an empty namespace.
+    fn rmdir(&self, c: &Caller, parent: u64, name: &str) -> Result<()>;
+    /// Creates an entry in the WRITING state.
+    fn create(&self, c: &Caller, parent: u64, name: &str, mode: u32) -> Result<(Attr, OpenedFile)>;
+    /// Opens a node: sealed entries read-only; a WRITING entry only by its creator.
+    fn open(&self, c: &Caller, ino: u64, write: bool) -> Result<OpenedFile>;
+    /// A read handle of `ino` was released.
+    fn close(&self, _ino: u64) {}
+    /// Called when the last writable handle of a WRITING entry is closed: publishes it.
+    fn seal(&self, ino: u64) -> Result<()>;
+    /// Drops a WRITING entry that will never be sealed.
+    fn abort(&self, ino: u64);
+    /// Sets the size of a WRITING entry.
+    fn truncate(&self, ino: u64, size: u64) -> Result<Attr>;
+    /// Changes mode/owner of a namespace (entries: mode only, by their owner).
+    fn chmod_chown(&self, c: &Caller, ino: u64, mode: Option<u32>, uid: Option<u32>, gid: Option<u32>) -> Result<Attr>;
+    /// Reads bytes of an entry served by copying.
+    fn read(&self, ino: u64, offset: u64, len: u32) -> Result<Vec<u8>>;
+    /// Writes bytes of a WRITING entry served by copying.
+    fn write(&self, ino: u64, offset: u64, data: &[u8]) -> Result<u32>;
+    /// Deletes an entry.
+    fn unlink(&self, c: &Caller, parent: u64, name: &str) -> Result<()>;
+    /// Renames an entry (publishing a finished WRITING one); `noreplace` as RENAME_NOREPLACE.
+    fn rename(&self, c: &Caller, parent: u64, name: &str, newparent: u64, newname: &str) -> Result<()>;
+    /// (total bytes, free bytes, entries) of all pools.
+    fn statfs(&self) -> (u64, u64, u64);
+    /// The `user.maru.*` attributes of a node.
+    fn xattrs(&self, ino: u64) -> Result<Vec<Xattr>>;
+    /// Sets `user.maru.pinned`.
+    fn set_pinned(&self, c: &Caller, ino: u64, pinned: bool) -> Result<()>;
+    /// Counts one FUSE upcall (metrics).
+    fn count_upcall(&self, _op: &'static str) {}
+}

@@ -1,0 +1,508 @@
+//! The fuser adapter: translates kernel requests to [`crate::fs::Fs`] and replies.
+//! Passthrough backing ids live here (one per inode, shared by its handles).
+
+use std::collections::HashMap;
+use std::ffi::OsStr;
+use std::time::{Duration, SystemTime};
+
+use fuser::{
+    AccessFlags, BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags,
+    Generation, INodeNo, InitFlags, KernelConfig, LockOwner, OpenAccMode, OpenFlags, RenameFlags,
+    ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen,
+    ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
+};
+use maru::Error;
+use parking_lot::Mutex;
+
+use crate::backend::{Attr, Backend, Caller, Kind, OpenedFile};
+use crate::fs::Fs;
+
+/// Block size reported by stat.
+const BLKSIZE: u32 = 4096;
+
+/// The mounted filesystem.
+pub struct FuseFs<B: Backend> {
+    fs: Fs<B>,
+    backing: Mutex<HashMap<u64, (BackingId, u32)>>,
+    passthrough: std::sync::atomic::AtomicBool,
+}
+
+impl<B: Backend> FuseFs<B> {
+    /// Wraps the filesystem logic.
+    pub fn new(fs: Fs<B>) -> Self {
+        FuseFs {
+            fs,
+            backing: Mutex::new(HashMap::new()),
+            passthrough: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+}
+
+fn errno(e: &Error) -> Errno {
+    match e.errno() {
+        libc::ENOENT | libc::EEXIST | libc::ENOTEMPTY | libc::ENODATA => {
+            tracing::debug!("{e}")
+        }
+        libc::EIO => tracing::warn!("{e}"),
+        _ => tracing::debug!("{e}"),
+    }
+    Errno::from_i32(e.errno())
+}
+
+fn caller(req: &Request, groups: bool) -> Caller {
+    let pid = req.pid() as i32;
+    Caller {
+        uid: req.uid(),
+        gid: req.gid(),
+        pid,
+        groups: if groups && req.uid() != 0 {
+            groups_of(pid)
+        } else {
+            Vec::new()
+        },
+    }
+}
+
+/// Supplementary groups of a process (from /proc).
+pub fn groups_of(pid: i32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines().find(|l| l.starts_with("Groups:")).map(|l| {
+                l["Groups:".len()..]
+                    .split_whitespace()
+                    .filter_map(|g| g.parse().ok())
+                    .collect()
+            })
+        })
+        .unwrap_or_default()
+}
+
+fn file_attr(a: &Attr) -> FileAttr {
+    let (kind, nlink) = match a.kind {
+        Kind::Dir => (FileType::Directory, 2),
+        Kind::File => (FileType::RegularFile, 1),
+    };
+    FileAttr {
+        ino: INodeNo(a.ino),
+        size: a.size,
+        blocks: a.size.div_ceil(512),
+        atime: a.mtime,
+        mtime: a.mtime,
+        ctime: a.mtime,
+        crtime: a.mtime,
+        kind,
+        perm: (a.mode & 0o7777) as u16,
+        nlink,
+        uid: a.uid,
+        gid: a.gid,
+        rdev: 0,
+        blksize: BLKSIZE,
+        flags: 0,
+    }
+}
+
+fn name_str(name: &OsStr) -> Result<&str, Errno> {
+    name.to_str().ok_or(Errno::EINVAL)
+}
+
+impl<B: Backend> FuseFs<B> {
+    fn reply_entry(&self, reply: ReplyEntry, r: maru::Result<Attr>) {
+        match r {
+            Ok(a) => {
+                let (attr_ttl, entry_ttl) = Fs::<B>::ttls(&a);
+                reply.entry_with_ttls(&attr_ttl, &entry_ttl, &file_attr(&a), Generation(0));
+            }
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn reply_attr(&self, reply: ReplyAttr, r: maru::Result<Attr>) {
+        match r {
+            Ok(a) => reply.attr(&Fs::<B>::ttls(&a).0, &file_attr(&a)),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    /// Takes (or creates) the inode's backing id and runs `f` with it.
+    fn with_backing<R>(
+        &self,
+        ino: u64,
+        file: &std::fs::File,
+        open: impl FnOnce(&std::fs::File) -> std::io::Result<BackingId>,
+        f: impl FnOnce(&BackingId) -> R,
+    ) -> std::io::Result<R> {
+        let mut m = self.backing.lock();
+        if let Some((id, n)) = m.get_mut(&ino) {
+            *n += 1;
+            return Ok(f(id));
+        }
+        let id = open(file)?;
+        let r = f(&id);
+        m.insert(ino, (id, 1));
+        Ok(r)
+    }
+
+    fn put_backing(&self, ino: u64) {
+        let mut m = self.backing.lock();
+        if let Some((_, n)) = m.get_mut(&ino) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&ino);
+            }
+        }
+    }
+}
+
+impl<B: Backend> Filesystem for FuseFs<B> {
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+        match config.add_capabilities(InitFlags::FUSE_PASSTHROUGH) {
+            Ok(()) => {
+                let _ = config.set_max_stack_depth(1);
+                self.passthrough
+                    .store(true, std::sync::atomic::Ordering::Relaxed);
+                tracing::info!("FUSE passthrough enabled: mmap of memfs entries is zero-copy");
+            }
+            Err(_) => tracing::warn!("the kernel lacks FUSE passthrough; memfs entries are served by copying"),
+        }
+        let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
+        Ok(())
+    }
+
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        self.fs.backend().count_upcall("lookup");
+        let name = match name_str(name) {
+            Ok(n) => n,
+            Err(e) => return reply.error(e),
+        };
+        self.reply_entry(reply, self.fs.lookup(parent.0, name));
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        self.fs.backend().count_upcall("getattr");
+        self.reply_attr(reply, self.fs.getattr(ino.0));
+    }
+
+    fn setattr(
+        &self,
+        req: &Request,
+        ino: INodeNo,
+        mode: Option<u32>,
+        uid: Option<u32>,
+        gid: Option<u32>,
+        size: Option<u64>,
+        _atime: Option<TimeOrNow>,
+        _mtime: Option<TimeOrNow>,
+        _ctime: Option<SystemTime>,
+        _fh: Option<FileHandle>,
+        _crtime: Option<SystemTime>,
+        _chgtime: Option<SystemTime>,
+        _bkuptime: Option<SystemTime>,
+        _flags: Option<fuser::BsdFileFlags>,
+        reply: ReplyAttr,
+    ) {
+        self.fs.backend().count_upcall("setattr");
+        let c = caller(req, true);
+        self.reply_attr(reply, self.fs.setattr(&c, ino.0, mode, uid, gid, size));
+    }
+
+    fn mkdir(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, reply: ReplyEntry) {
+        self.fs.backend().count_upcall("mkdir");
+        let name = match name_str(name) {
+            Ok(n) => n,
+            Err(e) => return reply.error(e),
+        };
+        let c = caller(req, true);
+        self.reply_entry(reply, self.fs.mkdir(&c, parent.0, name, mode & !umask));
+    }
+
+    fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        self.fs.backend().count_upcall("unlink");
+        let name = match name_str(name) {
+            Ok(n) => n,
+            Err(e) => return reply.error(e),
+        };
+        match self.fs.unlink(&caller(req, true), parent.0, name) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        self.fs.backend().count_upcall("rmdir");
+        let name = match name_str(name) {
+            Ok(n) => n,
+            Err(e) => return reply.error(e),
+        };
+        match self.fs.rmdir(&caller(req, true), parent.0, name) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn symlink(&self, _req: &Request, _parent: INodeNo, _link: &OsStr, _target: &std::path::Path, reply: ReplyEntry) {
+        reply.error(Errno::EPERM);
+    }
+
+    fn link(&self, _req: &Request, _ino: INodeNo, _np: INodeNo, _nn: &OsStr, reply: ReplyEntry) {
+        reply.error(Errno::EPERM);
+    }
+
+    fn mknod(&self, _req: &Request, _parent: INodeNo, _name: &OsStr, _mode: u32, _umask: u32, _rdev: u32, reply: ReplyEntry) {
+        reply.error(Errno::EPERM);
+    }
+
+    fn rename(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        newparent: INodeNo,
+        newname: &OsStr,
+        flags: RenameFlags,
+        reply: ReplyEmpty,
+    ) {
+        self.fs.backend().count_upcall("rename");
+        if flags.contains(RenameFlags::RENAME_EXCHANGE) || flags.contains(RenameFlags::RENAME_WHITEOUT) {
+            return reply.error(Errno::EINVAL);
+        }
+        let (name, newname) = match (name_str(name), name_str(newname)) {
+            (Ok(a), Ok(b)) => (a, b),
+            _ => return reply.error(Errno::EINVAL),
+        };
+        match self.fs.rename(&caller(req, true), parent.0, name, newparent.0, newname) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        self.fs.backend().count_upcall("open");
+        let write = !matches!(flags.acc_mode(), OpenAccMode::O_RDONLY);
+        let trunc = flags.0 & libc::O_TRUNC != 0;
+        let c = caller(req, false);
+        match self.fs.open(&c, ino.0, write, trunc) {
+            Ok((fh, opened)) => {
+                let fl = if write {
+                    FopenFlags::empty()
+                } else {
+                    FopenFlags::FOPEN_NOFLUSH
+                };
+                match opened {
+                    OpenedFile::Passthrough(f) if self.passthrough.load(std::sync::atomic::Ordering::Relaxed) => {
+                        let r = self.with_backing(ino.0, &f, |file| reply.open_backing(file), |_| ());
+                        if let Err(e) = r {
+                            self.fs.release(fh);
+                            return reply.error(Errno::from(e));
+                        }
+                        let m = self.backing.lock();
+                        let (id, _) = m.get(&ino.0).expect("just inserted");
+                        reply.opened_passthrough(FileHandle(fh), fl, id);
+                    }
+                    _ => reply.opened(FileHandle(fh), fl),
+                }
+            }
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        self.fs.backend().count_upcall("read");
+        match self.fs.read(fh.0, offset, size) {
+            Ok(d) => reply.data(&d),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn write(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        data: &[u8],
+        _wf: WriteFlags,
+        _flags: OpenFlags,
+        _lock: Option<LockOwner>,
+        reply: ReplyWrite,
+    ) {
+        self.fs.backend().count_upcall("write");
+        match self.fs.write(fh.0, offset, data) {
+            Ok(n) => reply.written(n),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn flush(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, _lock: LockOwner, reply: ReplyEmpty) {
+        self.fs.backend().count_upcall("flush");
+        match self.fs.flush(fh.0) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        _lock: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        self.fs.backend().count_upcall("release");
+        if let Some(h) = self.fs.release(fh.0)
+            && matches!(h.opened, OpenedFile::Passthrough(_))
+        {
+            self.put_backing(ino.0);
+        }
+        reply.ok();
+    }
+
+    fn fsync(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
+        reply.ok();
+    }
+
+    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        match self.fs.getattr(ino.0) {
+            Ok(a) if a.kind == Kind::Dir => reply.opened(FileHandle(0), FopenFlags::empty()),
+            Ok(_) => reply.error(Errno::ENOTDIR),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn readdir(&self, req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
+        self.fs.backend().count_upcall("readdir");
+        match self.fs.readdir(&caller(req, true), ino.0) {
+            Ok(list) => {
+                for (i, e) in list.iter().enumerate().skip(offset as usize) {
+                    let kind = match e.kind {
+                        Kind::Dir => FileType::Directory,
+                        Kind::File => FileType::RegularFile,
+                    };
+                    if reply.add(INodeNo(e.ino), (i + 1) as u64, kind, &e.name) {
+                        break;
+                    }
+                }
+                reply.ok();
+            }
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        self.fs.backend().count_upcall("statfs");
+        let (total, free, files) = self.fs.statfs();
+        let bs = u64::from(BLKSIZE);
+        reply.statfs(total / bs, free / bs, free / bs, files, u64::MAX / 2, BLKSIZE, 255, BLKSIZE);
+    }
+
+    fn setxattr(&self, req: &Request, ino: INodeNo, name: &OsStr, value: &[u8], _flags: i32, _pos: u32, reply: ReplyEmpty) {
+        let name = match name_str(name) {
+            Ok(n) => n,
+            Err(e) => return reply.error(e),
+        };
+        match self.fs.setxattr(&caller(req, true), ino.0, name, value) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        let name = match name_str(name) {
+            Ok(n) => n,
+            Err(e) => return reply.error(e),
+        };
+        xattr_reply(reply, size, self.fs.getxattr(ino.0, name));
+    }
+
+    fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+        xattr_reply(reply, size, self.fs.listxattr(ino.0));
+    }
+
+    fn removexattr(&self, req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let name = match name_str(name) {
+            Ok(n) => n,
+            Err(e) => return reply.error(e),
+        };
+        match self.fs.setxattr(&caller(req, true), ino.0, name, b"0") {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn access(&self, _req: &Request, _ino: INodeNo, _mask: AccessFlags, reply: ReplyEmpty) {
+        // default_permissions: the kernel checks modes itself.
+        reply.ok();
+    }
+
+    fn create(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        _flags: i32,
+        reply: ReplyCreate,
+    ) {
+        self.fs.backend().count_upcall("create");
+        let name = match name_str(name) {
+            Ok(n) => n,
+            Err(e) => return reply.error(e),
+        };
+        let c = caller(req, true);
+        match self.fs.create(&c, parent.0, name, mode & !umask & 0o7777) {
+            Ok((a, fh, opened)) => {
+                let ttl = Duration::ZERO;
+                let fa = file_attr(&a);
+                match opened {
+                    OpenedFile::Passthrough(f) if self.passthrough.load(std::sync::atomic::Ordering::Relaxed) => {
+                        let r = self.with_backing(
+                            a.ino,
+                            &f,
+                            |file| reply.open_backing(file),
+                            |_| (),
+                        );
+                        if let Err(e) = r {
+                            self.fs.release(fh);
+                            return reply.error(Errno::from(e));
+                        }
+                        let m = self.backing.lock();
+                        let (id, _) = m.get(&a.ino).expect("just inserted");
+                        reply.created_passthrough(&ttl, &fa, Generation(0), FileHandle(fh), FopenFlags::empty(), id);
+                    }
+                    _ => reply.created(&ttl, &fa, Generation(0), FileHandle(fh), FopenFlags::empty()),
+                }
+            }
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn fallocate(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, offset: u64, length: u64, mode: i32, reply: ReplyEmpty) {
+        match self.fs.fallocate(fh.0, offset, length, mode) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+}
+
+fn xattr_reply(reply: ReplyXattr, size: u32, r: maru::Result<Vec<u8>>) {
+    match r {
+        Ok(v) if size == 0 => reply.size(v.len() as u32),
+        Ok(v) if v.len() <= size as usize => reply.data(&v),
+        Ok(_) => reply.error(Errno::ERANGE),
+        Err(e) => reply.error(errno(&e)),
+    }
+}
