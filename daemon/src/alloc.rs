@@ -96,7 +96,10 @@ impl ExtentAlloc {
     /// # Panics
     /// If the extent overlaps free space or leaves the managed range (a double free).
     pub fn free(&mut self, off: u64, len: u64) {
-        assert!(len > 0 && off >= self.start && off + len <= self.end, "free out of range");
+        assert!(
+            len > 0 && off >= self.start && off + len <= self.end,
+            "free out of range"
+        );
         let mut start = off;
         let mut size = len;
         if let Some((&poff, &plen)) = self.free.range(..off).next_back() {

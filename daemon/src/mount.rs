@@ -48,7 +48,14 @@ impl Backend for StoreFs {
     fn truncate(&self, ino: u64, size: u64) -> Result<Attr> {
         self.0.fs_truncate(ino, size)
     }
-    fn chmod_chown(&self, c: &Caller, ino: u64, mode: Option<u32>, uid: Option<u32>, gid: Option<u32>) -> Result<Attr> {
+    fn chmod_chown(
+        &self,
+        c: &Caller,
+        ino: u64,
+        mode: Option<u32>,
+        uid: Option<u32>,
+        gid: Option<u32>,
+    ) -> Result<Attr> {
         self.0.fs_chmod_chown(c, ino, mode, uid, gid)
     }
     fn read(&self, ino: u64, offset: u64, len: u32) -> Result<Vec<u8>> {
@@ -60,7 +67,14 @@ impl Backend for StoreFs {
     fn unlink(&self, c: &Caller, parent: u64, name: &str) -> Result<()> {
         self.0.fs_unlink(c, parent, name)
     }
-    fn rename(&self, c: &Caller, parent: u64, name: &str, newparent: u64, newname: &str) -> Result<()> {
+    fn rename(
+        &self,
+        c: &Caller,
+        parent: u64,
+        name: &str,
+        newparent: u64,
+        newname: &str,
+    ) -> Result<()> {
         self.0.fs_rename(c, parent, name, newparent, newname)
     }
     fn statfs(&self) -> (u64, u64, u64) {
@@ -150,7 +164,8 @@ pub fn mount(store: Arc<Store>, dir: &Path, threads: usize) -> anyhow::Result<Mo
                     fuser::INodeNo(inv.ino),
                     std::ffi::OsStr::new(&inv.name),
                 );
-                let _ = notifier.inval_entry(fuser::INodeNo(inv.parent), std::ffi::OsStr::new(&inv.name));
+                let _ = notifier
+                    .inval_entry(fuser::INodeNo(inv.parent), std::ffi::OsStr::new(&inv.name));
             }
         })?;
     let tx = parking_lot::Mutex::new(tx);

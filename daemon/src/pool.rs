@@ -107,7 +107,11 @@ impl PoolSpec {
                         "within_size" => Huge::WithinSize,
                         "always" => Huge::Always,
                         "never" => Huge::Never,
-                        _ => return Err(bad(format!("huge must be within_size|always|never, not `{v}`"))),
+                        _ => {
+                            return Err(bad(format!(
+                                "huge must be within_size|always|never, not `{v}`"
+                            )));
+                        }
                     }
                 }
                 ("numa", PoolKind::Memfs) => {
@@ -151,7 +155,10 @@ pub fn mounted_fstype(dir: &Path) -> Option<String> {
 }
 
 fn unescape_mount(s: &str) -> String {
-    s.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+    s.replace("\\040", " ")
+        .replace("\\011", "\t")
+        .replace("\\012", "\n")
+        .replace("\\134", "\\")
 }
 
 /// Half of the machine's RAM: the default size of the embedded memfs pool.
@@ -285,7 +292,10 @@ impl MemfsPool {
     pub fn ensure_ns(&self, ns: &str) -> io::Result<()> {
         let p = self.root.join("n").join(ns);
         if !p.is_dir() {
-            std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&p)?;
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(&p)?;
         }
         Ok(())
     }
@@ -395,7 +405,12 @@ impl MemfsPool {
     }
 }
 
-fn walk(dir: &Path, prefix: &str, dirs: &mut Vec<String>, found: &mut Vec<FoundEntry>) -> io::Result<()> {
+fn walk(
+    dir: &Path,
+    prefix: &str,
+    dirs: &mut Vec<String>,
+    found: &mut Vec<FoundEntry>,
+) -> io::Result<()> {
     use std::os::unix::fs::MetadataExt;
     for e in std::fs::read_dir(dir)? {
         let e = e?;

@@ -78,7 +78,10 @@ pub async fn serve(store: Arc<Store>, listener: UnixListener) {
                         }
                     };
                     let span = tracing::info_span!("conn", pid = caller.pid, uid = caller.uid);
-                    Conn::new(store, stream, caller).run().instrument(span).await;
+                    Conn::new(store, stream, caller)
+                        .run()
+                        .instrument(span)
+                        .await;
                 });
             }
             Err(e) => {
@@ -185,18 +188,24 @@ impl Conn {
         let span = tracing::debug_span!("req", id = req.id, op = name);
         let _g = span.enter();
         if self.session.is_none() && !matches!(req.op, Op::Hello { .. }) {
-            self.push_err(req.id, &Error::Protocol("the first request must be hello".into()));
+            self.push_err(
+                req.id,
+                &Error::Protocol("the first request must be hello".into()),
+            );
             return true;
         }
         self.store.count(name);
         let mut fds: Vec<File> = Vec::new();
         let r = self.dispatch(req.op, &mut fds);
         match r {
-            Ok(b) => self.push(Response {
-                id: req.id,
-                fds: fds.len() as u32,
-                result: Outcome::Ok(b),
-            }, fds),
+            Ok(b) => self.push(
+                Response {
+                    id: req.id,
+                    fds: fds.len() as u32,
+                    result: Outcome::Ok(b),
+                },
+                fds,
+            ),
             Err(e) => {
                 tracing::debug!("{name} failed: {e}");
                 self.store.count("errors");
@@ -389,5 +398,7 @@ fn check_batch(n: usize) -> Result<()> {
 }
 
 fn batch(v: Vec<Result<()>>) -> Vec<Option<maru::error::WireError>> {
-    v.into_iter().map(|r| r.err().map(|e| e.to_wire())).collect()
+    v.into_iter()
+        .map(|r| r.err().map(|e| e.to_wire()))
+        .collect()
 }

@@ -646,7 +646,10 @@ impl Store {
             }
         }
         let n = st.ns.get_mut(&e.ns).expect("namespace exists");
-        e.slot = n.index.insert(&e.key, view).expect("index has room after rebuild");
+        e.slot = n
+            .index
+            .insert(&e.key, view)
+            .expect("index has room after rebuild");
         n.entries.insert(e.key.clone(), e.ino);
         n.bytes += e.size;
         n.mtime = now();
@@ -784,7 +787,12 @@ impl Store {
     }
 
     /// Evicts LRU entries of `pool` (any pool when `None`) until `want` bytes were freed.
-    fn evict_lru(&self, st: &mut State, pool: Option<u32>, want: u64) -> (u64, u64, Vec<Invalidation>) {
+    fn evict_lru(
+        &self,
+        st: &mut State,
+        pool: Option<u32>,
+        want: u64,
+    ) -> (u64, u64, Vec<Invalidation>) {
         let mut freed = 0;
         let mut count = 0;
         let mut inv = Vec::new();
@@ -826,7 +834,11 @@ impl Store {
         if order.is_empty() {
             return Err(Error::NoSpace("no pool can hold entries".into()));
         }
-        if let Some(p) = order.iter().find(|p| size <= self.pools[**p as usize].capacity).copied() {
+        if let Some(p) = order
+            .iter()
+            .find(|p| size <= self.pools[**p as usize].capacity)
+            .copied()
+        {
             // First pass: no eviction.
             for &p in &order {
                 if let Ok(r) = self.try_place(st, session, id, p, size) {
@@ -1084,7 +1096,13 @@ impl Store {
     }
 
     /// Grants `count` allocations of `size` bytes to a session. memfs grants carry the file.
-    pub fn alloc(&self, session: u64, size: u64, count: u32, pool: Option<&str>) -> Result<Vec<(Grant, Option<Arc<File>>)>> {
+    pub fn alloc(
+        &self,
+        session: u64,
+        size: u64,
+        count: u32,
+        pool: Option<&str>,
+    ) -> Result<Vec<(Grant, Option<Arc<File>>)>> {
         if size == 0 {
             return Err(Error::InvalidArgument("size must be > 0".into()));
         }
@@ -1098,7 +1116,9 @@ impl Store {
         if let Some(h) = hint
             && size > self.pools[h as usize].capacity
         {
-            return Err(Error::NoSpace(format!("{size} bytes exceed the pool's capacity")));
+            return Err(Error::NoSpace(format!(
+                "{size} bytes exceed the pool's capacity"
+            )));
         }
         if self.pools.iter().all(|p| size > p.capacity) {
             return Err(Error::NoSpace(format!(
@@ -1135,7 +1155,11 @@ impl Store {
                             acct,
                         },
                     );
-                    st.sessions.get_mut(&session).expect("checked").allocs.insert(id);
+                    st.sessions
+                        .get_mut(&session)
+                        .expect("checked")
+                        .allocs
+                        .insert(id);
                     out.push((
                         Grant {
                             alloc: id,
@@ -1165,24 +1189,46 @@ impl Store {
     pub fn free(&self, session: u64, ids: &[u64]) -> Result<()> {
         let mut st = self.st.lock();
         for id in ids {
-            let owned = st.allocs.get(id).is_some_and(|a| a.session == Some(session));
+            let owned = st
+                .allocs
+                .get(id)
+                .is_some_and(|a| a.session == Some(session));
             if !owned {
-                return Err(Error::InvalidArgument(format!("allocation {id} is not yours")));
+                return Err(Error::InvalidArgument(format!(
+                    "allocation {id} is not yours"
+                )));
             }
-            st.sessions.get_mut(&session).expect("live").allocs.remove(id);
+            st.sessions
+                .get_mut(&session)
+                .expect("live")
+                .allocs
+                .remove(id);
             self.drop_alloc(&mut st, *id);
         }
         Ok(())
     }
 
     /// Seals allocation `id` as `ns/key`. First writer wins.
-    pub fn publish(&self, session: u64, id: u64, ns: &str, key: &str, len: Option<u64>) -> Result<u64> {
+    pub fn publish(
+        &self,
+        session: u64,
+        id: u64,
+        ns: &str,
+        key: &str,
+        len: Option<u64>,
+    ) -> Result<u64> {
         split_ns(ns)?;
         check_component(key.as_bytes())?;
         let mut st = self.st.lock();
         let caller = Self::session_caller(&st, session)?;
-        if st.allocs.get(&id).is_none_or(|a| a.session != Some(session)) {
-            return Err(Error::InvalidArgument(format!("allocation {id} is not yours (already published or freed?)")));
+        if st
+            .allocs
+            .get(&id)
+            .is_none_or(|a| a.session != Some(session))
+        {
+            return Err(Error::InvalidArgument(format!(
+                "allocation {id} is not yours (already published or freed?)"
+            )));
         }
         let r = self.publish_locked(&mut st, &caller, id, ns, key, len);
         if r.is_err() {
@@ -1201,7 +1247,15 @@ impl Store {
         r
     }
 
-    fn publish_locked(&self, st: &mut State, c: &Caller, id: u64, ns: &str, key: &str, len: Option<u64>) -> Result<u64> {
+    fn publish_locked(
+        &self,
+        st: &mut State,
+        c: &Caller,
+        id: u64,
+        ns: &str,
+        key: &str,
+        len: Option<u64>,
+    ) -> Result<u64> {
         let n = st
             .ns
             .get(ns)
@@ -1216,7 +1270,10 @@ impl Store {
         let a = st.allocs.get(&id).expect("checked by caller");
         let size = match len {
             Some(l) if l > a.size => {
-                return Err(Error::InvalidArgument(format!("length {l} exceeds the allocation of {}", a.size)));
+                return Err(Error::InvalidArgument(format!(
+                    "length {l} exceeds the allocation of {}",
+                    a.size
+                )));
             }
             Some(l) => l,
             None => a.size,
@@ -1242,7 +1299,10 @@ impl Store {
                     // Written through the mount: copy into the pool now.
                     r.file.write_all_at(buf, offset)?;
                 }
-                let w = st.pools[pool as usize].wal.as_mut().expect("raw pool has a log");
+                let w = st.pools[pool as usize]
+                    .wal
+                    .as_mut()
+                    .expect("raw pool has a log");
                 w.append(&Record::Seal {
                     ns: ns.to_owned(),
                     key: key.to_owned(),
@@ -1399,7 +1459,11 @@ impl Store {
     /// The session's pool descriptor for writing into raw pool grants.
     pub fn raw_pool_fd(&self, pool: u32, write: bool) -> Result<File> {
         match &self.pools[pool as usize].imp {
-            PoolImpl::Raw(r) => Ok(if write { r.file.try_clone()? } else { r.ro.try_clone()? }),
+            PoolImpl::Raw(r) => Ok(if write {
+                r.file.try_clone()?
+            } else {
+                r.ro.try_clone()?
+            }),
             PoolImpl::Memfs(_) => Err(Error::InvalidArgument("not a raw pool".into())),
         }
     }
@@ -1468,7 +1532,10 @@ impl Store {
     }
 
     fn set_pin_locked(&self, st: &mut State, ino: u64, pinned: bool) -> Result<()> {
-        let e = st.entries.get_mut(&ino).ok_or_else(|| Error::NotFound("entry".into()))?;
+        let e = st
+            .entries
+            .get_mut(&ino)
+            .ok_or_else(|| Error::NotFound("entry".into()))?;
         if e.pinned == pinned {
             return Ok(());
         }
@@ -1491,7 +1558,13 @@ impl Store {
     }
 
     /// Pins or unpins entries.
-    pub fn pin(&self, c: &Caller, ns: &str, keys: &[String], pinned: bool) -> Result<Vec<Result<()>>> {
+    pub fn pin(
+        &self,
+        c: &Caller,
+        ns: &str,
+        keys: &[String],
+        pinned: bool,
+    ) -> Result<Vec<Result<()>>> {
         split_ns(ns)?;
         let mut st = self.st.lock();
         let n = st
@@ -1534,7 +1607,11 @@ impl Store {
     }
 
     /// Lists a namespace.
-    pub fn list(&self, c: &Caller, ns: &str) -> Result<(Option<NsInfo>, Vec<NsInfo>, Vec<Located>)> {
+    pub fn list(
+        &self,
+        c: &Caller,
+        ns: &str,
+    ) -> Result<(Option<NsInfo>, Vec<NsInfo>, Vec<Located>)> {
         if !ns.is_empty() {
             split_ns(ns)?;
         }
@@ -1571,7 +1648,9 @@ impl Store {
                 let used = match &p.imp {
                     PoolImpl::Memfs(m) => m.space().map(|(t, f)| t - f).unwrap_or(0),
                     PoolImpl::Raw(_) => {
-                        p.capacity - REGION_ALIGN - ps.extents.as_ref().map(|x| x.free_bytes()).unwrap_or(0)
+                        p.capacity
+                            - REGION_ALIGN
+                            - ps.extents.as_ref().map(|x| x.free_bytes()).unwrap_or(0)
                     }
                 };
                 PoolInfo {
@@ -1614,7 +1693,12 @@ impl Store {
             .sessions
             .iter()
             .map(|(id, s)| {
-                let allocated: u64 = s.allocs.iter().filter_map(|a| st.allocs.get(a)).map(|a| a.size).sum();
+                let allocated: u64 = s
+                    .allocs
+                    .iter()
+                    .filter_map(|a| st.allocs.get(a))
+                    .map(|a| a.acct)
+                    .sum();
                 let region_bytes: u64 = s
                     .regions
                     .iter()
@@ -1671,20 +1755,36 @@ impl Store {
         let st = self.st.lock();
         for (i, p) in self.pools.iter().enumerate() {
             let ps = &st.pools[i];
-            let sealed: u64 = st.entries.values().filter(|e| e.pool == p.id).map(|e| e.asize).sum();
+            let sealed: u64 = st
+                .entries
+                .values()
+                .filter(|e| e.pool == p.id)
+                .map(|e| e.asize)
+                .sum();
             if sealed != ps.sealed_bytes {
-                return Err(format!("pool {}: sealed bytes {} != {}", p.name, ps.sealed_bytes, sealed));
+                return Err(format!(
+                    "pool {}: sealed bytes {} != {}",
+                    p.name, ps.sealed_bytes, sealed
+                ));
             }
             if let Some(x) = &ps.extents {
                 let regions: u64 = ps.regions.values().map(|r| r.len).sum();
                 if regions + x.free_bytes() != p.capacity - REGION_ALIGN {
-                    return Err(format!("pool {}: regions {} + free {} != capacity", p.name, regions, x.free_bytes()));
+                    return Err(format!(
+                        "pool {}: regions {} + free {} != capacity",
+                        p.name,
+                        regions,
+                        x.free_bytes()
+                    ));
                 }
             }
         }
         for (k, n) in &st.ns {
             for (key, ino) in &n.entries {
-                let e = st.entries.get(ino).ok_or_else(|| format!("{k}/{key}: dangling"))?;
+                let e = st
+                    .entries
+                    .get(ino)
+                    .ok_or_else(|| format!("{k}/{key}: dangling"))?;
                 match n.index.lookup(key) {
                     Some(v) if v.generation == e.ino => {}
                     other => return Err(format!("{k}/{key}: index says {other:?}")),
@@ -1873,7 +1973,13 @@ impl Store {
     }
 
     /// Creates an entry being written (`open(O_CREAT)` of a new name).
-    pub fn fs_create(&self, c: &Caller, parent: u64, name: &str, mode: u32) -> Result<(Attr, OpenedFile)> {
+    pub fn fs_create(
+        &self,
+        c: &Caller,
+        parent: u64,
+        name: &str,
+        mode: u32,
+    ) -> Result<(Attr, OpenedFile)> {
         let mut st = self.st.lock();
         let p = Self::ns_path_of(&st, parent)?;
         if p.is_empty() {
@@ -1919,7 +2025,11 @@ impl Store {
         };
         let attr = self.alloc_attr(id, &a);
         st.allocs.insert(id, a);
-        st.ns.get_mut(&p).expect("exists").writing.insert(name.to_owned(), id);
+        st.ns
+            .get_mut(&p)
+            .expect("exists")
+            .writing
+            .insert(name.to_owned(), id);
         Ok((
             attr,
             match file {
@@ -1944,7 +2054,9 @@ impl Store {
             e.tick = tick;
             st.lru.insert(tick, ino);
             return match &self.pools[e.pool as usize].imp {
-                PoolImpl::Memfs(m) => Ok(OpenedFile::Passthrough(Arc::new(m.open_entry(&e.ns, &e.key)?))),
+                PoolImpl::Memfs(m) => Ok(OpenedFile::Passthrough(Arc::new(
+                    m.open_entry(&e.ns, &e.key)?,
+                ))),
                 PoolImpl::Raw(_) => {
                     e.leases += 1;
                     *st.fuse_leases.entry(ino).or_insert(0) += 1;
@@ -2006,9 +2118,19 @@ impl Store {
         let r = (|| {
             if self.pools[pool as usize].kind.is_raw() {
                 if cur > self.cfg.max_copy_entry {
-                    return Err(Error::NoSpace("entry too large for a raw pool through the mount".into()));
+                    return Err(Error::NoSpace(
+                        "entry too large for a raw pool through the mount".into(),
+                    ));
                 }
-                let (p, off, _) = self.place(&mut st, Some(MOUNT_SESSION), ino, cur.max(1), Some(pool), false, &mut inv)?;
+                let (p, off, _) = self.place(
+                    &mut st,
+                    Some(MOUNT_SESSION),
+                    ino,
+                    cur.max(1),
+                    Some(pool),
+                    false,
+                    &mut inv,
+                )?;
                 let acct = align_up(cur.max(1), ENTRY_ALIGN);
                 st.pools[p as usize].writing_bytes += acct;
                 let a = st.allocs.get_mut(&ino).expect("present");
@@ -2066,7 +2188,14 @@ impl Store {
     }
 
     /// chmod/chown through the mount.
-    pub fn fs_chmod_chown(&self, c: &Caller, ino: u64, mode: Option<u32>, uid: Option<u32>, gid: Option<u32>) -> Result<Attr> {
+    pub fn fs_chmod_chown(
+        &self,
+        c: &Caller,
+        ino: u64,
+        mode: Option<u32>,
+        uid: Option<u32>,
+        gid: Option<u32>,
+    ) -> Result<Attr> {
         let mut st = self.st.lock();
         if uid.is_some_and(|u| c.uid != 0 && Some(u) != Some(c.uid))
             || gid.is_some_and(|g| c.uid != 0 && !c.in_group(g))
@@ -2147,7 +2276,9 @@ impl Store {
             let mut buf = vec![0u8; n];
             match &self.pools[e.pool as usize].imp {
                 PoolImpl::Raw(r) => r.file.read_exact_at(&mut buf, e.offset + offset)?,
-                PoolImpl::Memfs(m) => m.open_entry(&e.ns, &e.key)?.read_exact_at(&mut buf, offset)?,
+                PoolImpl::Memfs(m) => m
+                    .open_entry(&e.ns, &e.key)?
+                    .read_exact_at(&mut buf, offset)?,
             }
             return Ok(buf);
         }
@@ -2208,7 +2339,10 @@ impl Store {
             None => {
                 // A name still being written by this caller: drop it when its writer closes.
                 if let Some(id) = n.writing.get(name).copied()
-                    && st.allocs.get(&id).is_some_and(|a| c.uid == 0 || a.uid == c.uid)
+                    && st
+                        .allocs
+                        .get(&id)
+                        .is_some_and(|a| c.uid == 0 || a.uid == c.uid)
                 {
                     st.ns.get_mut(&p).expect("exists").writing.remove(name);
                     if let Some(a) = st.allocs.get_mut(&id) {
@@ -2231,7 +2365,14 @@ impl Store {
     /// Renames through the mount: moves a sealed entry (never over an existing name: entries
     /// are write-once), or retargets an entry being written. Namespaces answer EXDEV so that
     /// `mv` falls back to copying.
-    pub fn fs_rename(&self, c: &Caller, parent: u64, name: &str, newparent: u64, newname: &str) -> Result<()> {
+    pub fn fs_rename(
+        &self,
+        c: &Caller,
+        parent: u64,
+        name: &str,
+        newparent: u64,
+        newname: &str,
+    ) -> Result<()> {
         let mut st = self.st.lock();
         let p = Self::ns_path_of(&st, parent)?;
         let np = Self::ns_path_of(&st, newparent)?;
@@ -2284,7 +2425,11 @@ impl Store {
         }
         if let Some(id) = st.ns[&p].writing.get(name).copied() {
             st.ns.get_mut(&p).expect("exists").writing.remove(name);
-            st.ns.get_mut(&np).expect("exists").writing.insert(newname.to_owned(), id);
+            st.ns
+                .get_mut(&np)
+                .expect("exists")
+                .writing
+                .insert(newname.to_owned(), id);
             if let Some(a) = st.allocs.get_mut(&id) {
                 a.target = Some((np, newname.to_owned()));
             }
@@ -2328,14 +2473,25 @@ impl Store {
                     x("pool", pool.name.clone()),
                     x("kind", kind_name(pool.kind).into()),
                     x("size", self.alloc_attr(ino, a).size.to_string()),
-                    x("access", if a.file.is_some() { "passthrough" } else { "copy" }.into()),
+                    x(
+                        "access",
+                        if a.file.is_some() {
+                            "passthrough"
+                        } else {
+                            "copy"
+                        }
+                        .into(),
+                    ),
                 ]);
             }
             _ => return Err(Error::NotFound(format!("inode {ino}"))),
         };
         let pool = &self.pools[e.pool as usize];
         let (location, access) = match &pool.imp {
-            PoolImpl::Memfs(m) => (m.entry_path(&e.ns, &e.key).display().to_string(), "passthrough"),
+            PoolImpl::Memfs(m) => (
+                m.entry_path(&e.ns, &e.key).display().to_string(),
+                "passthrough",
+            ),
             PoolImpl::Raw(_) => (format!("{}@{:#x}", pool.path.display(), e.offset), "copy"),
         };
         Ok(vec![

@@ -119,7 +119,10 @@ impl LogSink for FileSink {
         if let Some(dir) = self.path.parent() {
             File::open(dir)?.sync_all()?;
         }
-        self.file = OpenOptions::new().append(true).read(true).open(&self.path)?;
+        self.file = OpenOptions::new()
+            .append(true)
+            .read(true)
+            .open(&self.path)?;
         Ok(())
     }
 }
@@ -173,7 +176,10 @@ pub fn read_log(path: &Path) -> io::Result<Vec<Record>> {
             dropped = bytes.len() - valid,
             "truncating a torn tail of the pool log"
         );
-        OpenOptions::new().write(true).open(path)?.set_len(valid as u64)?;
+        OpenOptions::new()
+            .write(true)
+            .open(path)?
+            .set_len(valid as u64)?;
     }
     Ok(recs)
 }
@@ -235,10 +241,7 @@ pub fn replay(recs: Vec<Record>) -> std::collections::BTreeMap<u64, Record> {
                 }
             }
             Record::Rename { off, ns, key } => {
-                if let Some(Record::Seal {
-                    ns: n, key: k, ..
-                }) = live.get_mut(&off)
-                {
+                if let Some(Record::Seal { ns: n, key: k, .. }) = live.get_mut(&off) {
                     *n = ns;
                     *k = key;
                 }

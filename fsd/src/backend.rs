@@ -138,7 +138,14 @@ pub trait Backend: Send + Sync + 'static {
     /// Sets the size of a WRITING entry.
     fn truncate(&self, ino: u64, size: u64) -> Result<Attr>;
     /// Changes mode/owner of a namespace (entries: mode only, by their owner).
-    fn chmod_chown(&self, c: &Caller, ino: u64, mode: Option<u32>, uid: Option<u32>, gid: Option<u32>) -> Result<Attr>;
+    fn chmod_chown(
+        &self,
+        c: &Caller,
+        ino: u64,
+        mode: Option<u32>,
+        uid: Option<u32>,
+        gid: Option<u32>,
+    ) -> Result<Attr>;
     /// Reads bytes of an entry served by copying.
     fn read(&self, ino: u64, offset: u64, len: u32) -> Result<Vec<u8>>;
     /// Writes bytes of a WRITING entry served by copying.
@@ -146,7 +153,14 @@ pub trait Backend: Send + Sync + 'static {
     /// Deletes an entry.
     fn unlink(&self, c: &Caller, parent: u64, name: &str) -> Result<()>;
     /// Renames an entry (publishing a finished WRITING one); `noreplace` as RENAME_NOREPLACE.
-    fn rename(&self, c: &Caller, parent: u64, name: &str, newparent: u64, newname: &str) -> Result<()>;
+    fn rename(
+        &self,
+        c: &Caller,
+        parent: u64,
+        name: &str,
+        newparent: u64,
+        newname: &str,
+    ) -> Result<()>;
     /// (total bytes, free bytes, entries) of all pools.
     fn statfs(&self) -> (u64, u64, u64);
     /// The `user.maru.*` attributes of a node.

@@ -113,7 +113,13 @@ impl<B: Backend> Fs<B> {
     }
 
     /// Creates an entry being written; returns its attributes and a writable handle.
-    pub fn create(&self, c: &Caller, parent: u64, name: &str, mode: u32) -> Result<(Attr, u64, OpenedFile)> {
+    pub fn create(
+        &self,
+        c: &Caller,
+        parent: u64,
+        name: &str,
+        mode: u32,
+    ) -> Result<(Attr, u64, OpenedFile)> {
         check_name(name)?;
         let (attr, opened) = self.backend.create(c, parent, name, mode)?;
         let fh = self.new_handle(Handle {
@@ -125,7 +131,13 @@ impl<B: Backend> Fs<B> {
     }
 
     /// Opens a node.
-    pub fn open(&self, c: &Caller, ino: u64, write: bool, truncate: bool) -> Result<(u64, OpenedFile)> {
+    pub fn open(
+        &self,
+        c: &Caller,
+        ino: u64,
+        write: bool,
+        truncate: bool,
+    ) -> Result<(u64, OpenedFile)> {
         let opened = self.backend.open(c, ino, write)?;
         if write && truncate {
             self.backend.truncate(ino, 0)?;
@@ -158,10 +170,7 @@ impl<B: Backend> Fs<B> {
         if last {
             let r = self.backend.seal(h.ino);
             // Either way the entry is no longer WRITING; release must not seal again.
-            self.handles
-                .lock()
-                .get_mut(&fh)
-                .map(|h| h.writable = false);
+            self.handles.lock().get_mut(&fh).map(|h| h.writable = false);
             self.drop_writer(h.ino);
             return r;
         }
@@ -214,7 +223,15 @@ impl<B: Backend> Fs<B> {
     }
 
     /// `setattr`: size (entries being written) and mode/owner.
-    pub fn setattr(&self, c: &Caller, ino: u64, mode: Option<u32>, uid: Option<u32>, gid: Option<u32>, size: Option<u64>) -> Result<Attr> {
+    pub fn setattr(
+        &self,
+        c: &Caller,
+        ino: u64,
+        mode: Option<u32>,
+        uid: Option<u32>,
+        gid: Option<u32>,
+        size: Option<u64>,
+    ) -> Result<Attr> {
         let mut attr = None;
         if let Some(s) = size {
             attr = Some(self.backend.truncate(ino, s)?);
@@ -246,9 +263,7 @@ impl<B: Backend> Fs<B> {
                 OpenedFile::Passthrough(f) => {
                     use std::os::fd::AsRawFd;
                     // SAFETY: plain syscall on a descriptor the handle owns.
-                    let r = unsafe {
-                        libc::fallocate(f.as_raw_fd(), 0, offset as i64, len as i64)
-                    };
+                    let r = unsafe { libc::fallocate(f.as_raw_fd(), 0, offset as i64, len as i64) };
                     if r != 0 {
                         return Err(Error::Io(std::io::Error::last_os_error()));
                     }
@@ -268,7 +283,14 @@ impl<B: Backend> Fs<B> {
     }
 
     /// Renames an entry.
-    pub fn rename(&self, c: &Caller, parent: u64, name: &str, newparent: u64, newname: &str) -> Result<()> {
+    pub fn rename(
+        &self,
+        c: &Caller,
+        parent: u64,
+        name: &str,
+        newparent: u64,
+        newname: &str,
+    ) -> Result<()> {
         check_name(name)?;
         check_name(newname)?;
         self.backend.rename(c, parent, name, newparent, newname)
@@ -315,7 +337,11 @@ impl<B: Backend> Fs<B> {
         let pinned = match value {
             b"1" | b"true" | b"1\n" => true,
             b"0" | b"false" | b"0\n" | b"" => false,
-            _ => return Err(Error::InvalidArgument("user.maru.pinned takes 0 or 1".into())),
+            _ => {
+                return Err(Error::InvalidArgument(
+                    "user.maru.pinned takes 0 or 1".into(),
+                ));
+            }
         };
         self.backend.set_pinned(c, ino, pinned)
     }
@@ -380,7 +406,14 @@ mod tests {
         fn truncate(&self, ino: u64, _: u64) -> Result<Attr> {
             Ok(attr(ino, false))
         }
-        fn chmod_chown(&self, _: &Caller, ino: u64, _: Option<u32>, _: Option<u32>, _: Option<u32>) -> Result<Attr> {
+        fn chmod_chown(
+            &self,
+            _: &Caller,
+            ino: u64,
+            _: Option<u32>,
+            _: Option<u32>,
+            _: Option<u32>,
+        ) -> Result<Attr> {
             Ok(attr(ino, false))
         }
         fn read(&self, _: u64, _: u64, _: u32) -> Result<Vec<u8>> {
@@ -442,10 +475,20 @@ mod tests {
         let long = "x".repeat(256);
         assert_eq!(fs.lookup(1, &long).unwrap_err().errno(), libc::ENAMETOOLONG);
         assert_eq!(fs.getxattr(2, "user.maru.state").unwrap(), b"writing");
-        assert_eq!(fs.getxattr(2, "user.other").unwrap_err().errno(), libc::ENODATA);
+        assert_eq!(
+            fs.getxattr(2, "user.other").unwrap_err().errno(),
+            libc::ENODATA
+        );
         assert_eq!(fs.listxattr(2).unwrap(), b"user.maru.state\0");
-        assert!(fs.setxattr(&Caller::root(), 2, "user.maru.state", b"x").is_err());
-        assert!(fs.setxattr(&Caller::root(), 2, "user.maru.pinned", b"2").is_err());
-        fs.setxattr(&Caller::root(), 2, "user.maru.pinned", b"1").unwrap();
+        assert!(
+            fs.setxattr(&Caller::root(), 2, "user.maru.state", b"x")
+                .is_err()
+        );
+        assert!(
+            fs.setxattr(&Caller::root(), 2, "user.maru.pinned", b"2")
+                .is_err()
+        );
+        fs.setxattr(&Caller::root(), 2, "user.maru.pinned", b"1")
+            .unwrap();
     }
 }

@@ -163,7 +163,9 @@ impl<B: Backend> Filesystem for FuseFs<B> {
                     .store(true, std::sync::atomic::Ordering::Relaxed);
                 tracing::info!("FUSE passthrough enabled: mmap of memfs entries is zero-copy");
             }
-            Err(_) => tracing::warn!("the kernel lacks FUSE passthrough; memfs entries are served by copying"),
+            Err(_) => tracing::warn!(
+                "the kernel lacks FUSE passthrough; memfs entries are served by copying"
+            ),
         }
         let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
         Ok(())
@@ -206,7 +208,15 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         self.reply_attr(reply, self.fs.setattr(&c, ino.0, mode, uid, gid, size));
     }
 
-    fn mkdir(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, reply: ReplyEntry) {
+    fn mkdir(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        reply: ReplyEntry,
+    ) {
         self.fs.backend().count_upcall("mkdir");
         let name = match name_str(name) {
             Ok(n) => n,
@@ -240,7 +250,14 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         }
     }
 
-    fn symlink(&self, _req: &Request, _parent: INodeNo, _link: &OsStr, _target: &std::path::Path, reply: ReplyEntry) {
+    fn symlink(
+        &self,
+        _req: &Request,
+        _parent: INodeNo,
+        _link: &OsStr,
+        _target: &std::path::Path,
+        reply: ReplyEntry,
+    ) {
         reply.error(Errno::EPERM);
     }
 
@@ -248,7 +265,16 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         reply.error(Errno::EPERM);
     }
 
-    fn mknod(&self, _req: &Request, _parent: INodeNo, _name: &OsStr, _mode: u32, _umask: u32, _rdev: u32, reply: ReplyEntry) {
+    fn mknod(
+        &self,
+        _req: &Request,
+        _parent: INodeNo,
+        _name: &OsStr,
+        _mode: u32,
+        _umask: u32,
+        _rdev: u32,
+        reply: ReplyEntry,
+    ) {
         reply.error(Errno::EPERM);
     }
 
@@ -263,14 +289,19 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         reply: ReplyEmpty,
     ) {
         self.fs.backend().count_upcall("rename");
-        if flags.contains(RenameFlags::RENAME_EXCHANGE) || flags.contains(RenameFlags::RENAME_WHITEOUT) {
+        if flags.contains(RenameFlags::RENAME_EXCHANGE)
+            || flags.contains(RenameFlags::RENAME_WHITEOUT)
+        {
             return reply.error(Errno::EINVAL);
         }
         let (name, newname) = match (name_str(name), name_str(newname)) {
             (Ok(a), Ok(b)) => (a, b),
             _ => return reply.error(Errno::EINVAL),
         };
-        match self.fs.rename(&caller(req, true), parent.0, name, newparent.0, newname) {
+        match self
+            .fs
+            .rename(&caller(req, true), parent.0, name, newparent.0, newname)
+        {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(&e)),
         }
@@ -289,8 +320,11 @@ impl<B: Backend> Filesystem for FuseFs<B> {
                     FopenFlags::FOPEN_NOFLUSH
                 };
                 match opened {
-                    OpenedFile::Passthrough(f) if self.passthrough.load(std::sync::atomic::Ordering::Relaxed) => {
-                        let r = self.with_backing(ino.0, &f, |file| reply.open_backing(file), |_| ());
+                    OpenedFile::Passthrough(f)
+                        if self.passthrough.load(std::sync::atomic::Ordering::Relaxed) =>
+                    {
+                        let r =
+                            self.with_backing(ino.0, &f, |file| reply.open_backing(file), |_| ());
                         if let Err(e) = r {
                             self.fs.release(fh);
                             return reply.error(Errno::from(e));
@@ -343,7 +377,14 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         }
     }
 
-    fn flush(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, _lock: LockOwner, reply: ReplyEmpty) {
+    fn flush(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _lock: LockOwner,
+        reply: ReplyEmpty,
+    ) {
         self.fs.backend().count_upcall("flush");
         match self.fs.flush(fh.0) {
             Ok(()) => reply.ok(),
@@ -370,7 +411,14 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         reply.ok();
     }
 
-    fn fsync(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
+    fn fsync(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
         reply.ok();
     }
 
@@ -382,7 +430,14 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         }
     }
 
-    fn readdir(&self, req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
+    fn readdir(
+        &self,
+        req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
         self.fs.backend().count_upcall("readdir");
         match self.fs.readdir(&caller(req, true), ino.0) {
             Ok(list) => {
@@ -405,10 +460,28 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         self.fs.backend().count_upcall("statfs");
         let (total, free, files) = self.fs.statfs();
         let bs = u64::from(BLKSIZE);
-        reply.statfs(total / bs, free / bs, free / bs, files, u64::MAX / 2, BLKSIZE, 255, BLKSIZE);
+        reply.statfs(
+            total / bs,
+            free / bs,
+            free / bs,
+            files,
+            u64::MAX / 2,
+            BLKSIZE,
+            255,
+            BLKSIZE,
+        );
     }
 
-    fn setxattr(&self, req: &Request, ino: INodeNo, name: &OsStr, value: &[u8], _flags: i32, _pos: u32, reply: ReplyEmpty) {
+    fn setxattr(
+        &self,
+        req: &Request,
+        ino: INodeNo,
+        name: &OsStr,
+        value: &[u8],
+        _flags: i32,
+        _pos: u32,
+        reply: ReplyEmpty,
+    ) {
         let name = match name_str(name) {
             Ok(n) => n,
             Err(e) => return reply.error(e),
@@ -468,29 +541,49 @@ impl<B: Backend> Filesystem for FuseFs<B> {
                 let ttl = Duration::ZERO;
                 let fa = file_attr(&a);
                 match opened {
-                    OpenedFile::Passthrough(f) if self.passthrough.load(std::sync::atomic::Ordering::Relaxed) => {
-                        let r = self.with_backing(
-                            a.ino,
-                            &f,
-                            |file| reply.open_backing(file),
-                            |_| (),
-                        );
+                    OpenedFile::Passthrough(f)
+                        if self.passthrough.load(std::sync::atomic::Ordering::Relaxed) =>
+                    {
+                        let r =
+                            self.with_backing(a.ino, &f, |file| reply.open_backing(file), |_| ());
                         if let Err(e) = r {
                             self.fs.release(fh);
                             return reply.error(Errno::from(e));
                         }
                         let m = self.backing.lock();
                         let (id, _) = m.get(&a.ino).expect("just inserted");
-                        reply.created_passthrough(&ttl, &fa, Generation(0), FileHandle(fh), FopenFlags::empty(), id);
+                        reply.created_passthrough(
+                            &ttl,
+                            &fa,
+                            Generation(0),
+                            FileHandle(fh),
+                            FopenFlags::empty(),
+                            id,
+                        );
                     }
-                    _ => reply.created(&ttl, &fa, Generation(0), FileHandle(fh), FopenFlags::empty()),
+                    _ => reply.created(
+                        &ttl,
+                        &fa,
+                        Generation(0),
+                        FileHandle(fh),
+                        FopenFlags::empty(),
+                    ),
                 }
             }
             Err(e) => reply.error(errno(&e)),
         }
     }
 
-    fn fallocate(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, offset: u64, length: u64, mode: i32, reply: ReplyEmpty) {
+    fn fallocate(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        length: u64,
+        mode: i32,
+        reply: ReplyEmpty,
+    ) {
         match self.fs.fallocate(fh.0, offset, length, mode) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(&e)),

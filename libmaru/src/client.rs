@@ -23,8 +23,8 @@ use crate::index::{FLAG_PINNED, SlotView, Table};
 use crate::mapping::{MapInner, Mapping};
 use crate::name::EntryPath;
 use crate::proto::{
-    self, Body, Grant, Located, MAX_FDS_PER_FRAME, NsInfo, Op, Outcome, PROTOCOL_VERSION,
-    PoolInfo, PoolKind, Request, Response, Stats,
+    self, Body, Grant, Located, MAX_FDS_PER_FRAME, NsInfo, Op, Outcome, PROTOCOL_VERSION, PoolInfo,
+    PoolKind, Request, Response, Stats,
 };
 
 /// Where marud listens by default.
@@ -39,10 +39,12 @@ pub struct Config {
     pub client_name: String,
     /// How long to wait for a reply.
     pub timeout: Duration,
-    /// Allocations of at most this many bytes are requested in batches.
+    /// Allocations of at most this many bytes are requested in batches once a size repeats.
     pub batch_alloc_max: u64,
-    /// How many allocations one batch requests.
+    /// Most allocations one batch requests.
     pub batch_alloc_count: u32,
+    /// Most bytes one batch requests (spares count against the pool until used or freed).
+    pub batch_alloc_bytes: u64,
     /// Most mappings kept for fast repeated retrieval.
     pub cache_entries: usize,
     /// Most bytes of mappings kept for fast repeated retrieval.
@@ -61,6 +63,7 @@ impl Default for Config {
             timeout: Duration::from_secs(30),
             batch_alloc_max: 1 << 20,
             batch_alloc_count: 32,
+            batch_alloc_bytes: 1 << 20,
             cache_entries: 4096,
             cache_bytes: 1 << 30,
             pool: None,
@@ -150,6 +153,7 @@ struct Inner {
     pool_ro: HashMap<u32, Arc<File>>,
     pool_rw: HashMap<u32, Arc<File>>,
     spares: HashMap<u64, Vec<Spare>>,
+    sizes_seen: HashMap<u64, u32>,
     pending: HashMap<u64, Pending>,
     async_errors: Vec<(String, Error)>,
     indexes: HashMap<String, NsIndex>,
@@ -194,6 +198,7 @@ impl Handler {
             pool_ro: HashMap::new(),
             pool_rw: HashMap::new(),
             spares: HashMap::new(),
+            sizes_seen: HashMap::new(),
             pending: HashMap::new(),
             async_errors: Vec::new(),
             indexes: HashMap::new(),
@@ -594,11 +599,21 @@ impl Inner {
         if let Some(s) = self.spares.get_mut(&size).and_then(Vec::pop) {
             return self.map_grant(s);
         }
-        let count = if size <= self.cfg.batch_alloc_max {
-            self.cfg.batch_alloc_count.clamp(1, MAX_FDS_PER_FRAME as u32)
+        // Batch only sizes that repeat (KV chunks of one model do), within a byte budget.
+        let seen = self.sizes_seen.entry(size).or_insert(0);
+        *seen = seen.saturating_add(1);
+        let count = if *seen >= 2 && size <= self.cfg.batch_alloc_max {
+            let by_bytes = (self.cfg.batch_alloc_bytes / size).max(1) as u32;
+            self.cfg
+                .batch_alloc_count
+                .min(by_bytes)
+                .clamp(1, MAX_FDS_PER_FRAME as u32)
         } else {
             1
         };
+        if self.sizes_seen.len() > 4096 {
+            self.sizes_seen.clear();
+        }
         let (body, fds) = self.call(Op::Alloc {
             size,
             count,
@@ -620,9 +635,11 @@ impl Inner {
                 None
             };
             let file = match self.pool_kind(g.pool)? {
-                PoolKind::Memfs => Some(File::from(
-                    fd.ok_or_else(|| Error::Protocol("memfs grant without a file".into()))?,
-                )),
+                PoolKind::Memfs => {
+                    Some(File::from(fd.ok_or_else(|| {
+                        Error::Protocol("memfs grant without a file".into())
+                    })?))
+                }
                 _ => {
                     if let Some(fd) = fd {
                         self.pool_rw.insert(g.pool, Arc::new(File::from(fd)));
@@ -643,7 +660,10 @@ impl Inner {
         let size = s.grant.size as usize;
         let (map, start) = match s.file {
             // SAFETY: the file is a WRITING entry only this client holds; nobody else maps it.
-            Some(f) => (unsafe { memmap2::MmapOptions::new().len(size).map_mut(&f)? }, 0),
+            Some(f) => (
+                unsafe { memmap2::MmapOptions::new().len(size).map_mut(&f)? },
+                0,
+            ),
             None => {
                 let f = self
                     .pool_rw
@@ -834,7 +854,9 @@ impl Inner {
             .cache
             .iter()
             .filter(|((cns, k), c)| {
-                cns == ns && t.lookup(k.as_bytes()).is_none_or(|v| v.generation != c.generation)
+                cns == ns
+                    && t.lookup(k.as_bytes())
+                        .is_none_or(|v| v.generation != c.generation)
             })
             .map(|(k, _)| k.clone())
             .collect();

@@ -210,9 +210,7 @@ impl<'a> TableWriter<'a> {
         let words = unsafe { std::slice::from_raw_parts(ptr.cast::<AtomicU64>(), len / 8) };
         words[1].store(nslots as u64, Ordering::Relaxed);
         words[0].store(INDEX_MAGIC, Ordering::Release);
-        TableWriter {
-            t: Table { words },
-        }
+        TableWriter { t: Table { words } }
     }
 
     /// Wraps an existing table for writing.
@@ -283,7 +281,10 @@ impl<'a> TableWriter<'a> {
         let s = self.t.slot(i);
         self.write_slot(s, |s| {
             let pf = s[4].load(Ordering::Relaxed);
-            s[4].store((pf & 0xffff_ffff) | (u64::from(flags) << 32), Ordering::Relaxed);
+            s[4].store(
+                (pf & 0xffff_ffff) | (u64::from(flags) << 32),
+                Ordering::Relaxed,
+            );
         });
         self.bump_epoch();
     }

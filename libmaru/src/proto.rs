@@ -592,7 +592,10 @@ mod tests {
             },
         };
         let s = serde_json::to_string(&r).unwrap();
-        assert_eq!(s, r#"{"id":3,"op":"exists","args":{"ns":"m","keys":["a"]}}"#);
+        assert_eq!(
+            s,
+            r#"{"id":3,"op":"exists","args":{"ns":"m","keys":["a"]}}"#
+        );
         let back: Request = serde_json::from_str(&s).unwrap();
         assert_eq!(back, r);
         let stats: Request = serde_json::from_str(r#"{"id":1,"op":"stats"}"#).unwrap();
@@ -607,7 +610,10 @@ mod tests {
             result: Outcome::Ok(Body::Published { generation: 5 }),
         };
         let s = serde_json::to_string(&r).unwrap();
-        assert_eq!(s, r#"{"id":9,"fds":0,"ok":{"type":"published","generation":5}}"#);
+        assert_eq!(
+            s,
+            r#"{"id":9,"fds":0,"ok":{"type":"published","generation":5}}"#
+        );
         assert_eq!(serde_json::from_str::<Response>(&s).unwrap(), r);
     }
 
@@ -640,7 +646,8 @@ mod tests {
     #[test]
     fn oversized_frame_is_refused() {
         let mut r = FrameReader::new();
-        r.buf.extend_from_slice(&(MAX_FRAME as u32 + 1).to_le_bytes());
+        r.buf
+            .extend_from_slice(&(MAX_FRAME as u32 + 1).to_le_bytes());
         assert!(r.next_frame().is_err());
     }
 }

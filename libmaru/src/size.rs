@@ -6,9 +6,7 @@ use crate::error::{Error, Result};
 /// (`k`/`K`/`KiB`, `M`/`MiB`, `G`/`GiB`, `T`/`TiB`; all powers of 1024).
 pub fn parse_size(s: &str) -> Result<u64> {
     let t = s.trim();
-    let digits = t
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(t.len());
+    let digits = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     if digits == 0 {
         return Err(Error::InvalidArgument(format!("bad size `{s}`")));
     }

@@ -1,0 +1,325 @@
+//! Harness for end-to-end tests: starts the real `marud` on temporary pools,
+//! socket and mount, and always cleans up (unmounts, kills) on drop, including
+//! on panic.
+
+use std::io::Read;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// Path of a workspace binary (built on first use if missing).
+pub fn bin(name: &str) -> PathBuf {
+    static BUILT: OnceLock<()> = OnceLock::new();
+    let exe = std::env::current_exe().expect("current exe");
+    // target/<profile>/deps/test-xxxx -> target/<profile>/
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target dir")
+        .to_owned();
+    let profile_release = dir.ends_with("release");
+    let p = dir.join(name);
+    BUILT.get_or_init(|| {
+        let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+        c.args(["build", "--quiet", "--bins", "--workspace"]);
+        if profile_release {
+            c.arg("--release");
+        }
+        let st = c.status().expect("running cargo build for the binaries");
+        assert!(st.success(), "building the workspace binaries failed");
+    });
+    assert!(p.exists(), "{} was not built", p.display());
+    p
+}
+
+/// True if `dir` is a mount point (of any type).
+pub fn is_mounted(dir: &Path) -> bool {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return false;
+    };
+    let want = dir.to_string_lossy();
+    info.lines().any(|l| l.split(' ').nth(4) == Some(&want))
+}
+
+/// Lazily unmounts `dir` if it is mounted.
+pub fn force_unmount(dir: &Path) {
+    while is_mounted(dir) {
+        let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).expect("no NUL");
+        // SAFETY: valid C string.
+        if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } != 0 {
+            break;
+        }
+    }
+}
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct Opts {
+    /// Pool specs relative to the temp dir: `memfs:{dir}/pool,size=64M` ({dir} is replaced).
+    pub pools: Vec<String>,
+    /// Mount the filesystem.
+    pub mount: bool,
+    /// Extra flags.
+    pub extra: Vec<String>,
+}
+
+impl Default for Opts {
+    fn default() -> Self {
+        Opts {
+            pools: vec!["memfs:{dir}/pool,size=256M".into()],
+            mount: true,
+            extra: Vec::new(),
+        }
+    }
+}
+
+/// A running daemon on temporary paths.
+pub struct Daemon {
+    child: Option<Child>,
+    /// The temp dir holding everything.
+    pub dir: PathBuf,
+    _tmp: tempfile::TempDir,
+    /// The control socket.
+    pub socket: PathBuf,
+    /// The mount point (if mounted).
+    pub mount: Option<PathBuf>,
+    args: Vec<String>,
+    pool_dirs: Vec<PathBuf>,
+    /// Daemon log file.
+    pub log: PathBuf,
+}
+
+impl Daemon {
+    /// Starts a daemon and waits until it serves.
+    pub fn start(opts: Opts) -> Self {
+        let tmp = tempfile::Builder::new()
+            .prefix("maru-e2e-")
+            .tempdir_in("/tmp")
+            .expect("temp dir");
+        let dir = tmp.path().to_owned();
+        let socket = dir.join("marud.sock");
+        let mount = opts.mount.then(|| dir.join("mnt"));
+        let mut args = Vec::new();
+        let mut pool_dirs = Vec::new();
+        for p in &opts.pools {
+            let spec = p.replace("{dir}", &dir.to_string_lossy());
+            if let Some(rest) = spec.strip_prefix("memfs:") {
+                pool_dirs.push(PathBuf::from(rest.split(',').next().unwrap_or("")));
+            }
+            args.push("--pool".into());
+            args.push(spec);
+        }
+        args.extend([
+            "--socket".into(),
+            socket.to_string_lossy().into_owned(),
+            "--state-dir".into(),
+            dir.join("state").to_string_lossy().into_owned(),
+            "--unmount-pools".into(),
+        ]);
+        match &mount {
+            Some(m) => {
+                args.push("--mount".into());
+                args.push(m.to_string_lossy().into_owned());
+            }
+            None => args.push("--no-mount".into()),
+        }
+        args.extend(opts.extra.iter().cloned());
+        let log = dir.join("marud.log");
+        let mut d = Daemon {
+            child: None,
+            dir,
+            _tmp: tmp,
+            socket,
+            mount,
+            args,
+            pool_dirs,
+            log,
+        };
+        d.spawn();
+        d
+    }
+
+    fn spawn(&mut self) {
+        let logf = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .expect("log file");
+        let mut cmd = Command::new(bin("marud"));
+        cmd.args(&self.args)
+            .env(
+                "MARU_LOG",
+                std::env::var("MARU_TEST_LOG").unwrap_or_else(|_| "info".into()),
+            )
+            .stdin(Stdio::null())
+            .stdout(logf.try_clone().expect("dup"))
+            .stderr(logf);
+        // SAFETY: setsid is async-signal-safe; the daemon gets its own session so a test's
+        // terminal signals do not reach it.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::setsid();
+                Ok(())
+            });
+        }
+        let child = cmd.spawn().expect("starting marud");
+        self.child = Some(child);
+        self.wait_ready();
+    }
+
+    fn wait_ready(&mut self) {
+        let t = Instant::now();
+        loop {
+            if let Some(c) = self.child.as_mut()
+                && let Ok(Some(st)) = c.try_wait()
+            {
+                panic!("marud exited early ({st}):\n{}", self.log_text());
+            }
+            let sock_ok = std::os::unix::net::UnixStream::connect(&self.socket).is_ok();
+            let mnt_ok = self.mount.as_ref().is_none_or(|m| is_mounted(m));
+            if sock_ok && mnt_ok {
+                return;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "marud did not become ready:\n{}",
+                self.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The daemon's log so far.
+    pub fn log_text(&self) -> String {
+        let mut s = String::new();
+        if let Ok(mut f) = std::fs::File::open(&self.log) {
+            let _ = f.read_to_string(&mut s);
+        }
+        s
+    }
+
+    /// The daemon's pid.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    /// Kills the daemon with SIGKILL (its pools and a dead mount stay behind, like a crash).
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Stops the daemon with SIGTERM and waits.
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // SAFETY: signalling our own child by pid.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let t = Instant::now();
+            loop {
+                if let Ok(Some(_)) = c.try_wait() {
+                    break;
+                }
+                if t.elapsed() > Duration::from_secs(10) {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+
+    /// Starts the daemon again with the same arguments (after `kill9` or `stop`).
+    pub fn restart(&mut self) {
+        assert!(self.child.is_none(), "stop it first");
+        self.spawn();
+    }
+
+    /// A client connected to this daemon.
+    pub fn handler(&self) -> maru::Handler {
+        maru::Handler::connect(self.client_config()).expect("connecting to marud")
+    }
+
+    /// A client configuration for this daemon.
+    pub fn client_config(&self) -> maru::Config {
+        maru::Config {
+            socket: self.socket.clone(),
+            ..Default::default()
+        }
+    }
+
+    /// Path under the mount.
+    pub fn path(&self, rel: &str) -> PathBuf {
+        self.mount.as_ref().expect("mounted").join(rel)
+    }
+
+    /// The first memfs pool's directory.
+    pub fn pool_dir(&self) -> &Path {
+        &self.pool_dirs[0]
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.stop();
+        if let Some(m) = &self.mount {
+            force_unmount(m);
+        }
+        for p in &self.pool_dirs {
+            force_unmount(p);
+        }
+    }
+}
+
+/// Physical frame numbers of the pages of `[ptr, ptr+len)` in this process (needs root).
+pub fn pfns(ptr: *const u8, len: usize) -> Vec<u64> {
+    use std::os::unix::fs::FileExt;
+    let page = 4096usize;
+    let f = std::fs::File::open("/proc/self/pagemap").expect("pagemap");
+    let start = ptr as usize / page;
+    let end = (ptr as usize + len).div_ceil(page);
+    let mut out = Vec::new();
+    for vp in start..end {
+        // Touch the page so it is present.
+        // SAFETY: inside the caller's mapping.
+        unsafe { std::ptr::read_volatile((vp * page).max(ptr as usize) as *const u8) };
+        let mut b = [0u8; 8];
+        f.read_exact_at(&mut b, (vp * 8) as u64)
+            .expect("pagemap read");
+        let e = u64::from_le_bytes(b);
+        assert!(e & (1 << 63) != 0, "page not present");
+        out.push(e & ((1 << 55) - 1));
+    }
+    out
+}
+
+/// Deterministic test bytes.
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// Runs `maru-probe` with arguments; returns stdout (panics on failure).
+pub fn probe(args: &[&str]) -> String {
+    let out = Command::new(bin("maru-probe"))
+        .args(args)
+        .output()
+        .expect("running maru-probe");
+    assert!(
+        out.status.success(),
+        "maru-probe {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf8")
+}

@@ -1,0 +1,438 @@
+//! The store engine and libmaru against a real marud (issue: store engine).
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::time::Duration;
+
+use maru::Error;
+use maru_tests::{Daemon, Opts, pattern, probe};
+
+fn no_mount(pools: &[&str]) -> Opts {
+    Opts {
+        pools: pools.iter().map(|s| s.to_string()).collect(),
+        mount: false,
+        extra: vec![],
+    }
+}
+
+const MEMFS: &str = "memfs:{dir}/pool,size=128M";
+const FILE: &str = "file:{dir}/dev.img,size=64M,name=emu";
+
+fn roundtrip(d: &Daemon) {
+    let h = d.handler();
+    h.mkdir("m", 0o755).unwrap();
+    for (i, size) in [1usize, 4096, 5000, 3 << 20].into_iter().enumerate() {
+        let data = pattern(i as u64, size);
+        h.put(&format!("m/k{i}"), &data).unwrap();
+        assert!(h.exists(&format!("m/k{i}")).unwrap());
+        let m = h.retrieve(&format!("m/k{i}")).unwrap().unwrap();
+        assert_eq!(m.as_slice(), &data[..]);
+    }
+    assert!(!h.exists("m/none").unwrap());
+    assert!(h.retrieve("m/none").unwrap().is_none());
+    // Write-once: first writer wins.
+    let err = h.put("m/k0", b"other").unwrap_err();
+    assert!(matches!(err, Error::Exists(_)), "{err}");
+    assert_eq!(
+        h.retrieve("m/k0").unwrap().unwrap().as_slice(),
+        &pattern(0, 1)[..]
+    );
+    // Delete while mapped: the mapping stays valid.
+    let held = h.retrieve("m/k3").unwrap().unwrap();
+    h.delete("m/k3").unwrap();
+    assert!(!h.exists("m/k3").unwrap());
+    assert_eq!(held.as_slice(), &pattern(3, 3 << 20)[..]);
+    assert!(matches!(h.delete("m/k3").unwrap_err(), Error::NotFound(_)));
+    // Batch forms.
+    let paths = ["m/k0", "m/k1", "m/none"];
+    assert_eq!(h.batch_exists(&paths).unwrap(), vec![true, true, false]);
+    let got = h.batch_retrieve(&paths).unwrap();
+    assert!(got[0].is_some() && got[1].is_some() && got[2].is_none());
+    let r = h.batch_pin(&paths, true).unwrap();
+    assert!(r[0].is_ok() && r[1].is_ok() && r[2].is_err());
+    assert!(h.is_pinned("m/k1").unwrap());
+    h.unpin("m/k1").unwrap();
+    assert!(!h.is_pinned("m/k1").unwrap());
+    // Async stores complete on flush.
+    for i in 0..50u64 {
+        let mut a = h.alloc(4096).unwrap();
+        a.as_mut_slice().copy_from_slice(&pattern(100 + i, 4096));
+        h.store_async(&format!("m/a{i}"), a).unwrap();
+    }
+    let mut dup = h.alloc(4096).unwrap();
+    dup.as_mut_slice().fill(9);
+    h.store_async("m/a0", dup).unwrap();
+    let errs = h.flush().unwrap();
+    assert_eq!(errs.len(), 1, "{errs:?}");
+    assert!(matches!(errs[0].1, Error::Exists(_)));
+    for i in 0..50u64 {
+        let m = h.retrieve(&format!("m/a{i}")).unwrap().unwrap();
+        assert_eq!(m.as_slice(), &pattern(100 + i, 4096)[..]);
+    }
+    // Stats account every published entry.
+    let st = h.stats().unwrap();
+    let pool = &st.pools[0];
+    assert_eq!(pool.entries, 3 + 50);
+    assert_eq!(
+        pool.writing_bytes,
+        st.clients.iter().map(|c| c.allocated).sum::<u64>()
+    );
+}
+
+#[test]
+fn roundtrip_memfs() {
+    let d = Daemon::start(no_mount(&[MEMFS]));
+    roundtrip(&d);
+}
+
+#[test]
+fn roundtrip_file_pool() {
+    let d = Daemon::start(no_mount(&[FILE]));
+    roundtrip(&d);
+}
+
+#[test]
+fn bad_names_are_refused() {
+    let d = Daemon::start(no_mount(&[MEMFS]));
+    let h = d.handler();
+    h.mkdir("n", 0o755).unwrap();
+    let long = format!("n/{}", "x".repeat(256));
+    assert!(matches!(
+        h.put(&long, b"x").unwrap_err(),
+        Error::NameTooLong(_)
+    ));
+    for bad in ["n/.", "n/..", "nokey", "n/a\0b", "/k", "n//k"] {
+        assert!(h.put(bad, b"x").is_err(), "{bad:?} accepted");
+    }
+    assert!(h.mkdir("..", 0o755).is_err());
+    assert!(matches!(
+        h.put("missing/k", b"x").unwrap_err(),
+        Error::NotFound(_)
+    ));
+    assert!(matches!(h.alloc(0).unwrap_err(), Error::InvalidArgument(_)));
+    assert!(matches!(h.alloc(1 << 40).unwrap_err(), Error::NoSpace(_)));
+}
+
+/// Process A stores, process B retrieves: B maps the very pages A wrote.
+fn two_process_pfn(pool: &str) {
+    let d = Daemon::start(no_mount(&[pool]));
+    d.handler().mkdir("pfn", 0o755).unwrap();
+    let sock = d.socket.to_string_lossy().into_owned();
+    let size = (4 << 20).to_string();
+    let a = probe(&["store", &sock, "pfn/k", &size, "7"]);
+    let b = probe(&["retrieve", &sock, "pfn/k", "7"]);
+    assert_eq!(a.trim(), b.trim(), "writer and reader frames differ");
+    assert!(!a.trim().starts_with("0 "), "PFNs are zero: not root?");
+}
+
+#[test]
+fn two_processes_share_frames_memfs() {
+    two_process_pfn(MEMFS);
+}
+
+#[test]
+fn two_processes_share_frames_file_pool() {
+    two_process_pfn(FILE);
+}
+
+fn recovery(pools: &[&str]) {
+    let mut d = Daemon::start(no_mount(pools));
+    let h = d.handler();
+    h.mkdir("r", 0o750).unwrap();
+    h.mkdir("r/sub", 0o700).unwrap();
+    let n = 40u64;
+    for i in 0..n {
+        let size = 1000 + (i as usize) * 7919;
+        h.put(&format!("r/k{i}"), &pattern(i, size)).unwrap();
+    }
+    h.put("r/sub/deep", &pattern(99, 10)).unwrap();
+    h.pin("r/k3").unwrap();
+    h.delete("r/k5").unwrap();
+    // Allocations in flight when the daemon dies must not come back nor leak.
+    let mut w = h.alloc(1 << 20).unwrap();
+    w.as_mut_slice().fill(0xee);
+    let before = h.stats().unwrap();
+    drop(h);
+    d.kill9();
+    std::mem::forget(w);
+    d.restart();
+    let h = d.handler();
+    for i in 0..n {
+        let p = format!("r/k{i}");
+        if i == 5 {
+            assert!(!h.exists(&p).unwrap());
+            continue;
+        }
+        let size = 1000 + (i as usize) * 7919;
+        let m = h
+            .retrieve(&p)
+            .unwrap()
+            .unwrap_or_else(|| panic!("{p} lost"));
+        assert_eq!(m.as_slice(), &pattern(i, size)[..], "{p} changed");
+    }
+    assert_eq!(
+        h.retrieve("r/sub/deep").unwrap().unwrap().as_slice(),
+        &pattern(99, 10)[..]
+    );
+    assert!(h.is_pinned("r/k3").unwrap());
+    assert!(!h.is_pinned("r/k4").unwrap());
+    let after = h.stats().unwrap();
+    for (b, a) in before.pools.iter().zip(&after.pools) {
+        assert_eq!(a.entries, b.entries);
+        assert_eq!(a.sealed_bytes, b.sealed_bytes);
+        assert_eq!(a.writing_bytes, 0, "a WRITING allocation survived");
+    }
+    let ns: Vec<_> = after
+        .namespaces
+        .iter()
+        .map(|n| (n.ns.clone(), n.mode))
+        .collect();
+    assert!(
+        ns.contains(&("r".into(), 0o750)) && ns.contains(&("r/sub".into(), 0o700)),
+        "{ns:?}"
+    );
+    // No leaked space: used space is what the surviving entries explain.
+    for p in &after.pools {
+        let slack = if p.kind.is_raw() { 2 << 20 } else { 64 << 10 };
+        assert!(
+            p.used <= p.sealed_bytes + slack * p.entries.max(1),
+            "pool {} uses {} for {} sealed bytes",
+            p.name,
+            p.used,
+            p.sealed_bytes
+        );
+    }
+    // Deleting everything returns all the space.
+    let keys: Vec<String> = (0..n)
+        .filter(|i| *i != 5)
+        .map(|i| format!("r/k{i}"))
+        .collect();
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    h.unpin("r/k3").unwrap();
+    assert!(h.batch_delete(&refs).unwrap().iter().all(Result::is_ok));
+    h.delete("r/sub/deep").unwrap();
+    // This client's cached mappings hold leases on raw extents until dropped.
+    h.trim();
+    let empty = h.stats().unwrap();
+    for p in &empty.pools {
+        assert_eq!(p.entries, 0);
+        assert_eq!(p.sealed_bytes, 0);
+        if p.kind.is_raw() {
+            assert_eq!(p.used, 0, "raw pool leaked {} bytes", p.used);
+        }
+    }
+}
+
+#[test]
+fn kill9_recovery_memfs() {
+    recovery(&[MEMFS]);
+}
+
+#[test]
+fn kill9_recovery_file_pool() {
+    recovery(&[FILE]);
+}
+
+#[test]
+fn kill9_recovery_two_pools() {
+    recovery(&["memfs:{dir}/pool,size=4M", FILE]);
+}
+
+#[test]
+fn client_crash_is_reclaimed() {
+    for pool in [MEMFS, FILE] {
+        let d = Daemon::start(no_mount(&[pool]));
+        let h = d.handler();
+        h.mkdir("c", 0o777).unwrap();
+        h.put("c/held", &pattern(1, 8192)).unwrap();
+        let mut child = std::process::Command::new(maru_tests::bin("maru-probe"))
+            .args(["hold", &d.socket.to_string_lossy(), "3000000", "c/held"])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = [0u8; 8];
+        child
+            .stdout
+            .as_mut()
+            .unwrap()
+            .read_exact(&mut line)
+            .unwrap();
+        let st = h.stats().unwrap();
+        assert!(st.pools[0].writing_bytes >= 3_000_000, "{st:?}");
+        assert!(st.clients.iter().any(|c| c.leases > 0 || pool == MEMFS));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let t = std::time::Instant::now();
+        loop {
+            let st = h.stats().unwrap();
+            let mine: u64 = st.clients.iter().map(|c| c.allocated).sum();
+            if st.clients.len() == 2 && st.pools[0].writing_bytes == mine {
+                // The reclaimed allocation is gone and the held entry is intact.
+                assert_eq!(
+                    h.retrieve("c/held").unwrap().unwrap().as_slice(),
+                    &pattern(1, 8192)[..]
+                );
+                break;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "not reclaimed: {st:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+fn frame(body: &[u8]) -> Vec<u8> {
+    let mut v = (body.len() as u32).to_le_bytes().to_vec();
+    v.extend_from_slice(body);
+    v
+}
+
+fn read_reply(s: &mut UnixStream) -> Option<serde_json::Value> {
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len).ok()?;
+    let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+    s.read_exact(&mut body).ok()?;
+    Some(serde_json::from_slice(&body).expect("daemon replies are JSON"))
+}
+
+#[test]
+fn malformed_frames_get_errors_and_change_nothing() {
+    let d = Daemon::start(no_mount(&[MEMFS]));
+    let h = d.handler();
+    h.mkdir("f", 0o755).unwrap();
+    h.put("f/keep", b"kept").unwrap();
+    let connect = || {
+        let s = UnixStream::connect(&d.socket).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        s
+    };
+    // A request before hello: error, then close.
+    let mut s = connect();
+    s.write_all(&frame(br#"{"id":1,"op":"stats"}"#)).unwrap();
+    let r = read_reply(&mut s).unwrap();
+    assert_eq!(r["err"]["kind"], "protocol", "{r}");
+    assert!(read_reply(&mut s).is_none(), "connection should be closed");
+    // Garbage after hello: error reply, connection keeps working.
+    let mut s = connect();
+    s.write_all(&frame(
+        br#"{"id":1,"op":"hello","args":{"version":1,"client":"t"}}"#,
+    ))
+    .unwrap();
+    assert!(read_reply(&mut s).unwrap().get("ok").is_some());
+    for bad in [
+        &b"not json"[..],
+        br#"{"id":2,"op":"no_such_op"}"#,
+        br#"{"id":3,"op":"delete","args":{"ns":"f"}}"#,
+        br#"{"id":4,"op":"publish","args":{"alloc":999999,"ns":"f","key":"x"}}"#,
+        br#"{"id":5,"op":"hello","args":{"version":1,"client":"again"}}"#,
+        br#"{"id":6,"op":"alloc","args":{"size":0,"count":1}}"#,
+        br#"{"id":7,"op":"exists","args":{"ns":"../etc","keys":["x"]}}"#,
+    ] {
+        s.write_all(&frame(bad)).unwrap();
+        let r = read_reply(&mut s).unwrap();
+        assert!(
+            r.get("err").is_some(),
+            "{} accepted: {r}",
+            String::from_utf8_lossy(bad)
+        );
+    }
+    s.write_all(&frame(
+        br#"{"id":8,"op":"exists","args":{"ns":"f","keys":["keep"]}}"#,
+    ))
+    .unwrap();
+    assert_eq!(read_reply(&mut s).unwrap()["ok"]["found"][0], true);
+    // Oversized frame: error and close.
+    let mut s2 = connect();
+    s2.write_all(&u32::MAX.to_le_bytes()).unwrap();
+    let r = read_reply(&mut s2).unwrap();
+    assert_eq!(r["err"]["kind"], "protocol");
+    assert!(read_reply(&mut s2).is_none());
+    // Half a frame, then hang up.
+    let mut s3 = connect();
+    s3.write_all(&100u32.to_le_bytes()).unwrap();
+    s3.write_all(b"{\"id\":").unwrap();
+    drop(s3);
+    // The daemon still serves, with the same state.
+    let h2 = d.handler();
+    assert_eq!(h2.retrieve("f/keep").unwrap().unwrap().as_slice(), b"kept");
+    assert_eq!(h2.stats().unwrap().pools[0].entries, 1);
+}
+
+fn fill_pool(eviction: &str) {
+    let d = Daemon::start(Opts {
+        pools: vec!["memfs:{dir}/pool,size=32M".into()],
+        mount: false,
+        extra: vec!["--eviction".into(), eviction.into()],
+    });
+    let h = d.handler();
+    h.mkdir("e", 0o755).unwrap();
+    let mb = 1 << 20;
+    h.put("e/pinned", &pattern(0, mb)).unwrap();
+    h.pin("e/pinned").unwrap();
+    let mut stored = 0;
+    let mut last_err = None;
+    for i in 1..=64u64 {
+        match h.put(&format!("e/k{i}"), &pattern(i, mb)) {
+            Ok(()) => stored += 1,
+            Err(e) => {
+                last_err = Some(e);
+                break;
+            }
+        }
+    }
+    let st = h.stats().unwrap();
+    if eviction == "lru" {
+        assert_eq!(stored, 64, "stores failed with eviction on: {last_err:?}");
+        assert!(st.pools[0].evictions > 30, "{st:?}");
+        assert!(h.exists("e/k64").unwrap());
+        assert!(
+            !h.exists("e/k1").unwrap(),
+            "the oldest entry should be evicted"
+        );
+    } else {
+        assert!(stored < 40, "pool of 32M accepted {stored} MiB");
+        assert!(matches!(last_err, Some(Error::NoSpace(_))), "{last_err:?}");
+        assert_eq!(st.pools[0].evictions, 0);
+        assert!(h.exists("e/k1").unwrap());
+    }
+    // Pinned entries survive eviction.
+    assert_eq!(
+        h.retrieve("e/pinned").unwrap().unwrap().as_slice(),
+        &pattern(0, mb)[..]
+    );
+}
+
+#[test]
+fn full_pool_with_eviction() {
+    fill_pool("lru");
+}
+
+#[test]
+fn full_pool_without_eviction() {
+    fill_pool("off");
+}
+
+#[test]
+fn full_raw_pool_evicts() {
+    let d = Daemon::start(Opts {
+        pools: vec!["file:{dir}/dev.img,size=16M".into()],
+        mount: false,
+        extra: vec![],
+    });
+    let h = d.handler();
+    h.mkdir("e", 0o755).unwrap();
+    for i in 0..40u64 {
+        h.put(&format!("e/k{i}"), &pattern(i, 1 << 20)).unwrap();
+    }
+    assert!(h.exists("e/k39").unwrap());
+    assert!(h.stats().unwrap().pools[0].evictions > 0);
+    // A leased entry is not reused while mapped, even when deleted.
+    let m = h.retrieve("e/k39").unwrap().unwrap();
+    h.delete("e/k39").unwrap();
+    for i in 40..80u64 {
+        h.put(&format!("e/k{i}"), &pattern(i, 1 << 20)).unwrap();
+    }
+    assert_eq!(m.as_slice(), &pattern(39, 1 << 20)[..]);
+}
