@@ -15,8 +15,8 @@ use crate::store::{Invalidation, Store};
 pub struct StoreFs(pub Arc<Store>);
 
 impl Backend for StoreFs {
-    fn lookup(&self, parent: u64, name: &str) -> Result<Attr> {
-        self.0.fs_lookup(parent, name)
+    fn lookup(&self, c: &Caller, parent: u64, name: &str) -> Result<Attr> {
+        self.0.fs_lookup(c, parent, name)
     }
     fn getattr(&self, ino: u64) -> Result<Attr> {
         self.0.fs_getattr(ino)

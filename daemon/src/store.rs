@@ -152,6 +152,8 @@ struct Alloc {
     mtime: SystemTime,
     /// Bytes counted in the pool's `writing_bytes`.
     acct: u64,
+    /// Through the mount: the creating process (the only one that sees it before sealing).
+    tgid: i32,
 }
 
 struct Namespace {
@@ -1153,6 +1155,7 @@ impl Store {
                             mode: 0o444,
                             mtime: now(),
                             acct,
+                            tgid: 0,
                         },
                     );
                     st.sessions
@@ -1893,8 +1896,9 @@ impl Store {
         }
     }
 
-    /// Looks `name` up in namespace `parent`. Entries being written are invisible.
-    pub fn fs_lookup(&self, parent: u64, name: &str) -> Result<Attr> {
+    /// Looks `name` up in namespace `parent`. Entries being written are visible only to
+    /// the process writing them.
+    pub fn fs_lookup(&self, c: &Caller, parent: u64, name: &str) -> Result<Attr> {
         let st = self.st.lock();
         let p = Self::ns_path_of(&st, parent)?;
         let n = &st.ns[&p];
@@ -1903,6 +1907,12 @@ impl Store {
         }
         if n.children.contains_key(name) {
             return Ok(ns_attr(&st.ns[&join(&p, name)]));
+        }
+        if let Some(id) = n.writing.get(name)
+            && let Some(a) = st.allocs.get(id)
+            && a.tgid == maru_fsd::backend::tgid_of(c.pid)
+        {
+            return Ok(self.alloc_attr(*id, a));
         }
         Err(Error::NotFound(join(&p, name)))
     }
@@ -2022,6 +2032,7 @@ impl Store {
             mode: mode & 0o7777,
             mtime: now(),
             acct: 0,
+            tgid: maru_fsd::backend::tgid_of(c.pid),
         };
         let attr = self.alloc_attr(id, &a);
         st.allocs.insert(id, a);
@@ -2065,7 +2076,7 @@ impl Store {
             };
         }
         if let Some(a) = st.allocs.get(&ino) {
-            if a.target.is_none() || (c.uid != 0 && c.uid != a.uid) {
+            if a.target.is_none() || a.tgid != maru_fsd::backend::tgid_of(c.pid) {
                 return Err(Error::NotFound(format!("inode {ino} is being written")));
             }
             return Ok(match &a.file {

@@ -22,6 +22,18 @@ pub struct Caller {
     pub pid: i32,
 }
 
+/// The thread group (process) id of thread `pid`.
+pub fn tgid_of(pid: i32) -> i32 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Tgid:"))
+                .and_then(|l| l["Tgid:".len()..].trim().parse().ok())
+        })
+        .unwrap_or(pid)
+}
+
 impl Caller {
     /// Root.
     pub fn root() -> Self {
@@ -115,8 +127,9 @@ pub struct Xattr {
 
 /// The store, as the filesystem sees it. Names are single components.
 pub trait Backend: Send + Sync + 'static {
-    /// Looks up `name` in directory `parent`. Entries being written are not visible.
-    fn lookup(&self, parent: u64, name: &str) -> Result<Attr>;
+    /// Looks up `name` in directory `parent`. Entries being written are visible only to
+    /// the process that creates them.
+    fn lookup(&self, c: &Caller, parent: u64, name: &str) -> Result<Attr>;
     /// Attributes of a node (including a file being written, for its writer).
     fn getattr(&self, ino: u64) -> Result<Attr>;
     /// Lists a directory.
@@ -127,7 +140,7 @@ pub trait Backend: Send + Sync + 'static {
     fn rmdir(&self, c: &Caller, parent: u64, name: &str) -> Result<()>;
     /// Creates an entry in the WRITING state.
     fn create(&self, c: &Caller, parent: u64, name: &str, mode: u32) -> Result<(Attr, OpenedFile)>;
-    /// Opens a node: sealed entries read-only; a WRITING entry only by its creator.
+    /// Opens a node: sealed entries read-only; a WRITING entry only by its creating process.
     fn open(&self, c: &Caller, ino: u64, write: bool) -> Result<OpenedFile>;
     /// A read handle of `ino` was released.
     fn close(&self, _ino: u64) {}

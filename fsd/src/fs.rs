@@ -25,6 +25,8 @@ pub struct Handle {
     pub writable: bool,
     /// How it is served.
     pub opened: OpenedFile,
+    /// The process that opened it.
+    pub tgid: i32,
 }
 
 /// The filesystem.
@@ -63,9 +65,9 @@ impl<B: Backend> Fs<B> {
     }
 
     /// Looks a name up.
-    pub fn lookup(&self, parent: u64, name: &str) -> Result<Attr> {
+    pub fn lookup(&self, c: &Caller, parent: u64, name: &str) -> Result<Attr> {
         check_name(name)?;
-        self.backend.lookup(parent, name)
+        self.backend.lookup(c, parent, name)
     }
 
     /// Attributes.
@@ -126,6 +128,7 @@ impl<B: Backend> Fs<B> {
             ino: attr.ino,
             writable: true,
             opened: opened.clone(),
+            tgid: crate::backend::tgid_of(c.pid),
         });
         Ok((attr, fh, opened))
     }
@@ -146,6 +149,11 @@ impl<B: Backend> Fs<B> {
             ino,
             writable: write,
             opened: opened.clone(),
+            tgid: if write {
+                crate::backend::tgid_of(c.pid)
+            } else {
+                0
+            },
         });
         Ok((fh, opened))
     }
@@ -160,10 +168,13 @@ impl<B: Backend> Fs<B> {
     }
 
     /// `close(2)` of a descriptor: the last writable handle of an entry being written
-    /// publishes it here, so that the entry is visible when `close` returns.
-    pub fn flush(&self, fh: u64) -> Result<()> {
+    /// publishes it here when the process that opened it closes it, so that the entry is
+    /// visible when `close` returns. Copies of the descriptor closed by other processes
+    /// (a child that inherited it across fork, closing it at exec) do not publish; the
+    /// entry is then published when the kernel releases the handle.
+    pub fn flush(&self, c: &Caller, fh: u64) -> Result<()> {
         let h = self.handle(fh)?;
-        if !h.writable {
+        if !h.writable || crate::backend::tgid_of(c.pid) != h.tgid {
             return Ok(());
         }
         let last = self.writers.lock().get(&h.ino).copied() == Some(1);
@@ -377,7 +388,7 @@ mod tests {
     }
 
     impl Backend for Rec {
-        fn lookup(&self, _: u64, _: &str) -> Result<Attr> {
+        fn lookup(&self, _: &Caller, _: u64, _: &str) -> Result<Attr> {
             Err(Error::NotFound("x".into()))
         }
         fn getattr(&self, ino: u64) -> Result<Attr> {
@@ -449,11 +460,11 @@ mod tests {
         let (a, fh1, _) = fs.create(&c, 1, "k", 0o644).unwrap();
         let (fh2, _) = fs.open(&c, a.ino, true, false).unwrap();
         let (fh3, _) = fs.open(&c, a.ino, false, false).unwrap();
-        fs.flush(fh3).unwrap();
-        fs.flush(fh1).unwrap();
+        fs.flush(&c, fh3).unwrap();
+        fs.flush(&c, fh1).unwrap();
         assert_eq!(fs.backend().seals.load(Ordering::SeqCst), 0);
         fs.release(fh1);
-        fs.flush(fh2).unwrap();
+        fs.flush(&c, fh2).unwrap();
         assert_eq!(fs.backend().seals.load(Ordering::SeqCst), 1);
         fs.release(fh2);
         fs.release(fh3);
@@ -473,7 +484,10 @@ mod tests {
     fn names_and_xattrs() {
         let fs = Fs::new(Rec::default());
         let long = "x".repeat(256);
-        assert_eq!(fs.lookup(1, &long).unwrap_err().errno(), libc::ENAMETOOLONG);
+        assert_eq!(
+            fs.lookup(&Caller::root(), 1, &long).unwrap_err().errno(),
+            libc::ENAMETOOLONG
+        );
         assert_eq!(fs.getxattr(2, "user.maru.state").unwrap(), b"writing");
         assert_eq!(
             fs.getxattr(2, "user.other").unwrap_err().errno(),

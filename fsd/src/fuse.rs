@@ -171,13 +171,13 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         Ok(())
     }
 
-    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+    fn lookup(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         self.fs.backend().count_upcall("lookup");
         let name = match name_str(name) {
             Ok(n) => n,
             Err(e) => return reply.error(e),
         };
-        self.reply_entry(reply, self.fs.lookup(parent.0, name));
+        self.reply_entry(reply, self.fs.lookup(&caller(req, false), parent.0, name));
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
@@ -379,14 +379,14 @@ impl<B: Backend> Filesystem for FuseFs<B> {
 
     fn flush(
         &self,
-        _req: &Request,
+        req: &Request,
         _ino: INodeNo,
         fh: FileHandle,
         _lock: LockOwner,
         reply: ReplyEmpty,
     ) {
         self.fs.backend().count_upcall("flush");
-        match self.fs.flush(fh.0) {
+        match self.fs.flush(&caller(req, false), fh.0) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(&e)),
         }

@@ -265,6 +265,14 @@ impl Daemon {
 
 impl Drop for Daemon {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            let log = self.log_text();
+            let tail: Vec<&str> = log.lines().rev().take(60).collect();
+            eprintln!("--- marud log (last lines) ---");
+            for l in tail.iter().rev() {
+                eprintln!("{l}");
+            }
+        }
         self.stop();
         if let Some(m) = &self.mount {
             force_unmount(m);

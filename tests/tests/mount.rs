@@ -1,0 +1,542 @@
+//! The /maru filesystem against a real mount (issue: FUSE filesystem).
+//! Each claim of doc/SEMANTICS.md names the test that backs it.
+
+use std::fs::{File, OpenOptions};
+use std::io::{ErrorKind, Write};
+use std::os::unix::fs::{FileExt, PermissionsExt};
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use maru_tests::{Daemon, Opts, pattern, pfns};
+
+fn daemon() -> Daemon {
+    Daemon::start(Opts::default())
+}
+
+fn python(code: &str, args: &[&str]) -> String {
+    let out = Command::new("python3")
+        .arg("-c")
+        .arg(code)
+        .args(args)
+        .output()
+        .expect("python3");
+    assert!(
+        out.status.success(),
+        "python failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// Python's writer: open, ftruncate, mmap, write, close.
+const PY_STORE: &str = r#"
+import mmap, os, sys
+path, size, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+block = bytes((i + seed) % 251 for i in range(251))
+data = (block * (size // 251 + 1))[:size]
+fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+os.ftruncate(fd, size)
+m = mmap.mmap(fd, size)
+m[:] = data
+m.close()
+os.close(fd)
+"#;
+
+const PY_READ: &str = r#"
+import hashlib, mmap, sys
+with open(sys.argv[1], "rb") as f:
+    m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    print(len(m), hashlib.sha256(m).hexdigest())
+    m.close()
+"#;
+
+fn py_pattern(size: usize, seed: usize) -> Vec<u8> {
+    (0..size).map(|i| ((i % 251 + seed) % 251) as u8).collect()
+}
+
+fn sha256_hex(path: &Path) -> String {
+    let out = Command::new("sha256sum").arg(path).output().unwrap();
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_owned()
+}
+
+#[test]
+fn python_stores_python_and_rust_retrieve() {
+    let d = daemon();
+    std::fs::create_dir(d.path("llama")).unwrap();
+    let p = d.path("llama/chunk0");
+    let size = 4 << 20;
+    python(PY_STORE, &[p.to_str().unwrap(), &size.to_string(), "3"]);
+    let expect = py_pattern(size, 3);
+    // Another Python process.
+    let out = python(PY_READ, &[p.to_str().unwrap()]);
+    let mut it = out.split_whitespace();
+    assert_eq!(it.next().unwrap(), size.to_string());
+    assert_eq!(it.next().unwrap(), sha256_hex(&p));
+    // A Rust process through the mount, and through libmaru: one store, two doors.
+    let f = File::open(&p).unwrap();
+    // SAFETY: read-only mapping of a sealed entry.
+    let m = unsafe { memmap2::Mmap::map(&f).unwrap() };
+    assert_eq!(&m[..], &expect[..]);
+    let h = d.handler();
+    assert_eq!(
+        h.retrieve("llama/chunk0").unwrap().unwrap().as_slice(),
+        &expect[..]
+    );
+    // And the other way: stored through libmaru, read through the mount.
+    h.put("llama/from-lib", &pattern(5, 100_000)).unwrap();
+    assert_eq!(
+        std::fs::read(d.path("llama/from-lib")).unwrap(),
+        pattern(5, 100_000)
+    );
+}
+
+#[test]
+fn mount_mapping_is_the_pool_page() {
+    let d = daemon();
+    std::fs::create_dir(d.path("pfn")).unwrap();
+    let size = 8 << 20;
+    std::fs::write(d.path("pfn/k"), pattern(1, size)).unwrap();
+    let via_mount = File::open(d.path("pfn/k")).unwrap();
+    let backing = File::open(d.pool_dir().join("n/pfn/k")).unwrap();
+    // SAFETY: read-only mappings of a sealed entry.
+    let (a, b) = unsafe {
+        (
+            memmap2::Mmap::map(&via_mount).unwrap(),
+            memmap2::Mmap::map(&backing).unwrap(),
+        )
+    };
+    assert_eq!(&a[..], &b[..]);
+    let pa = pfns(a.as_ptr(), size);
+    let pb = pfns(b.as_ptr(), size);
+    assert!(pa[0] != 0, "PFNs are zero: not root?");
+    assert_eq!(pa, pb, "the mount's mapping is not the pool's pages");
+    // The entry says how it is served.
+    let access = xattr(&d.path("pfn/k"), "user.maru.access").unwrap();
+    assert_eq!(access, b"passthrough");
+}
+
+fn xattr(p: &Path, name: &str) -> std::io::Result<Vec<u8>> {
+    let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
+    let n = std::ffi::CString::new(name).unwrap();
+    let mut buf = vec![0u8; 4096];
+    // SAFETY: valid C strings and buffer.
+    let r = unsafe { libc::getxattr(c.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    buf.truncate(r as usize);
+    Ok(buf)
+}
+
+fn set_xattr(p: &Path, name: &str, v: &[u8]) -> std::io::Result<()> {
+    let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
+    let n = std::ffi::CString::new(name).unwrap();
+    // SAFETY: valid C strings and buffer.
+    let r = unsafe { libc::setxattr(c.as_ptr(), n.as_ptr(), v.as_ptr().cast(), v.len(), 0) };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Another process polls the name while this one writes it slowly.
+const PY_RACE: &str = r#"
+import os, sys, time
+path, size, stop = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+full = 0
+while True:
+    done = os.path.exists(stop)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        if len(data) != size:
+            print("partial", len(data)); sys.exit(1)
+        if data != bytes((i * 7 + 3) % 256 for i in range(256)) * (size // 256):
+            print("torn"); sys.exit(1)
+        full += 1
+    except FileNotFoundError:
+        pass
+    if done and full:
+        break
+print("ok", full)
+"#;
+
+#[test]
+fn readers_never_see_a_partial_entry() {
+    let d = daemon();
+    std::fs::create_dir(d.path("race")).unwrap();
+    let size = 2 << 20;
+    let block: Vec<u8> = (0..256u32).map(|i| ((i * 7 + 3) % 256) as u8).collect();
+    let data: Vec<u8> = block.iter().copied().cycle().take(size).collect();
+    for round in 0..4 {
+        let p = d.path(&format!("race/k{round}"));
+        let stop = d.dir.join(format!("stop{round}"));
+        let reader = Command::new("python3")
+            .arg("-c")
+            .arg(PY_RACE)
+            .args([
+                p.to_str().unwrap(),
+                &size.to_string(),
+                stop.to_str().unwrap(),
+            ])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&p)
+            .unwrap();
+        for chunk in data.chunks(128 << 10) {
+            f.write_all(chunk).unwrap();
+            // The writer itself sees its entry while writing it.
+            assert!(p.exists());
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        drop(f);
+        std::fs::write(&stop, b"").unwrap();
+        let out = reader.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && text.starts_with("ok"),
+            "reader saw: {text}"
+        );
+    }
+}
+
+#[test]
+fn sealed_entries_are_immutable() {
+    let d = daemon();
+    std::fs::create_dir(d.path("ro")).unwrap();
+    let p = d.path("ro/k");
+    std::fs::write(&p, b"original").unwrap();
+    assert_eq!(
+        std::fs::metadata(&p).unwrap().permissions().mode() & 0o777,
+        0o444
+    );
+    for opts in [
+        OpenOptions::new().write(true).clone(),
+        OpenOptions::new().append(true).clone(),
+        OpenOptions::new().write(true).truncate(true).clone(),
+        OpenOptions::new().read(true).write(true).clone(),
+    ] {
+        let e = opts.open(&p).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
+    }
+    let e = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&p)
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::AlreadyExists);
+    let e = File::open(&p).unwrap().set_len(1).unwrap_err();
+    assert!(
+        e.raw_os_error() == Some(libc::EPERM)
+            || e.raw_os_error() == Some(libc::EBADF)
+            || e.raw_os_error() == Some(libc::EINVAL),
+        "{e}"
+    );
+    let e = std::fs::write(&p, b"x").unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EPERM));
+    assert_eq!(std::fs::read(&p).unwrap(), b"original");
+    // Overwriting by rename is refused too: entries are write-once.
+    std::fs::write(d.path("ro/other"), b"other").unwrap();
+    let e = std::fs::rename(d.path("ro/other"), &p).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EEXIST));
+    assert_eq!(std::fs::read(&p).unwrap(), b"original");
+}
+
+#[test]
+fn unlink_while_mapped_keeps_bytes() {
+    let d = daemon();
+    std::fs::create_dir(d.path("u")).unwrap();
+    let p = d.path("u/k");
+    let data = pattern(9, 3 << 20);
+    std::fs::write(&p, &data).unwrap();
+    let f = File::open(&p).unwrap();
+    // SAFETY: read-only mapping of a sealed entry.
+    let m = unsafe { memmap2::Mmap::map(&f).unwrap() };
+    drop(f);
+    std::fs::remove_file(&p).unwrap();
+    assert_eq!(
+        std::fs::metadata(&p).unwrap_err().kind(),
+        ErrorKind::NotFound
+    );
+    assert!(!d.pool_dir().join("n/u/k").exists());
+    assert!(&m[..] == &data[..]);
+    // Deleted through libmaru while mapped through the mount: same guarantee, and the
+    // kernel forgets the name at once (no stale cached entry).
+    let h = d.handler();
+    h.put("u/k2", &data).unwrap();
+    let f = File::open(d.path("u/k2")).unwrap();
+    // SAFETY: as above.
+    let m2 = unsafe { memmap2::Mmap::map(&f).unwrap() };
+    assert!(std::fs::metadata(d.path("u/k2")).is_ok());
+    h.delete("u/k2").unwrap();
+    let t = std::time::Instant::now();
+    while std::fs::metadata(d.path("u/k2")).is_ok() {
+        assert!(
+            t.elapsed() < Duration::from_secs(2),
+            "stale name after delete"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(&m2[..] == &data[..]);
+}
+
+#[test]
+fn df_shows_the_pool() {
+    let d = daemon();
+    let s = nix::sys::statvfs::statvfs(d.mount.as_ref().unwrap()).unwrap();
+    let total = s.blocks() * s.fragment_size();
+    assert_eq!(total, 256 << 20);
+    std::fs::create_dir(d.path("df")).unwrap();
+    std::fs::write(d.path("df/k"), pattern(1, 16 << 20)).unwrap();
+    let s2 = nix::sys::statvfs::statvfs(d.mount.as_ref().unwrap()).unwrap();
+    let used = (s2.blocks() - s2.blocks_free()) * s2.fragment_size();
+    assert!(used >= 16 << 20, "used {used}");
+    let out = Command::new("df")
+        .arg("-B1")
+        .arg(d.mount.as_ref().unwrap())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("maru") && text.contains(&(256u64 << 20).to_string()),
+        "{text}"
+    );
+}
+
+#[test]
+fn names_too_long_and_unsupported_ops() {
+    let d = daemon();
+    std::fs::create_dir(d.path("n")).unwrap();
+    let long = d.path(&format!("n/{}", "x".repeat(256)));
+    let e = File::create(&long).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::ENAMETOOLONG));
+    let ok = d.path(&format!("n/{}", "y".repeat(255)));
+    std::fs::write(&ok, b"fine").unwrap();
+    assert_eq!(std::fs::read(&ok).unwrap(), b"fine");
+    std::fs::write(d.path("n/t"), b"t").unwrap();
+    let e = std::os::unix::fs::symlink("t", d.path("n/l")).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EPERM));
+    let e = std::fs::hard_link(d.path("n/t"), d.path("n/h")).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EPERM));
+    // Entries live in namespaces, not at the root.
+    let e = File::create(d.path("rootfile")).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EACCES));
+    // rmdir of a non-empty namespace.
+    let e = std::fs::remove_dir(d.path("n")).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::ENOTEMPTY));
+}
+
+#[test]
+fn other_users_cannot_touch_a_private_namespace() {
+    let d = daemon();
+    // Let others reach the mount point itself.
+    std::fs::set_permissions(&d.dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::create_dir(d.path("private")).unwrap();
+    std::fs::set_permissions(d.path("private"), std::fs::Permissions::from_mode(0o700)).unwrap();
+    std::fs::write(d.path("private/secret"), b"secret").unwrap();
+    std::fs::create_dir(d.path("open")).unwrap();
+    std::fs::set_permissions(d.path("open"), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let as_nobody = |script: &str| {
+        Command::new("setpriv")
+            .args([
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+                "sh",
+                "-c",
+                script,
+            ])
+            .output()
+            .unwrap()
+    };
+    let secret = d.path("private/secret");
+    for script in [
+        format!("cat {}", secret.display()),
+        format!("echo x > {}", d.path("private/new").display()),
+        format!("rm -f {}", secret.display()),
+        format!("ls {}", d.path("private").display()),
+        format!("setfattr -n user.maru.pinned -v 1 {}", secret.display()),
+    ] {
+        let out = as_nobody(&script);
+        assert!(!out.status.success(), "nobody could run `{script}`");
+    }
+    assert_eq!(std::fs::read(&secret).unwrap(), b"secret");
+    assert!(!d.path("private/new").exists());
+    // The same user may use a namespace open to everyone, and owns what it stores.
+    let out = as_nobody(&format!(
+        "echo hi > {} && cat {}",
+        d.path("open/mine").display(),
+        d.path("open/mine").display()
+    ));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!(std::fs::metadata(d.path("open/mine")).unwrap().uid(), 65534);
+}
+
+#[test]
+fn xattrs_show_state_and_pin() {
+    let d = daemon();
+    std::fs::create_dir(d.path("x")).unwrap();
+    let p = d.path("x/k");
+    std::fs::write(&p, b"abc").unwrap();
+    assert_eq!(xattr(&p, "user.maru.state").unwrap(), b"sealed");
+    assert_eq!(xattr(&p, "user.maru.size").unwrap(), b"3");
+    assert_eq!(xattr(&p, "user.maru.pinned").unwrap(), b"0");
+    assert!(
+        xattr(&p, "user.maru.location")
+            .unwrap()
+            .ends_with(b"/n/x/k")
+    );
+    set_xattr(&p, "user.maru.pinned", b"1").unwrap();
+    assert_eq!(xattr(&p, "user.maru.pinned").unwrap(), b"1");
+    assert!(d.handler().is_pinned("x/k").unwrap());
+    let e = set_xattr(&p, "user.maru.size", b"9").unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EACCES));
+    let out = Command::new("getfattr")
+        .args(["-d", "-m", "user.maru"])
+        .arg(&p)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("user.maru.state=\"sealed\""), "{text}");
+}
+
+#[test]
+fn rename_publishes_a_temp_name_and_tools_work() {
+    let d = daemon();
+    std::fs::create_dir(d.path("t")).unwrap();
+    // Write under a temp name, rename onto the key.
+    let tmp = d.path("t/.k.tmp");
+    std::fs::write(&tmp, pattern(2, 70_000)).unwrap();
+    std::fs::rename(&tmp, d.path("t/k")).unwrap();
+    assert!(!tmp.exists());
+    assert_eq!(std::fs::read(d.path("t/k")).unwrap(), pattern(2, 70_000));
+    assert!(d.handler().exists("t/k").unwrap());
+    // Renamed while still open for writing: published under the new name at close.
+    let mut f = File::create(d.path("t/.w")).unwrap();
+    std::fs::rename(d.path("t/.w"), d.path("t/w")).unwrap();
+    f.write_all(b"late").unwrap();
+    drop(f);
+    assert_eq!(std::fs::read(d.path("t/w")).unwrap(), b"late");
+    // cp in and out, ls, du, find, stat.
+    let src = d.dir.join("src.bin");
+    std::fs::write(&src, pattern(3, 1 << 20)).unwrap();
+    assert!(
+        Command::new("cp")
+            .arg(&src)
+            .arg(d.path("t/copied"))
+            .status()
+            .unwrap()
+            .success()
+    );
+    let back = d.dir.join("back.bin");
+    assert!(
+        Command::new("cp")
+            .arg(d.path("t/copied"))
+            .arg(&back)
+            .status()
+            .unwrap()
+            .success()
+    );
+    assert_eq!(std::fs::read(&back).unwrap(), pattern(3, 1 << 20));
+    let ls = Command::new("ls")
+        .arg("-l")
+        .arg(d.path("t"))
+        .output()
+        .unwrap();
+    let ls = String::from_utf8_lossy(&ls.stdout);
+    assert!(ls.contains("copied") && ls.contains("1048576"), "{ls}");
+    let find = Command::new("find")
+        .arg(d.mount.as_ref().unwrap())
+        .arg("-type")
+        .arg("f")
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&find.stdout).lines().count(), 3);
+    let du = Command::new("du")
+        .arg("-sb")
+        .arg(d.path("t"))
+        .output()
+        .unwrap();
+    assert!(du.status.success());
+    // Directories cannot be renamed in place (EXDEV makes `mv` copy instead).
+    std::fs::create_dir(d.path("t2")).unwrap();
+    let e = std::fs::rename(d.path("t2"), d.path("t3")).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EXDEV));
+    let f = File::open(d.path("t/k")).unwrap();
+    let mut buf = [0u8; 10];
+    f.read_exact_at(&mut buf, 100).unwrap();
+    assert_eq!(&buf, &pattern(2, 70_000)[100..110]);
+}
+
+#[test]
+fn crash_leaves_a_dead_mount_that_restart_replaces() {
+    let mut d = daemon();
+    std::fs::create_dir(d.path("c")).unwrap();
+    std::fs::write(d.path("c/k"), pattern(4, 10_000)).unwrap();
+    d.kill9();
+    let e = std::fs::metadata(d.path("c/k")).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::ENOTCONN), "{e}");
+    d.restart();
+    assert_eq!(std::fs::read(d.path("c/k")).unwrap(), pattern(4, 10_000));
+    // SIGTERM unmounts cleanly.
+    let mnt = d.mount.clone().unwrap();
+    d.stop();
+    assert!(!maru_tests::is_mounted(&mnt));
+}
+
+#[test]
+fn eviction_removes_names_from_the_mount() {
+    let d = Daemon::start(Opts {
+        pools: vec!["memfs:{dir}/pool,size=16M".into()],
+        mount: true,
+        extra: vec![],
+    });
+    std::fs::create_dir(d.path("ev")).unwrap();
+    std::fs::write(d.path("ev/old"), pattern(1, 4 << 20)).unwrap();
+    assert!(d.path("ev/old").exists());
+    let h = d.handler();
+    for i in 0..6 {
+        h.put(&format!("ev/n{i}"), &pattern(i, 4 << 20)).unwrap();
+    }
+    assert!(
+        !d.path("ev/old").exists(),
+        "an evicted entry is still visible"
+    );
+    let n = std::fs::read_dir(d.path("ev")).unwrap().count();
+    assert!(n <= 4, "{n} entries in a 16M pool of 4M entries");
+}
+
+#[test]
+fn a_child_closing_an_inherited_copy_does_not_publish() {
+    let d = daemon();
+    std::fs::create_dir(d.path("fork")).unwrap();
+    let p = d.path("fork/k");
+    let mut f = File::create(&p).unwrap();
+    f.write_all(b"part").unwrap();
+    // The child inherits the descriptor until its exec closes it (O_CLOEXEC): that close
+    // must not publish the entry.
+    assert!(Command::new("true").status().unwrap().success());
+    let seen = Command::new("test").arg("-e").arg(&p).status().unwrap();
+    assert!(!seen.success(), "published by a child's close");
+    f.write_all(b"rest").unwrap();
+    drop(f);
+    assert_eq!(std::fs::read(&p).unwrap(), b"partrest");
+    let seen = Command::new("test").arg("-e").arg(&p).status().unwrap();
+    assert!(seen.success(), "not visible after the writer's close");
+}
