@@ -183,7 +183,8 @@ pub struct MemfsPool {
     pub capacity: u64,
     /// Whether this daemon mounted it (vs reused one left by an earlier run).
     pub mounted_here: bool,
-    root_fd: File,
+    /// Namespace directories known to exist in this pool.
+    ns_dirs: parking_lot::Mutex<std::collections::HashSet<String>>,
 }
 
 /// A sealed entry found on a memfs pool at start.
@@ -243,13 +244,12 @@ impl MemfsPool {
                 std::fs::DirBuilder::new().mode(0o700).create(&p)?;
             }
         }
-        let root_fd = File::open(&root)?;
         let capacity = statvfs(&root)?.0;
         Ok(MemfsPool {
             root,
             capacity,
             mounted_here,
-            root_fd,
+            ns_dirs: parking_lot::Mutex::new(std::collections::HashSet::new()),
         })
     }
 
@@ -263,13 +263,14 @@ impl MemfsPool {
         self.root.join("n").join(ns).join(key)
     }
 
-    /// Creates a writing file of `size` bytes (space reserved with fallocate).
-    pub fn create_writing(&self, id: u64, size: u64) -> Result<File, Error> {
+    /// Creates a writing file of `size` bytes (space reserved with fallocate), with the
+    /// permission bits it will have once sealed (the descriptor returned stays writable).
+    pub fn create_writing(&self, id: u64, size: u64, mode: u32) -> Result<File, Error> {
         let f = OpenOptions::new()
             .read(true)
             .write(true)
             .create_new(true)
-            .mode(0o600)
+            .mode(mode)
             .custom_flags(libc::O_CLOEXEC)
             .open(self.writing_path(id))?;
         if size > 0 {
@@ -290,6 +291,9 @@ impl MemfsPool {
 
     /// Makes sure the namespace directory exists in this pool.
     pub fn ensure_ns(&self, ns: &str) -> io::Result<()> {
+        if self.ns_dirs.lock().contains(ns) {
+            return Ok(());
+        }
         let p = self.root.join("n").join(ns);
         if !p.is_dir() {
             std::fs::DirBuilder::new()
@@ -297,11 +301,13 @@ impl MemfsPool {
                 .mode(0o700)
                 .create(&p)?;
         }
+        self.ns_dirs.lock().insert(ns.to_owned());
         Ok(())
     }
 
     /// Removes an (empty) namespace directory from this pool.
     pub fn remove_ns(&self, ns: &str) {
+        self.ns_dirs.lock().remove(ns);
         let _ = std::fs::remove_dir(self.root.join("n").join(ns));
     }
 
@@ -388,12 +394,6 @@ impl MemfsPool {
         let mut found = Vec::new();
         walk(&self.root.join("n"), "", &mut dirs, &mut found)?;
         Ok((dirs, found))
-    }
-
-    /// Bytes of this pool's files held in huge pages (approximation from the files' block use
-    /// is not possible; reads `ShmemHugePages` share when this is the only tmpfs is not either).
-    pub fn root_fd(&self) -> &File {
-        &self.root_fd
     }
 
     /// Unmounts the tmpfs (dropping every entry).

@@ -883,7 +883,7 @@ impl Store {
         let pool = &self.pools[p as usize];
         match &pool.imp {
             PoolImpl::Memfs(m) => {
-                let f = m.create_writing(id, size)?;
+                let f = m.create_writing(id, size, 0o444)?;
                 Ok((p, 0, Some(f)))
             }
             PoolImpl::Raw(_) => {
@@ -1290,10 +1290,15 @@ impl Store {
                 if size < a.size {
                     f.set_len(size)?;
                 }
+                // The file was created by root with mode 0444 (socket allocations); fix what differs.
                 // SAFETY: plain syscalls on a descriptor we own.
                 unsafe {
-                    libc::fchown(f.as_raw_fd(), uid, gid);
-                    libc::fchmod(f.as_raw_fd(), mode);
+                    if uid != 0 || gid != 0 {
+                        libc::fchown(f.as_raw_fd(), uid, gid);
+                    }
+                    if a.target.is_some() || mode != 0o444 {
+                        libc::fchmod(f.as_raw_fd(), mode);
+                    }
                 }
                 m.publish(id, ns, key)?;
             }
@@ -2009,7 +2014,7 @@ impl Store {
                 let PoolImpl::Memfs(m) = &mp.imp else {
                     unreachable!("memfs pool")
                 };
-                (mp.id, Some(Arc::new(m.create_writing(id, 0)?)), None)
+                (mp.id, Some(Arc::new(m.create_writing(id, 0, 0o600)?)), None)
             }
             None => {
                 let rp = self

@@ -51,6 +51,8 @@ pub struct Config {
     pub cache_bytes: u64,
     /// Pool to allocate from (by name); the daemon's placement policy when `None`.
     pub pool: Option<String>,
+    /// Map retrieved entries with `MAP_POPULATE` (page tables built at once, no faults later).
+    pub populate: bool,
 }
 
 impl Default for Config {
@@ -62,11 +64,12 @@ impl Default for Config {
             client_name: format!("pid-{}", std::process::id()),
             timeout: Duration::from_secs(30),
             batch_alloc_max: 1 << 20,
-            batch_alloc_count: 32,
+            batch_alloc_count: 64,
             batch_alloc_bytes: 1 << 20,
             cache_entries: 4096,
             cache_bytes: 1 << 30,
             pool: None,
+            populate: true,
         }
     }
 }
@@ -141,6 +144,7 @@ struct Cached {
 enum Pending {
     Publish(String),
     Release,
+    Alloc(u64),
 }
 
 struct Inner {
@@ -154,6 +158,7 @@ struct Inner {
     pool_rw: HashMap<u32, Arc<File>>,
     spares: HashMap<u64, Vec<Spare>>,
     sizes_seen: HashMap<u64, u32>,
+    refilling: std::collections::HashSet<u64>,
     pending: HashMap<u64, Pending>,
     async_errors: Vec<(String, Error)>,
     indexes: HashMap<String, NsIndex>,
@@ -199,6 +204,7 @@ impl Handler {
             pool_rw: HashMap::new(),
             spares: HashMap::new(),
             sizes_seen: HashMap::new(),
+            refilling: std::collections::HashSet::new(),
             pending: HashMap::new(),
             async_errors: Vec::new(),
             indexes: HashMap::new(),
@@ -544,8 +550,20 @@ impl Inner {
         let resp: Response = proto::decode(&body)?;
         let fds = self.reader.take_fds(resp.fds as usize)?;
         if let Some(p) = self.pending.remove(&resp.id) {
-            if let (Pending::Publish(path), Outcome::Err(w)) = (p, resp.result) {
-                self.async_errors.push((path, Error::from(w)));
+            match (p, resp.result) {
+                (Pending::Publish(path), Outcome::Err(w)) => {
+                    self.async_errors.push((path, Error::from(w)));
+                }
+                (Pending::Alloc(size), Outcome::Ok(Body::Allocated { grants })) => {
+                    self.refilling.remove(&size);
+                    let spares = self.to_spares(grants, fds)?;
+                    self.spares.entry(size).or_default().extend(spares);
+                }
+                (Pending::Alloc(size), _) => {
+                    // A failed refill (full pool...) surfaces at the next synchronous alloc.
+                    self.refilling.remove(&size);
+                }
+                _ => {}
             }
             return Ok(None);
         }
@@ -592,17 +610,15 @@ impl Inner {
             .ok_or_else(|| Error::Protocol(format!("unknown pool {id}")))
     }
 
-    fn alloc(&mut self, size: u64) -> Result<AllocHandle> {
-        if size == 0 {
-            return Err(Error::InvalidArgument("allocation of 0 bytes".into()));
-        }
-        if let Some(s) = self.spares.get_mut(&size).and_then(Vec::pop) {
-            return self.map_grant(s);
-        }
+    /// How many allocations of `size` one request asks for.
+    fn batch_count(&mut self, size: u64) -> u32 {
         // Batch only sizes that repeat (KV chunks of one model do), within a byte budget.
+        if self.sizes_seen.len() > 4096 {
+            self.sizes_seen.clear();
+        }
         let seen = self.sizes_seen.entry(size).or_insert(0);
         *seen = seen.saturating_add(1);
-        let count = if *seen >= 2 && size <= self.cfg.batch_alloc_max {
+        if *seen >= 2 && size <= self.cfg.batch_alloc_max {
             let by_bytes = (self.cfg.batch_alloc_bytes / size).max(1) as u32;
             self.cfg
                 .batch_alloc_count
@@ -610,10 +626,37 @@ impl Inner {
                 .clamp(1, MAX_FDS_PER_FRAME as u32)
         } else {
             1
-        };
-        if self.sizes_seen.len() > 4096 {
-            self.sizes_seen.clear();
         }
+    }
+
+    fn alloc(&mut self, size: u64) -> Result<AllocHandle> {
+        if size == 0 {
+            return Err(Error::InvalidArgument("allocation of 0 bytes".into()));
+        }
+        // A refill requested earlier may be on its way: take it rather than asking again.
+        while self.spares.get(&size).is_none_or(Vec::is_empty) && self.refilling.contains(&size) {
+            self.recv_one()?;
+        }
+        if let Some(s) = self.spares.get_mut(&size).and_then(Vec::pop) {
+            let left = self.spares.get(&size).map_or(0, Vec::len);
+            let batch = self.cfg.batch_alloc_count as usize;
+            if left < batch / 2 && !self.refilling.contains(&size) && batch > 1 {
+                // Ask for the next batch now; the daemon creates it while we keep storing.
+                let count = self.batch_count(size);
+                if count > 1 {
+                    let op = Op::Alloc {
+                        size,
+                        count,
+                        pool: self.cfg.pool.clone(),
+                    };
+                    let id = self.send(op, &[])?;
+                    self.pending.insert(id, Pending::Alloc(size));
+                    self.refilling.insert(size);
+                }
+            }
+            return self.map_grant(s);
+        }
+        let count = self.batch_count(size);
         let (body, fds) = self.call(Op::Alloc {
             size,
             count,
@@ -623,6 +666,15 @@ impl Inner {
             Body::Allocated { grants } => grants,
             other => return Err(unexpected(&other)),
         };
+        let mut spares = self.to_spares(grants, fds)?;
+        let first = spares
+            .pop()
+            .ok_or_else(|| Error::Protocol("empty grant".into()))?;
+        self.spares.entry(size).or_default().extend(spares);
+        self.map_grant(first)
+    }
+
+    fn to_spares(&mut self, grants: Vec<Grant>, fds: Vec<OwnedFd>) -> Result<Vec<Spare>> {
         let mut fds = fds.into_iter();
         let mut spares = Vec::with_capacity(grants.len());
         for g in grants {
@@ -649,11 +701,7 @@ impl Inner {
             };
             spares.push(Spare { grant: g, file });
         }
-        let first = spares
-            .pop()
-            .ok_or_else(|| Error::Protocol("empty grant".into()))?;
-        self.spares.entry(size).or_default().extend(spares);
-        self.map_grant(first)
+        Ok(spares)
     }
 
     fn map_grant(&mut self, s: Spare) -> Result<AllocHandle> {
@@ -769,11 +817,12 @@ impl Inner {
             let f = File::from(fd.ok_or_else(|| Error::Protocol("memfs entry without fd".into()))?);
             // SAFETY: a read-only shared mapping of a sealed entry's file; sealed entries are
             // never written again (see Mapping::as_slice).
-            let map = unsafe {
-                memmap2::MmapOptions::new()
-                    .len(loc.size.max(1) as usize)
-                    .map(&f)?
-            };
+            let mut o = memmap2::MmapOptions::new();
+            o.len(loc.size.max(1) as usize);
+            if self.cfg.populate {
+                o.populate();
+            }
+            let map = unsafe { o.map(&f)? };
             MapInner {
                 map,
                 start: 0,

@@ -1,0 +1,598 @@
+//! Benchmarks measured side by side in one run: `maructl bench core` (the store and
+//! libmaru against memcpy, direct mapping and a bare socket round trip) and
+//! `maructl bench fs` (retrieval through /maru against direct mapping, read() through a
+//! copying FUSE server and a loopback TCP transfer).
+
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use serde::Serialize;
+
+use crate::env::{PrivateDaemon, Tmpfs, sibling};
+
+/// One measured row.
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    /// What was measured.
+    pub case: String,
+    /// Median time of one operation, in microseconds (for timed cases).
+    pub median_us: f64,
+    /// 10th and 90th percentiles.
+    pub p10_us: f64,
+    /// 90th percentile.
+    pub p90_us: f64,
+    /// Operations (or keys) per second, for rate cases.
+    pub per_sec: f64,
+}
+
+fn stats(mut v: Vec<Duration>) -> (f64, f64, f64) {
+    v.sort();
+    let q = |f: f64| v[((v.len() - 1) as f64 * f) as usize].as_secs_f64() * 1e6;
+    (q(0.5), q(0.1), q(0.9))
+}
+
+fn timed(case: &str, v: Vec<Duration>) -> Row {
+    let (m, a, b) = stats(v);
+    Row {
+        case: case.into(),
+        median_us: m,
+        p10_us: a,
+        p90_us: b,
+        per_sec: 1e6 / m,
+    }
+}
+
+fn rate(case: &str, n: u64, d: Duration) -> Row {
+    let per = d.as_secs_f64() * 1e6 / n as f64;
+    Row {
+        case: case.into(),
+        median_us: per,
+        p10_us: per,
+        p90_us: per,
+        per_sec: n as f64 / d.as_secs_f64(),
+    }
+}
+
+/// Reads one byte of every 4 KiB page.
+pub fn touch(p: *const u8, len: usize) -> u64 {
+    let mut s = 0u64;
+    let mut off = 0;
+    while off < len {
+        // SAFETY: off < len, inside the caller's mapping.
+        s = s.wrapping_add(u64::from(unsafe { std::ptr::read_volatile(p.add(off)) }));
+        off += 4096;
+    }
+    s
+}
+
+/// Opens, maps, touches every page, unmaps and closes `path`.
+pub fn map_touch(path: &Path) -> anyhow::Result<u64> {
+    let f = std::fs::File::open(path)?;
+    // SAFETY: read-only mapping of an immutable file.
+    let m = unsafe { memmap2::Mmap::map(&f)? };
+    Ok(touch(m.as_ptr(), m.len()))
+}
+
+fn fmt_table(title: &str, rows: &[Row]) -> String {
+    let mut s = format!(
+        "\n## {title}\n\n| case | median µs | p10 µs | p90 µs | per second |\n|---|---:|---:|---:|---:|\n"
+    );
+    for r in rows {
+        s.push_str(&format!(
+            "| {} | {:.2} | {:.2} | {:.2} | {:.0} |\n",
+            r.case, r.median_us, r.p10_us, r.p90_us, r.per_sec
+        ));
+    }
+    s
+}
+
+fn find<'a>(rows: &'a [Row], case: &str) -> &'a Row {
+    rows.iter()
+        .find(|r| r.case == case)
+        .unwrap_or_else(|| panic!("no row {case}"))
+}
+
+/// A target line: measured vs target.
+fn target(
+    out: &mut String,
+    what: &str,
+    measured: f64,
+    goal: f64,
+    higher_is_better: bool,
+    unit: &str,
+) {
+    let ok = if higher_is_better {
+        measured >= goal
+    } else {
+        measured <= goal
+    };
+    out.push_str(&format!(
+        "| {what} | {measured:.2}{unit} | {}{goal}{unit} | {} |\n",
+        if higher_is_better { ">= " } else { "<= " },
+        if ok { "met" } else { "NOT met" }
+    ));
+}
+
+/// Echo peer for the ping-pong baseline: echoes 8-byte messages on stdin/stdout (a socket).
+pub fn echo_main() -> anyhow::Result<()> {
+    let mut buf = [0u8; 8];
+    let mut inp = std::io::stdin().lock();
+    let mut out = std::io::stdout().lock();
+    while inp.read_exact(&mut buf).is_ok() {
+        out.write_all(&buf)?;
+        out.flush()?;
+    }
+    Ok(())
+}
+
+/// TCP sender for the transfer baseline: prints its port, then sends `size` bytes per request byte.
+pub fn tcp_serve_main(size: usize) -> anyhow::Result<()> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    println!("{}", l.local_addr()?.port());
+    std::io::stdout().flush()?;
+    let (mut s, _) = l.accept()?;
+    s.set_nodelay(true)?;
+    let data = vec![7u8; size];
+    let mut req = [0u8; 1];
+    while s.read_exact(&mut req).is_ok() {
+        s.write_all(&data)?;
+    }
+    Ok(())
+}
+
+struct Echo {
+    child: std::process::Child,
+    sock: std::os::unix::net::UnixStream,
+}
+
+impl Echo {
+    fn start() -> anyhow::Result<Self> {
+        let (a, b) = std::os::unix::net::UnixStream::pair()?;
+        let b2: OwnedFd = b.try_clone()?.into();
+        let child = Command::new(std::env::current_exe()?)
+            .arg("__echo")
+            .stdin(Stdio::from(OwnedFd::from(b)))
+            .stdout(Stdio::from(b2))
+            .spawn()?;
+        Ok(Echo { child, sock: a })
+    }
+
+    fn round_trips(&mut self, n: u64) -> anyhow::Result<Duration> {
+        let mut b = [1u8; 8];
+        let t = Instant::now();
+        for _ in 0..n {
+            self.sock.write_all(&b)?;
+            self.sock.read_exact(&mut b)?;
+        }
+        Ok(t.elapsed())
+    }
+}
+
+impl Drop for Echo {
+    fn drop(&mut self) {
+        let _ = self.sock.shutdown(std::net::Shutdown::Both);
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn scratch() -> anyhow::Result<tempfile::TempDir> {
+    Ok(tempfile::Builder::new()
+        .prefix("maru-bench-")
+        .tempdir_in("/tmp")?)
+}
+
+/// `maructl bench core`: the store engine and libmaru.
+pub fn core(rounds: usize, json: Option<&Path>) -> anyhow::Result<String> {
+    let tmp = scratch()?;
+    let d = PrivateDaemon::start(tmp.path(), "core", &["memfs:{dir}/pool,size=2G"], false)?;
+    let direct = Tmpfs::mount(&tmp.path().join("direct"), 256 << 20)?;
+    let h = d.handler()?;
+    h.mkdir("bench", 0o755)?;
+    let small = 4096usize;
+    let big = 16usize << 20;
+    let payload_small = vec![0x5au8; small];
+    let payload_big = vec![0xa5u8; big];
+    h.put("bench/small", &payload_small)?;
+    h.put("bench/big", &payload_big)?;
+    std::fs::write(direct.dir.join("small"), &payload_small)?;
+    std::fs::write(direct.dir.join("big"), &payload_big)?;
+    let keys: Vec<String> = (0..64).map(|i| format!("bench/b{i}")).collect();
+    for k in &keys {
+        h.put(k, &payload_small)?;
+    }
+    let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let mut echo = Echo::start()?;
+
+    // Per-operation timings, interleaved round by round so noise hits every case alike.
+    let names = [
+        "memcpy 4 KiB",
+        "memcpy 16 MiB",
+        "direct mmap+touch 4 KiB (tmpfs file)",
+        "direct mmap+touch 16 MiB (tmpfs file)",
+        "libmaru retrieve+touch 4 KiB (first time: round trip + map)",
+        "libmaru retrieve+touch 16 MiB (first time: round trip + map)",
+        "libmaru retrieve+touch 4 KiB (retrieved before)",
+        "libmaru retrieve+touch 16 MiB (retrieved before)",
+        "libmaru store 4 KiB (alloc+copy+store, waits)",
+        "libmaru store 16 MiB (alloc+copy+store, waits)",
+    ];
+    let mut t: Vec<Vec<Duration>> = vec![Vec::new(); names.len()];
+    let mut dst_small = vec![0u8; small];
+    let mut dst_big = vec![0u8; big];
+    let mut seq = 0u64;
+    for _ in 0..rounds {
+        let s = Instant::now();
+        dst_small.copy_from_slice(std::hint::black_box(&payload_small));
+        t[0].push(s.elapsed());
+        let s = Instant::now();
+        dst_big.copy_from_slice(std::hint::black_box(&payload_big));
+        t[1].push(s.elapsed());
+        let s = Instant::now();
+        std::hint::black_box(map_touch(&direct.dir.join("small"))?);
+        t[2].push(s.elapsed());
+        let s = Instant::now();
+        std::hint::black_box(map_touch(&direct.dir.join("big"))?);
+        t[3].push(s.elapsed());
+        for (cold, hot, key) in [(4, 6, "bench/small"), (5, 7, "bench/big")] {
+            h.trim();
+            for i in [cold, hot] {
+                let s = Instant::now();
+                let m = h.retrieve(key)?.context("missing")?;
+                std::hint::black_box(touch(m.as_ptr(), m.len()));
+                drop(m);
+                t[i].push(s.elapsed());
+            }
+        }
+        for (i, payload) in [(8, &payload_small), (9, &payload_big)] {
+            seq += 1;
+            let s = Instant::now();
+            let mut a = h.alloc(payload.len() as u64)?;
+            a.as_mut_slice().copy_from_slice(payload);
+            h.store(&format!("bench/s{seq}"), a)?;
+            t[i].push(s.elapsed());
+            h.delete(&format!("bench/s{seq}"))?;
+        }
+    }
+    let mut rows: Vec<Row> = names.iter().zip(t).map(|(n, v)| timed(n, v)).collect();
+
+    // Rates.
+    let n = 200_000u64;
+    let s = Instant::now();
+    for _ in 0..n {
+        std::hint::black_box(h.exists("bench/small")?);
+    }
+    rows.push(rate("exists (sealed key)", n, s.elapsed()));
+    let s = Instant::now();
+    for _ in 0..n {
+        std::hint::black_box(h.retrieve("bench/small")?);
+    }
+    rows.push(rate("retrieve (key retrieved before)", n, s.elapsed()));
+    let n_store = 20_000u64;
+    let s = Instant::now();
+    for i in 0..n_store {
+        let mut a = h.alloc(small as u64)?;
+        a.as_mut_slice().copy_from_slice(&payload_small);
+        h.store_async(&format!("bench/a{i}"), a)?;
+    }
+    let errs = h.flush()?;
+    anyhow::ensure!(errs.is_empty(), "async stores failed: {errs:?}");
+    rows.push(rate(
+        "store 4 KiB (pipelined, flushed)",
+        n_store,
+        s.elapsed(),
+    ));
+    let n_sync = 5_000u64;
+    let s = Instant::now();
+    for i in 0..n_sync {
+        let mut a = h.alloc(small as u64)?;
+        a.as_mut_slice().copy_from_slice(&payload_small);
+        h.store(&format!("bench/y{i}"), a)?;
+    }
+    rows.push(rate(
+        "store 4 KiB (each waits for the daemon)",
+        n_sync,
+        s.elapsed(),
+    ));
+    let nb = 20_000u64;
+    let s = Instant::now();
+    for _ in 0..nb {
+        std::hint::black_box(h.batch_exists(&key_refs)?);
+    }
+    rows.push(rate("batch_exists(64), keys", nb * 64, s.elapsed()));
+    h.batch_retrieve(&key_refs)?;
+    let s = Instant::now();
+    for _ in 0..nb {
+        std::hint::black_box(h.batch_retrieve(&key_refs)?);
+    }
+    rows.push(rate(
+        "batch_retrieve(64), keys (retrieved before)",
+        nb * 64,
+        s.elapsed(),
+    ));
+    let s = Instant::now();
+    for _ in 0..nb / 20 {
+        h.trim();
+        std::hint::black_box(h.batch_retrieve(&key_refs)?);
+    }
+    rows.push(rate(
+        "batch_retrieve(64), keys (first time)",
+        nb / 20 * 64,
+        s.elapsed(),
+    ));
+    let s = Instant::now();
+    let mut n_rt = 0;
+    for _ in 0..2_000 {
+        h.trim();
+        std::hint::black_box(h.retrieve("bench/small")?);
+        n_rt += 1;
+    }
+    rows.push(rate(
+        "retrieve (first time, one round trip)",
+        n_rt,
+        s.elapsed(),
+    ));
+    let pp = 20_000u64;
+    let d_pp = echo.round_trips(pp)?;
+    rows.push(rate(
+        "bare Unix-socket ping-pong between two processes",
+        pp,
+        d_pp,
+    ));
+
+    let mut out = String::from("# maructl bench core\n");
+    out.push_str(&format!(
+        "\n{rounds} interleaved rounds for the timed cases; rates from back-to-back loops. One client, this machine ({} CPUs).\n",
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    ));
+    out.push_str(&fmt_table("Timed operations", &rows[..10]));
+    out.push_str(&fmt_table("Rates", &rows[10..]));
+    out.push_str("\n## Targets (10x the original design's Python metadata server)\n\n| target | measured | goal | |\n|---|---:|---:|---|\n");
+    target(
+        &mut out,
+        "exists/s",
+        find(&rows, "exists (sealed key)").per_sec,
+        100_000.0,
+        true,
+        "",
+    );
+    target(
+        &mut out,
+        "retrieve/s (retrieved before)",
+        find(&rows, "retrieve (key retrieved before)").per_sec,
+        100_000.0,
+        true,
+        "",
+    );
+    target(
+        &mut out,
+        "store 4 KiB/s",
+        find(&rows, "store 4 KiB (pipelined, flushed)").per_sec,
+        40_000.0,
+        true,
+        "",
+    );
+    target(
+        &mut out,
+        "batch_retrieve(64) keys/s",
+        find(&rows, "batch_retrieve(64), keys (retrieved before)").per_sec,
+        1_000_000.0,
+        true,
+        "",
+    );
+    let direct16 = find(&rows, "direct mmap+touch 16 MiB (tmpfs file)").median_us;
+    let cold16 = find(
+        &rows,
+        "libmaru retrieve+touch 16 MiB (first time: round trip + map)",
+    )
+    .median_us;
+    let hot16 = find(&rows, "libmaru retrieve+touch 16 MiB (retrieved before)").median_us;
+    target(
+        &mut out,
+        "retrieve 16 MiB first time / direct mmap",
+        cold16 / direct16,
+        1.5,
+        false,
+        "x",
+    );
+    target(
+        &mut out,
+        "retrieve 16 MiB retrieved before / direct mmap",
+        hot16 / direct16,
+        1.5,
+        false,
+        "x",
+    );
+    if let Some(p) = json {
+        std::fs::write(p, serde_json::to_vec_pretty(&rows)?)?;
+    }
+    drop(h);
+    Ok(out)
+}
+
+struct TcpPeer {
+    child: std::process::Child,
+    sock: std::net::TcpStream,
+}
+
+impl TcpPeer {
+    fn start(size: usize) -> anyhow::Result<Self> {
+        let mut child = Command::new(std::env::current_exe()?)
+            .arg("__tcp-serve")
+            .arg(size.to_string())
+            .stdout(Stdio::piped())
+            .spawn()?;
+        let mut line = String::new();
+        let mut out = child.stdout.take().context("stdout")?;
+        let mut b = [0u8; 1];
+        while out.read(&mut b)? == 1 && b[0] != b'\n' {
+            line.push(b[0] as char);
+        }
+        let port: u16 = line.trim().parse()?;
+        let sock = std::net::TcpStream::connect(("127.0.0.1", port))?;
+        sock.set_nodelay(true)?;
+        Ok(TcpPeer { child, sock })
+    }
+
+    fn fetch(&mut self, buf: &mut [u8]) -> anyhow::Result<()> {
+        self.sock.write_all(&[1])?;
+        self.sock.read_exact(buf)?;
+        Ok(())
+    }
+}
+
+impl Drop for TcpPeer {
+    fn drop(&mut self) {
+        let _ = self.sock.shutdown(std::net::Shutdown::Both);
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `maructl bench fs`: retrieval through the mount.
+pub fn fs(rounds: usize, json: Option<&Path>) -> anyhow::Result<String> {
+    let tmp = scratch()?;
+    let d = PrivateDaemon::start(tmp.path(), "fs", &["memfs:{dir}/pool,size=1G"], true)?;
+    let copy = PrivateDaemon::start(tmp.path(), "copy", &["file:{dir}/dev.img,size=512M"], true)
+        .context("starting the copying daemon (file: pool)")?;
+    let mnt = d.mount.clone().context("mount")?;
+    let cmnt = copy.mount.clone().context("mount")?;
+    std::fs::create_dir(mnt.join("bench"))?;
+    std::fs::create_dir(cmnt.join("bench"))?;
+    let sizes = [256usize << 10, 4 << 20, 16 << 20, 64 << 20];
+    let label = |s: usize| {
+        if s >= 1 << 20 {
+            format!("{} MiB", s >> 20)
+        } else {
+            format!("{} KiB", s >> 10)
+        }
+    };
+    let mut peers = Vec::new();
+    for &s in &sizes {
+        let data = vec![0x3cu8; s];
+        std::fs::write(mnt.join(format!("bench/{s}")), &data)?;
+        std::fs::write(cmnt.join(format!("bench/{s}")), &data)?;
+        peers.push(TcpPeer::start(s)?);
+    }
+    let pool = d.pool_dirs[0].clone();
+    let cases = [
+        "/maru open+mmap+touch",
+        "pool file mmap+touch (direct)",
+        "read() via copying FUSE",
+        "loopback TCP receive",
+    ];
+    let mut t: Vec<Vec<Vec<Duration>>> = vec![vec![Vec::new(); cases.len()]; sizes.len()];
+    let mut bufs: Vec<Vec<u8>> = sizes.iter().map(|s| vec![0u8; *s]).collect();
+    for _ in 0..rounds {
+        for (i, &s) in sizes.iter().enumerate() {
+            let via = mnt.join(format!("bench/{s}"));
+            let st = Instant::now();
+            std::hint::black_box(map_touch(&via)?);
+            t[i][0].push(st.elapsed());
+            let direct = pool.join(format!("n/bench/{s}"));
+            let st = Instant::now();
+            std::hint::black_box(map_touch(&direct)?);
+            t[i][1].push(st.elapsed());
+            let cp = cmnt.join(format!("bench/{s}"));
+            let st = Instant::now();
+            let mut f = std::fs::File::open(&cp)?;
+            f.read_exact(&mut bufs[i])?;
+            drop(f);
+            t[i][2].push(st.elapsed());
+            let st = Instant::now();
+            peers[i].fetch(&mut bufs[i])?;
+            t[i][3].push(st.elapsed());
+        }
+    }
+    let mut rows = Vec::new();
+    for (i, &s) in sizes.iter().enumerate() {
+        for (c, v) in cases.iter().zip(std::mem::take(&mut t[i])) {
+            rows.push(timed(&format!("{} {}", c, label(s)), v));
+        }
+    }
+    // Metadata: stat of a hot key, create+publish of 4 KiB entries.
+    let hot = mnt.join(format!("bench/{}", sizes[0]));
+    let n = 200_000u64;
+    let st = Instant::now();
+    for _ in 0..n {
+        std::hint::black_box(std::fs::metadata(&hot)?);
+    }
+    rows.push(rate("stat of a hot key", n, st.elapsed()));
+    let n_create = 3_000u64;
+    let small = vec![1u8; 4096];
+    let st = Instant::now();
+    for i in 0..n_create {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(mnt.join(format!("bench/c{i}")))?;
+        f.write_all(&small)?;
+    }
+    rows.push(rate(
+        "create+write+close (publish) 4 KiB via /maru",
+        n_create,
+        st.elapsed(),
+    ));
+    let opens = 20_000u64;
+    let st = Instant::now();
+    for _ in 0..opens {
+        let f = std::fs::File::open(&hot)?;
+        std::hint::black_box(f.as_raw_fd());
+    }
+    rows.push(rate(
+        "open+close of a hot key (read-only)",
+        opens,
+        st.elapsed(),
+    ));
+
+    let mut out = String::from("# maructl bench fs\n");
+    out.push_str(&format!(
+        "\n{rounds} interleaved rounds; every page (4 KiB) of each mapping touched.\n"
+    ));
+    out.push_str(&fmt_table(
+        "Retrieve one entry",
+        &rows[..sizes.len() * cases.len()],
+    ));
+    out.push_str(&fmt_table("Metadata", &rows[sizes.len() * cases.len()..]));
+    out.push_str("\n## Ratios\n\n| size | /maru ÷ direct | TCP ÷ /maru | copy-FUSE ÷ /maru |\n|---|---:|---:|---:|\n");
+    for &s in &sizes {
+        let l = label(s);
+        let m = find(&rows, &format!("{} {l}", cases[0])).median_us;
+        let dd = find(&rows, &format!("{} {l}", cases[1])).median_us;
+        let c = find(&rows, &format!("{} {l}", cases[2])).median_us;
+        let tcp = find(&rows, &format!("{} {l}", cases[3])).median_us;
+        out.push_str(&format!(
+            "| {l} | {:.2} | {:.1} | {:.1} |\n",
+            m / dd,
+            tcp / m,
+            c / m
+        ));
+    }
+    out.push_str("\n## Targets\n\n| target | measured | goal | |\n|---|---:|---:|---|\n");
+    for s in [16usize << 20, 64 << 20] {
+        let l = label(s);
+        let m = find(&rows, &format!("{} {l}", cases[0])).median_us;
+        let dd = find(&rows, &format!("{} {l}", cases[1])).median_us;
+        target(
+            &mut out,
+            &format!("/maru ÷ direct at {l}"),
+            m / dd,
+            1.6,
+            false,
+            "x",
+        );
+    }
+    let l = label(16 << 20);
+    let m = find(&rows, &format!("{} {l}", cases[0])).median_us;
+    let tcp = find(&rows, &format!("{} {l}", cases[3])).median_us;
+    target(&mut out, "TCP ÷ /maru at 16 MiB", tcp / m, 30.0, true, "x");
+    if let Some(p) = json {
+        std::fs::write(p, serde_json::to_vec_pretty(&rows)?)?;
+    }
+    let _ = sibling("marud")?;
+    Ok(out)
+}

@@ -1,0 +1,178 @@
+//! A private marud for benchmarks: temporary pools, socket and mount, cleaned up on drop.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+
+/// A daemon started by the harness.
+pub struct PrivateDaemon {
+    child: Option<Child>,
+    /// Control socket.
+    pub socket: PathBuf,
+    /// Mount point, if mounted.
+    pub mount: Option<PathBuf>,
+    /// Memfs pool directories.
+    pub pool_dirs: Vec<PathBuf>,
+}
+
+/// Path of a sibling binary (marud next to maructl).
+pub fn sibling(name: &str) -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let p = exe.parent().context("exe dir")?.join(name);
+    if p.exists() {
+        return Ok(p);
+    }
+    // Installed layout: /usr/sbin/marud, /usr/bin/maructl.
+    for d in ["/usr/sbin", "/usr/bin", "/usr/local/sbin", "/usr/local/bin"] {
+        let p = Path::new(d).join(name);
+        if p.exists() {
+            return Ok(p);
+        }
+    }
+    bail!("cannot find {name} next to {}", exe.display())
+}
+
+fn mounted(dir: &Path) -> bool {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .map(|s| {
+            let want = dir.to_string_lossy();
+            s.lines().any(|l| l.split(' ').nth(4) == Some(&want))
+        })
+        .unwrap_or(false)
+}
+
+fn detach(dir: &Path) {
+    if let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()) {
+        while mounted(dir) {
+            // SAFETY: valid C string.
+            if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } != 0 {
+                break;
+            }
+        }
+    }
+}
+
+impl PrivateDaemon {
+    /// Starts marud under `dir` with `pools` (`{dir}` is replaced) and an optional mount.
+    pub fn start(dir: &Path, name: &str, pools: &[&str], mount: bool) -> anyhow::Result<Self> {
+        let base = dir.join(name);
+        std::fs::create_dir_all(&base)?;
+        let socket = base.join("marud.sock");
+        let mnt = mount.then(|| base.join("mnt"));
+        let mut cmd = Command::new(sibling("marud")?);
+        let mut pool_dirs = Vec::new();
+        for p in pools {
+            let spec = p.replace("{dir}", &base.to_string_lossy());
+            if let Some(r) = spec.strip_prefix("memfs:") {
+                pool_dirs.push(PathBuf::from(r.split(',').next().unwrap_or("")));
+            }
+            cmd.arg("--pool").arg(spec);
+        }
+        cmd.arg("--socket")
+            .arg(&socket)
+            .arg("--state-dir")
+            .arg(base.join("state"))
+            .arg("--unmount-pools");
+        match &mnt {
+            Some(m) => cmd.arg("--mount").arg(m),
+            None => cmd.arg("--no-mount"),
+        };
+        let log = std::fs::File::create(base.join("marud.log"))?;
+        cmd.env("MARU_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        let child = cmd.spawn().context("starting marud")?;
+        let mut d = PrivateDaemon {
+            child: Some(child),
+            socket,
+            mount: mnt,
+            pool_dirs,
+        };
+        let t = Instant::now();
+        loop {
+            let ok = std::os::unix::net::UnixStream::connect(&d.socket).is_ok()
+                && d.mount.as_ref().is_none_or(|m| mounted(m));
+            if ok {
+                return Ok(d);
+            }
+            if let Some(c) = d.child.as_mut()
+                && let Ok(Some(st)) = c.try_wait()
+            {
+                bail!(
+                    "marud exited ({st}): {}",
+                    std::fs::read_to_string(base.join("marud.log")).unwrap_or_default()
+                );
+            }
+            if t.elapsed() > Duration::from_secs(20) {
+                bail!("marud did not start");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// A client of this daemon.
+    pub fn handler(&self) -> anyhow::Result<maru::Handler> {
+        Ok(maru::Handler::connect(maru::Config {
+            socket: self.socket.clone(),
+            ..Default::default()
+        })?)
+    }
+}
+
+impl Drop for PrivateDaemon {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // SAFETY: signalling our own child by pid.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let t = Instant::now();
+            while t.elapsed() < Duration::from_secs(10) {
+                if let Ok(Some(_)) = c.try_wait() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        if let Some(m) = &self.mount {
+            detach(m);
+        }
+        for p in &self.pool_dirs {
+            detach(p);
+        }
+    }
+}
+
+/// A tmpfs mounted by the harness (for direct-mapping baselines); unmounted on drop.
+pub struct Tmpfs {
+    /// Mount point.
+    pub dir: PathBuf,
+}
+
+impl Tmpfs {
+    /// Mounts a tmpfs with `huge=within_size` (the pool's page policy) at `dir`.
+    pub fn mount(dir: &Path, size: u64) -> anyhow::Result<Self> {
+        std::fs::create_dir_all(dir)?;
+        let st = Command::new("mount")
+            .args(["-t", "tmpfs", "-o"])
+            .arg(format!("size={size},huge=within_size"))
+            .arg("maru-bench")
+            .arg(dir)
+            .status()?;
+        if !st.success() {
+            bail!("mounting a tmpfs on {} failed", dir.display());
+        }
+        Ok(Tmpfs {
+            dir: dir.to_owned(),
+        })
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        detach(&self.dir);
+    }
+}

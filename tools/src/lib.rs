@@ -1,0 +1,4 @@
+//! maructl's library: the commands and the benchmark harness.
+
+pub mod bench;
+pub mod env;
