@@ -187,7 +187,7 @@ impl Settings {
             eviction,
             unmount_pools: cli.unmount_pools || file.unmount_pools.unwrap_or(false),
             wal_sync: cli.wal_sync || file.wal_sync.unwrap_or(false),
-            fuse_threads: cli.fuse_threads.or(file.fuse_threads).unwrap_or(4),
+            fuse_threads: cli.fuse_threads.or(file.fuse_threads).unwrap_or(8),
             pid_file: cli.pid_file.or(file.pid_file),
         })
     }

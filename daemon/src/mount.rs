@@ -39,6 +39,9 @@ impl Backend for StoreFs {
     fn close(&self, ino: u64) {
         self.0.fs_close(ino)
     }
+    fn closing(&self, ino: u64) {
+        self.0.fs_closing(ino)
+    }
     fn seal(&self, ino: u64) -> Result<()> {
         self.0.fs_seal(ino)
     }
@@ -149,6 +152,7 @@ pub fn mount(store: Arc<Store>, dir: &Path, threads: usize) -> anyhow::Result<Mo
     cfg.n_threads = Some(threads.max(1));
     cfg.clone_fd = true;
     let fs = FuseFs::new(Fs::new(StoreFs(store.clone())));
+    let backings = fs.backings();
     let session = fuser::spawn_mount(fs, dir, &cfg)
         .with_context(|| format!("mounting the filesystem on {}", dir.display()))?;
     // Names removed behind the kernel's back (socket deletes, eviction) are invalidated from
@@ -159,6 +163,7 @@ pub fn mount(store: Arc<Store>, dir: &Path, threads: usize) -> anyhow::Result<Mo
         .name("maru-inval".into())
         .spawn(move || {
             for inv in rx {
+                backings.forget(inv.ino);
                 let _ = notifier.delete(
                     fuser::INodeNo(inv.parent),
                     fuser::INodeNo(inv.ino),

@@ -154,6 +154,8 @@ struct Alloc {
     acct: u64,
     /// Through the mount: the creating process (the only one that sees it before sealing).
     tgid: i32,
+    /// Through the mount: a writable descriptor was closed; publication is imminent.
+    closing: bool,
 }
 
 struct Namespace {
@@ -208,6 +210,8 @@ pub struct Store {
     pools: Vec<Pool>,
     st: Mutex<State>,
     invalidate: Mutex<Option<Arc<InvalidateFn>>>,
+    /// Signalled when an entry written through the mount is sealed or dropped.
+    sealed: parking_lot::Condvar,
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -345,6 +349,7 @@ impl Store {
                 fuse_leases: HashMap::new(),
             }),
             invalidate: Mutex::new(None),
+            sealed: parking_lot::Condvar::new(),
         };
         store.recover(&mut st)?;
         *store.st.lock() = st;
@@ -1156,6 +1161,7 @@ impl Store {
                             mtime: now(),
                             acct,
                             tgid: 0,
+                            closing: false,
                         },
                     );
                     st.sessions
@@ -1904,22 +1910,34 @@ impl Store {
     /// Looks `name` up in namespace `parent`. Entries being written are visible only to
     /// the process writing them.
     pub fn fs_lookup(&self, c: &Caller, parent: u64, name: &str) -> Result<Attr> {
-        let st = self.st.lock();
-        let p = Self::ns_path_of(&st, parent)?;
-        let n = &st.ns[&p];
-        if let Some(ino) = n.entries.get(name) {
-            return Ok(entry_attr(&st.entries[ino]));
+        let mut st = self.st.lock();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
+        let mut tgid = None;
+        loop {
+            let p = Self::ns_path_of(&st, parent)?;
+            let n = &st.ns[&p];
+            if let Some(ino) = n.entries.get(name) {
+                return Ok(entry_attr(&st.entries[ino]));
+            }
+            if n.children.contains_key(name) {
+                return Ok(ns_attr(&st.ns[&join(&p, name)]));
+            }
+            let Some(a) = n
+                .writing
+                .get(name)
+                .and_then(|id| st.allocs.get(id).map(|a| (id, a)))
+            else {
+                return Err(Error::NotFound(join(&p, name)));
+            };
+            let me = *tgid.get_or_insert_with(|| maru_fsd::backend::tgid_of(c.pid));
+            if a.1.tgid == me {
+                return Ok(self.alloc_attr(*a.0, a.1));
+            }
+            // Its writer closed it: the kernel's release (which publishes it) is on its way.
+            if !a.1.closing || self.sealed.wait_until(&mut st, deadline).timed_out() {
+                return Err(Error::NotFound(join(&p, name)));
+            }
         }
-        if n.children.contains_key(name) {
-            return Ok(ns_attr(&st.ns[&join(&p, name)]));
-        }
-        if let Some(id) = n.writing.get(name)
-            && let Some(a) = st.allocs.get(id)
-            && a.tgid == maru_fsd::backend::tgid_of(c.pid)
-        {
-            return Ok(self.alloc_attr(*id, a));
-        }
-        Err(Error::NotFound(join(&p, name)))
     }
 
     /// Attributes of any node.
@@ -2038,6 +2056,7 @@ impl Store {
             mtime: now(),
             acct: 0,
             tgid: maru_fsd::backend::tgid_of(c.pid),
+            closing: false,
         };
         let attr = self.alloc_attr(id, &a);
         st.allocs.insert(id, a);
@@ -2113,8 +2132,21 @@ impl Store {
         }
     }
 
+    /// A writable descriptor of an entry being written through the mount was closed.
+    pub fn fs_closing(&self, ino: u64) {
+        if let Some(a) = self.st.lock().allocs.get_mut(&ino) {
+            a.closing = true;
+        }
+    }
+
     /// Publishes an entry written through the mount.
     pub fn fs_seal(&self, ino: u64) -> Result<()> {
+        let r = self.fs_seal_inner(ino);
+        self.sealed.notify_all();
+        r
+    }
+
+    fn fs_seal_inner(&self, ino: u64) -> Result<()> {
         let mut inv = Vec::new();
         let mut st = self.st.lock();
         let Some(a) = st.allocs.get(&ino) else {

@@ -144,6 +144,9 @@ pub trait Backend: Send + Sync + 'static {
     fn open(&self, c: &Caller, ino: u64, write: bool) -> Result<OpenedFile>;
     /// A read handle of `ino` was released.
     fn close(&self, _ino: u64) {}
+    /// A writable descriptor of an entry being written was closed (`close(2)`): its
+    /// publication is imminent; lookups by other processes may wait for it.
+    fn closing(&self, _ino: u64) {}
     /// Called when the last writable handle of a WRITING entry is closed: publishes it.
     fn seal(&self, ino: u64) -> Result<()>;
     /// Drops a WRITING entry that will never be sealed.

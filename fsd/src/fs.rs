@@ -167,23 +167,14 @@ impl<B: Backend> Fs<B> {
             .ok_or_else(|| Error::from_errno(libc::EBADF))
     }
 
-    /// `close(2)` of a descriptor: the last writable handle of an entry being written
-    /// publishes it here when the process that opened it closes it, so that the entry is
-    /// visible when `close` returns. Copies of the descriptor closed by other processes
-    /// (a child that inherited it across fork, closing it at exec) do not publish; the
-    /// entry is then published when the kernel releases the handle.
-    pub fn flush(&self, c: &Caller, fh: u64) -> Result<()> {
+    /// `close(2)` of a descriptor. The kernel releases the handle (and the entry is
+    /// published) asynchronously after the last descriptor and mapping of it are gone; a
+    /// close of a writable descriptor tells the store that publication is near, so that
+    /// other processes looking the name up wait for it instead of missing it.
+    pub fn flush(&self, _c: &Caller, fh: u64) -> Result<()> {
         let h = self.handle(fh)?;
-        if !h.writable || crate::backend::tgid_of(c.pid) != h.tgid {
-            return Ok(());
-        }
-        let last = self.writers.lock().get(&h.ino).copied() == Some(1);
-        if last {
-            let r = self.backend.seal(h.ino);
-            // Either way the entry is no longer WRITING; release must not seal again.
-            self.handles.lock().get_mut(&fh).map(|h| h.writable = false);
-            self.drop_writer(h.ino);
-            return r;
+        if h.writable {
+            self.backend.closing(h.ino);
         }
         Ok(())
     }
@@ -203,14 +194,14 @@ impl<B: Backend> Fs<B> {
         }
     }
 
-    /// The kernel dropped handle `fh`. Returns the handle (for backing-id bookkeeping).
+    /// The kernel dropped handle `fh` (no descriptor nor mapping refers to it any more): the
+    /// last writable handle of an entry being written publishes it. Returns the handle.
     pub fn release(&self, fh: u64) -> Option<Handle> {
         let h = self.handles.lock().remove(&fh)?;
         if !h.writable {
             self.backend.close(h.ino);
         }
         if h.writable && self.drop_writer(h.ino) {
-            // No flush came (e.g. the handle was never closed through close(2)): seal now.
             if let Err(e) = self.backend.seal(h.ino) {
                 tracing::warn!(ino = h.ino, "sealing at release: {e}");
             }
@@ -465,14 +456,15 @@ mod tests {
         assert_eq!(fs.backend().seals.load(Ordering::SeqCst), 0);
         fs.release(fh1);
         fs.flush(&c, fh2).unwrap();
-        assert_eq!(fs.backend().seals.load(Ordering::SeqCst), 1);
+        assert_eq!(fs.backend().seals.load(Ordering::SeqCst), 0);
         fs.release(fh2);
+        assert_eq!(fs.backend().seals.load(Ordering::SeqCst), 1);
         fs.release(fh3);
         assert_eq!(fs.backend().seals.load(Ordering::SeqCst), 1);
     }
 
     #[test]
-    fn release_without_flush_seals() {
+    fn release_seals() {
         let fs = Fs::new(Rec::default());
         let (_, fh, _) = fs.create(&Caller::root(), 1, "k", 0o644).unwrap();
         fs.release(fh);

@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::ffi::OsStr;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use fuser::{
@@ -17,22 +18,49 @@ use parking_lot::Mutex;
 use crate::backend::{Attr, Backend, Caller, Kind, OpenedFile};
 use crate::fs::Fs;
 
+/// Most idle backing ids kept for fast reopening of sealed entries.
+const IDLE_BACKINGS: usize = 1024;
+
+/// Passthrough backing ids by inode: (id, open handles, reusable after the last close).
+#[derive(Default)]
+pub struct Backings {
+    map: Mutex<HashMap<u64, (BackingId, u32, bool)>>,
+}
+
+impl Backings {
+    /// Forgets an inode's idle backing id (its entry was deleted, evicted or renamed), so the
+    /// kernel drops its reference to the backing file.
+    pub fn forget(&self, ino: u64) {
+        let mut m = self.map.lock();
+        if m.get(&ino).is_some_and(|(_, n, _)| *n == 0) {
+            m.remove(&ino);
+        } else if let Some(e) = m.get_mut(&ino) {
+            e.2 = false;
+        }
+    }
+}
+
 /// Block size reported by stat.
 const BLKSIZE: u32 = 4096;
 
 /// The mounted filesystem.
 pub struct FuseFs<B: Backend> {
     fs: Fs<B>,
-    backing: Mutex<HashMap<u64, (BackingId, u32)>>,
+    backing: Arc<Backings>,
     passthrough: std::sync::atomic::AtomicBool,
 }
 
 impl<B: Backend> FuseFs<B> {
+    /// The backing-id table, for the store's invalidations.
+    pub fn backings(&self) -> Arc<Backings> {
+        self.backing.clone()
+    }
+
     /// Wraps the filesystem logic.
     pub fn new(fs: Fs<B>) -> Self {
         FuseFs {
             fs,
-            backing: Mutex::new(HashMap::new()),
+            backing: Arc::new(Backings::default()),
             passthrough: std::sync::atomic::AtomicBool::new(false),
         }
     }
@@ -132,24 +160,39 @@ impl<B: Backend> FuseFs<B> {
         open: impl FnOnce(&std::fs::File) -> std::io::Result<BackingId>,
         f: impl FnOnce(&BackingId) -> R,
     ) -> std::io::Result<R> {
-        let mut m = self.backing.lock();
-        if let Some((id, n)) = m.get_mut(&ino) {
+        let mut m = self.backing.map.lock();
+        if let Some((id, n, _)) = m.get_mut(&ino) {
             *n += 1;
             return Ok(f(id));
         }
         let id = open(file)?;
         let r = f(&id);
-        m.insert(ino, (id, 1));
+        m.insert(ino, (id, 1, false));
         Ok(r)
     }
 
-    fn put_backing(&self, ino: u64) {
-        let mut m = self.backing.lock();
-        if let Some((_, n)) = m.get_mut(&ino) {
+    /// A handle is gone. Backing ids of sealed entries stay registered (idle) so that the
+    /// next open of the same entry skips re-registering; entries being written drop theirs.
+    fn put_backing(&self, ino: u64, keep: bool) {
+        let mut m = self.backing.map.lock();
+        if let Some((_, n, k)) = m.get_mut(&ino) {
             *n -= 1;
             if *n == 0 {
-                m.remove(&ino);
+                if keep && *k {
+                    if m.len() > IDLE_BACKINGS {
+                        m.retain(|_, (_, n, _)| *n > 0);
+                    }
+                } else {
+                    m.remove(&ino);
+                }
             }
+        }
+    }
+
+    /// Marks an inode's backing id reusable (a sealed entry opened read-only).
+    fn keep_backing(&self, ino: u64) {
+        if let Some(e) = self.backing.map.lock().get_mut(&ino) {
+            e.2 = true;
         }
     }
 }
@@ -329,8 +372,11 @@ impl<B: Backend> Filesystem for FuseFs<B> {
                             self.fs.release(fh);
                             return reply.error(Errno::from(e));
                         }
-                        let m = self.backing.lock();
-                        let (id, _) = m.get(&ino.0).expect("just inserted");
+                        if !write {
+                            self.keep_backing(ino.0);
+                        }
+                        let m = self.backing.map.lock();
+                        let (id, _, _) = m.get(&ino.0).expect("just inserted");
                         reply.opened_passthrough(FileHandle(fh), fl, id);
                     }
                     _ => reply.opened(FileHandle(fh), fl),
@@ -406,7 +452,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         if let Some(h) = self.fs.release(fh.0)
             && matches!(h.opened, OpenedFile::Passthrough(_))
         {
-            self.put_backing(ino.0);
+            self.put_backing(ino.0, !h.writable);
         }
         reply.ok();
     }
@@ -550,8 +596,8 @@ impl<B: Backend> Filesystem for FuseFs<B> {
                             self.fs.release(fh);
                             return reply.error(Errno::from(e));
                         }
-                        let m = self.backing.lock();
-                        let (id, _) = m.get(&a.ino).expect("just inserted");
+                        let m = self.backing.map.lock();
+                        let (id, _, _) = m.get(&a.ino).expect("just inserted");
                         reply.created_passthrough(
                             &ttl,
                             &fa,

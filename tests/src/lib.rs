@@ -161,6 +161,9 @@ impl Daemon {
         unsafe {
             cmd.pre_exec(|| {
                 libc::setsid();
+                // If the test process dies without cleaning up, the daemon stops (and
+                // unmounts) too.
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
                 Ok(())
             });
         }

@@ -487,31 +487,63 @@ pub fn fs(rounds: usize, json: Option<&Path>) -> anyhow::Result<String> {
     ];
     let mut t: Vec<Vec<Vec<Duration>>> = vec![vec![Vec::new(); cases.len()]; sizes.len()];
     let mut bufs: Vec<Vec<u8>> = sizes.iter().map(|s| vec![0u8; *s]).collect();
-    for _ in 0..rounds {
+    for round in 0..rounds {
         for (i, &s) in sizes.iter().enumerate() {
-            let via = mnt.join(format!("bench/{s}"));
-            let st = Instant::now();
-            std::hint::black_box(map_touch(&via)?);
-            t[i][0].push(st.elapsed());
-            let direct = pool.join(format!("n/bench/{s}"));
-            let st = Instant::now();
-            std::hint::black_box(map_touch(&direct)?);
-            t[i][1].push(st.elapsed());
-            let cp = cmnt.join(format!("bench/{s}"));
-            let st = Instant::now();
-            let mut f = std::fs::File::open(&cp)?;
-            f.read_exact(&mut bufs[i])?;
-            drop(f);
-            t[i][2].push(st.elapsed());
-            let st = Instant::now();
-            peers[i].fetch(&mut bufs[i])?;
-            t[i][3].push(st.elapsed());
+            // Rotate the order of the cases so that none always runs right after another.
+            for k in 0..cases.len() {
+                let c = (k + round) % cases.len();
+                let st = Instant::now();
+                match c {
+                    0 => {
+                        std::hint::black_box(map_touch(&mnt.join(format!("bench/{s}")))?);
+                    }
+                    1 => {
+                        std::hint::black_box(map_touch(&pool.join(format!("n/bench/{s}")))?);
+                    }
+                    2 => {
+                        let mut f = std::fs::File::open(cmnt.join(format!("bench/{s}")))?;
+                        f.read_exact(&mut bufs[i])?;
+                    }
+                    _ => peers[i].fetch(&mut bufs[i])?,
+                }
+                t[i][c].push(st.elapsed());
+            }
         }
     }
     let mut rows = Vec::new();
     for (i, &s) in sizes.iter().enumerate() {
         for (c, v) in cases.iter().zip(std::mem::take(&mut t[i])) {
             rows.push(timed(&format!("{} {}", c, label(s)), v));
+        }
+    }
+    // Where the time of one retrieval goes, at 16 MiB.
+    for (label_, path) in [
+        ("/maru", mnt.join(format!("bench/{}", 16 << 20))),
+        ("direct", pool.join(format!("n/bench/{}", 16 << 20))),
+    ] {
+        let mut ph: Vec<Vec<Duration>> = vec![Vec::new(); 4];
+        for _ in 0..rounds {
+            let t0 = Instant::now();
+            let f = std::fs::File::open(&path)?;
+            let t1 = Instant::now();
+            // SAFETY: read-only mapping of an immutable file.
+            let m = unsafe { memmap2::Mmap::map(&f)? };
+            let t2 = Instant::now();
+            std::hint::black_box(touch(m.as_ptr(), m.len()));
+            let t3 = Instant::now();
+            drop(m);
+            drop(f);
+            let t4 = Instant::now();
+            for (k, (a, b)) in [(t0, t1), (t1, t2), (t2, t3), (t3, t4)]
+                .into_iter()
+                .enumerate()
+            {
+                ph[k].push(b - a);
+            }
+        }
+        for (k, v) in ph.into_iter().enumerate() {
+            let name = ["open", "mmap", "touch every page", "munmap+close"][k];
+            rows.push(timed(&format!("phase {name} 16 MiB {label_}"), v));
         }
     }
     // Metadata: stat of a hot key, create+publish of 4 KiB entries.
@@ -557,7 +589,10 @@ pub fn fs(rounds: usize, json: Option<&Path>) -> anyhow::Result<String> {
         "Retrieve one entry",
         &rows[..sizes.len() * cases.len()],
     ));
-    out.push_str(&fmt_table("Metadata", &rows[sizes.len() * cases.len()..]));
+    out.push_str(&fmt_table(
+        "Phases and metadata",
+        &rows[sizes.len() * cases.len()..],
+    ));
     out.push_str("\n## Ratios\n\n| size | /maru ÷ direct | TCP ÷ /maru | copy-FUSE ÷ /maru |\n|---|---:|---:|---:|\n");
     for &s in &sizes {
         let l = label(s);
