@@ -104,10 +104,10 @@ pub struct Mounted {
 impl Drop for Mounted {
     fn drop(&mut self) {
         self.store.set_invalidate(None);
-        if let Some(s) = self.session.take() {
-            if let Err(e) = s.umount_and_join() {
-                tracing::warn!("unmounting {}: {e}", self.dir.display());
-            }
+        if let Some(s) = self.session.take()
+            && let Err(e) = s.umount_and_join()
+        {
+            tracing::warn!("unmounting {}: {e}", self.dir.display());
         }
         tracing::info!(dir = %self.dir.display(), "unmounted");
     }

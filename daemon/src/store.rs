@@ -46,6 +46,9 @@ pub struct StoreConfig {
     pub max_copy_entry: u64,
 }
 
+/// Per key of a retrieve: where the entry is and the descriptor to send (if any).
+pub type Retrieved = Vec<Option<(Located, Option<File>)>>;
+
 /// Hook for the mount: names the kernel must forget (from any thread, asynchronously).
 pub type InvalidateFn = Box<dyn Fn(Invalidation) + Send + Sync>;
 
@@ -768,16 +771,11 @@ impl Store {
             .ok_or_else(|| Error::InvalidArgument(format!("no pool named `{name}`")))
     }
 
-    /// Pools of `kinds` in placement order.
-    fn placement(&self, hint: Option<u32>, memfs_only: bool) -> Vec<u32> {
+    /// Pools in placement order: the requested one, or all in command-line order.
+    fn placement(&self, hint: Option<u32>) -> Vec<u32> {
         match hint {
             Some(p) => vec![p],
-            None => self
-                .pools
-                .iter()
-                .filter(|p| !memfs_only || p.kind == PoolKind::Memfs)
-                .map(|p| p.id)
-                .collect(),
+            None => self.pools.iter().map(|p| p.id).collect(),
         }
     }
 
@@ -834,10 +832,9 @@ impl Store {
         id: u64,
         size: u64,
         hint: Option<u32>,
-        memfs_only: bool,
         inv: &mut Vec<Invalidation>,
     ) -> Result<(u32, u64, Option<File>)> {
-        let order = self.placement(hint, memfs_only);
+        let order = self.placement(hint);
         if order.is_empty() {
             return Err(Error::NoSpace("no pool can hold entries".into()));
         }
@@ -1140,7 +1137,7 @@ impl Store {
         let mut err = None;
         for _ in 0..count {
             let id = st.alloc_ino();
-            match self.place(&mut st, Some(session), id, size, hint, false, &mut inv) {
+            match self.place(&mut st, Some(session), id, size, hint, &mut inv) {
                 Ok((p, offset, file)) => {
                     let file = file.map(Arc::new);
                     let acct = align_up(size, ENTRY_ALIGN);
@@ -1421,7 +1418,7 @@ impl Store {
         ns: &str,
         keys: &[String],
         mut pool_fd_sent: impl FnMut(u32) -> bool,
-    ) -> Result<Vec<Option<(Located, Option<File>)>>> {
+    ) -> Result<Retrieved> {
         split_ns(ns)?;
         let mut st = self.st.lock();
         let c = Self::session_caller(&st, session)?;
@@ -2176,7 +2173,6 @@ impl Store {
                     ino,
                     cur.max(1),
                     Some(pool),
-                    false,
                     &mut inv,
                 )?;
                 let acct = align_up(cur.max(1), ENTRY_ALIGN);

@@ -201,10 +201,11 @@ impl<B: Backend> Fs<B> {
         if !h.writable {
             self.backend.close(h.ino);
         }
-        if h.writable && self.drop_writer(h.ino) {
-            if let Err(e) = self.backend.seal(h.ino) {
-                tracing::warn!(ino = h.ino, "sealing at release: {e}");
-            }
+        if h.writable
+            && self.drop_writer(h.ino)
+            && let Err(e) = self.backend.seal(h.ino)
+        {
+            tracing::warn!(ino = h.ino, "sealing at release: {e}");
         }
         Some(h)
     }

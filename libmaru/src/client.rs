@@ -556,7 +556,7 @@ impl Inner {
                 }
                 (Pending::Alloc(size), Outcome::Ok(Body::Allocated { grants })) => {
                     self.refilling.remove(&size);
-                    let spares = self.to_spares(grants, fds)?;
+                    let spares = self.spares_from(grants, fds)?;
                     self.spares.entry(size).or_default().extend(spares);
                 }
                 (Pending::Alloc(size), _) => {
@@ -666,7 +666,7 @@ impl Inner {
             Body::Allocated { grants } => grants,
             other => return Err(unexpected(&other)),
         };
-        let mut spares = self.to_spares(grants, fds)?;
+        let mut spares = self.spares_from(grants, fds)?;
         let first = spares
             .pop()
             .ok_or_else(|| Error::Protocol("empty grant".into()))?;
@@ -674,7 +674,7 @@ impl Inner {
         self.map_grant(first)
     }
 
-    fn to_spares(&mut self, grants: Vec<Grant>, fds: Vec<OwnedFd>) -> Result<Vec<Spare>> {
+    fn spares_from(&mut self, grants: Vec<Grant>, fds: Vec<OwnedFd>) -> Result<Vec<Spare>> {
         let mut fds = fds.into_iter();
         let mut spares = Vec::with_capacity(grants.len());
         for g in grants {
@@ -815,13 +815,13 @@ impl Inner {
         let kind = self.pool_kind(loc.pool)?;
         let inner = if kind == PoolKind::Memfs {
             let f = File::from(fd.ok_or_else(|| Error::Protocol("memfs entry without fd".into()))?);
-            // SAFETY: a read-only shared mapping of a sealed entry's file; sealed entries are
-            // never written again (see Mapping::as_slice).
             let mut o = memmap2::MmapOptions::new();
             o.len(loc.size.max(1) as usize);
             if self.cfg.populate {
                 o.populate();
             }
+            // SAFETY: a read-only shared mapping of a sealed entry's file; sealed entries are
+            // never written again (see Mapping::as_slice).
             let map = unsafe { o.map(&f)? };
             MapInner {
                 map,

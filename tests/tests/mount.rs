@@ -270,7 +270,7 @@ fn unlink_while_mapped_keeps_bytes() {
         ErrorKind::NotFound
     );
     assert!(!d.pool_dir().join("n/u/k").exists());
-    assert!(&m[..] == &data[..]);
+    assert!(m[..] == data[..]);
     // Deleted through libmaru while mapped through the mount: same guarantee, and the
     // kernel forgets the name at once (no stale cached entry).
     let h = d.handler();
@@ -288,7 +288,7 @@ fn unlink_while_mapped_keeps_bytes() {
         );
         std::thread::sleep(Duration::from_millis(5));
     }
-    assert!(&m2[..] == &data[..]);
+    assert!(m2[..] == data[..]);
 }
 
 #[test]

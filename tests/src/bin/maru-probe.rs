@@ -56,7 +56,7 @@ fn main() -> anyhow::Result<()> {
             let f = std::fs::File::open(file)?;
             // SAFETY: read-only mapping of a sealed entry.
             let m = unsafe { memmap2::Mmap::map(&f)? };
-            anyhow::ensure!(&m[..] == pattern(seed.parse()?, m.len()), "bytes differ");
+            anyhow::ensure!(m[..] == pattern(seed.parse()?, m.len())[..], "bytes differ");
             let p = pfns(m.as_ptr(), m.len());
             writeln!(out, "{} {}", m.len(), p[0])?;
         }
