@@ -268,7 +268,7 @@ impl Daemon {
 
 impl Drop for Daemon {
     fn drop(&mut self) {
-        if std::thread::panicking() {
+        if std::thread::panicking() || std::env::var_os("MARU_TEST_SHOWLOG").is_some() {
             let log = self.log_text();
             let tail: Vec<&str> = log.lines().rev().take(60).collect();
             eprintln!("--- marud log (last lines) ---");
@@ -276,7 +276,11 @@ impl Drop for Daemon {
                 eprintln!("{l}");
             }
         }
+        let t = Instant::now();
         self.stop();
+        if std::env::var_os("MARU_TEST_SHOWLOG").is_some() {
+            eprintln!("stop took {:?}", t.elapsed());
+        }
         if let Some(m) = &self.mount {
             force_unmount(m);
         }

@@ -540,3 +540,31 @@ fn a_child_closing_an_inherited_copy_does_not_publish() {
     let seen = Command::new("test").arg("-e").arg(&p).status().unwrap();
     assert!(seen.success(), "not visible after the writer's close");
 }
+
+#[test]
+fn raw_pool_entries_are_served_by_copying() {
+    let d = Daemon::start(Opts {
+        pools: vec!["file:{dir}/dev.img,size=64M".into()],
+        mount: true,
+        extra: vec![],
+    });
+    std::fs::create_dir(d.path("raw")).unwrap();
+    let data = pattern(11, 3 << 20);
+    std::fs::write(d.path("raw/k"), &data).unwrap();
+    assert_eq!(std::fs::read(d.path("raw/k")).unwrap(), data);
+    assert_eq!(
+        xattr(&d.path("raw/k"), "user.maru.access").unwrap(),
+        b"copy"
+    );
+    assert_eq!(xattr(&d.path("raw/k"), "user.maru.kind").unwrap(), b"file");
+    // Both doors: libmaru maps the same bytes from the device.
+    let h = d.handler();
+    assert_eq!(h.retrieve("raw/k").unwrap().unwrap().as_slice(), &data[..]);
+    h.put("raw/lib", &pattern(12, 5000)).unwrap();
+    assert_eq!(std::fs::read(d.path("raw/lib")).unwrap(), pattern(12, 5000));
+    // mmap of a copy-served file works too (through the page cache of the FUSE inode).
+    let f = File::open(d.path("raw/lib")).unwrap();
+    // SAFETY: read-only mapping of a sealed entry.
+    let m = unsafe { memmap2::Mmap::map(&f).unwrap() };
+    assert_eq!(&m[..], &pattern(12, 5000)[..]);
+}
