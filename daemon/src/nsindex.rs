@@ -92,6 +92,11 @@ impl NsIndex {
         self.writer().set_flags(i, flags);
     }
 
+    /// Publishes the count of imminent publications in this namespace.
+    pub fn set_pending(&self, n: u64) {
+        self.writer().set_pending(n);
+    }
+
     /// Marks this table as replaced.
     pub fn retire(&self) {
         self.writer().retire();

@@ -172,6 +172,8 @@ struct Namespace {
     index: NsIndex,
     bytes: u64,
     mtime: SystemTime,
+    /// Entries written through the mount whose writer closed them (publication imminent).
+    pending: u64,
 }
 
 #[derive(Default)]
@@ -307,6 +309,7 @@ impl Store {
             index: NsIndex::new(16)?,
             bytes: 0,
             mtime: now(),
+            pending: 0,
         };
         let mut st = State {
             next_ino: ROOT_INO + 1,
@@ -601,6 +604,7 @@ impl Store {
                 index: NsIndex::new(0)?,
                 bytes: 0,
                 mtime: now(),
+                pending: 0,
             },
         );
         st.ns_by_ino.insert(ino, ns.to_owned());
@@ -689,6 +693,7 @@ impl Store {
                 .expect("fresh table has room");
             slots.push((e.ino, s));
         }
+        ix.set_pending(n.pending);
         n.index.retire();
         n.index = ix;
         slots
@@ -1002,6 +1007,9 @@ impl Store {
         let Some(a) = st.allocs.remove(&id) else {
             return;
         };
+        if a.closing {
+            adjust_pending(st, &a.target, -1);
+        }
         let ps = &mut st.pools[a.pool as usize];
         ps.writing_bytes -= a.acct;
         match &self.pools[a.pool as usize].imp {
@@ -1327,6 +1335,9 @@ impl Store {
             }
         }
         let a = st.allocs.remove(&id).expect("present");
+        if a.closing {
+            adjust_pending(st, &a.target, -1);
+        }
         st.pools[pool as usize].writing_bytes -= a.acct;
         if let Some((tns, tkey)) = &a.target
             && let Some(n) = st.ns.get_mut(tns)
@@ -1422,6 +1433,7 @@ impl Store {
         split_ns(ns)?;
         let mut st = self.st.lock();
         let c = Self::session_caller(&st, session)?;
+        self.wait_imminent(&mut st, ns, keys);
         let n = st
             .ns
             .get(ns)
@@ -1505,13 +1517,29 @@ impl Store {
     /// Which keys exist.
     pub fn exists(&self, c: &Caller, ns: &str, keys: &[String]) -> Result<Vec<bool>> {
         split_ns(ns)?;
-        let st = self.st.lock();
+        let mut st = self.st.lock();
+        self.wait_imminent(&mut st, ns, keys);
         let n = st
             .ns
             .get(ns)
             .ok_or_else(|| Error::NotFound(format!("namespace `{ns}`")))?;
         check(c, n, 4, &format!("read `{ns}`"))?;
         Ok(keys.iter().map(|k| n.entries.contains_key(k)).collect())
+    }
+
+    /// Waits (at most a second) while any of `keys` is about to be published through the mount.
+    fn wait_imminent(
+        &self,
+        st: &mut parking_lot::MutexGuard<'_, State>,
+        ns: &str,
+        keys: &[String],
+    ) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
+        while keys.iter().any(|k| publication_imminent(st, ns, k)) {
+            if self.sealed.wait_until(st, deadline).timed_out() {
+                break;
+            }
+        }
     }
 
     /// Deletes entries; one outcome per key.
@@ -1832,6 +1860,25 @@ impl Store {
     }
 }
 
+/// Adds `delta` to the imminent publications of `target`'s namespace (and its index).
+fn adjust_pending(st: &mut State, target: &Option<(String, String)>, delta: i64) {
+    if let Some((ns, _)) = target
+        && let Some(n) = st.ns.get_mut(ns)
+    {
+        n.pending = n.pending.saturating_add_signed(delta);
+        n.index.set_pending(n.pending);
+    }
+}
+
+/// True if `ns/key` is being written through the mount and its writer has closed it.
+fn publication_imminent(st: &State, ns: &str, key: &str) -> bool {
+    st.ns
+        .get(ns)
+        .and_then(|n| n.writing.get(key))
+        .and_then(|id| st.allocs.get(id))
+        .is_some_and(|a| a.closing)
+}
+
 fn entry_attr(e: &Entry) -> Attr {
     Attr {
         ino: e.ino,
@@ -2131,9 +2178,16 @@ impl Store {
 
     /// A writable descriptor of an entry being written through the mount was closed.
     pub fn fs_closing(&self, ino: u64) {
-        if let Some(a) = self.st.lock().allocs.get_mut(&ino) {
-            a.closing = true;
+        let mut st = self.st.lock();
+        let Some(a) = st.allocs.get_mut(&ino) else {
+            return;
+        };
+        if a.closing || a.target.is_none() {
+            return;
         }
+        a.closing = true;
+        let target = a.target.clone();
+        adjust_pending(&mut st, &target, 1);
     }
 
     /// Publishes an entry written through the mount.
@@ -2390,7 +2444,11 @@ impl Store {
                 {
                     st.ns.get_mut(&p).expect("exists").writing.remove(name);
                     if let Some(a) = st.allocs.get_mut(&id) {
-                        a.target = None;
+                        let (closing, old) = (a.closing, a.target.take());
+                        a.closing = false;
+                        if closing {
+                            adjust_pending(&mut st, &old, -1);
+                        }
                     }
                     return Ok(());
                 }
@@ -2475,7 +2533,12 @@ impl Store {
                 .writing
                 .insert(newname.to_owned(), id);
             if let Some(a) = st.allocs.get_mut(&id) {
-                a.target = Some((np, newname.to_owned()));
+                let old = a.target.replace((np, newname.to_owned()));
+                let (closing, new) = (a.closing, a.target.clone());
+                if closing {
+                    adjust_pending(&mut st, &old, -1);
+                    adjust_pending(&mut st, &new, 1);
+                }
             }
             return Ok(());
         }

@@ -390,7 +390,7 @@ impl Handler {
     pub fn exists(&self, path: &str) -> Result<bool> {
         let p = EntryPath::parse(path)?;
         let mut g = self.inner.lock();
-        Ok(g.lookup(p.ns(), p.key())?.is_some())
+        g.exists(p.ns(), p.key())
     }
 
     /// `exists` for many paths.
@@ -399,7 +399,7 @@ impl Handler {
         let mut out = Vec::with_capacity(paths.len());
         for path in paths {
             let p = EntryPath::parse(path)?;
-            out.push(g.lookup(p.ns(), p.key())?.is_some());
+            out.push(g.exists(p.ns(), p.key())?);
         }
         Ok(out)
     }
@@ -768,12 +768,38 @@ impl Inner {
         Ok(ix.table().and_then(|t| t.lookup(key.as_bytes())))
     }
 
+    /// True if publications through the mount are imminent in `ns` (a miss must ask marud).
+    fn pending(&mut self, ns: &str) -> Result<bool> {
+        let ix = self.index(ns)?;
+        Ok(ix.table().is_some_and(|t| t.pending() > 0))
+    }
+
+    fn exists(&mut self, ns: &str, key: &str) -> Result<bool> {
+        if self.lookup(ns, key)?.is_some() {
+            return Ok(true);
+        }
+        if !self.pending(ns)? {
+            return Ok(false);
+        }
+        match self.call(Op::Exists {
+            ns: ns.to_owned(),
+            keys: vec![key.to_owned()],
+        })? {
+            (Body::Exists { found }, _) => Ok(found.first().copied().unwrap_or(false)),
+            (other, _) => Err(unexpected(&other)),
+        }
+    }
+
     fn retrieve_many(&mut self, ns: &str, keys: &[String]) -> Result<Vec<Option<Mapping>>> {
         self.sweep_cache(ns);
         let mut out: Vec<Option<Mapping>> = vec![None; keys.len()];
         let mut miss: Vec<usize> = Vec::new();
         for (i, k) in keys.iter().enumerate() {
             let Some(v) = self.lookup(ns, k)? else {
+                // Not in the index: absent, unless a publication is imminent (ask marud).
+                if self.pending(ns)? {
+                    miss.push(i);
+                }
                 continue;
             };
             self.clock += 1;

@@ -10,7 +10,7 @@
 //!
 //! ```text
 //! header (8 words): magic, nslots, flags (bit 0 = retired), epoch, live, removals,
-//!                   2 reserved
+//!                   pending publications, reserved
 //! slot (40 words):  seq, generation, hash, size, pool|flags<<32, offset, key_len, reserved,
 //!                   key bytes (32 words = 256 bytes, zero padded)
 //! ```
@@ -115,6 +115,12 @@ impl<'a> Table<'a> {
     /// Changes with every removal (delete, eviction).
     pub fn removals(&self) -> u64 {
         self.words[5].load(Ordering::Acquire)
+    }
+
+    /// Entries of this namespace whose writer has closed them and whose publication is
+    /// imminent (written through the mount). A miss while this is non-zero must ask the daemon.
+    pub fn pending(&self) -> u64 {
+        self.words[6].load(Ordering::Acquire)
     }
 
     /// Live entries.
@@ -287,6 +293,11 @@ impl<'a> TableWriter<'a> {
             );
         });
         self.bump_epoch();
+    }
+
+    /// Sets the pending-publication count.
+    pub fn set_pending(&self, n: u64) {
+        self.t.words[6].store(n, Ordering::Release);
     }
 
     /// Marks this table replaced.

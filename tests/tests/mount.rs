@@ -489,6 +489,15 @@ fn crash_leaves_a_dead_mount_that_restart_replaces() {
     let mut d = daemon();
     std::fs::create_dir(d.path("c")).unwrap();
     std::fs::write(d.path("c/k"), pattern(4, 10_000)).unwrap();
+    // Another process sees it once published (its lookup waits for the release).
+    assert!(
+        Command::new("test")
+            .arg("-e")
+            .arg(d.path("c/k"))
+            .status()
+            .unwrap()
+            .success()
+    );
     d.kill9();
     let e = std::fs::metadata(d.path("c/k")).unwrap_err();
     assert_eq!(e.raw_os_error(), Some(libc::ENOTCONN), "{e}");
@@ -567,4 +576,26 @@ fn raw_pool_entries_are_served_by_copying() {
     // SAFETY: read-only mapping of a sealed entry.
     let m = unsafe { memmap2::Mmap::map(&f).unwrap() };
     assert_eq!(&m[..], &pattern(12, 5000)[..]);
+}
+
+#[test]
+fn libmaru_sees_an_entry_as_soon_as_its_writer_closed_it() {
+    let d = daemon();
+    std::fs::create_dir(d.path("now")).unwrap();
+    let h = d.handler();
+    assert!(!h.exists("now/k0").unwrap());
+    for i in 0..50u64 {
+        std::fs::write(d.path(&format!("now/k{i}")), pattern(i, 20_000)).unwrap();
+        // No sleep: the close has returned, the kernel's release may still be in flight.
+        assert!(
+            h.exists(&format!("now/k{i}")).unwrap(),
+            "k{i} not visible after close"
+        );
+        let m = h
+            .retrieve(&format!("now/k{i}"))
+            .unwrap()
+            .expect("retrievable after close");
+        assert_eq!(m.as_slice(), &pattern(i, 20_000)[..]);
+    }
+    assert!(!h.exists("now/never").unwrap());
 }
