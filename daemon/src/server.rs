@@ -36,8 +36,14 @@ pub fn groups_of(pid: i32) -> Vec<u32> {
 /// Binds the control socket (replacing a stale one) with mode 0660 and group `group`.
 pub fn bind(path: &Path, gid: Option<u32>) -> anyhow::Result<UnixListener> {
     use anyhow::Context;
-    if let Some(dir) = path.parent() {
+    if let Some(dir) = path.parent()
+        && !dir.exists()
+    {
+        // The socket's directory must be traversable by the socket's group (the daemon's
+        // umask would make it 0700).
         std::fs::create_dir_all(dir)?;
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))?;
     }
     if path.exists() {
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
