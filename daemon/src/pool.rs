@@ -210,6 +210,14 @@ impl MemfsPool {
     pub fn open(spec: &PoolSpec) -> anyhow::Result<Self> {
         use anyhow::Context;
         let root = spec.path.clone();
+        if let Some(parent) = root.parent() {
+            // Parents (such as /run/maru, which also holds the socket) stay traversable.
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o755)
+                .create(parent)
+                .with_context(|| format!("creating {}", parent.display()))?;
+        }
         std::fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
