@@ -210,13 +210,15 @@ impl MemfsPool {
     pub fn open(spec: &PoolSpec) -> anyhow::Result<Self> {
         use anyhow::Context;
         let root = spec.path.clone();
-        if let Some(parent) = root.parent() {
-            // Parents (such as /run/maru, which also holds the socket) stay traversable.
-            std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o755)
-                .create(parent)
+        if let Some(parent) = root.parent()
+            && !parent.exists()
+        {
+            // Parents (such as /run/maru, which also holds the socket) stay traversable
+            // despite the daemon's umask.
+            std::fs::create_dir_all(parent)
                 .with_context(|| format!("creating {}", parent.display()))?;
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(parent, std::fs::Permissions::from_mode(0o755))?;
         }
         std::fs::DirBuilder::new()
             .recursive(true)
