@@ -572,7 +572,22 @@ pub fn clear_header(f: &File) -> io::Result<()> {
     f.sync_data()
 }
 
-/// Opens a raw pool's device or file read-write; returns it with its capacity.
+/// Takes the exclusive lock a running marud holds on each raw pool device or file.
+/// Returns false if another process holds it.
+pub fn lock_device(f: &File) -> io::Result<bool> {
+    // SAFETY: plain syscall on a descriptor we own.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        return Ok(true);
+    }
+    let e = io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        Ok(false)
+    } else {
+        Err(e)
+    }
+}
+
+/// Opens a raw pool's device or file read-write (and locks it); returns it with its capacity.
 pub fn open_raw(spec: &PoolSpec) -> anyhow::Result<(File, u64)> {
     use anyhow::Context;
     match spec.kind {
@@ -586,6 +601,9 @@ pub fn open_raw(spec: &PoolSpec) -> anyhow::Result<(File, u64)> {
                 .custom_flags(libc::O_CLOEXEC)
                 .open(&spec.path)
                 .with_context(|| format!("opening {}", spec.path.display()))?;
+            if !lock_device(&f)? {
+                anyhow::bail!("{} is in use by another marud", spec.path.display());
+            }
             let cur = f.metadata()?.len();
             let size = spec.size.unwrap_or(cur);
             if cur < size {
@@ -600,6 +618,9 @@ pub fn open_raw(spec: &PoolSpec) -> anyhow::Result<(File, u64)> {
                 .custom_flags(libc::O_CLOEXEC)
                 .open(&spec.path)
                 .with_context(|| format!("opening {}", spec.path.display()))?;
+            if !lock_device(&f)? {
+                anyhow::bail!("{} is in use by another marud", spec.path.display());
+            }
             let size = match spec.size {
                 Some(s) => s,
                 None => devdax_size(&spec.path)?,

@@ -153,6 +153,7 @@ struct Inner {
     reader: proto::FrameReader,
     next_id: u64,
     session: u64,
+    server: String,
     pools: Vec<PoolInfo>,
     pool_ro: HashMap<u32, Arc<File>>,
     pool_rw: HashMap<u32, Arc<File>>,
@@ -179,6 +180,25 @@ impl std::fmt::Debug for Handler {
     }
 }
 
+/// A sealed entry's description (see [`Handler::stat`]).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct EntryInfo {
+    /// `ns/key`.
+    pub path: String,
+    /// Unique id of this sealed entry.
+    pub generation: u64,
+    /// Size in bytes.
+    pub size: u64,
+    /// Pool name.
+    pub pool: String,
+    /// Pool kind.
+    pub kind: PoolKind,
+    /// Offset in the pool (raw pools).
+    pub offset: u64,
+    /// Pinned against eviction.
+    pub pinned: bool,
+}
+
 /// What `batch_store` reports per key.
 pub type BatchResult = Vec<Result<()>>;
 
@@ -199,6 +219,7 @@ impl Handler {
             reader: proto::FrameReader::new(),
             next_id: 1,
             session: 0,
+            server: String::new(),
             pools: Vec::new(),
             pool_ro: HashMap::new(),
             pool_rw: HashMap::new(),
@@ -223,8 +244,9 @@ impl Handler {
                 version,
                 session,
                 pools,
-                ..
+                server,
             } => {
+                inner.server = server;
                 if version != PROTOCOL_VERSION {
                     return Err(Error::Protocol(format!(
                         "daemon speaks protocol {version}, this client {PROTOCOL_VERSION}"
@@ -429,6 +451,33 @@ impl Handler {
     /// Pins or unpins many entries.
     pub fn batch_pin(&self, paths: &[&str], pinned: bool) -> Result<BatchResult> {
         self.batch_op(paths, |ns, keys| Op::Pin { ns, keys, pinned })
+    }
+
+    /// Describes a sealed entry without mapping it (from the shared index). `None` if absent.
+    pub fn stat(&self, path: &str) -> Result<Option<EntryInfo>> {
+        let p = EntryPath::parse(path)?;
+        let mut g = self.inner.lock();
+        if !g.exists(p.ns(), p.key())? {
+            return Ok(None);
+        }
+        let Some(v) = g.lookup(p.ns(), p.key())? else {
+            return Ok(None);
+        };
+        let pool = g.pools.iter().find(|x| x.id == v.pool);
+        Ok(Some(EntryInfo {
+            path: p.to_string(),
+            generation: v.generation,
+            size: v.size,
+            pool: pool.map(|x| x.name.clone()).unwrap_or_default(),
+            kind: pool.map(|x| x.kind).unwrap_or(PoolKind::Memfs),
+            offset: v.offset,
+            pinned: v.flags & FLAG_PINNED != 0,
+        }))
+    }
+
+    /// The daemon's name and version, from the handshake.
+    pub fn server(&self) -> String {
+        self.inner.lock().server.clone()
     }
 
     /// True if the entry is pinned (from the shared index).

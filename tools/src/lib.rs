@@ -1,4 +1,5 @@
 //! maructl's library: the commands and the benchmark harness.
 
 pub mod bench;
+pub mod ctl;
 pub mod env;

@@ -3,17 +3,116 @@
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
+use maru_tools::ctl::{self, Failure, exit};
 
-/// maructl: talk to marud, and benchmark maru.
+const EXIT_CODES: &str = "\
+Exit codes:
+  0  success
+  1  the operation failed (I/O or a daemon error not listed here)
+  2  bad command line
+  3  no such entry or namespace
+  4  marud is not reachable on the socket (not running?)
+  5  permission denied
+  6  the name is taken (entries are write-once) / the device already has a header
+  7  no space in the pools
+  8  invalid name or argument
+  9  the device is in use by a running marud
+
+With --json every command prints one JSON document on stdout, errors included:
+  {\"error\": {\"kind\": \"not_found\", \"exit\": 3, \"message\": \"...\"}}";
+
+/// maructl: talk to marud (the maru KV-cache store daemon), and benchmark maru.
 #[derive(Parser)]
-#[command(name = "maructl", version)]
+#[command(name = "maructl", version, after_help = EXIT_CODES)]
 struct Cli {
+    /// marud's control socket.
+    #[arg(long, global = true, env = "MARU_SOCKET", default_value = maru::DEFAULT_SOCKET)]
+    socket: PathBuf,
+    /// Print one JSON document (for scripts).
+    #[arg(long, global = true)]
+    json: bool,
     #[command(subcommand)]
     cmd: Cmd,
 }
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Daemon, pools, entries, clients at a glance.
+    Status,
+    /// Pools: capacity, use, entries, evictions.
+    Pools,
+    /// List a namespace (the root when omitted).
+    Ls {
+        /// Namespace.
+        ns: Option<String>,
+    },
+    /// Describe an entry.
+    Stat {
+        /// NS/KEY.
+        path: String,
+    },
+    /// Store a file (or stdin) as an entry.
+    Put {
+        /// NS/KEY.
+        path: String,
+        /// Input file; `-` or nothing for stdin.
+        file: Option<PathBuf>,
+    },
+    /// Write an entry's bytes to a file (or stdout).
+    Get {
+        /// NS/KEY.
+        path: String,
+        /// Output file; `-` or nothing for stdout.
+        file: Option<PathBuf>,
+    },
+    /// Delete entries.
+    Rm {
+        /// NS/KEY...
+        #[arg(required = true)]
+        paths: Vec<String>,
+    },
+    /// Pin entries (never evicted).
+    Pin {
+        /// NS/KEY...
+        #[arg(required = true)]
+        paths: Vec<String>,
+    },
+    /// Unpin entries.
+    Unpin {
+        /// NS/KEY...
+        #[arg(required = true)]
+        paths: Vec<String>,
+    },
+    /// Create a namespace.
+    Mkdir {
+        /// Namespace.
+        ns: String,
+        /// Mode (octal).
+        #[arg(long, default_value = "755")]
+        mode: String,
+    },
+    /// Remove an empty namespace.
+    Rmdir {
+        /// Namespace.
+        ns: String,
+    },
+    /// Evict least recently used entries until this much is free in every pool.
+    Evict {
+        /// Bytes to make free (suffixes: 512M, 4G).
+        #[arg(long)]
+        bytes: String,
+    },
+    /// The header of a devdax or file: pool (no daemon needed; refused while marud uses it).
+    Device {
+        /// init | show | clear
+        #[arg(value_parser = ["init", "show", "clear"])]
+        action: String,
+        /// The device or file.
+        path: PathBuf,
+        /// init: replace an existing header.
+        #[arg(long)]
+        force: bool,
+    },
     /// Benchmarks measured side by side in one run (starts its own daemon).
     Bench {
         #[command(subcommand)]
@@ -47,22 +146,88 @@ enum BenchCmd {
     },
 }
 
+fn bad(msg: String) -> Failure {
+    Failure {
+        code: exit::INVALID,
+        kind: "invalid_argument".into(),
+        message: msg,
+    }
+}
+
+fn run(cli: Cli) -> Result<Option<ctl::Output>, Failure> {
+    let sock = cli.socket.clone();
+    let h = || ctl::connect(&sock);
+    let r = match cli.cmd {
+        Cmd::Status => ctl::status(&h()?),
+        Cmd::Pools => ctl::pools(&h()?),
+        Cmd::Ls { ns } => ctl::ls(&h()?, ns.as_deref().unwrap_or("")),
+        Cmd::Stat { path } => ctl::stat(&h()?, &path),
+        Cmd::Put { path, file } => ctl::put(&h()?, &path, file.as_deref()),
+        Cmd::Get { path, file } => ctl::get(&h()?, &path, file.as_deref(), cli.json),
+        Cmd::Rm { paths } => ctl::rm(&h()?, &paths),
+        Cmd::Pin { paths } => ctl::pin(&h()?, &paths, true),
+        Cmd::Unpin { paths } => ctl::pin(&h()?, &paths, false),
+        Cmd::Mkdir { ns, mode } => {
+            let m = u32::from_str_radix(&mode, 8).map_err(|_| bad(format!("bad mode `{mode}`")))?;
+            ctl::mkdir(&h()?, &ns, m)
+        }
+        Cmd::Rmdir { ns } => ctl::rmdir(&h()?, &ns),
+        Cmd::Evict { bytes } => {
+            let b = maru::size::parse_size(&bytes).map_err(|e| bad(e.to_string()))?;
+            ctl::evict(&h()?, b)
+        }
+        Cmd::Device {
+            action,
+            path,
+            force,
+        } => ctl::device(&action, &path, force),
+        Cmd::Bench { which } => {
+            let text = match which {
+                BenchCmd::Core { rounds, json } => maru_tools::bench::core(rounds, json.as_deref()),
+                BenchCmd::Fs { rounds, json } => maru_tools::bench::fs(rounds, json.as_deref()),
+            }
+            .map_err(|e| Failure {
+                code: exit::FAILED,
+                kind: "bench".into(),
+                message: format!("{e:#}"),
+            })?;
+            print!("{text}");
+            return Ok(None);
+        }
+        Cmd::Echo => {
+            let _ = maru_tools::bench::echo_main();
+            return Ok(None);
+        }
+        Cmd::TcpServe { size } => {
+            let _ = maru_tools::bench::tcp_serve_main(size);
+            return Ok(None);
+        }
+    };
+    r.map(Some)
+}
+
 fn main() {
     let cli = Cli::parse();
-    let r = match cli.cmd {
-        Cmd::Bench { which } => match which {
-            BenchCmd::Core { rounds, json } => {
-                maru_tools::bench::core(rounds, json.as_deref()).map(|s| print!("{s}"))
+    let json = cli.json;
+    match run(cli) {
+        Ok(Some(o)) => {
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&o.json).expect("serializable")
+                );
+            } else {
+                print!("{}", o.text);
             }
-            BenchCmd::Fs { rounds, json } => {
-                maru_tools::bench::fs(rounds, json.as_deref()).map(|s| print!("{s}"))
+        }
+        Ok(None) => {}
+        Err(f) => {
+            if json {
+                println!("{}", f.to_json());
+            } else {
+                eprintln!("maructl: {}", f.message);
             }
-        },
-        Cmd::Echo => maru_tools::bench::echo_main(),
-        Cmd::TcpServe { size } => maru_tools::bench::tcp_serve_main(size),
-    };
-    if let Err(e) = r {
-        eprintln!("maructl: {e:#}");
-        std::process::exit(1);
+            std::process::exit(f.code);
+        }
     }
 }

@@ -1,0 +1,183 @@
+//! maructl against a live daemon: every command, its --json output, exit codes and errors.
+
+use std::process::{Command, Output};
+
+use maru_tests::{Daemon, Opts, bin, pattern};
+use serde_json::Value;
+
+fn ctl(d: &Daemon, args: &[&str]) -> Output {
+    Command::new(bin("maructl"))
+        .arg("--socket")
+        .arg(&d.socket)
+        .args(args)
+        .output()
+        .expect("running maructl")
+}
+
+fn json(d: &Daemon, args: &[&str]) -> Value {
+    let mut a = vec!["--json"];
+    a.extend_from_slice(args);
+    let o = ctl(d, &a);
+    assert!(
+        o.status.success(),
+        "maructl {args:?}: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("maructl {args:?} printed no JSON: {e}"))
+}
+
+fn fails(d: &Daemon, args: &[&str], code: i32, kind: &str) {
+    let mut a = vec!["--json"];
+    a.extend_from_slice(args);
+    let o = ctl(d, &a);
+    assert_eq!(
+        o.status.code(),
+        Some(code),
+        "maructl {args:?}: {}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    let v: Value = serde_json::from_slice(&o.stdout).expect("error as JSON");
+    assert_eq!(v["error"]["kind"], kind, "{v}");
+    // And for people: a message on stderr, nothing on stdout.
+    let o = ctl(d, args);
+    assert_eq!(o.status.code(), Some(code));
+    assert!(String::from_utf8_lossy(&o.stderr).starts_with("maructl: "));
+}
+
+#[test]
+fn every_command_against_a_live_daemon() {
+    let d = Daemon::start(Opts {
+        pools: vec!["memfs:{dir}/pool,size=64M,name=mem".into()],
+        mount: false,
+        extra: vec![],
+    });
+    let st = json(&d, &["status"]);
+    assert!(st["server"].as_str().unwrap().starts_with("marud"));
+    assert_eq!(st["pools"][0]["name"], "mem");
+    let pools = json(&d, &["pools"]);
+    assert_eq!(pools["pools"][0]["kind"], "memfs");
+    assert_eq!(pools["pools"][0]["capacity"], 64 << 20);
+
+    json(&d, &["mkdir", "ns", "--mode", "750"]);
+    let src = d.dir.join("in.bin");
+    std::fs::write(&src, pattern(1, 300_000)).unwrap();
+    let put = json(&d, &["put", "ns/k", src.to_str().unwrap()]);
+    assert_eq!(put["size"], 300_000);
+    // put from stdin, get to stdout.
+    let mut child = Command::new(bin("maructl"))
+        .args(["--socket", d.socket.to_str().unwrap(), "put", "ns/stdin"])
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"from stdin")
+        .unwrap();
+    assert!(child.wait().unwrap().success());
+    let o = ctl(&d, &["get", "ns/stdin"]);
+    assert!(o.status.success());
+    assert_eq!(o.stdout, b"from stdin");
+    // get to a file round-trips the bytes.
+    let dst = d.dir.join("out.bin");
+    let got = json(&d, &["get", "ns/k", dst.to_str().unwrap()]);
+    assert_eq!(got["size"], 300_000);
+    assert_eq!(std::fs::read(&dst).unwrap(), pattern(1, 300_000));
+
+    let ls = json(&d, &["ls"]);
+    assert_eq!(ls["children"][0]["ns"], "ns");
+    assert_eq!(ls["children"][0]["mode"], 0o750);
+    let ls = json(&d, &["ls", "ns"]);
+    let keys: Vec<&str> = ls["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["key"].as_str().unwrap())
+        .collect();
+    assert_eq!(keys, ["k", "stdin"]);
+    let s = json(&d, &["stat", "ns/k"]);
+    assert_eq!(s["size"], 300_000);
+    assert_eq!(s["pinned"], false);
+    assert_eq!(s["pool"], "mem");
+
+    json(&d, &["pin", "ns/k"]);
+    assert_eq!(json(&d, &["stat", "ns/k"])["pinned"], true);
+    json(&d, &["unpin", "ns/k"]);
+    assert_eq!(json(&d, &["stat", "ns/k"])["pinned"], false);
+
+    // Evict: everything unpinned goes when asked for the whole pool.
+    json(&d, &["pin", "ns/stdin"]);
+    let ev = json(&d, &["evict", "--bytes", "64M"]);
+    assert_eq!(ev["entries"], 1);
+    fails(&d, &["stat", "ns/k"], 3, "not_found");
+    json(&d, &["unpin", "ns/stdin"]);
+
+    let rm = json(&d, &["rm", "ns/stdin"]);
+    assert_eq!(rm["results"][0]["ok"], true);
+    json(&d, &["rmdir", "ns"]);
+    assert!(json(&d, &["ls"])["children"].as_array().unwrap().is_empty());
+}
+
+#[test]
+fn errors_are_clear_and_exit_non_zero() {
+    let mut d = Daemon::start(Opts {
+        pools: vec!["memfs:{dir}/pool,size=64M".into()],
+        mount: false,
+        extra: vec![],
+    });
+    json(&d, &["mkdir", "e"]);
+    fails(&d, &["get", "e/missing", "/dev/null"], 3, "not_found");
+    fails(&d, &["stat", "e/missing"], 3, "not_found");
+    fails(&d, &["rm", "e/missing"], 3, "not_found");
+    fails(&d, &["put", "e/..", "/dev/null"], 8, "invalid_name");
+    fails(&d, &["put", "nokey", "/dev/null"], 8, "invalid_name");
+    let long = format!("e/{}", "x".repeat(256));
+    fails(&d, &["stat", &long], 8, "name_too_long");
+    json(&d, &["put", "e/k", "/etc/hostname"]);
+    fails(&d, &["put", "e/k", "/etc/hostname"], 6, "exists");
+    fails(&d, &["mkdir", "e"], 6, "exists");
+    fails(&d, &["evict", "--bytes", "lots"], 8, "invalid_argument");
+    // A usage error is exit 2 (clap).
+    let o = ctl(&d, &["frobnicate"]);
+    assert_eq!(o.status.code(), Some(2));
+    // A stopped daemon.
+    d.stop();
+    fails(&d, &["status"], 4, "unreachable");
+    let o = ctl(&d, &["status"]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("is it running?"));
+}
+
+#[test]
+fn device_header_init_show_clear() {
+    let mut d = Daemon::start(Opts {
+        pools: vec!["file:{dir}/dev.img,size=16M".into()],
+        mount: false,
+        extra: vec![],
+    });
+    let dev = d.dir.join("dev.img");
+    let dev = dev.to_str().unwrap();
+    // marud initialized the header of its new pool.
+    let show = json(&d, &["device", "show", dev]);
+    assert_eq!(show["initialized"], true);
+    assert_eq!(show["version"], 1);
+    let uuid = show["uuid"].as_str().unwrap().to_owned();
+    // Refused while a daemon uses the device.
+    fails(&d, &["device", "clear", dev], 9, "busy");
+    fails(&d, &["device", "init", dev, "--force"], 9, "busy");
+    d.stop();
+    fails(&d, &["device", "init", dev], 6, "exists");
+    let init = json(&d, &["device", "init", dev, "--force"]);
+    assert_ne!(init["uuid"], uuid.as_str());
+    assert_eq!(json(&d, &["device", "show", dev])["uuid"], init["uuid"]);
+    json(&d, &["device", "clear", dev]);
+    assert_eq!(json(&d, &["device", "show", dev])["initialized"], false);
+    let bytes = std::fs::read(dev).unwrap();
+    assert!(bytes[..32].iter().all(|b| *b == 0));
+    json(&d, &["device", "init", dev]);
+    assert_eq!(&std::fs::read(dev).unwrap()[..8], b"MARUDEV\0");
+    fails(&d, &["device", "show", "/nonexistent/dev"], 3, "io");
+}

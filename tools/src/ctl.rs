@@ -1,0 +1,399 @@
+//! maructl's commands: each talks to marud through libmaru (or, for `device`, to the device
+//! header directly) and prints for people or, with `--json`, one JSON document for scripts.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+
+use maru::Error;
+use maru::size::format_size;
+use maru_daemon::pool;
+use serde_json::{Value, json};
+
+/// Exit codes a script can rely on (also in `maructl --help` and doc/OPERATIONS.md).
+pub mod exit {
+    /// Success.
+    pub const OK: i32 = 0;
+    /// The operation failed (I/O, daemon error not listed below).
+    pub const FAILED: i32 = 1;
+    /// Bad command line.
+    pub const USAGE: i32 = 2;
+    /// No such entry or namespace.
+    pub const NOT_FOUND: i32 = 3;
+    /// marud is not running or not reachable on the socket.
+    pub const UNREACHABLE: i32 = 4;
+    /// Permission denied.
+    pub const DENIED: i32 = 5;
+    /// The name is taken (entries are write-once).
+    pub const EXISTS: i32 = 6;
+    /// No space in the pools.
+    pub const NO_SPACE: i32 = 7;
+    /// Invalid name or argument.
+    pub const INVALID: i32 = 8;
+    /// The device is in use by a running marud.
+    pub const BUSY: i32 = 9;
+}
+
+/// A command's failure: exit code, stable kind, message.
+#[derive(Debug)]
+pub struct Failure {
+    /// Exit code.
+    pub code: i32,
+    /// Stable kind (`not_found`, `unreachable`...).
+    pub kind: String,
+    /// Message for people.
+    pub message: String,
+}
+
+impl Failure {
+    fn new(code: i32, kind: &str, message: impl Into<String>) -> Self {
+        Failure {
+            code,
+            kind: kind.into(),
+            message: message.into(),
+        }
+    }
+
+    /// The JSON form printed with `--json`.
+    pub fn to_json(&self) -> Value {
+        json!({"error": {"kind": self.kind, "exit": self.code, "message": self.message}})
+    }
+}
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Self {
+        let code = match &e {
+            Error::NotFound(_) => exit::NOT_FOUND,
+            Error::Disconnected => exit::UNREACHABLE,
+            Error::PermissionDenied(_) => exit::DENIED,
+            Error::Exists(_) => exit::EXISTS,
+            Error::NoSpace(_) | Error::Quota(_) => exit::NO_SPACE,
+            Error::InvalidName(_) | Error::NameTooLong(_) | Error::InvalidArgument(_) => {
+                exit::INVALID
+            }
+            Error::Busy(_) => exit::BUSY,
+            _ => exit::FAILED,
+        };
+        Failure::new(code, e.kind(), e.to_string())
+    }
+}
+
+impl From<std::io::Error> for Failure {
+    fn from(e: std::io::Error) -> Self {
+        Failure::new(exit::FAILED, "io", e.to_string())
+    }
+}
+
+/// Output of a command: JSON (always built) and the human text.
+pub struct Output {
+    /// For `--json`.
+    pub json: Value,
+    /// For people.
+    pub text: String,
+}
+
+type R = Result<Output, Failure>;
+
+fn out(json: Value, text: impl Into<String>) -> R {
+    Ok(Output {
+        json,
+        text: text.into(),
+    })
+}
+
+/// Connects to marud on `socket`.
+pub fn connect(socket: &Path) -> Result<maru::Handler, Failure> {
+    maru::Handler::connect(maru::Config {
+        socket: socket.to_owned(),
+        client_name: "maructl".into(),
+        cache_entries: 0,
+        ..Default::default()
+    })
+    .map_err(|e| match e {
+        Error::Io(io) => Failure::new(
+            exit::UNREACHABLE,
+            "unreachable",
+            format!(
+                "cannot reach marud at {}: {io} (is it running?)",
+                socket.display()
+            ),
+        ),
+        other => other.into(),
+    })
+}
+
+/// `maructl status`.
+pub fn status(h: &maru::Handler) -> R {
+    let s = h.stats()?;
+    let entries: u64 = s.pools.iter().map(|p| p.entries).sum();
+    let cap: u64 = s.pools.iter().map(|p| p.capacity).sum();
+    let used: u64 = s.pools.iter().map(|p| p.used).sum();
+    let text = format!(
+        "{}\npools: {} ({} of {} used)\nentries: {entries}\nnamespaces: {}\nclients: {}\neviction: {}\n",
+        h.server(),
+        s.pools.len(),
+        format_size(used),
+        format_size(cap),
+        s.namespaces.len(),
+        s.clients.len().saturating_sub(1),
+        s.eviction
+    );
+    let mut j =
+        serde_json::to_value(&s).map_err(|e| Failure::new(exit::FAILED, "io", e.to_string()))?;
+    j["server"] = json!(h.server());
+    out(j, text)
+}
+
+/// `maructl pools`.
+pub fn pools(h: &maru::Handler) -> R {
+    let s = h.stats()?;
+    let mut text = format!(
+        "{:<24} {:<7} {:>10} {:>10} {:>10} {:>8} {:>9}\n",
+        "POOL", "KIND", "CAPACITY", "USED", "FREE", "ENTRIES", "EVICTED"
+    );
+    for p in &s.pools {
+        text.push_str(&format!(
+            "{:<24} {:<7} {:>10} {:>10} {:>10} {:>8} {:>9}\n",
+            p.name,
+            format!("{:?}", p.kind).to_lowercase(),
+            format_size(p.capacity),
+            format_size(p.used),
+            format_size(p.capacity.saturating_sub(p.used)),
+            p.entries,
+            p.evictions
+        ));
+    }
+    out(json!({"pools": s.pools}), text)
+}
+
+/// `maructl ls [NS]`.
+pub fn ls(h: &maru::Handler, ns: &str) -> R {
+    let (me, children, entries) = h.list(ns)?;
+    let mut text = String::new();
+    for c in &children {
+        text.push_str(&format!(
+            "{:o} {:>5} {:>5} {:>10} {}/\n",
+            c.mode, c.uid, c.gid, c.entries, c.ns
+        ));
+    }
+    for e in &entries {
+        text.push_str(&format!(
+            "{:>12} {}{}\n",
+            e.size,
+            e.key,
+            if e.pinned { "  [pinned]" } else { "" }
+        ));
+    }
+    out(
+        json!({"ns": me, "children": children, "entries": entries}),
+        text,
+    )
+}
+
+/// `maructl stat NS/KEY`.
+pub fn stat(h: &maru::Handler, path: &str) -> R {
+    let info = h
+        .stat(path)?
+        .ok_or_else(|| Failure::new(exit::NOT_FOUND, "not_found", format!("not found: {path}")))?;
+    let text = format!(
+        "{}\n  size: {}\n  pool: {} ({:?})\n  offset: {}\n  generation: {}\n  pinned: {}\n",
+        info.path, info.size, info.pool, info.kind, info.offset, info.generation, info.pinned
+    );
+    out(serde_json::to_value(&info).expect("serializable"), text)
+}
+
+/// `maructl put NS/KEY [FILE|-]`.
+pub fn put(h: &maru::Handler, path: &str, file: Option<&Path>) -> R {
+    let data = match file {
+        Some(f) if f != Path::new("-") => std::fs::read(f)?,
+        _ => {
+            let mut v = Vec::new();
+            std::io::stdin().read_to_end(&mut v)?;
+            v
+        }
+    };
+    h.put(path, &data)?;
+    out(
+        json!({"path": path, "size": data.len()}),
+        format!("stored {path} ({} bytes)\n", data.len()),
+    )
+}
+
+/// `maructl get NS/KEY [FILE|-]`: writes the bytes (to stdout by default).
+pub fn get(h: &maru::Handler, path: &str, file: Option<&Path>, json_mode: bool) -> R {
+    let m = h
+        .retrieve(path)?
+        .ok_or_else(|| Failure::new(exit::NOT_FOUND, "not_found", format!("not found: {path}")))?;
+    match file {
+        Some(f) if f != Path::new("-") => {
+            std::fs::write(f, m.as_slice())?;
+            out(
+                json!({"path": path, "size": m.len(), "file": f}),
+                format!("wrote {} bytes to {}\n", m.len(), f.display()),
+            )
+        }
+        _ if json_mode => Err(Failure::new(
+            exit::USAGE,
+            "usage",
+            "--json get needs an output FILE (the bytes would mix with the JSON)",
+        )),
+        _ => {
+            std::io::stdout().lock().write_all(m.as_slice())?;
+            out(json!({"path": path, "size": m.len()}), "")
+        }
+    }
+}
+
+fn batch(results: Vec<maru::Result<()>>, paths: &[String], verb: &str) -> R {
+    let mut text = String::new();
+    let mut items = Vec::new();
+    let mut first_err: Option<Failure> = None;
+    for (p, r) in paths.iter().zip(results) {
+        match r {
+            Ok(()) => {
+                text.push_str(&format!("{verb} {p}\n"));
+                items.push(json!({"path": p, "ok": true}));
+            }
+            Err(e) => {
+                items.push(json!({"path": p, "ok": false, "error": e.to_wire()}));
+                if first_err.is_none() {
+                    first_err = Some(Failure::from(e));
+                }
+            }
+        }
+    }
+    match first_err {
+        Some(mut f) if paths.len() > 1 => {
+            f.message = format!("{} (other paths: {})", f.message, json!(items));
+            Err(f)
+        }
+        Some(f) => Err(f),
+        None => out(json!({"results": items}), text),
+    }
+}
+
+/// `maructl rm PATH...`.
+pub fn rm(h: &maru::Handler, paths: &[String]) -> R {
+    let refs: Vec<&str> = paths.iter().map(String::as_str).collect();
+    batch(h.batch_delete(&refs)?, paths, "removed")
+}
+
+/// `maructl pin|unpin PATH...`.
+pub fn pin(h: &maru::Handler, paths: &[String], pinned: bool) -> R {
+    let refs: Vec<&str> = paths.iter().map(String::as_str).collect();
+    batch(
+        h.batch_pin(&refs, pinned)?,
+        paths,
+        if pinned { "pinned" } else { "unpinned" },
+    )
+}
+
+/// `maructl mkdir NS`.
+pub fn mkdir(h: &maru::Handler, ns: &str, mode: u32) -> R {
+    h.mkdir(ns, mode)?;
+    out(json!({"ns": ns, "mode": mode}), format!("created {ns}\n"))
+}
+
+/// `maructl rmdir NS`.
+pub fn rmdir(h: &maru::Handler, ns: &str) -> R {
+    h.rmdir(ns)?;
+    out(json!({"ns": ns}), format!("removed {ns}\n"))
+}
+
+/// `maructl evict --bytes N`.
+pub fn evict(h: &maru::Handler, bytes: u64) -> R {
+    let (entries, freed) = h.evict(bytes)?;
+    out(
+        json!({"entries": entries, "bytes": freed}),
+        format!("evicted {entries} entries ({})\n", format_size(freed)),
+    )
+}
+
+fn open_device(path: &Path, write: bool) -> Result<std::fs::File, Failure> {
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(write)
+        .open(path)
+        .map_err(|e| {
+            let code = if e.kind() == std::io::ErrorKind::NotFound {
+                exit::NOT_FOUND
+            } else {
+                exit::FAILED
+            };
+            Failure::new(code, "io", format!("{}: {e}", path.display()))
+        })?;
+    if write && !pool::lock_device(&f)? {
+        return Err(Failure::new(
+            exit::BUSY,
+            "busy",
+            format!("{} is in use by a running marud", path.display()),
+        ));
+    }
+    Ok(f)
+}
+
+fn header_json(path: &Path, h: Option<pool::DevHeader>) -> Value {
+    match h {
+        Some(h) => {
+            json!({"device": path, "initialized": true, "magic": "MARUDEV", "version": h.version, "uuid": h.uuid_string()})
+        }
+        None => json!({"device": path, "initialized": false}),
+    }
+}
+
+/// `maructl device init|show|clear PATH`.
+pub fn device(action: &str, path: &PathBuf, force: bool) -> R {
+    match action {
+        "show" => {
+            let f = open_device(path, false)?;
+            let h = pool::read_header(&f)?;
+            let text = match &h {
+                Some(h) => format!(
+                    "{}: maru device, format version {}, uuid {}\n",
+                    path.display(),
+                    h.version,
+                    h.uuid_string()
+                ),
+                None => format!("{}: no maru header\n", path.display()),
+            };
+            out(header_json(path, h), text)
+        }
+        "init" => {
+            let f = open_device(path, true)?;
+            if let Some(old) = pool::read_header(&f)?
+                && !force
+            {
+                return Err(Failure::new(
+                    exit::EXISTS,
+                    "exists",
+                    format!(
+                        "{} already has a maru header (uuid {}); --force replaces it and orphans its entries",
+                        path.display(),
+                        old.uuid_string()
+                    ),
+                ));
+            }
+            let h = pool::init_header(&f)?;
+            out(
+                header_json(path, Some(h)),
+                format!(
+                    "initialized {} (uuid {})\n",
+                    path.display(),
+                    h.uuid_string()
+                ),
+            )
+        }
+        "clear" => {
+            let f = open_device(path, true)?;
+            pool::clear_header(&f)?;
+            out(
+                header_json(path, None),
+                format!("cleared {}\n", path.display()),
+            )
+        }
+        other => Err(Failure::new(
+            exit::USAGE,
+            "usage",
+            format!("unknown device action `{other}`"),
+        )),
+    }
+}
