@@ -66,6 +66,9 @@ pub struct Cli {
     /// Write the daemon's pid here once it serves.
     #[arg(long, value_name = "FILE")]
     pub pid_file: Option<PathBuf>,
+    /// Serve Prometheus metrics on this address (e.g. 127.0.0.1:9860), path /metrics.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics: Option<std::net::SocketAddr>,
 }
 
 /// The config file: every flag has a key.
@@ -97,6 +100,8 @@ pub struct FileConfig {
     pub fuse_threads: Option<usize>,
     /// Pid file.
     pub pid_file: Option<PathBuf>,
+    /// Metrics address.
+    pub metrics: Option<std::net::SocketAddr>,
 }
 
 /// Resolved settings.
@@ -124,6 +129,8 @@ pub struct Settings {
     pub fuse_threads: usize,
     /// Pid file.
     pub pid_file: Option<PathBuf>,
+    /// Metrics address.
+    pub metrics: Option<std::net::SocketAddr>,
 }
 
 impl Settings {
@@ -189,6 +196,7 @@ impl Settings {
             wal_sync: cli.wal_sync || file.wal_sync.unwrap_or(false),
             fuse_threads: cli.fuse_threads.or(file.fuse_threads).unwrap_or(8),
             pid_file: cli.pid_file.or(file.pid_file),
+            metrics: cli.metrics.or(file.metrics),
         })
     }
 }

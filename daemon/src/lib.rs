@@ -2,6 +2,7 @@
 
 pub mod alloc;
 pub mod config;
+pub mod metrics;
 pub mod mount;
 pub mod nsindex;
 pub mod pool;

@@ -8,13 +8,24 @@ use maru_daemon::config::{Cli, Settings};
 use maru_daemon::store::{Store, StoreConfig};
 use maru_daemon::{mount, server};
 
+/// Logs go to journald when marud runs under systemd (`JOURNAL_STREAM` is set), to stderr
+/// otherwise. `MARU_LOG` (an EnvFilter) wins over `--log-level`.
 fn init_logging(filter: &str) {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
     let filter = tracing_subscriber::EnvFilter::try_from_env("MARU_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(filter));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+    let journald = std::env::var_os("JOURNAL_STREAM")
+        .is_some()
+        .then(tracing_journald::layer)
+        .and_then(Result::ok);
+    match journald {
+        Some(j) => tracing_subscriber::registry().with(filter).with(j).init(),
+        None => tracing_subscriber::registry()
+            .with(filter)
+            .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+            .init(),
+    }
 }
 
 fn group_id(name: &str) -> Option<u32> {
@@ -82,11 +93,29 @@ fn run(s: Settings) -> anyhow::Result<()> {
         }
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         let srv = tokio::spawn(server::serve(store.clone(), listener));
+        let metrics = match s.metrics {
+            Some(addr) => {
+                // Bind now so that a bad address fails the start, not a background task.
+                let st = store.clone();
+                let l = std::net::TcpListener::bind(addr)
+                    .with_context(|| format!("binding the metrics address {addr}"))?;
+                drop(l);
+                Some(tokio::spawn(async move {
+                    if let Err(e) = maru_daemon::metrics::serve(st, addr).await {
+                        tracing::error!("metrics server: {e}");
+                    }
+                }))
+            }
+            None => None,
+        };
         tokio::select! {
             _ = tokio::signal::ctrl_c() => tracing::info!("interrupted"),
             _ = term.recv() => tracing::info!("terminated"),
         }
         srv.abort();
+        if let Some(m) = metrics {
+            m.abort();
+        }
         anyhow::Ok(())
     });
     drop(mounted);

@@ -202,7 +202,9 @@ impl Conn {
         }
         self.store.count(name);
         let mut fds: Vec<File> = Vec::new();
+        let t = std::time::Instant::now();
         let r = self.dispatch(req.op, &mut fds);
+        self.store.record_latency(name, t.elapsed());
         match r {
             Ok(b) => self.push(
                 Response {

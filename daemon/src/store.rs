@@ -89,8 +89,11 @@ pub enum PoolImpl {
 
 /// A raw pool's device.
 pub struct RawPool {
-    /// Read-write descriptor (allocations).
+    /// The daemon's own descriptor; it holds the device lock (`maructl device` checks it).
     pub file: File,
+    /// Read-write descriptor handed to writers: a separate open file description, so that
+    /// clients' mappings never keep the daemon's lock alive after it exits.
+    pub rw: File,
     /// Read-only descriptor (retrievals).
     pub ro: File,
     /// Header.
@@ -204,6 +207,10 @@ struct State {
     gone: HashMap<u64, Attr>,
     /// Leases held by handles of the mount (raw pools).
     fuse_leases: HashMap<u64, u32>,
+    /// Bytes by kind (stored, retrieved, deleted, evicted).
+    bytes: BTreeMap<String, u64>,
+    /// Latency histograms and sums (µs) of control operations.
+    latency: BTreeMap<String, (Vec<u64>, u64)>,
 }
 
 /// Session of the mount's own allocations (never closed).
@@ -215,6 +222,7 @@ pub struct Store {
     pools: Vec<Pool>,
     st: Mutex<State>,
     invalidate: Mutex<Option<Arc<InvalidateFn>>>,
+    started: std::time::Instant,
     /// Signalled when an entry written through the mount is sealed or dropped.
     sealed: parking_lot::Condvar,
 }
@@ -286,7 +294,19 @@ impl Store {
                     let ro = std::fs::OpenOptions::new()
                         .read(true)
                         .open(format!("/proc/self/fd/{}", file.as_raw_fd()))?;
-                    (PoolImpl::Raw(RawPool { file, ro, header }), cap)
+                    let rw = std::fs::OpenOptions::new()
+                        .read(true)
+                        .write(true)
+                        .open(format!("/proc/self/fd/{}", file.as_raw_fd()))?;
+                    (
+                        PoolImpl::Raw(RawPool {
+                            file,
+                            rw,
+                            ro,
+                            header,
+                        }),
+                        cap,
+                    )
                 }
             };
             pools.push(Pool {
@@ -326,6 +346,8 @@ impl Store {
             ops: BTreeMap::new(),
             gone: HashMap::new(),
             fuse_leases: HashMap::new(),
+            bytes: BTreeMap::new(),
+            latency: BTreeMap::new(),
         };
         st.sessions.insert(
             MOUNT_SESSION,
@@ -353,8 +375,11 @@ impl Store {
                 ops: BTreeMap::new(),
                 gone: HashMap::new(),
                 fuse_leases: HashMap::new(),
+                bytes: BTreeMap::new(),
+                latency: BTreeMap::new(),
             }),
             invalidate: Mutex::new(None),
+            started: std::time::Instant::now(),
             sealed: parking_lot::Condvar::new(),
         };
         store.recover(&mut st)?;
@@ -716,6 +741,9 @@ impl Store {
         if let Some(s) = e.owner.and_then(|o| st.sessions.get_mut(&o)) {
             s.used = s.used.saturating_sub(e.size);
         }
+        *st.bytes
+            .entry(if evicted { "evicted" } else { "deleted" }.into())
+            .or_insert(0) += e.size;
         let ps = &mut st.pools[e.pool as usize];
         ps.sealed_bytes -= e.asize;
         ps.entries -= 1;
@@ -1032,6 +1060,19 @@ impl Store {
     pub fn count_upcall(&self, op: &'static str) {
         let mut st = self.st.lock();
         *st.ops.entry(format!("fuse_{op}")).or_insert(0) += 1;
+    }
+
+    /// Records the latency of one control operation.
+    pub fn record_latency(&self, op: &str, d: std::time::Duration) {
+        let us = d.as_micros().min(u128::from(u64::MAX)) as u64;
+        let b = maru::proto::LATENCY_BUCKETS_US.partition_point(|&ub| ub < us);
+        let mut st = self.st.lock();
+        let h = st
+            .latency
+            .entry(op.to_owned())
+            .or_insert_with(|| (vec![0; maru::proto::LATENCY_BUCKETS_US.len() + 1], 0));
+        h.0[b] += 1;
+        h.1 += us;
     }
 
     /// Counts an operation (shown in stats and metrics).
@@ -1366,6 +1407,7 @@ impl Store {
                 mtime: now(),
             },
         );
+        *st.bytes.entry("stored".into()).or_insert(0) += size;
         self.maybe_checkpoint(st, pool);
         Ok(id)
     }
@@ -1454,6 +1496,7 @@ impl Store {
             e.tick = tick;
             st.lru.insert(tick, ino);
             let e = st.entries.get(&ino).expect("indexed").clone();
+            *st.bytes.entry("retrieved".into()).or_insert(0) += e.size;
             match &self.pools[e.pool as usize].imp {
                 PoolImpl::Memfs(m) => {
                     let f = m.open_entry(&e.ns, &e.key)?;
@@ -1483,7 +1526,7 @@ impl Store {
     pub fn raw_pool_fd(&self, pool: u32, write: bool) -> Result<File> {
         match &self.pools[pool as usize].imp {
             PoolImpl::Raw(r) => Ok(if write {
-                r.file.try_clone()?
+                r.rw.try_clone()?
             } else {
                 r.ro.try_clone()?
             }),
@@ -1705,7 +1748,11 @@ impl Store {
                     sealed_bytes: ps.sealed_bytes,
                     entries: ps.entries,
                     writing_bytes: ps.writing_bytes,
-                    huge_bytes: 0,
+                    huge_bytes: if p.kind == PoolKind::Memfs {
+                        shmem_huge_bytes().min(used)
+                    } else {
+                        0
+                    },
                     evictions: ps.evictions,
                 }
             })
@@ -1767,6 +1814,14 @@ impl Store {
                 Eviction::Lru => "lru".into(),
                 Eviction::Off => "off".into(),
             },
+            bytes: st.bytes.clone(),
+            latency_us: st
+                .latency
+                .iter()
+                .map(|(k, v)| (k.clone(), v.0.clone()))
+                .collect(),
+            latency_sum_us: st.latency.iter().map(|(k, v)| (k.clone(), v.1)).collect(),
+            uptime_s: self.started.elapsed().as_secs_f64(),
         }
     }
 
@@ -2624,6 +2679,20 @@ impl Store {
         check(c, &st.ns[&e.ns], 2, "pin")?;
         self.set_pin_locked(&mut st, ino, pinned)
     }
+}
+
+/// Bytes of shared memory held in 2 MiB pages (`ShmemHugePages`): all memfs pools and any
+/// other tmpfs together; reported per pool capped by its use.
+fn shmem_huge_bytes() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("ShmemHugePages:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
+        .unwrap_or(0)
+        * 1024
 }
 
 fn kind_name(k: PoolKind) -> &'static str {

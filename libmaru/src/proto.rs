@@ -301,6 +301,12 @@ pub struct ClientInfo {
     pub leases: u64,
 }
 
+/// Upper bounds (µs) of the latency histogram buckets in [`Stats::latency_us`]; a last bucket
+/// counts everything slower.
+pub const LATENCY_BUCKETS_US: [u64; 14] = [
+    5, 10, 25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 100_000, 1_000_000,
+];
+
 /// Store-wide statistics.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Stats {
@@ -314,6 +320,19 @@ pub struct Stats {
     pub ops: std::collections::BTreeMap<String, u64>,
     /// Eviction policy (`lru` or `off`).
     pub eviction: String,
+    /// Bytes by kind (`stored`, `retrieved`, `deleted`, `evicted`).
+    #[serde(default)]
+    pub bytes: std::collections::BTreeMap<String, u64>,
+    /// Latency histogram of control operations by name: counts per bucket of
+    /// [`LATENCY_BUCKETS_US`], then one for slower.
+    #[serde(default)]
+    pub latency_us: std::collections::BTreeMap<String, Vec<u64>>,
+    /// Sum of latencies by operation, in µs.
+    #[serde(default)]
+    pub latency_sum_us: std::collections::BTreeMap<String, u64>,
+    /// Seconds since the daemon started.
+    #[serde(default)]
+    pub uptime_s: f64,
 }
 
 /// The body of a successful response.

@@ -2,7 +2,7 @@
 //! header directly) and prints for people or, with `--json`, one JSON document for scripts.
 
 use std::io::{Read, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use maru::Error;
 use maru::size::format_size;
@@ -341,7 +341,7 @@ fn header_json(path: &Path, h: Option<pool::DevHeader>) -> Value {
 }
 
 /// `maructl device init|show|clear PATH`.
-pub fn device(action: &str, path: &PathBuf, force: bool) -> R {
+pub fn device(action: &str, path: &Path, force: bool) -> R {
     match action {
         "show" => {
             let f = open_device(path, false)?;

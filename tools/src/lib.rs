@@ -3,3 +3,4 @@
 pub mod bench;
 pub mod ctl;
 pub mod env;
+pub mod top;

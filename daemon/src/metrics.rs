@@ -1,0 +1,224 @@
+//! Prometheus metrics: `marud --metrics 127.0.0.1:9860` serves the text format at `/metrics`.
+
+use std::fmt::Write;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use maru::proto::{LATENCY_BUCKETS_US, Stats};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::store::Store;
+
+/// A per-pool gauge: name, help, how to read it.
+type Gauge = (
+    &'static str,
+    &'static str,
+    fn(&maru::proto::PoolInfo) -> u64,
+);
+
+fn esc(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+fn head(out: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} {kind}");
+}
+
+/// Renders the store's statistics in the Prometheus text format (version 0.0.4).
+pub fn render(s: &Stats) -> String {
+    let mut o = String::new();
+    head(
+        &mut o,
+        "maru_ops_total",
+        "counter",
+        "Control operations handled, by operation.",
+    );
+    for (op, n) in s
+        .ops
+        .iter()
+        .filter(|(k, _)| !k.starts_with("fuse_") && *k != "errors")
+    {
+        let _ = writeln!(o, "maru_ops_total{{op=\"{}\"}} {n}", esc(op));
+    }
+    head(
+        &mut o,
+        "maru_errors_total",
+        "counter",
+        "Control operations that failed.",
+    );
+    let _ = writeln!(
+        o,
+        "maru_errors_total {}",
+        s.ops.get("errors").copied().unwrap_or(0)
+    );
+    head(
+        &mut o,
+        "maru_fuse_upcalls_total",
+        "counter",
+        "Requests from the kernel to the /maru filesystem, by operation.",
+    );
+    for (op, n) in s.ops.iter().filter(|(k, _)| k.starts_with("fuse_")) {
+        let _ = writeln!(
+            o,
+            "maru_fuse_upcalls_total{{op=\"{}\"}} {n}",
+            esc(&op["fuse_".len()..])
+        );
+    }
+    head(
+        &mut o,
+        "maru_bytes_total",
+        "counter",
+        "Entry bytes by kind: stored, retrieved (socket), deleted, evicted.",
+    );
+    for (k, n) in &s.bytes {
+        let _ = writeln!(o, "maru_bytes_total{{kind=\"{}\"}} {n}", esc(k));
+    }
+    head(
+        &mut o,
+        "maru_op_latency_seconds",
+        "histogram",
+        "Latency of control operations in the daemon, by operation.",
+    );
+    for (op, buckets) in &s.latency_us {
+        let mut cum = 0;
+        for (i, n) in buckets.iter().enumerate() {
+            cum += n;
+            let le = match LATENCY_BUCKETS_US.get(i) {
+                Some(us) => format!("{}", *us as f64 / 1e6),
+                None => "+Inf".into(),
+            };
+            let _ = writeln!(
+                o,
+                "maru_op_latency_seconds_bucket{{op=\"{}\",le=\"{le}\"}} {cum}",
+                esc(op)
+            );
+        }
+        let sum = s.latency_sum_us.get(op).copied().unwrap_or(0) as f64 / 1e6;
+        let _ = writeln!(o, "maru_op_latency_seconds_sum{{op=\"{}\"}} {sum}", esc(op));
+        let _ = writeln!(
+            o,
+            "maru_op_latency_seconds_count{{op=\"{}\"}} {cum}",
+            esc(op)
+        );
+    }
+    let gauges: [Gauge; 5] = [
+        ("maru_pool_capacity_bytes", "Pool capacity.", |p| p.capacity),
+        ("maru_pool_used_bytes", "Pool bytes in use.", |p| p.used),
+        ("maru_pool_sealed_bytes", "Bytes of sealed entries.", |p| {
+            p.sealed_bytes
+        }),
+        (
+            "maru_pool_writing_bytes",
+            "Bytes granted to writers, not yet published.",
+            |p| p.writing_bytes,
+        ),
+        ("maru_pool_entries", "Sealed entries.", |p| p.entries),
+    ];
+    for (name, help, f) in gauges {
+        head(&mut o, name, "gauge", help);
+        for p in &s.pools {
+            let _ = writeln!(
+                o,
+                "{name}{{pool=\"{}\",kind=\"{}\"}} {}",
+                esc(&p.name),
+                kind(p.kind),
+                f(p)
+            );
+        }
+    }
+    head(
+        &mut o,
+        "maru_evictions_total",
+        "counter",
+        "Entries evicted, by pool.",
+    );
+    for p in &s.pools {
+        let _ = writeln!(
+            o,
+            "maru_evictions_total{{pool=\"{}\"}} {}",
+            esc(&p.name),
+            p.evictions
+        );
+    }
+    head(&mut o, "maru_namespaces", "gauge", "Namespaces.");
+    let _ = writeln!(o, "maru_namespaces {}", s.namespaces.len());
+    head(
+        &mut o,
+        "maru_clients",
+        "gauge",
+        "Connected control clients.",
+    );
+    let _ = writeln!(
+        o,
+        "maru_clients {}",
+        s.clients.iter().filter(|c| c.session != 0).count()
+    );
+    head(
+        &mut o,
+        "maru_uptime_seconds",
+        "gauge",
+        "Seconds since marud started.",
+    );
+    let _ = writeln!(o, "maru_uptime_seconds {}", s.uptime_s);
+    o
+}
+
+fn kind(k: maru::proto::PoolKind) -> &'static str {
+    match k {
+        maru::proto::PoolKind::Memfs => "memfs",
+        maru::proto::PoolKind::Devdax => "devdax",
+        maru::proto::PoolKind::File => "file",
+    }
+}
+
+/// Serves `/metrics` on `addr` until the task is dropped.
+pub async fn serve(store: Arc<Store>, addr: SocketAddr) -> std::io::Result<()> {
+    let l = tokio::net::TcpListener::bind(addr).await?;
+    tracing::info!(%addr, "serving metrics");
+    loop {
+        let (mut s, _) = l.accept().await?;
+        let store = store.clone();
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 4096];
+            let mut n = 0;
+            // Read the request head (bounded).
+            while n < buf.len() {
+                match tokio::time::timeout(std::time::Duration::from_secs(5), s.read(&mut buf[n..]))
+                    .await
+                {
+                    Ok(Ok(0)) | Err(_) | Ok(Err(_)) => break,
+                    Ok(Ok(k)) => {
+                        n += k;
+                        if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
+                            break;
+                        }
+                    }
+                }
+            }
+            let req = String::from_utf8_lossy(&buf[..n]);
+            let path = req.split_whitespace().nth(1).unwrap_or("");
+            let (status, ctype, body) =
+                if req.starts_with("GET ") && (path == "/metrics" || path == "/") {
+                    (
+                        "200 OK",
+                        "text/plain; version=0.0.4; charset=utf-8",
+                        render(&store.stats()),
+                    )
+                } else {
+                    (
+                        "404 Not Found",
+                        "text/plain",
+                        "not found: try /metrics\n".to_owned(),
+                    )
+                };
+            let resp = format!(
+                "HTTP/1.1 {status}\r\ncontent-type: {ctype}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = s.write_all(resp.as_bytes()).await;
+        });
+    }
+}

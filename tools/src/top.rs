@@ -1,0 +1,528 @@
+//! marutop's model and views: pool gauges, per-namespace and per-client usage, operation
+//! rates and latency percentiles. Rendered with ratatui, or printed as CSV.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use maru::proto::{LATENCY_BUCKETS_US, Stats};
+use maru::size::format_size;
+use ratatui::Frame;
+use ratatui::layout::{Constraint, Layout, Rect};
+use ratatui::style::{Color, Modifier, Style};
+use ratatui::text::Line;
+use ratatui::widgets::{Block, Borders, Gauge, Paragraph, Row, Table};
+
+/// Which view to show.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum View {
+    /// Everything.
+    All,
+    /// Pool gauges.
+    Pool,
+    /// Namespaces and clients.
+    Usage,
+    /// Operation rates and latency.
+    Stats,
+}
+
+/// Per-operation figures over the last interval.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OpRow {
+    /// Operation.
+    pub op: String,
+    /// Operations per second.
+    pub rate: f64,
+    /// Operations since start.
+    pub total: u64,
+    /// Median latency (µs, bucket upper bound), over the interval (or since start).
+    pub p50_us: Option<u64>,
+    /// 99th percentile latency (µs, bucket upper bound).
+    pub p99_us: Option<u64>,
+}
+
+/// Two snapshots and what they imply.
+pub struct Model {
+    /// The newest snapshot.
+    pub cur: Stats,
+    prev: Option<Stats>,
+    /// Seconds between the two snapshots.
+    pub dt: f64,
+    /// When the newest was taken.
+    pub at: Instant,
+}
+
+/// Upper bound of the bucket holding the q-quantile of `counts` (None if empty).
+pub fn quantile(counts: &[u64], q: f64) -> Option<u64> {
+    let total: u64 = counts.iter().sum();
+    if total == 0 {
+        return None;
+    }
+    let want = ((total as f64) * q).ceil().max(1.0) as u64;
+    let mut acc = 0;
+    for (i, c) in counts.iter().enumerate() {
+        acc += c;
+        if acc >= want {
+            return Some(LATENCY_BUCKETS_US.get(i).copied().unwrap_or(u64::MAX));
+        }
+    }
+    None
+}
+
+impl Model {
+    /// A model from a first snapshot.
+    pub fn new(s: Stats) -> Self {
+        Model {
+            cur: s,
+            prev: None,
+            dt: 0.0,
+            at: Instant::now(),
+        }
+    }
+
+    /// Adds a newer snapshot.
+    pub fn push(&mut self, s: Stats) {
+        let now = Instant::now();
+        self.dt = now.duration_since(self.at).as_secs_f64();
+        self.at = now;
+        self.prev = Some(std::mem::replace(&mut self.cur, s));
+    }
+
+    /// Operation rows: rate over the interval, latency percentiles over the interval (or
+    /// since start for the first snapshot).
+    pub fn ops(&self) -> Vec<OpRow> {
+        let mut out = Vec::new();
+        for (op, &total) in &self.cur.ops {
+            let before = self
+                .prev
+                .as_ref()
+                .and_then(|p| p.ops.get(op))
+                .copied()
+                .unwrap_or(0);
+            let rate = if self.dt > 0.0 {
+                total.saturating_sub(before) as f64 / self.dt
+            } else {
+                0.0
+            };
+            let cur = self.cur.latency_us.get(op);
+            let prev = self.prev.as_ref().and_then(|p| p.latency_us.get(op));
+            let hist: Option<Vec<u64>> = cur.map(|c| match prev {
+                Some(p) if c.iter().zip(p).any(|(a, b)| a > b) => {
+                    c.iter().zip(p).map(|(a, b)| a.saturating_sub(*b)).collect()
+                }
+                _ => c.clone(),
+            });
+            out.push(OpRow {
+                op: op.clone(),
+                rate,
+                total,
+                p50_us: hist.as_deref().and_then(|h| quantile(h, 0.5)),
+                p99_us: hist.as_deref().and_then(|h| quantile(h, 0.99)),
+            });
+        }
+        out
+    }
+
+    /// Bytes per second by kind over the interval.
+    pub fn byte_rates(&self) -> BTreeMap<String, f64> {
+        self.cur
+            .bytes
+            .iter()
+            .map(|(k, &v)| {
+                let b = self
+                    .prev
+                    .as_ref()
+                    .and_then(|p| p.bytes.get(k))
+                    .copied()
+                    .unwrap_or(0);
+                let r = if self.dt > 0.0 {
+                    v.saturating_sub(b) as f64 / self.dt
+                } else {
+                    0.0
+                };
+                (k.clone(), r)
+            })
+            .collect()
+    }
+}
+
+fn pct(a: u64, b: u64) -> f64 {
+    if b == 0 { 0.0 } else { a as f64 / b as f64 }
+}
+
+fn lat(v: Option<u64>) -> String {
+    match v {
+        None => "-".into(),
+        Some(u64::MAX) => ">1s".into(),
+        Some(us) if us >= 1000 => format!("<{}ms", us / 1000),
+        Some(us) => format!("<{us}µs"),
+    }
+}
+
+fn draw_pools(f: &mut Frame, area: Rect, m: &Model) {
+    let block = Block::default().borders(Borders::ALL).title(" pools ");
+    let inner = block.inner(area);
+    f.render_widget(block, area);
+    let n = m.cur.pools.len().max(1);
+    let rows = Layout::vertical(vec![Constraint::Length(3); n]).split(inner);
+    for (p, r) in m.cur.pools.iter().zip(rows.iter()) {
+        let used = pct(p.used, p.capacity);
+        let label = format!(
+            "{} used of {} · free {} · {} entries · huge {:.0}% · evicted {}",
+            format_size(p.used),
+            format_size(p.capacity),
+            format_size(p.capacity.saturating_sub(p.used)),
+            p.entries,
+            pct(p.huge_bytes, p.used.max(1)) * 100.0,
+            p.evictions
+        );
+        let g = Gauge::default()
+            .block(Block::default().title(format!("{} ({:?})", p.name, p.kind).to_lowercase()))
+            .gauge_style(Style::default().fg(if used > 0.9 { Color::Red } else { Color::Green }))
+            .ratio(used.clamp(0.0, 1.0))
+            .label(label);
+        f.render_widget(g, *r);
+    }
+}
+
+fn draw_usage(f: &mut Frame, area: Rect, m: &Model) {
+    let [a, b] =
+        Layout::vertical([Constraint::Percentage(50), Constraint::Percentage(50)]).areas(area);
+    let header = Row::new(["namespace", "owner", "mode", "entries", "used"])
+        .style(Style::default().add_modifier(Modifier::BOLD));
+    let rows = m.cur.namespaces.iter().map(|n| {
+        Row::new(vec![
+            n.ns.clone(),
+            n.uid.to_string(),
+            format!("{:o}", n.mode),
+            n.entries.to_string(),
+            format_size(n.bytes),
+        ])
+    });
+    let t = Table::new(
+        rows,
+        [
+            Constraint::Fill(3),
+            Constraint::Length(6),
+            Constraint::Length(6),
+            Constraint::Length(8),
+            Constraint::Length(10),
+        ],
+    )
+    .header(header)
+    .block(Block::default().borders(Borders::ALL).title(" namespaces "));
+    f.render_widget(t, a);
+    let header = Row::new([
+        "client",
+        "pid",
+        "uid",
+        "allocated",
+        "used",
+        "slack",
+        "leases",
+    ])
+    .style(Style::default().add_modifier(Modifier::BOLD));
+    let rows = m.cur.clients.iter().map(|c| {
+        Row::new(vec![
+            c.name.clone(),
+            c.pid.to_string(),
+            c.uid.to_string(),
+            format_size(c.allocated),
+            format_size(c.used),
+            format_size(c.slack),
+            c.leases.to_string(),
+        ])
+    });
+    let t = Table::new(
+        rows,
+        [
+            Constraint::Fill(2),
+            Constraint::Length(8),
+            Constraint::Length(6),
+            Constraint::Length(10),
+            Constraint::Length(10),
+            Constraint::Length(10),
+            Constraint::Length(7),
+        ],
+    )
+    .header(header)
+    .block(Block::default().borders(Borders::ALL).title(" clients "));
+    f.render_widget(t, b);
+}
+
+fn draw_stats(f: &mut Frame, area: Rect, m: &Model) {
+    let header = Row::new(["operation", "ops/s", "total", "p50", "p99"])
+        .style(Style::default().add_modifier(Modifier::BOLD));
+    let rows = m.ops().into_iter().map(|o| {
+        Row::new(vec![
+            o.op,
+            format!("{:.0}", o.rate),
+            o.total.to_string(),
+            lat(o.p50_us),
+            lat(o.p99_us),
+        ])
+    });
+    let bytes: Vec<String> = m
+        .byte_rates()
+        .into_iter()
+        .map(|(k, r)| format!("{k} {}/s", format_size(r as u64)))
+        .collect();
+    let evictions: u64 = m.cur.pools.iter().map(|p| p.evictions).sum();
+    let t = Table::new(
+        rows,
+        [
+            Constraint::Fill(2),
+            Constraint::Length(10),
+            Constraint::Length(10),
+            Constraint::Length(9),
+            Constraint::Length(9),
+        ],
+    )
+    .header(header)
+    .block(
+        Block::default()
+            .borders(Borders::ALL)
+            .title(" operations ")
+            .title_bottom(format!(
+                " {} · evictions {evictions} · eviction {} ",
+                bytes.join(" · "),
+                m.cur.eviction
+            )),
+    );
+    f.render_widget(t, area);
+}
+
+/// Draws `view` of `m`.
+pub fn draw(f: &mut Frame, view: View, m: &Model) {
+    let [top, body] =
+        Layout::vertical([Constraint::Length(1), Constraint::Fill(1)]).areas(f.area());
+    let title = Line::from(format!(
+        " marutop · up {:.0}s · {} pools · {} namespaces · {} clients · [1] pools [2] usage [3] stats [a] all [q] quit",
+        m.cur.uptime_s,
+        m.cur.pools.len(),
+        m.cur.namespaces.len(),
+        m.cur.clients.iter().filter(|c| c.session != 0).count()
+    ))
+    .style(Style::default().add_modifier(Modifier::REVERSED));
+    f.render_widget(Paragraph::new(title), top);
+    match view {
+        View::Pool => draw_pools(f, body, m),
+        View::Usage => draw_usage(f, body, m),
+        View::Stats => draw_stats(f, body, m),
+        View::All => {
+            let pools = (m.cur.pools.len() as u16) * 3 + 2;
+            let [a, b, c] = Layout::vertical([
+                Constraint::Length(pools),
+                Constraint::Fill(1),
+                Constraint::Fill(1),
+            ])
+            .areas(body);
+            draw_pools(f, a, m);
+            draw_usage(f, b, m);
+            draw_stats(f, c, m);
+        }
+    }
+}
+
+/// CSV header of a view.
+pub fn csv_header(view: View) -> &'static str {
+    match view {
+        View::Pool | View::All => "time,pool,kind,capacity,used,free,entries,evictions,huge_bytes",
+        View::Usage => "time,kind,name,uid,allocated,used,slack,entries",
+        View::Stats => "time,op,ops_per_s,total,p50_us,p99_us",
+    }
+}
+
+/// CSV rows of one snapshot (one per pool / namespace and client / operation), stamped `t`.
+pub fn csv_rows(view: View, m: &Model, t: f64) -> Vec<String> {
+    let opt = |v: Option<u64>| v.map(|x| x.to_string()).unwrap_or_default();
+    let q = |s: &str| {
+        if s.contains([',', '"', '\n']) {
+            format!("\"{}\"", s.replace('"', "\"\""))
+        } else {
+            s.to_owned()
+        }
+    };
+    match view {
+        View::Pool | View::All => m
+            .cur
+            .pools
+            .iter()
+            .map(|p| {
+                format!(
+                    "{t:.3},{},{},{},{},{},{},{},{}",
+                    q(&p.name),
+                    format!("{:?}", p.kind).to_lowercase(),
+                    p.capacity,
+                    p.used,
+                    p.capacity.saturating_sub(p.used),
+                    p.entries,
+                    p.evictions,
+                    p.huge_bytes
+                )
+            })
+            .collect(),
+        View::Usage => m
+            .cur
+            .namespaces
+            .iter()
+            .map(|n| {
+                format!(
+                    "{t:.3},namespace,{},{},,{},,{}",
+                    q(&n.ns),
+                    n.uid,
+                    n.bytes,
+                    n.entries
+                )
+            })
+            .chain(m.cur.clients.iter().map(|c| {
+                format!(
+                    "{t:.3},client,{},{},{},{},{},",
+                    q(&format!("{}#{}", c.name, c.session)),
+                    c.uid,
+                    c.allocated,
+                    c.used,
+                    c.slack
+                )
+            }))
+            .collect(),
+        View::Stats => m
+            .ops()
+            .into_iter()
+            .map(|o| {
+                format!(
+                    "{t:.3},{},{:.1},{},{},{}",
+                    q(&o.op),
+                    o.rate,
+                    o.total,
+                    opt(o.p50_us),
+                    opt(o.p99_us)
+                )
+            })
+            .collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use maru::proto::{ClientInfo, NsInfo, PoolInfo, PoolKind};
+    use ratatui::Terminal;
+    use ratatui::backend::TestBackend;
+
+    fn stats(publishes: u64) -> Stats {
+        let mut lat = vec![0; LATENCY_BUCKETS_US.len() + 1];
+        lat[3] = publishes;
+        Stats {
+            pools: vec![PoolInfo {
+                id: 0,
+                name: "pool0".into(),
+                kind: PoolKind::Memfs,
+                path: "/run/maru/pool0".into(),
+                capacity: 8 << 30,
+                used: 6 << 30,
+                sealed_bytes: 6 << 30,
+                entries: 192,
+                writing_bytes: 0,
+                huge_bytes: 3 << 30,
+                evictions: 7,
+            }],
+            namespaces: vec![NsInfo {
+                ns: "llama3-70b".into(),
+                uid: 1000,
+                gid: 1000,
+                mode: 0o750,
+                entries: 192,
+                bytes: 6 << 30,
+            }],
+            clients: vec![ClientInfo {
+                session: 3,
+                name: "vllm-0".into(),
+                pid: 4242,
+                uid: 1000,
+                allocated: 64 << 20,
+                used: 6 << 30,
+                slack: 2 << 20,
+                leases: 5,
+            }],
+            ops: BTreeMap::from([("publish".into(), publishes), ("retrieve".into(), 10)]),
+            eviction: "lru".into(),
+            bytes: BTreeMap::from([("stored".into(), publishes * 1000)]),
+            latency_us: BTreeMap::from([("publish".into(), lat)]),
+            latency_sum_us: BTreeMap::new(),
+            uptime_s: 12.0,
+        }
+    }
+
+    fn screen(view: View) -> String {
+        let mut m = Model::new(stats(100));
+        m.push(stats(300));
+        let mut t = Terminal::new(TestBackend::new(110, 36)).unwrap();
+        t.draw(|f| draw(f, view, &m)).unwrap();
+        let buf = t.backend().buffer().clone();
+        let mut s = String::new();
+        for y in 0..buf.area.height {
+            for x in 0..buf.area.width {
+                s.push_str(buf[(x, y)].symbol());
+            }
+            s.push('\n');
+        }
+        s
+    }
+
+    #[test]
+    fn pool_view_shows_gauges() {
+        let s = screen(View::Pool);
+        assert!(s.contains("pool0 (memfs)"), "{s}");
+        assert!(s.contains("6.0 GiB used of 8.0 GiB"), "{s}");
+        assert!(s.contains("free 2.0 GiB"), "{s}");
+        assert!(s.contains("huge 50%"), "{s}");
+        assert!(s.contains("evicted 7"), "{s}");
+    }
+
+    #[test]
+    fn usage_view_shows_namespaces_and_clients() {
+        let s = screen(View::Usage);
+        assert!(s.contains("llama3-70b") && s.contains("750"), "{s}");
+        assert!(
+            s.contains("vllm-0") && s.contains("4242") && s.contains("64.0 MiB"),
+            "{s}"
+        );
+    }
+
+    #[test]
+    fn stats_view_shows_rates_and_latency() {
+        let s = screen(View::Stats);
+        assert!(s.contains("publish"), "{s}");
+        assert!(s.contains("<50µs"), "{s}");
+        assert!(s.contains("evictions 7"), "{s}");
+    }
+
+    #[test]
+    fn all_view_and_csv() {
+        let s = screen(View::All);
+        assert!(s.contains("pools") && s.contains("namespaces") && s.contains("operations"));
+        let m = Model::new(stats(1));
+        let rows = csv_rows(View::Pool, &m, 1.5);
+        assert_eq!(
+            rows,
+            vec!["1.500,pool0,memfs,8589934592,6442450944,2147483648,192,7,3221225472"]
+        );
+        assert_eq!(
+            csv_header(View::Pool).split(',').count(),
+            rows[0].split(',').count()
+        );
+        assert_eq!(csv_rows(View::Usage, &m, 0.0).len(), 2);
+    }
+
+    #[test]
+    fn quantiles_from_buckets() {
+        let mut h = vec![0; LATENCY_BUCKETS_US.len() + 1];
+        h[2] = 98; // <= 25 µs
+        h[6] = 2; // <= 500 µs
+        assert_eq!(quantile(&h, 0.5), Some(25));
+        assert_eq!(quantile(&h, 0.99), Some(500));
+        assert_eq!(quantile(&[0; 15], 0.5), None);
+        h[14] = 1000;
+        assert_eq!(quantile(&h, 0.99), Some(u64::MAX));
+    }
+}
