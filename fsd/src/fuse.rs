@@ -135,6 +135,12 @@ fn name_str(name: &OsStr) -> Result<&str, Errno> {
 }
 
 impl<B: Backend> FuseFs<B> {
+    /// Counts one upcall and enters its span (`fuse{op, pid}`, at debug level).
+    fn enter(&self, op: &'static str, req: &Request) -> tracing::span::EnteredSpan {
+        self.fs.backend().count_upcall(op);
+        tracing::debug_span!("fuse", op, pid = req.pid()).entered()
+    }
+
     fn reply_entry(&self, reply: ReplyEntry, r: maru::Result<Attr>) {
         match r {
             Ok(a) => {
@@ -215,7 +221,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
     }
 
     fn lookup(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        self.fs.backend().count_upcall("lookup");
+        let _span = self.enter("lookup", req);
         let name = match name_str(name) {
             Ok(n) => n,
             Err(e) => return reply.error(e),
@@ -223,8 +229,8 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         self.reply_entry(reply, self.fs.lookup(&caller(req, false), parent.0, name));
     }
 
-    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        self.fs.backend().count_upcall("getattr");
+    fn getattr(&self, req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        let _span = self.enter("getattr", req);
         self.reply_attr(reply, self.fs.getattr(ino.0));
     }
 
@@ -246,7 +252,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
-        self.fs.backend().count_upcall("setattr");
+        let _span = self.enter("setattr", req);
         let c = caller(req, true);
         self.reply_attr(reply, self.fs.setattr(&c, ino.0, mode, uid, gid, size));
     }
@@ -260,7 +266,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         umask: u32,
         reply: ReplyEntry,
     ) {
-        self.fs.backend().count_upcall("mkdir");
+        let _span = self.enter("mkdir", req);
         let name = match name_str(name) {
             Ok(n) => n,
             Err(e) => return reply.error(e),
@@ -270,7 +276,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
     }
 
     fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        self.fs.backend().count_upcall("unlink");
+        let _span = self.enter("unlink", req);
         let name = match name_str(name) {
             Ok(n) => n,
             Err(e) => return reply.error(e),
@@ -282,7 +288,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
     }
 
     fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        self.fs.backend().count_upcall("rmdir");
+        let _span = self.enter("rmdir", req);
         let name = match name_str(name) {
             Ok(n) => n,
             Err(e) => return reply.error(e),
@@ -331,7 +337,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
-        self.fs.backend().count_upcall("rename");
+        let _span = self.enter("rename", req);
         if flags.contains(RenameFlags::RENAME_EXCHANGE)
             || flags.contains(RenameFlags::RENAME_WHITEOUT)
         {
@@ -351,7 +357,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
     }
 
     fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
-        self.fs.backend().count_upcall("open");
+        let _span = self.enter("open", req);
         let write = !matches!(flags.acc_mode(), OpenAccMode::O_RDONLY);
         let trunc = flags.0 & libc::O_TRUNC != 0;
         let c = caller(req, false);
@@ -388,7 +394,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
 
     fn read(
         &self,
-        _req: &Request,
+        req: &Request,
         _ino: INodeNo,
         fh: FileHandle,
         offset: u64,
@@ -397,7 +403,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         _lock: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        self.fs.backend().count_upcall("read");
+        let _span = self.enter("read", req);
         match self.fs.read(fh.0, offset, size) {
             Ok(d) => reply.data(&d),
             Err(e) => reply.error(errno(&e)),
@@ -406,7 +412,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
 
     fn write(
         &self,
-        _req: &Request,
+        req: &Request,
         _ino: INodeNo,
         fh: FileHandle,
         offset: u64,
@@ -416,7 +422,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         _lock: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        self.fs.backend().count_upcall("write");
+        let _span = self.enter("write", req);
         match self.fs.write(fh.0, offset, data) {
             Ok(n) => reply.written(n),
             Err(e) => reply.error(errno(&e)),
@@ -431,7 +437,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         _lock: LockOwner,
         reply: ReplyEmpty,
     ) {
-        self.fs.backend().count_upcall("flush");
+        let _span = self.enter("flush", req);
         match self.fs.flush(&caller(req, false), fh.0) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(&e)),
@@ -440,7 +446,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
 
     fn release(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         fh: FileHandle,
         _flags: OpenFlags,
@@ -448,7 +454,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        self.fs.backend().count_upcall("release");
+        let _span = self.enter("release", req);
         if let Some(h) = self.fs.release(fh.0)
             && matches!(h.opened, OpenedFile::Passthrough(_))
         {
@@ -484,7 +490,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
-        self.fs.backend().count_upcall("readdir");
+        let _span = self.enter("readdir", req);
         match self.fs.readdir(&caller(req, true), ino.0) {
             Ok(list) => {
                 for (i, e) in list.iter().enumerate().skip(offset as usize) {
@@ -502,8 +508,8 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         }
     }
 
-    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        self.fs.backend().count_upcall("statfs");
+    fn statfs(&self, req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        let _span = self.enter("statfs", req);
         let (total, free, files) = self.fs.statfs();
         let bs = u64::from(BLKSIZE);
         reply.statfs(
@@ -576,7 +582,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         _flags: i32,
         reply: ReplyCreate,
     ) {
-        self.fs.backend().count_upcall("create");
+        let _span = self.enter("create", req);
         let name = match name_str(name) {
             Ok(n) => n,
             Err(e) => return reply.error(e),
