@@ -57,10 +57,53 @@ fn main() {
     }
 }
 
+/// Capabilities marud keeps (doc/SECURITY.md says why each).
+const KEEP_CAPS: [caps::Capability; 4] = [
+    caps::Capability::CAP_SYS_ADMIN,
+    caps::Capability::CAP_CHOWN,
+    caps::Capability::CAP_FOWNER,
+    caps::Capability::CAP_DAC_OVERRIDE,
+];
+
+/// Drops every capability but [`KEEP_CAPS`] from the bounding, permitted, effective and
+/// inheritable sets. Runs before any thread is started: capabilities are per thread.
+fn drop_capabilities() -> anyhow::Result<()> {
+    use caps::{CapSet, CapsHashSet};
+    let keep: CapsHashSet = KEEP_CAPS.into_iter().collect();
+    let permitted = caps::read(None, CapSet::Permitted)?;
+    if permitted.is_empty() {
+        return Ok(()); // not privileged: nothing to drop (mounting will fail with a clear error)
+    }
+    for c in caps::all() {
+        if !keep.contains(&c) && caps::has_cap(None, CapSet::Bounding, c).unwrap_or(false) {
+            caps::drop(None, CapSet::Bounding, c)?;
+        }
+    }
+    let kept: CapsHashSet = permitted.intersection(&keep).copied().collect();
+    caps::set(None, CapSet::Inheritable, &CapsHashSet::new())?;
+    caps::set(None, CapSet::Effective, &kept)?;
+    caps::set(None, CapSet::Permitted, &kept)?;
+    Ok(())
+}
+
+/// Lets marud hold as many descriptors as the hard limit allows (connections, entries open).
+fn raise_fd_limit() {
+    // SAFETY: getrlimit/setrlimit with a valid out-parameter.
+    unsafe {
+        let mut r: libc::rlimit = std::mem::zeroed();
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur < r.rlim_max {
+            r.rlim_cur = r.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+        }
+    }
+}
+
 fn run(s: Settings) -> anyhow::Result<()> {
     // Files the daemon creates are its own unless it says otherwise.
     // SAFETY: umask has no preconditions.
     unsafe { libc::umask(0o077) };
+    raise_fd_limit();
+    drop_capabilities().context("dropping capabilities")?;
     let gid = match &s.group {
         Some(g) => Some(group_id(g).with_context(|| format!("no group named `{g}`"))?),
         None => group_id("maru"),

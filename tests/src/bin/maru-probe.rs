@@ -60,7 +60,36 @@ fn main() -> anyhow::Result<()> {
             let p = pfns(m.as_ptr(), m.len());
             writeln!(out, "{} {}", m.len(), p[0])?;
         }
-        _ => anyhow::bail!("usage: maru-probe store|retrieve|hold|mapfile ..."),
+        // try SOCKET OP PATH -> prints `ok` or the error kind (for permission tests)
+        Some(["try", sock, op, path]) => {
+            let r = maru::Handler::connect(cfg(sock)).and_then(|h| match *op {
+                "retrieve" => h.retrieve(path).map(drop),
+                "exists" => h.exists(path).map(drop),
+                "put" => h.put(path, b"intruder"),
+                "delete" => h.delete(path),
+                "pin" => h.pin(path),
+                "mkdir" => h.mkdir(path, 0o755),
+                _ => Err(maru::Error::InvalidArgument(format!("unknown op {op}"))),
+            });
+            match r {
+                Ok(()) => writeln!(out, "ok")?,
+                Err(e) => writeln!(out, "{}", e.kind())?,
+            }
+        }
+        // storeloop SOCKET NS PREFIX SIZE -> stores PREFIX-0, PREFIX-1... forever, printing
+        // each key once the daemon acknowledged it (seed = index)
+        Some(["storeloop", sock, ns, prefix, size]) => {
+            let h = maru::Handler::connect(cfg(sock))?;
+            let size: usize = size.parse()?;
+            for i in 0u64.. {
+                let mut a = h.alloc(size as u64)?;
+                a.as_mut_slice().copy_from_slice(&pattern(i, size));
+                h.store(&format!("{ns}/{prefix}-{i}"), a)?;
+                writeln!(out, "{i}")?;
+                out.flush()?;
+            }
+        }
+        _ => anyhow::bail!("usage: maru-probe store|retrieve|hold|mapfile|try|storeloop ..."),
     }
     Ok(())
 }

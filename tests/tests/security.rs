@@ -1,0 +1,118 @@
+//! Security: marud keeps only the capabilities it needs, its files are private, and a
+//! non-root user cannot read, write, delete or pin another user's entries through the socket
+//! (the mount is covered by mount::other_users_cannot_touch_a_private_namespace).
+
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::process::Command;
+
+use maru_tests::{Daemon, Opts, bin, pattern};
+
+fn caps_of(pid: u32, field: &str) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = s.lines().find(|l| l.starts_with(field)).unwrap();
+    u64::from_str_radix(line.split_whitespace().nth(1).unwrap(), 16).unwrap()
+}
+
+#[test]
+fn marud_keeps_only_the_capabilities_it_needs() {
+    let d = Daemon::start(Opts::default());
+    // CAP_CHOWN (0), CAP_DAC_OVERRIDE (1), CAP_FOWNER (3), CAP_SYS_ADMIN (21).
+    let want = (1 << 0) | (1 << 1) | (1 << 3) | (1 << 21);
+    for f in ["CapEff:", "CapPrm:", "CapBnd:"] {
+        assert_eq!(caps_of(d.pid(), f), want, "{f} of marud");
+    }
+    assert_eq!(caps_of(d.pid(), "CapInh:"), 0);
+    // It still does its job with them: store and read through both doors.
+    std::fs::create_dir(d.path("c")).unwrap();
+    std::fs::write(d.path("c/k"), b"works").unwrap();
+    assert_eq!(d.handler().retrieve("c/k").unwrap().unwrap().as_slice(), b"works");
+}
+
+#[test]
+fn daemon_files_are_private() {
+    let d = Daemon::start(Opts::default());
+    d.handler().mkdir("p", 0o755).unwrap();
+    d.handler().put("p/k", b"x").unwrap();
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+    assert_eq!(mode(d.pool_dir()), 0o700, "pool directory");
+    assert_eq!(mode(&d.dir.join("state")), 0o700, "state directory");
+    assert_eq!(mode(&d.socket), 0o660, "socket");
+    let backing = d.pool_dir().join("n/p/k");
+    assert_eq!(std::fs::metadata(&backing).unwrap().uid(), 0);
+}
+
+fn as_nobody(d: &Daemon, op: &str, path: &str) -> String {
+    let out = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+        .arg(bin("maru-probe"))
+        .args(["try", d.socket.to_str().unwrap(), op, path])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap().trim().to_owned()
+}
+
+#[test]
+fn another_user_cannot_touch_a_private_namespace_through_the_socket() {
+    // The socket belongs to a group the test user is in (nogroup, 65534), as `maru` would be.
+    let d = Daemon::start(Opts {
+        pools: vec!["memfs:{dir}/pool,size=64M".into()],
+        mount: false,
+        extra: vec!["--group".into(), "nogroup".into()],
+    });
+    std::fs::set_permissions(&d.dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    assert_eq!(std::fs::metadata(&d.socket).unwrap().gid(), 65534);
+    let h = d.handler();
+    h.mkdir("private", 0o700).unwrap();
+    h.put("private/secret", &pattern(1, 5000)).unwrap();
+    h.mkdir("shared", 0o777).unwrap();
+    for op in ["retrieve", "exists", "put", "delete", "pin"] {
+        let path = if op == "put" { "private/new" } else { "private/secret" };
+        assert_eq!(as_nobody(&d, op, path), "permission_denied", "nobody could {op} {path}");
+    }
+    assert_eq!(as_nobody(&d, "mkdir", "private/sub"), "permission_denied");
+    assert_eq!(h.retrieve("private/secret").unwrap().unwrap().as_slice(), &pattern(1, 5000)[..]);
+    assert!(!h.exists("private/new").unwrap());
+    assert!(!h.is_pinned("private/secret").unwrap());
+    // Where the mode allows it, the same user works normally.
+    assert_eq!(as_nobody(&d, "put", "shared/mine"), "ok");
+    assert_eq!(as_nobody(&d, "retrieve", "shared/mine"), "ok");
+    // A user outside the socket's group cannot even connect.
+    let out = Command::new("setpriv")
+        .args(["--reuid=65533", "--regid=65533", "--clear-groups"])
+        .arg(bin("maru-probe"))
+        .args(["try", d.socket.to_str().unwrap(), "exists", "shared/mine"])
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "io", "{out:?}");
+}
+
+#[test]
+fn thousands_of_idle_connections_do_not_stop_service() {
+    // Let this test process hold them.
+    // SAFETY: getrlimit/setrlimit with a valid out-parameter.
+    unsafe {
+        let mut r: libc::rlimit = std::mem::zeroed();
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut r);
+        r.rlim_cur = r.rlim_max.min(8192);
+        libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+    }
+    let d = Daemon::start(Opts {
+        pools: vec!["memfs:{dir}/pool,size=64M".into()],
+        mount: false,
+        extra: vec![],
+    });
+    let mut idle = Vec::new();
+    for i in 0..3000 {
+        match std::os::unix::net::UnixStream::connect(&d.socket) {
+            Ok(s) => idle.push(s),
+            Err(e) => panic!("connection {i} refused: {e}"),
+        }
+    }
+    let h = d.handler();
+    h.mkdir("busy", 0o755).unwrap();
+    h.put("busy/k", b"still serving").unwrap();
+    assert_eq!(h.retrieve("busy/k").unwrap().unwrap().as_slice(), b"still serving");
+    drop(idle);
+    assert_eq!(h.stats().unwrap().pools[0].entries, 1);
+}
