@@ -39,8 +39,8 @@ impl Backend for StoreFs {
     fn close(&self, ino: u64) {
         self.0.fs_close(ino)
     }
-    fn closing(&self, ino: u64) {
-        self.0.fs_closing(ino)
+    fn closing(&self, ino: u64, abandoned: bool) {
+        self.0.fs_closing(ino, abandoned)
     }
     fn seal(&self, ino: u64) -> Result<()> {
         self.0.fs_seal(ino)

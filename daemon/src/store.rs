@@ -2232,11 +2232,29 @@ impl Store {
     }
 
     /// A writable descriptor of an entry being written through the mount was closed.
-    pub fn fs_closing(&self, ino: u64) {
+    pub fn fs_closing(&self, ino: u64, abandoned: bool) {
         let mut st = self.st.lock();
         let Some(a) = st.allocs.get_mut(&ino) else {
             return;
         };
+        if abandoned {
+            // Its writer was killed mid-store: forget the name; the release drops the bytes.
+            tracing::info!(ino, target = ?a.target, "writer killed by a signal: entry abandoned");
+            let (closing, old) = (a.closing, a.target.take());
+            a.closing = false;
+            if let Some((ns, key)) = &old
+                && let Some(n) = st.ns.get_mut(ns)
+                && n.writing.get(key) == Some(&ino)
+            {
+                n.writing.remove(key);
+            }
+            if closing {
+                adjust_pending(&mut st, &old, -1);
+            }
+            drop(st);
+            self.sealed.notify_all();
+            return;
+        }
         if a.closing || a.target.is_none() {
             return;
         }
@@ -2259,6 +2277,8 @@ impl Store {
             return Ok(());
         };
         let Some((ns, key)) = a.target.clone() else {
+            // Unlinked or abandoned while being written: nothing to publish.
+            self.drop_alloc(&mut st, ino);
             return Ok(());
         };
         let caller = Caller {
@@ -2269,6 +2289,7 @@ impl Store {
         };
         let cur = self.alloc_attr(ino, a).size;
         let pool = a.pool;
+        tracing::debug!(ino, ns = %ns, key = %key, size = cur, "sealing an entry written through the mount");
         let r = (|| {
             if self.pools[pool as usize].kind.is_raw() {
                 if cur > self.cfg.max_copy_entry {

@@ -22,16 +22,53 @@ pub struct Caller {
     pub pid: i32,
 }
 
+/// Reads a `/proc` file of a process that may be blocked on us: a FUSE request from a task
+/// in the middle of `execve` (closing its close-on-exec descriptors) holds locks that some
+/// `/proc/<pid>` files wait for, and the task waits for our reply. So the read runs on its
+/// own thread and is given up after 50 ms (the thread finishes once we have replied).
+pub fn read_proc_bounded(path: String) -> Option<String> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("maru-procfs".into())
+        .spawn(move || {
+            let _ = tx.send(std::fs::read_to_string(path).ok());
+        })
+        .ok()?;
+    rx.recv_timeout(std::time::Duration::from_millis(50))
+        .ok()
+        .flatten()
+}
+
 /// The thread group (process) id of thread `pid`.
 pub fn tgid_of(pid: i32) -> i32 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
+    read_proc_bounded(format!("/proc/{pid}/status"))
         .and_then(|s| {
             s.lines()
                 .find(|l| l.starts_with("Tgid:"))
                 .and_then(|l| l["Tgid:".len()..].trim().parse().ok())
         })
         .unwrap_or(pid)
+}
+
+/// True if task `pid` is exiting because a signal killed it (its descriptors are being
+/// closed by the kernel, not by the program): `PF_EXITING` and `PF_SIGNALED` in its flags
+/// (`/proc/<pid>/stat`), which the kernel sets before it closes a dying task's files.
+pub fn killed_by_signal(pid: i32) -> bool {
+    const PF_EXITING: u64 = 0x4;
+    const PF_SIGNALED: u64 = 0x400;
+    let Some(stat) = read_proc_bounded(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    // Fields after the command name (which may contain spaces): field 3 is the state.
+    let Some((_, rest)) = stat.rsplit_once(')') else {
+        return false;
+    };
+    let flags: u64 = rest
+        .split_whitespace()
+        .nth(9 - 3)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    flags & PF_EXITING != 0 && flags & PF_SIGNALED != 0
 }
 
 impl Caller {
@@ -145,8 +182,9 @@ pub trait Backend: Send + Sync + 'static {
     /// A read handle of `ino` was released.
     fn close(&self, _ino: u64) {}
     /// A writable descriptor of an entry being written was closed (`close(2)`): its
-    /// publication is imminent; lookups by other processes may wait for it.
-    fn closing(&self, _ino: u64) {}
+    /// publication is imminent; lookups by other processes may wait for it. `abandoned` when
+    /// the closing process is dying of a signal: the entry must then never be published.
+    fn closing(&self, _ino: u64, _abandoned: bool) {}
     /// Called when the last writable handle of a WRITING entry is closed: publishes it.
     fn seal(&self, ino: u64) -> Result<()>;
     /// Drops a WRITING entry that will never be sealed.

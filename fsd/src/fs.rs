@@ -171,10 +171,14 @@ impl<B: Backend> Fs<B> {
     /// published) asynchronously after the last descriptor and mapping of it are gone; a
     /// close of a writable descriptor tells the store that publication is near, so that
     /// other processes looking the name up wait for it instead of missing it.
-    pub fn flush(&self, _c: &Caller, fh: u64) -> Result<()> {
+    ///
+    /// A writer killed by a signal closes its descriptors without meaning to: what it wrote is
+    /// then abandoned, never published.
+    pub fn flush(&self, c: &Caller, fh: u64) -> Result<()> {
         let h = self.handle(fh)?;
         if h.writable {
-            self.backend.closing(h.ino);
+            let abandoned = crate::backend::killed_by_signal(c.pid);
+            self.backend.closing(h.ino, abandoned);
         }
         Ok(())
     }

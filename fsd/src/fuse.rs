@@ -93,8 +93,7 @@ fn caller(req: &Request, groups: bool) -> Caller {
 
 /// Supplementary groups of a process (from /proc).
 pub fn groups_of(pid: i32) -> Vec<u32> {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
+    crate::backend::read_proc_bounded(format!("/proc/{pid}/status"))
         .and_then(|s| {
             s.lines().find(|l| l.starts_with("Groups:")).map(|l| {
                 l["Groups:".len()..]

@@ -25,7 +25,10 @@ fn marud_keeps_only_the_capabilities_it_needs() {
     // It still does its job with them: store and read through both doors.
     std::fs::create_dir(d.path("c")).unwrap();
     std::fs::write(d.path("c/k"), b"works").unwrap();
-    assert_eq!(d.handler().retrieve("c/k").unwrap().unwrap().as_slice(), b"works");
+    assert_eq!(
+        d.handler().retrieve("c/k").unwrap().unwrap().as_slice(),
+        b"works"
+    );
 }
 
 #[test]
@@ -48,7 +51,11 @@ fn as_nobody(d: &Daemon, op: &str, path: &str) -> String {
         .args(["try", d.socket.to_str().unwrap(), op, path])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8(out.stdout).unwrap().trim().to_owned()
 }
 
@@ -67,11 +74,22 @@ fn another_user_cannot_touch_a_private_namespace_through_the_socket() {
     h.put("private/secret", &pattern(1, 5000)).unwrap();
     h.mkdir("shared", 0o777).unwrap();
     for op in ["retrieve", "exists", "put", "delete", "pin"] {
-        let path = if op == "put" { "private/new" } else { "private/secret" };
-        assert_eq!(as_nobody(&d, op, path), "permission_denied", "nobody could {op} {path}");
+        let path = if op == "put" {
+            "private/new"
+        } else {
+            "private/secret"
+        };
+        assert_eq!(
+            as_nobody(&d, op, path),
+            "permission_denied",
+            "nobody could {op} {path}"
+        );
     }
     assert_eq!(as_nobody(&d, "mkdir", "private/sub"), "permission_denied");
-    assert_eq!(h.retrieve("private/secret").unwrap().unwrap().as_slice(), &pattern(1, 5000)[..]);
+    assert_eq!(
+        h.retrieve("private/secret").unwrap().unwrap().as_slice(),
+        &pattern(1, 5000)[..]
+    );
     assert!(!h.exists("private/new").unwrap());
     assert!(!h.is_pinned("private/secret").unwrap());
     // Where the mode allows it, the same user works normally.
@@ -112,7 +130,10 @@ fn thousands_of_idle_connections_do_not_stop_service() {
     let h = d.handler();
     h.mkdir("busy", 0o755).unwrap();
     h.put("busy/k", b"still serving").unwrap();
-    assert_eq!(h.retrieve("busy/k").unwrap().unwrap().as_slice(), b"still serving");
+    assert_eq!(
+        h.retrieve("busy/k").unwrap().unwrap().as_slice(),
+        b"still serving"
+    );
     drop(idle);
     assert_eq!(h.stats().unwrap().pools[0].entries, 1);
 }

@@ -1,0 +1,308 @@
+//! Crash campaigns: marud killed with SIGKILL at random moments under load, and clients
+//! killed in the middle of stores. After each: every acknowledged entry is back with its
+//! bytes, no partial entry is visible, and the space is what the surviving entries explain.
+//! `MARU_CRASH_KILLS` sets the number of kills of each kind (20 by default; more by hand).
+
+use std::io::{BufRead, BufReader};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use maru_tests::{Daemon, Opts, bin, pattern};
+use rand::Rng;
+
+fn kills() -> usize {
+    std::env::var("MARU_CRASH_KILLS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20)
+}
+
+fn seed_of(key: &str) -> u64 {
+    key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+fn size_of(key: &str) -> usize {
+    1000 + (seed_of(key) % 30_000) as usize
+}
+
+fn client(d: &Daemon, pool: Option<&str>) -> maru::Handler {
+    maru::Handler::connect(maru::Config {
+        socket: d.socket.clone(),
+        pool: pool.map(str::to_owned),
+        ..Default::default()
+    })
+    .unwrap()
+}
+
+/// Every entry in `ns` has exactly the bytes its key implies; returns how many there are.
+fn verify_namespace(h: &maru::Handler, ns: &str) -> usize {
+    let (_, _, entries) = h.list(ns).unwrap();
+    for e in &entries {
+        let path = format!("{ns}/{}", e.key);
+        let m = h
+            .retrieve(&path)
+            .unwrap()
+            .unwrap_or_else(|| panic!("{path} listed but missing"));
+        assert!(
+            m.as_slice() == pattern(seed_of(&path), size_of(&path)),
+            "{path}: wrong or partial bytes ({} bytes)",
+            m.len()
+        );
+    }
+    entries.len()
+}
+
+#[test]
+fn daemon_killed_at_random_moments() {
+    let mut d = Daemon::start(Opts {
+        pools: vec![
+            "memfs:{dir}/pool,size=96M,name=mem".into(),
+            "file:{dir}/dev.img,size=96M,name=emu".into(),
+        ],
+        mount: true,
+        extra: vec!["--eviction".into(), "off".into()],
+    });
+    d.handler().mkdir("c", 0o755).unwrap();
+    let acked: Arc<Mutex<Vec<String>>> = Arc::default();
+    let mut rng = rand::thread_rng();
+    for round in 0..kills() {
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut threads = Vec::new();
+        for (w, pool) in [(0, Some("mem")), (1, Some("emu")), (2, None)] {
+            let (acked, stop) = (acked.clone(), stop.clone());
+            let sock = d.socket.clone();
+            let mnt = d.mount.clone().unwrap();
+            threads.push(std::thread::spawn(move || {
+                let Ok(h) = maru::Handler::connect(maru::Config {
+                    socket: sock,
+                    pool: pool.map(str::to_owned),
+                    ..Default::default()
+                }) else {
+                    return;
+                };
+                for i in 0.. {
+                    if stop.load(Ordering::Relaxed) {
+                        return;
+                    }
+                    let key = format!("c/r{round}-w{w}-{i}");
+                    let data = pattern(seed_of(&key), size_of(&key));
+                    let ok = if w < 2 {
+                        h.put(&key, &data).is_ok()
+                    } else {
+                        // Through the mount, as doc/SEMANTICS.md says a careful writer does: on a
+                        // write error, unlink the name before closing so nothing is published.
+                        // Acknowledged once another door sees the entry.
+                        let path = mnt.join(&key);
+                        let mut f = match std::fs::File::create_new(&path) {
+                            Ok(f) => f,
+                            Err(_) => return,
+                        };
+                        if std::io::Write::write_all(&mut f, &data).is_err() {
+                            let _ = std::fs::remove_file(&path);
+                            return;
+                        }
+                        drop(f);
+                        h.exists(&key).unwrap_or(false)
+                    };
+                    if !ok {
+                        return;
+                    }
+                    acked.lock().unwrap().push(key);
+                }
+            }));
+        }
+        std::thread::sleep(Duration::from_millis(rng.gen_range(20..150)));
+        d.kill9();
+        stop.store(true, Ordering::Relaxed);
+        for t in threads {
+            t.join().unwrap();
+        }
+        d.restart();
+        let h = d.handler();
+        let want = acked.lock().unwrap().clone();
+        for key in &want {
+            let m = h
+                .retrieve(key)
+                .unwrap()
+                .unwrap_or_else(|| panic!("round {round}: acknowledged {key} lost"));
+            assert!(
+                m.as_slice() == pattern(seed_of(key), size_of(key)),
+                "round {round}: {key} changed"
+            );
+        }
+        let n = verify_namespace(&h, "c");
+        assert!(n >= want.len());
+        let st = h.stats().unwrap();
+        for p in &st.pools {
+            assert_eq!(
+                p.writing_bytes, 0,
+                "round {round}: allocations survived the crash"
+            );
+        }
+    }
+    // No leaked space: delete everything, the raw pool is empty again and the tmpfs nearly so.
+    let h = client(&d, None);
+    let (_, _, entries) = h.list("c").unwrap();
+    let keys: Vec<String> = entries.iter().map(|e| format!("c/{}", e.key)).collect();
+    for chunk in keys.chunks(500) {
+        let refs: Vec<&str> = chunk.iter().map(String::as_str).collect();
+        assert!(h.batch_delete(&refs).unwrap().iter().all(Result::is_ok));
+    }
+    h.trim();
+    let st = h.stats().unwrap();
+    for p in &st.pools {
+        assert_eq!(p.entries, 0);
+        assert_eq!(p.sealed_bytes, 0);
+        let slack = if p.kind.is_raw() { 0 } else { 1 << 20 };
+        assert!(
+            p.used <= slack,
+            "pool {} leaks {} bytes after {} kills",
+            p.name,
+            p.used,
+            kills()
+        );
+    }
+    eprintln!(
+        "daemon kills: {}, acknowledged entries checked: {}",
+        kills(),
+        keys.len()
+    );
+}
+
+#[test]
+fn clients_killed_in_the_middle_of_stores() {
+    let d = Daemon::start(Opts {
+        pools: vec![
+            "memfs:{dir}/pool,size=64M,name=mem".into(),
+            "file:{dir}/dev.img,size=64M,name=emu".into(),
+        ],
+        mount: false,
+        extra: vec![],
+    });
+    let h = d.handler();
+    h.mkdir("k", 0o755).unwrap();
+    let mut rng = rand::thread_rng();
+    let mut total = 0;
+    for round in 0..kills() {
+        let mut child = std::process::Command::new(bin("maru-probe"))
+            .args([
+                "storeloop",
+                d.socket.to_str().unwrap(),
+                "k",
+                &format!("c{round}"),
+                "16384",
+            ])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = child.stdout.take().unwrap();
+        std::thread::sleep(Duration::from_millis(rng.gen_range(10..80)));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let acked: Vec<u64> = BufReader::new(out)
+            .lines()
+            .map(|l| l.unwrap().parse().unwrap())
+            .collect();
+        for i in &acked {
+            let key = format!("k/c{round}-{i}");
+            let m = h
+                .retrieve(&key)
+                .unwrap()
+                .unwrap_or_else(|| panic!("acknowledged {key} lost"));
+            assert!(m.as_slice() == pattern(*i, 16384), "{key} changed");
+        }
+        total += acked.len();
+        // Whatever the killed client had allocated is reclaimed.
+        let t = std::time::Instant::now();
+        loop {
+            let st = h.stats().unwrap();
+            let mine: u64 = st.clients.iter().map(|c| c.allocated).sum();
+            let writing: u64 = st.pools.iter().map(|p| p.writing_bytes).sum();
+            if writing == mine {
+                break;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "round {round}: not reclaimed: {st:?}"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    // Nothing partial is visible: every entry has the bytes of its index.
+    let (_, _, entries) = h.list("k").unwrap();
+    for e in &entries {
+        let i: u64 = e.key.rsplit('-').next().unwrap().parse().unwrap();
+        let m = h.retrieve(&format!("k/{}", e.key)).unwrap().unwrap();
+        assert!(m.as_slice() == pattern(i, 16384), "{} partial", e.key);
+    }
+    eprintln!(
+        "client kills: {}, acknowledged entries checked: {total}",
+        kills()
+    );
+}
+
+/// A writer through the mount killed with SIGKILL in the middle of a store publishes nothing;
+/// one that exits normally without closing publishes what it wrote.
+#[test]
+fn mount_writers_killed_mid_store_publish_nothing() {
+    const PY: &str = r#"
+import os, sys, time
+fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+for i in range(1000):
+    os.write(fd, bytes([i % 251]) * 4096)
+    if i == 3:
+        print("writing", flush=True)
+    time.sleep(0.001)
+os._exit(0)
+"#;
+    let d = Daemon::start(Opts::default());
+    std::fs::create_dir(d.path("m")).unwrap();
+    let h = d.handler();
+    let mut rng = rand::thread_rng();
+    for round in 0..kills() {
+        let p = d.path(&format!("m/k{round}"));
+        let mut child = std::process::Command::new("python3")
+            .arg("-c")
+            .arg(PY)
+            .arg(&p)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(rng.gen_range(0..200)));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(
+            !h.exists(&format!("m/k{round}")).unwrap(),
+            "round {round}: a killed writer's entry was published"
+        );
+        assert!(std::fs::metadata(&p).is_err());
+    }
+    // Nothing of them is left in the pool.
+    let t = std::time::Instant::now();
+    while std::fs::read_dir(d.pool_dir().join("w")).unwrap().count() > 0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "abandoned files left in the pool"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // A writer that exits normally without closing publishes what it wrote.
+    let p = d.path("m/done");
+    let ok = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(PY)
+        .arg(&p)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    assert!(h.exists("m/done").unwrap());
+    assert_eq!(std::fs::metadata(&p).unwrap().len(), 1000 * 4096);
+}
