@@ -253,6 +253,10 @@ impl Handler {
                     )));
                 }
                 inner.session = session;
+                // Held mappings keep deleted and evicted entries' memory alive until this
+                // client's next call: never let them take more than an eighth of the pools.
+                let capacity: u64 = pools.iter().map(|p| p.capacity).sum();
+                inner.cfg.cache_bytes = inner.cfg.cache_bytes.min(capacity / 8);
                 inner.pools = pools;
             }
             other => return Err(unexpected(&other)),
