@@ -883,9 +883,13 @@ impl Store {
                 }
             }
             if self.cfg.eviction == Eviction::Lru {
-                for _round in 0..4 {
+                // Evict what is missing plus some headroom: memory of evicted entries that a
+                // client still maps is freed only when it unmaps, so a round may free less than
+                // it evicted; keep going while there is something to evict.
+                let headroom = (self.pools[p as usize].capacity / 64).max(size);
+                for _round in 0..32 {
                     let free = self.free_space(st, p);
-                    let deficit = size.saturating_sub(free).max(ENTRY_ALIGN);
+                    let deficit = size.saturating_sub(free).max(ENTRY_ALIGN) + headroom;
                     let (n, _, i) = self.evict_lru(st, Some(p), deficit);
                     inv.extend(i);
                     match self.try_place(st, session, id, p, size) {

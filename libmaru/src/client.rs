@@ -671,8 +671,12 @@ impl Inner {
         }
         let seen = self.sizes_seen.entry(size).or_insert(0);
         *seen = seen.saturating_add(1);
-        if *seen >= 2 && size <= self.cfg.batch_alloc_max {
-            let by_bytes = (self.cfg.batch_alloc_bytes / size).max(1) as u32;
+        let repeats = *seen >= 2;
+        // The byte budget covers every spare this handler holds, of all sizes.
+        let held: u64 = self.spares.iter().map(|(sz, v)| sz * v.len() as u64).sum();
+        let budget = self.cfg.batch_alloc_bytes.saturating_sub(held);
+        if repeats && size <= self.cfg.batch_alloc_max && budget / size >= 2 {
+            let by_bytes = (budget / size).max(1) as u32;
             self.cfg
                 .batch_alloc_count
                 .min(by_bytes)
@@ -710,11 +714,19 @@ impl Inner {
             return self.map_grant(s);
         }
         let count = self.batch_count(size);
-        let (body, fds) = self.call(Op::Alloc {
+        let op = Op::Alloc {
             size,
             count,
             pool: self.cfg.pool.clone(),
-        })?;
+        };
+        let (body, fds) = match self.call(op.clone()) {
+            // Spares of other sizes hold pool memory: give them back and try once more.
+            Err(Error::NoSpace(_)) if self.spares.values().any(|v| !v.is_empty()) => {
+                self.free_spares()?;
+                self.call(op)?
+            }
+            r => r?,
+        };
         let grants = match body {
             Body::Allocated { grants } => grants,
             other => return Err(unexpected(&other)),
@@ -725,6 +737,19 @@ impl Inner {
             .ok_or_else(|| Error::Protocol("empty grant".into()))?;
         self.spares.entry(size).or_default().extend(spares);
         self.map_grant(first)
+    }
+
+    /// Gives every spare allocation back to the daemon.
+    fn free_spares(&mut self) -> Result<()> {
+        let ids: Vec<u64> = self
+            .spares
+            .drain()
+            .flat_map(|(_, v)| v.into_iter().map(|s| s.grant.alloc))
+            .collect();
+        if !ids.is_empty() {
+            self.call(Op::Free { allocs: ids })?;
+        }
+        Ok(())
     }
 
     fn spares_from(&mut self, grants: Vec<Grant>, fds: Vec<OwnedFd>) -> Result<Vec<Spare>> {
