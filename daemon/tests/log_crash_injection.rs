@@ -56,9 +56,7 @@ fn cfg(dir: &std::path::Path) -> (StoreConfig, Vec<PoolSpec>) {
 }
 
 fn data(i: u64) -> Vec<u8> {
-    (0..(3000 + i * 1000))
-        .map(|b| (b as u64 * 7 + i) as u8)
-        .collect()
+    (0..(3000 + i * 1000)).map(|b| (b * 7 + i) as u8).collect()
 }
 
 /// The scripted workload: stores, deletes, pins; returns nothing, the log tells what happened.
