@@ -233,3 +233,25 @@ fn marutop_csv_snapshots_from_a_live_daemon() {
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("cannot reach marud"));
 }
+
+#[test]
+fn benchmarks_run_and_write_json() {
+    let dir = tempfile::tempdir().unwrap();
+    for (which, rounds) in [("core", "3"), ("fs", "2")] {
+        let out_json = dir.path().join(format!("{which}.json"));
+        let o = Command::new(bin("maructl"))
+            .args(["bench", which, "--rounds", rounds, "--out-json"])
+            .arg(&out_json)
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "bench {which}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let text = String::from_utf8(o.stdout).unwrap();
+        assert!(text.contains("## Targets"), "{text}");
+        let rows: Value = serde_json::from_slice(&std::fs::read(&out_json).unwrap()).unwrap();
+        assert!(rows.as_array().unwrap().len() > 10);
+    }
+}

@@ -132,8 +132,8 @@ enum BenchCmd {
         #[arg(long, default_value_t = 200)]
         rounds: usize,
         /// Also write the rows as JSON here.
-        #[arg(long)]
-        json: Option<PathBuf>,
+        #[arg(long = "out-json", value_name = "FILE")]
+        out_json: Option<PathBuf>,
     },
     /// Retrieval through /maru against direct mapping, a copying FUSE server and TCP.
     Fs {
@@ -141,8 +141,8 @@ enum BenchCmd {
         #[arg(long, default_value_t = 60)]
         rounds: usize,
         /// Also write the rows as JSON here.
-        #[arg(long)]
-        json: Option<PathBuf>,
+        #[arg(long = "out-json", value_name = "FILE")]
+        out_json: Option<PathBuf>,
     },
 }
 
@@ -183,8 +183,12 @@ fn run(cli: Cli) -> Result<Option<ctl::Output>, Failure> {
         } => ctl::device(&action, &path, force),
         Cmd::Bench { which } => {
             let text = match which {
-                BenchCmd::Core { rounds, json } => maru_tools::bench::core(rounds, json.as_deref()),
-                BenchCmd::Fs { rounds, json } => maru_tools::bench::fs(rounds, json.as_deref()),
+                BenchCmd::Core { rounds, out_json } => {
+                    maru_tools::bench::core(rounds, out_json.as_deref())
+                }
+                BenchCmd::Fs { rounds, out_json } => {
+                    maru_tools::bench::fs(rounds, out_json.as_deref())
+                }
             }
             .map_err(|e| Failure {
                 code: exit::FAILED,
