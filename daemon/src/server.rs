@@ -21,15 +21,7 @@ use crate::store::Store;
 /// Reads the supplementary groups of `pid` from /proc.
 pub fn groups_of(pid: i32) -> Vec<u32> {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines().find(|l| l.starts_with("Groups:")).map(|l| {
-                l["Groups:".len()..]
-                    .split_whitespace()
-                    .filter_map(|g| g.parse().ok())
-                    .collect()
-            })
-        })
+        .map(|s| maru_fsd::backend::parse_groups(&s))
         .unwrap_or_default()
 }
 

@@ -2385,15 +2385,11 @@ impl Store {
             if c.uid != 0 && c.uid != n.uid {
                 return Err(Error::from_errno(libc::EPERM));
             }
-            if let Some(m) = mode {
-                n.mode = m & 0o7777;
-            }
-            if let Some(u) = uid {
-                n.uid = u;
-            }
-            if let Some(g) = gid {
-                n.gid = g;
-            }
+            set_owner_mode(
+                (&mut n.mode, &mut n.uid, &mut n.gid),
+                (mode, uid, gid),
+                0o7777,
+            );
             n.mtime = now();
             let a = ns_attr(n);
             self.save_namespaces(&st);
@@ -2403,15 +2399,11 @@ impl Store {
             if c.uid != 0 && c.uid != a.uid {
                 return Err(Error::from_errno(libc::EPERM));
             }
-            if let Some(m) = mode {
-                a.mode = m & 0o7777;
-            }
-            if let Some(u) = uid {
-                a.uid = u;
-            }
-            if let Some(g) = gid {
-                a.gid = g;
-            }
+            set_owner_mode(
+                (&mut a.mode, &mut a.uid, &mut a.gid),
+                (mode, uid, gid),
+                0o7777,
+            );
             let a = &st.allocs[&ino];
             return Ok(self.alloc_attr(ino, a));
         }
@@ -2422,16 +2414,12 @@ impl Store {
         if c.uid != 0 && c.uid != e.uid {
             return Err(Error::from_errno(libc::EPERM));
         }
-        if let Some(m) = mode {
-            // Sealed entries never become writable.
-            e.mode = m & 0o7555;
-        }
-        if let Some(u) = uid {
-            e.uid = u;
-        }
-        if let Some(g) = gid {
-            e.gid = g;
-        }
+        // Sealed entries never become writable.
+        set_owner_mode(
+            (&mut e.mode, &mut e.uid, &mut e.gid),
+            (mode, uid, gid),
+            0o7555,
+        );
         let e = e.clone();
         if let PoolImpl::Memfs(m) = &self.pools[e.pool as usize].imp {
             let path = m.entry_path(&e.ns, &e.key);
@@ -2718,6 +2706,23 @@ fn shmem_huge_bytes() -> u64 {
         })
         .unwrap_or(0)
         * 1024
+}
+
+/// Applies a chmod/chown request; `mask` limits the mode bits that may be set.
+fn set_owner_mode(
+    cur: (&mut u32, &mut u32, &mut u32),
+    new: (Option<u32>, Option<u32>, Option<u32>),
+    mask: u32,
+) {
+    if let Some(m) = new.0 {
+        *cur.0 = m & mask;
+    }
+    if let Some(u) = new.1 {
+        *cur.1 = u;
+    }
+    if let Some(g) = new.2 {
+        *cur.2 = g;
+    }
 }
 
 fn kind_name(k: PoolKind) -> &'static str {

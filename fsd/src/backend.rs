@@ -39,6 +39,20 @@ pub fn read_proc_bounded(path: String) -> Option<String> {
         .flatten()
 }
 
+/// The supplementary groups listed in the text of a `/proc/<pid>/status` file.
+pub fn parse_groups(status: &str) -> Vec<u32> {
+    status
+        .lines()
+        .find(|l| l.starts_with("Groups:"))
+        .map(|l| {
+            l["Groups:".len()..]
+                .split_whitespace()
+                .filter_map(|g| g.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// The thread group (process) id of thread `pid`.
 pub fn tgid_of(pid: i32) -> i32 {
     read_proc_bounded(format!("/proc/{pid}/status"))

@@ -91,17 +91,10 @@ fn caller(req: &Request, groups: bool) -> Caller {
     }
 }
 
-/// Supplementary groups of a process (from /proc).
+/// Supplementary groups of a process (from /proc, bounded: see `read_proc_bounded`).
 pub fn groups_of(pid: i32) -> Vec<u32> {
     crate::backend::read_proc_bounded(format!("/proc/{pid}/status"))
-        .and_then(|s| {
-            s.lines().find(|l| l.starts_with("Groups:")).map(|l| {
-                l["Groups:".len()..]
-                    .split_whitespace()
-                    .filter_map(|g| g.parse().ok())
-                    .collect()
-            })
-        })
+        .map(|s| crate::backend::parse_groups(&s))
         .unwrap_or_default()
 }
 
