@@ -1380,9 +1380,6 @@ impl Store {
             }
         }
         let a = st.allocs.remove(&id).expect("present");
-        if a.closing {
-            adjust_pending(st, &a.target, -1);
-        }
         st.pools[pool as usize].writing_bytes -= a.acct;
         if let Some((tns, tkey)) = &a.target
             && let Some(n) = st.ns.get_mut(tns)
@@ -1411,6 +1408,10 @@ impl Store {
                 mtime: now(),
             },
         );
+        // Only now that the index shows the entry may lock-free readers stop asking marud.
+        if a.closing {
+            adjust_pending(st, &a.target, -1);
+        }
         *st.bytes.entry("stored".into()).or_insert(0) += size;
         self.maybe_checkpoint(st, pool);
         Ok(id)
