@@ -90,39 +90,46 @@ pub async fn serve(store: Arc<Store>, listener: UnixListener) {
     }
 }
 
-struct Conn {
+/// One connection's protocol state, apart from its socket: it turns request frames into
+/// response bytes and descriptors (the fuzz target drives it directly).
+pub struct Dispatcher {
     store: Arc<Store>,
-    stream: UnixStream,
     caller: Caller,
     session: Option<u64>,
-    reader: FrameReader,
     sent_ro: HashSet<u32>,
     sent_rw: HashSet<u32>,
-    out: Vec<u8>,
-    out_fds: Vec<File>,
+    /// Encoded responses not yet sent.
+    pub out: Vec<u8>,
+    /// Descriptors that go with `out`, in order.
+    pub out_fds: Vec<File>,
+}
+
+struct Conn {
+    stream: UnixStream,
+    reader: FrameReader,
+    d: Dispatcher,
+}
+
+impl Drop for Dispatcher {
+    fn drop(&mut self) {
+        if let Some(s) = self.session.take() {
+            self.store.close_session(s);
+        }
+    }
 }
 
 impl Conn {
     fn new(store: Arc<Store>, stream: UnixStream, caller: Caller) -> Self {
         Conn {
-            store,
             stream,
-            caller,
-            session: None,
             reader: FrameReader::new(),
-            sent_ro: HashSet::new(),
-            sent_rw: HashSet::new(),
-            out: Vec::new(),
-            out_fds: Vec::new(),
+            d: Dispatcher::new(store, caller),
         }
     }
 
     async fn run(mut self) {
         if let Err(e) = self.run_inner().await {
             tracing::debug!("connection closed: {e}");
-        }
-        if let Some(s) = self.session {
-            self.store.close_session(s);
         }
     }
 
@@ -151,13 +158,13 @@ impl Conn {
                     Ok(None) => break,
                     Err(e) => {
                         // Oversized: framing is lost; say why and close.
-                        self.push_err(0, &e);
+                        self.d.push_err(0, &e);
                         self.flush().await?;
                         return Err(e);
                     }
                 };
-                let close = self.handle(&body);
-                if self.out_fds.len() >= MAX_FDS_PER_FRAME / 2 || self.out.len() > (1 << 20) {
+                let close = self.d.handle(&body);
+                if self.d.out_fds.len() >= MAX_FDS_PER_FRAME / 2 || self.d.out.len() > (1 << 20) {
                     self.flush().await?;
                 }
                 if close {
@@ -169,8 +176,53 @@ impl Conn {
         }
     }
 
-    /// Handles one frame; true when the connection must close.
-    fn handle(&mut self, body: &[u8]) -> bool {
+    async fn flush(&mut self) -> Result<()> {
+        let bytes = std::mem::take(&mut self.d.out);
+        let fds = std::mem::take(&mut self.d.out_fds);
+        let mut off = 0;
+        let mut fds_sent = false;
+        while off < bytes.len() {
+            self.stream.writable().await?;
+            let raw = self.stream.as_raw_fd();
+            let borrowed: Vec<BorrowedFd<'_>> = if fds_sent {
+                Vec::new()
+            } else {
+                fds.iter().map(|f| f.as_fd()).collect()
+            };
+            let r = self.stream.try_io(Interest::WRITABLE, || {
+                // SAFETY: the stream owns raw for the duration of the call.
+                let b = unsafe { BorrowedFd::borrow_raw(raw) };
+                proto::send_some(b, &bytes[off..], &borrowed)
+            });
+            match r {
+                Ok(n) => {
+                    off += n;
+                    fds_sent = true;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Dispatcher {
+    /// A new connection's state for `caller`.
+    pub fn new(store: Arc<Store>, caller: Caller) -> Self {
+        Dispatcher {
+            store,
+            caller,
+            session: None,
+            sent_ro: HashSet::new(),
+            sent_rw: HashSet::new(),
+            out: Vec::new(),
+            out_fds: Vec::new(),
+        }
+    }
+
+    /// Handles one frame body; true when the connection must close.
+    pub fn handle(&mut self, body: &[u8]) -> bool {
         let req: Request = match proto::decode(body) {
             Ok(r) => r,
             Err(e) => {
@@ -220,7 +272,8 @@ impl Conn {
         self.out_fds.extend(fds);
     }
 
-    fn push_err(&mut self, id: u64, e: &Error) {
+    /// Queues an error response.
+    pub fn push_err(&mut self, id: u64, e: &Error) {
         self.push(
             Response {
                 id,
@@ -229,36 +282,6 @@ impl Conn {
             },
             Vec::new(),
         );
-    }
-
-    async fn flush(&mut self) -> Result<()> {
-        let bytes = std::mem::take(&mut self.out);
-        let fds = std::mem::take(&mut self.out_fds);
-        let mut off = 0;
-        let mut fds_sent = false;
-        while off < bytes.len() {
-            self.stream.writable().await?;
-            let raw = self.stream.as_raw_fd();
-            let borrowed: Vec<BorrowedFd<'_>> = if fds_sent {
-                Vec::new()
-            } else {
-                fds.iter().map(|f| f.as_fd()).collect()
-            };
-            let r = self.stream.try_io(Interest::WRITABLE, || {
-                // SAFETY: the stream owns raw for the duration of the call.
-                let b = unsafe { BorrowedFd::borrow_raw(raw) };
-                proto::send_some(b, &bytes[off..], &borrowed)
-            });
-            match r {
-                Ok(n) => {
-                    off += n;
-                    fds_sent = true;
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-                Err(e) => return Err(e.into()),
-            }
-        }
-        Ok(())
     }
 
     fn dispatch(&mut self, op: Op, fds: &mut Vec<File>) -> Result<Body> {

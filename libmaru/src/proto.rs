@@ -488,6 +488,11 @@ impl FrameReader {
         Ok(n as usize)
     }
 
+    /// Appends bytes as if received (tests and fuzzing).
+    pub fn push(&mut self, bytes: &[u8]) {
+        self.buf.extend_from_slice(bytes);
+    }
+
     /// The next complete frame body, if buffered. A length over [`MAX_FRAME`] is an error.
     pub fn next_frame(&mut self) -> Result<Option<Vec<u8>>, Error> {
         let avail = &self.buf[self.start..];
