@@ -1124,10 +1124,7 @@ impl Store {
     pub fn rmdir(&self, c: &Caller, ns: &str) -> Result<()> {
         split_ns(ns)?;
         let mut st = self.st.lock();
-        let n = st
-            .ns
-            .get(ns)
-            .ok_or_else(|| Error::NotFound(format!("namespace `{ns}`")))?;
+        let n = ns_ref(&st, ns)?;
         if !n.entries.is_empty() || !n.children.is_empty() || !n.writing.is_empty() {
             return Err(Error::NotEmpty(format!("namespace `{ns}`")));
         }
@@ -1315,10 +1312,7 @@ impl Store {
         key: &str,
         len: Option<u64>,
     ) -> Result<u64> {
-        let n = st
-            .ns
-            .get(ns)
-            .ok_or_else(|| Error::NotFound(format!("namespace `{ns}`")))?;
+        let n = ns_ref(st, ns)?;
         check(c, n, 2, &format!("store into `{ns}`"))?;
         if n.entries.contains_key(key) {
             return Err(Error::Exists(format!("{ns}/{key}")));
@@ -1481,10 +1475,7 @@ impl Store {
         let mut st = self.st.lock();
         let c = Self::session_caller(&st, session)?;
         self.wait_imminent(&mut st, ns, keys);
-        let n = st
-            .ns
-            .get(ns)
-            .ok_or_else(|| Error::NotFound(format!("namespace `{ns}`")))?;
+        let n = ns_ref(&st, ns)?;
         check(&c, n, 4, &format!("read `{ns}`"))?;
         let inos: Vec<Option<u64>> = keys.iter().map(|k| n.entries.get(k).copied()).collect();
         let mut out = Vec::with_capacity(keys.len());
@@ -1567,10 +1558,7 @@ impl Store {
         split_ns(ns)?;
         let mut st = self.st.lock();
         self.wait_imminent(&mut st, ns, keys);
-        let n = st
-            .ns
-            .get(ns)
-            .ok_or_else(|| Error::NotFound(format!("namespace `{ns}`")))?;
+        let n = ns_ref(&st, ns)?;
         check(c, n, 4, &format!("read `{ns}`"))?;
         Ok(keys.iter().map(|k| n.entries.contains_key(k)).collect())
     }
@@ -1595,10 +1583,7 @@ impl Store {
         split_ns(ns)?;
         let mut inv = Vec::new();
         let mut st = self.st.lock();
-        let n = st
-            .ns
-            .get(ns)
-            .ok_or_else(|| Error::NotFound(format!("namespace `{ns}`")))?;
+        let n = ns_ref(&st, ns)?;
         check(c, n, 3, &format!("delete in `{ns}`"))?;
         let mut out = Vec::new();
         for k in keys {
@@ -1654,10 +1639,7 @@ impl Store {
     ) -> Result<Vec<Result<()>>> {
         split_ns(ns)?;
         let mut st = self.st.lock();
-        let n = st
-            .ns
-            .get(ns)
-            .ok_or_else(|| Error::NotFound(format!("namespace `{ns}`")))?;
+        let n = ns_ref(&st, ns)?;
         check(c, n, 2, &format!("pin in `{ns}`"))?;
         let inos: Vec<Option<u64>> = keys.iter().map(|k| n.entries.get(k).copied()).collect();
         let mut out = Vec::new();
@@ -1674,10 +1656,7 @@ impl Store {
     pub fn index_fd(&self, c: &Caller, ns: &str) -> Result<(File, u64)> {
         split_ns(ns)?;
         let st = self.st.lock();
-        let n = st
-            .ns
-            .get(ns)
-            .ok_or_else(|| Error::NotFound(format!("namespace `{ns}`")))?;
+        let n = ns_ref(&st, ns)?;
         check(c, n, 4, &format!("read `{ns}`"))?;
         Ok((n.index.ro_fd()?, n.index.nslots() as u64))
     }
@@ -1703,10 +1682,7 @@ impl Store {
             split_ns(ns)?;
         }
         let st = self.st.lock();
-        let n = st
-            .ns
-            .get(ns)
-            .ok_or_else(|| Error::NotFound(format!("namespace `{ns}`")))?;
+        let n = ns_ref(&st, ns)?;
         check(c, n, 4, &format!("list `{ns}`"))?;
         let mut children: Vec<NsInfo> = n
             .children
@@ -1918,6 +1894,13 @@ impl Store {
     pub fn pool_list(&self) -> &[Pool] {
         &self.pools
     }
+}
+
+/// The namespace `ns`, or a not-found error naming it.
+fn ns_ref<'a>(st: &'a State, ns: &str) -> Result<&'a Namespace> {
+    st.ns
+        .get(ns)
+        .ok_or_else(|| Error::NotFound(format!("namespace `{ns}`")))
 }
 
 /// Adds `delta` to the imminent publications of `target`'s namespace (and its index).
