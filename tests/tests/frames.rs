@@ -120,6 +120,8 @@ fn random_frame_sequences_never_hurt_the_daemon() {
     let h = d.handler();
     h.mkdir("keep", 0o755).unwrap();
     h.put("keep/k", b"intact").unwrap();
+    // Random `evict` requests (sent as root) may empty the pool; a pinned entry must survive.
+    h.pin("keep/k").unwrap();
     let hello =
         serde_json::json!({"id": 0, "op": "hello", "args": {"version": 1, "client": "fuzz"}})
             .to_string();
