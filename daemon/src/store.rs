@@ -1484,13 +1484,7 @@ impl Store {
                 out.push(None);
                 continue;
             };
-            st.tick += 1;
-            let tick = st.tick;
-            let st = &mut *st;
-            let e = st.entries.get_mut(&ino).expect("indexed");
-            st.lru.remove(&e.tick);
-            e.tick = tick;
-            st.lru.insert(tick, ino);
+            st.touch(ino);
             let e = st.entries.get(&ino).expect("indexed").clone();
             *st.bytes.entry("retrieved".into()).or_insert(0) += e.size;
             match &self.pools[e.pool as usize].imp {
@@ -1959,6 +1953,17 @@ fn slot_view(e: &Entry) -> SlotView {
 }
 
 impl State {
+    /// Marks entry `ino` as the most recently used.
+    fn touch(&mut self, ino: u64) {
+        self.tick += 1;
+        let tick = self.tick;
+        if let Some(e) = self.entries.get_mut(&ino) {
+            self.lru.remove(&e.tick);
+            e.tick = tick;
+            self.lru.insert(tick, ino);
+        }
+    }
+
     fn alloc_ino(&mut self) -> u64 {
         let i = self.next_ino;
         self.next_ino += 1;
@@ -2168,13 +2173,9 @@ impl Store {
             if write {
                 return Err(Error::ReadOnly("sealed entries are immutable".into()));
             }
-            st.tick += 1;
-            let tick = st.tick;
+            st.touch(ino);
             let st = &mut *st;
             let e = st.entries.get_mut(&ino).expect("present");
-            st.lru.remove(&e.tick);
-            e.tick = tick;
-            st.lru.insert(tick, ino);
             return match &self.pools[e.pool as usize].imp {
                 PoolImpl::Memfs(m) => Ok(OpenedFile::Passthrough(Arc::new(
                     m.open_entry(&e.ns, &e.key)?,
