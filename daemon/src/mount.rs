@@ -164,6 +164,9 @@ pub fn mount(store: Arc<Store>, dir: &Path, threads: usize) -> anyhow::Result<Mo
         .spawn(move || {
             for inv in rx {
                 backings.forget(inv.ino);
+                if inv.by_kernel {
+                    continue;
+                }
                 let _ = notifier.delete(
                     fuser::INodeNo(inv.parent),
                     fuser::INodeNo(inv.ino),

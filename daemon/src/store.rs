@@ -61,6 +61,9 @@ pub struct Invalidation {
     pub name: String,
     /// The removed node.
     pub ino: u64,
+    /// The kernel removed the name itself (unlink through the mount): only the node's
+    /// passthrough backing is to be dropped, the name needs no invalidation.
+    pub by_kernel: bool,
 }
 
 /// A pool, fixed for the daemon's life.
@@ -774,6 +777,7 @@ impl Store {
             parent,
             name: e.key,
             ino,
+            by_kernel: false,
         })
     }
 
@@ -855,6 +859,33 @@ impl Store {
             }
         }
         (count, freed, inv)
+    }
+
+    /// Free space kept in a memfs pool for writers through the mount when eviction is on:
+    /// a sixteenth of the pool, at least 64 MiB, at most a quarter of the pool.
+    fn mount_headroom(&self, pool: u32) -> u64 {
+        let cap = self.pools[pool as usize].capacity;
+        (cap / 16).max(64 << 20).min(cap / 4)
+    }
+
+    /// Evicts least-recently-used entries of `pool` until its free space is at least
+    /// [`Store::mount_headroom`] (with eviction on; nothing otherwise).
+    fn keep_headroom(&self, st: &mut State, pool: u32, inv: &mut Vec<Invalidation>) {
+        if self.cfg.eviction != Eviction::Lru {
+            return;
+        }
+        let want = self.mount_headroom(pool);
+        for _round in 0..32 {
+            let free = self.free_space(st, pool);
+            if free >= want {
+                return;
+            }
+            let (n, _, i) = self.evict_lru(st, Some(pool), want - free + ENTRY_ALIGN);
+            inv.extend(i);
+            if n == 0 {
+                return;
+            }
+        }
     }
 
     /// Reserves `size` bytes in a pool, evicting if allowed.
@@ -2119,11 +2150,15 @@ impl Store {
         }
         let id = st.alloc_ino();
         let memfs = self.pools.iter().find(|p| p.kind == PoolKind::Memfs);
+        let mut inv = Vec::new();
         let (pool, file, buf) = match memfs {
             Some(mp) => {
                 let PoolImpl::Memfs(m) = &mp.imp else {
                     unreachable!("memfs pool")
                 };
+                // Writes through passthrough go straight to the pool's tmpfs, where the daemon
+                // cannot evict for them: make room before the writer starts.
+                self.keep_headroom(&mut st, mp.id, &mut inv);
                 (mp.id, Some(Arc::new(m.create_writing(id, 0, 0o600)?)), None)
             }
             None => {
@@ -2157,6 +2192,8 @@ impl Store {
             .expect("exists")
             .writing
             .insert(name.to_owned(), id);
+        drop(st);
+        self.notify(inv);
         Ok((
             attr,
             match file {
@@ -2513,7 +2550,17 @@ impl Store {
         if n.mode & 0o1000 != 0 && c.uid != 0 && c.uid != e.uid && c.uid != n.uid {
             return Err(Error::from_errno(libc::EPERM));
         }
-        self.remove_entry(&mut st, ino, false);
+        let inv = self.remove_entry(&mut st, ino, false);
+        drop(st);
+        // The kernel drops the name; the backing file is freed once the mount lets go of it.
+        self.notify(
+            inv.map(|i| Invalidation {
+                by_kernel: true,
+                ..i
+            })
+            .into_iter()
+            .collect(),
+        );
         Ok(())
     }
 

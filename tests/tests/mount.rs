@@ -532,6 +532,88 @@ fn eviction_removes_names_from_the_mount() {
 }
 
 #[test]
+fn writers_through_the_mount_evict_when_the_pool_is_full() {
+    // 256 MiB pool, 16 MiB entries: writing 40 of them (640 MiB) through the mount only works
+    // if creating an entry makes room first (passthrough writes go straight to the tmpfs).
+    let d = Daemon::start(Opts {
+        pools: vec!["memfs:{dir}/pool,size=256M".into()],
+        mount: true,
+        extra: vec!["--eviction".into(), "lru".into()],
+    });
+    std::fs::create_dir(d.path("full")).unwrap();
+    for i in 0..40 {
+        std::fs::write(d.path(&format!("full/k{i}")), pattern(i, 16 << 20))
+            .unwrap_or_else(|e| panic!("writing entry {i} through the mount: {e}"));
+    }
+    // The newest entries are there and intact, the oldest were evicted.
+    assert_eq!(
+        std::fs::read(d.path("full/k39")).unwrap(),
+        pattern(39, 16 << 20)
+    );
+    assert!(
+        !d.path("full/k0").exists(),
+        "the oldest entry was not evicted"
+    );
+    let n = std::fs::read_dir(d.path("full")).unwrap().count();
+    assert!(
+        (8..16).contains(&n),
+        "{n} entries of 16 MiB in a 256 MiB pool"
+    );
+}
+
+#[test]
+fn unlink_through_the_mount_frees_pool_memory() {
+    let d = daemon();
+    std::fs::create_dir(d.path("rm")).unwrap();
+    let used = |d: &Daemon| {
+        let s = nix::sys::statvfs::statvfs(d.pool_dir()).unwrap();
+        (s.blocks() - s.blocks_free()) * s.fragment_size()
+    };
+    let before = used(&d);
+    for i in 0..4 {
+        std::fs::write(d.path(&format!("rm/k{i}")), pattern(i, 16 << 20)).unwrap();
+        // Read it through the mount, so the mount holds a passthrough backing for it.
+        assert_eq!(
+            std::fs::read(d.path(&format!("rm/k{i}"))).unwrap().len(),
+            16 << 20
+        );
+    }
+    assert!(used(&d) >= before + (60 << 20), "64 MiB written");
+    for i in 0..4 {
+        std::fs::remove_file(d.path(&format!("rm/k{i}"))).unwrap();
+    }
+    let t = std::time::Instant::now();
+    while used(&d) > before + (8 << 20) {
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(10),
+            "unlinked entries still hold {} MiB of the pool",
+            (used(&d) - before) >> 20
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn eviction_off_gives_enospc_through_the_mount() {
+    let d = Daemon::start(Opts {
+        pools: vec!["memfs:{dir}/pool,size=64M".into()],
+        mount: true,
+        extra: vec!["--eviction".into(), "off".into()],
+    });
+    std::fs::create_dir(d.path("full")).unwrap();
+    let mut err = None;
+    for i in 0..8 {
+        if let Err(e) = std::fs::write(d.path(&format!("full/k{i}")), pattern(i, 16 << 20)) {
+            err = Some(e);
+            break;
+        }
+    }
+    let e = err.expect("a 64 MiB pool took 128 MiB");
+    assert_eq!(e.raw_os_error(), Some(libc::ENOSPC), "{e}");
+    assert!(d.path("full/k0").exists(), "nothing may be evicted");
+}
+
+#[test]
 fn a_child_closing_an_inherited_copy_does_not_publish() {
     let d = daemon();
     std::fs::create_dir(d.path("fork")).unwrap();
