@@ -14,6 +14,8 @@ pub const DEFAULT_MOUNT: &str = "/maru";
 pub const DEFAULT_SOCKET: &str = "/run/maru/marud.sock";
 /// Default state directory.
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/maru";
+/// Default niceness: the daemon's requests sit on every retrieval's critical path.
+pub const DEFAULT_NICE: i32 = -10;
 /// Default pool of the embedded configuration.
 pub const DEFAULT_POOL: &str = "memfs:/run/maru/pool0";
 
@@ -63,6 +65,10 @@ pub struct Cli {
     /// FUSE worker threads.
     #[arg(long, value_name = "N")]
     pub fuse_threads: Option<usize>,
+    /// Scheduling niceness of the daemon (-20..19; default -10, so that its FUSE and socket
+    /// threads answer promptly on a machine whose CPUs are busy; 0 to leave it).
+    #[arg(long, value_name = "N", allow_hyphen_values = true)]
+    pub nice: Option<i32>,
     /// Write the daemon's pid here once it serves.
     #[arg(long, value_name = "FILE")]
     pub pid_file: Option<PathBuf>,
@@ -98,6 +104,8 @@ pub struct FileConfig {
     pub wal_sync: Option<bool>,
     /// FUSE threads.
     pub fuse_threads: Option<usize>,
+    /// Niceness.
+    pub nice: Option<i32>,
     /// Pid file.
     pub pid_file: Option<PathBuf>,
     /// Metrics address.
@@ -127,6 +135,8 @@ pub struct Settings {
     pub wal_sync: bool,
     /// FUSE threads.
     pub fuse_threads: usize,
+    /// Niceness (-20..19).
+    pub nice: i32,
     /// Pid file.
     pub pid_file: Option<PathBuf>,
     /// Metrics address.
@@ -195,6 +205,11 @@ impl Settings {
             unmount_pools: cli.unmount_pools || file.unmount_pools.unwrap_or(false),
             wal_sync: cli.wal_sync || file.wal_sync.unwrap_or(false),
             fuse_threads: cli.fuse_threads.or(file.fuse_threads).unwrap_or(8),
+            nice: cli
+                .nice
+                .or(file.nice)
+                .unwrap_or(DEFAULT_NICE)
+                .clamp(-20, 19),
             pid_file: cli.pid_file.or(file.pid_file),
             metrics: cli.metrics.or(file.metrics),
         })

@@ -98,11 +98,29 @@ fn raise_fd_limit() {
     }
 }
 
+/// Sets the daemon's niceness before any thread exists (threads inherit it). Every retrieval
+/// through the mount waits for a FUSE thread of marud to run: on a machine whose CPUs are busy
+/// with inference work, a default-priority daemon can wait milliseconds for a CPU per request.
+fn set_nice(nice: i32) {
+    if nice == 0 {
+        return;
+    }
+    // SAFETY: setpriority on this process; it fails without CAP_SYS_NICE, which is reported.
+    if unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, nice) } != 0 {
+        tracing::warn!(
+            nice,
+            "cannot set the daemon's niceness: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
 fn run(s: Settings) -> anyhow::Result<()> {
     // Files the daemon creates are its own unless it says otherwise.
     // SAFETY: umask has no preconditions.
     unsafe { libc::umask(0o077) };
     raise_fd_limit();
+    set_nice(s.nice);
     drop_capabilities().context("dropping capabilities")?;
     let gid = match &s.group {
         Some(g) => Some(group_id(g).with_context(|| format!("no group named `{g}`"))?),

@@ -57,6 +57,17 @@ fn detach(dir: &Path) {
 impl PrivateDaemon {
     /// Starts marud under `dir` with `pools` (`{dir}` is replaced) and an optional mount.
     pub fn start(dir: &Path, name: &str, pools: &[&str], mount: bool) -> anyhow::Result<Self> {
+        Self::start_with(dir, name, pools, mount, &[])
+    }
+
+    /// [`PrivateDaemon::start`] with extra marud flags.
+    pub fn start_with(
+        dir: &Path,
+        name: &str,
+        pools: &[&str],
+        mount: bool,
+        extra: &[&str],
+    ) -> anyhow::Result<Self> {
         let base = dir.join(name);
         std::fs::create_dir_all(&base)?;
         let socket = base.join("marud.sock");
@@ -79,6 +90,7 @@ impl PrivateDaemon {
             Some(m) => cmd.arg("--mount").arg(m),
             None => cmd.arg("--no-mount"),
         };
+        cmd.args(extra);
         let log = std::fs::File::create(base.join("marud.log"))?;
         cmd.env("MARU_LOG", "warn")
             .stdin(Stdio::null())
@@ -111,6 +123,11 @@ impl PrivateDaemon {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// The daemon's pid.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
     }
 
     /// A client of this daemon.
