@@ -316,6 +316,10 @@ impl Dispatcher {
                 store.rmdir(&c, &ns)?;
                 Body::Done
             }
+            Op::SetQuota { ns, bytes } => {
+                store.set_quota(&c, &ns, bytes)?;
+                Body::Done
+            }
             Op::Alloc { size, count, pool } => {
                 let grants = store.alloc(session, size, count, pool.as_deref())?;
                 let mut out = Vec::with_capacity(grants.len());

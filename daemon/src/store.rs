@@ -180,6 +180,8 @@ struct Namespace {
     mtime: SystemTime,
     /// Entries written through the mount whose writer closed them (publication imminent).
     pending: u64,
+    /// Most bytes of sealed entries in it and the namespaces under it.
+    quota: Option<u64>,
 }
 
 #[derive(Default)]
@@ -236,6 +238,39 @@ struct NsRecord {
     uid: u32,
     gid: u32,
     mode: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    quota: Option<u64>,
+}
+
+/// Bytes of sealed entries in `ns` and the namespaces under it.
+fn subtree_bytes(st: &State, ns: &str) -> u64 {
+    let prefix = format!("{ns}/");
+    st.ns
+        .iter()
+        .filter(|(k, _)| *k == ns || k.starts_with(&prefix))
+        .map(|(_, n)| n.bytes)
+        .sum()
+}
+
+/// Fails with [`Error::Quota`] if `add` more bytes in `ns` would exceed the quota of `ns` or of
+/// a namespace above it.
+fn check_quota(st: &State, ns: &str, add: u64) -> Result<()> {
+    let mut at = Some(ns);
+    while let Some(a) = at {
+        if let Some(q) = st.ns.get(a).and_then(|n| n.quota) {
+            let used = subtree_bytes(st, a);
+            if used.saturating_add(add) > q {
+                return Err(Error::Quota(format!(
+                    "`{a}` holds {} of its {} quota; {} more do not fit",
+                    maru::size::format_size(used),
+                    maru::size::format_size(q),
+                    maru::size::format_size(add)
+                )));
+            }
+        }
+        at = a.rfind('/').map(|i| &a[..i]);
+    }
+    Ok(())
 }
 
 fn now() -> SystemTime {
@@ -333,6 +368,7 @@ impl Store {
             bytes: 0,
             mtime: now(),
             pending: 0,
+            quota: None,
         };
         let mut st = State {
             next_ino: ROOT_INO + 1,
@@ -413,6 +449,9 @@ impl Store {
         for r in records {
             if split_ns(&r.ns).is_ok() {
                 self.ns_insert(st, &r.ns, r.uid, r.gid, r.mode)?;
+                if let Some(n) = st.ns.get_mut(&r.ns) {
+                    n.quota = r.quota;
+                }
             }
         }
         for p in &self.pools {
@@ -633,6 +672,7 @@ impl Store {
                 bytes: 0,
                 mtime: now(),
                 pending: 0,
+                quota: None,
             },
         );
         st.ns_by_ino.insert(ino, ns.to_owned());
@@ -663,6 +703,7 @@ impl Store {
                 uid: n.uid,
                 gid: n.gid,
                 mode: n.mode,
+                quota: n.quota,
             })
             .collect();
         recs.sort_by(|a, b| a.ns.cmp(&b.ns));
@@ -1126,6 +1167,24 @@ impl Store {
     // ----- control verbs -----
 
     /// Creates a namespace.
+    /// Sets or clears a namespace's quota (root only). Entries already stored stay; stores
+    /// that would go over it fail with [`Error::Quota`].
+    pub fn set_quota(&self, c: &Caller, ns: &str, bytes: Option<u64>) -> Result<()> {
+        split_ns(ns)?;
+        if c.uid != 0 {
+            return Err(Error::PermissionDenied(
+                "only root sets namespace quotas".into(),
+            ));
+        }
+        let mut st = self.st.lock();
+        st.ns
+            .get_mut(ns)
+            .ok_or_else(|| Error::NotFound(format!("namespace `{ns}`")))?
+            .quota = bytes;
+        self.save_namespaces(&st);
+        Ok(())
+    }
+
     pub fn mkdir(&self, c: &Caller, ns: &str, mode: u32) -> Result<u64> {
         split_ns(ns)?;
         let mut st = self.st.lock();
@@ -1362,6 +1421,8 @@ impl Store {
             Some(l) => l,
             None => a.size,
         };
+        check_quota(st, ns, size)?;
+        let a = st.allocs.get(&id).expect("checked by caller");
         let (pool, offset) = (a.pool, a.offset);
         let asize = align_up(a.size.max(1), ENTRY_ALIGN);
         let (uid, gid, mode) = (a.uid, a.gid, a.mode & 0o555);
@@ -1694,6 +1755,7 @@ impl Store {
             mode: n.mode,
             entries: n.entries.len() as u64,
             bytes: n.bytes,
+            quota: n.quota,
         }
     }
 
@@ -2148,6 +2210,9 @@ impl Store {
         if n.entries.contains_key(name) || n.children.contains_key(name) {
             return Err(Error::Exists(join(&p, name)));
         }
+        // A namespace already at its quota takes no new entry (the size of one written through
+        // the mount is known only at close, where it is checked again).
+        check_quota(&st, &p, 1)?;
         let id = st.alloc_ino();
         let memfs = self.pools.iter().find(|p| p.kind == PoolKind::Memfs);
         let mut inv = Vec::new();

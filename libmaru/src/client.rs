@@ -292,6 +292,19 @@ impl Handler {
             .map(drop)
     }
 
+    /// Sets (or clears, with `None`) the quota of namespace `ns`: the most bytes of sealed
+    /// entries it and the namespaces under it may hold. Root only; stores that would go over
+    /// it fail with [`Error::Quota`] (`EDQUOT`).
+    pub fn set_quota(&self, ns: &str, bytes: Option<u64>) -> Result<()> {
+        self.inner
+            .lock()
+            .call(Op::SetQuota {
+                ns: ns.to_owned(),
+                bytes,
+            })
+            .map(drop)
+    }
+
     /// Removes an empty namespace.
     pub fn rmdir(&self, ns: &str) -> Result<()> {
         self.inner

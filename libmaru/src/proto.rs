@@ -55,6 +55,14 @@ pub enum Op {
         /// Namespace path.
         ns: String,
     },
+    /// Set (or clear, with `None`) a namespace's quota: the most bytes of sealed entries it
+    /// and the namespaces under it may hold. Root only.
+    SetQuota {
+        /// Namespace path.
+        ns: String,
+        /// Bytes, or `None` for no quota.
+        bytes: Option<u64>,
+    },
     /// Reserve `count` writable allocations of `size` bytes each.
     Alloc {
         /// Bytes per allocation (> 0).
@@ -143,6 +151,7 @@ impl Op {
             Op::Hello { .. } => "hello",
             Op::Mkdir { .. } => "mkdir",
             Op::Rmdir { .. } => "rmdir",
+            Op::SetQuota { .. } => "set_quota",
             Op::Alloc { .. } => "alloc",
             Op::Free { .. } => "free",
             Op::Publish { .. } => "publish",
@@ -278,6 +287,9 @@ pub struct NsInfo {
     pub entries: u64,
     /// Their bytes.
     pub bytes: u64,
+    /// Quota on it and the namespaces under it, in bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quota: Option<u64>,
 }
 
 /// Usage of one client connection.

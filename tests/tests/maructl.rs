@@ -118,6 +118,19 @@ fn every_command_against_a_live_daemon() {
 
     let rm = json(&d, &["rm", "ns/stdin"]);
     assert_eq!(rm["results"][0]["ok"], true);
+
+    // Quota: set, shown by ls, enforced with EDQUOT's exit code, cleared.
+    assert_eq!(json(&d, &["quota", "ns", "4K"])["quota"], 4096);
+    assert_eq!(json(&d, &["ls", "ns"])["ns"]["quota"], 4096);
+    let big = d.dir.join("big");
+    std::fs::write(&big, pattern(9, 8192)).unwrap();
+    let o = ctl(&d, &["--json", "put", "ns/big", big.to_str().unwrap()]);
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("quota"),
+        "{o:?}"
+    );
+    assert!(json(&d, &["quota", "ns", "none"])["quota"].is_null());
     json(&d, &["rmdir", "ns"]);
     assert!(json(&d, &["ls"])["children"].as_array().unwrap().is_empty());
 }

@@ -73,6 +73,8 @@ fn another_user_cannot_touch_a_private_namespace_through_the_socket() {
     h.mkdir("private", 0o700).unwrap();
     h.put("private/secret", &pattern(1, 5000)).unwrap();
     h.mkdir("shared", 0o777).unwrap();
+    // Quotas are root's: not even the owner of an open namespace may set one.
+    assert_eq!(as_nobody(&d, "quota", "shared"), "permission_denied");
     for op in ["retrieve", "exists", "put", "delete", "pin"] {
         let path = if op == "put" {
             "private/new"

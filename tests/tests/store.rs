@@ -436,3 +436,58 @@ fn full_raw_pool_evicts() {
     }
     assert_eq!(m.as_slice(), &pattern(39, 1 << 20)[..]);
 }
+
+#[test]
+fn namespace_quotas_bound_stores_through_socket_and_mount() {
+    let mut d = Daemon::start(Opts::default());
+    let h = d.handler();
+    h.mkdir("q", 0o777).unwrap();
+    h.mkdir("q/sub", 0o777).unwrap();
+    h.set_quota("q", Some(1 << 20)).unwrap();
+    // 768 KiB fits, then 512 KiB more (in a namespace under it) does not: EDQUOT, and the
+    // allocation is not leaked.
+    h.put("q/a", &pattern(1, 768 << 10)).unwrap();
+    let e = h.put("q/sub/b", &pattern(2, 512 << 10)).unwrap_err();
+    assert!(matches!(e, maru::Error::Quota(_)), "{e}");
+    assert_eq!(e.errno(), libc::EDQUOT);
+    assert!(!h.exists("q/sub/b").unwrap());
+    h.put("q/sub/c", &pattern(3, 200 << 10)).unwrap();
+    // Through the mount: the namespace is not full yet, so a create works; a write that takes
+    // it over is refused at close (the entry is not published).
+    std::fs::write(d.path("q/sub/m"), pattern(4, 10 << 10)).unwrap();
+    assert_eq!(
+        std::fs::read(d.path("q/sub/m")).unwrap(),
+        pattern(4, 10 << 10)
+    );
+    let _ = std::fs::write(d.path("q/over"), pattern(5, 512 << 10));
+    assert!(
+        !d.path("q/over").exists(),
+        "an entry over the quota was published"
+    );
+    // At the quota exactly, even a create fails with EDQUOT.
+    h.set_quota("q", Some((768 << 10) + (200 << 10) + (10 << 10)))
+        .unwrap();
+    let e = std::fs::File::create(d.path("q/full")).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EDQUOT), "{e}");
+    // Deleting frees quota; the quota shows in listings and survives a restart.
+    h.delete("q/a").unwrap();
+    h.put("q/sub/b", &pattern(2, 512 << 10)).unwrap();
+    let (info, _, _) = h.list("q").unwrap();
+    assert_eq!(info.unwrap().quota, Some(978 << 10));
+    drop(h);
+    d.stop();
+    d.restart();
+    let h = d.handler();
+    let (info, _, _) = h.list("q").unwrap();
+    assert_eq!(
+        info.unwrap().quota,
+        Some(978 << 10),
+        "the quota survives a restart"
+    );
+    // (This harness's daemon drops its tmpfs pool when it stops, so the namespace is empty.)
+    let e = h.put("q/again", &pattern(6, 990 << 10)).unwrap_err();
+    assert!(matches!(e, maru::Error::Quota(_)), "after restart: {e}");
+    // Clearing lifts the bound (only root may: security::another_user_cannot_touch_...).
+    h.set_quota("q", None).unwrap();
+    h.put("q/again", &pattern(6, 990 << 10)).unwrap();
+}

@@ -293,6 +293,18 @@ pub fn mkdir(h: &maru::Handler, ns: &str, mode: u32) -> R {
     out(json!({"ns": ns, "mode": mode}), format!("created {ns}\n"))
 }
 
+/// `maructl quota NS SIZE|none`.
+pub fn quota(h: &maru::Handler, ns: &str, bytes: Option<u64>) -> R {
+    h.set_quota(ns, bytes)?;
+    out(
+        json!({"ns": ns, "quota": bytes}),
+        match bytes {
+            Some(b) => format!("quota of {ns}: {}\n", maru::size::format_size(b)),
+            None => format!("quota of {ns} cleared\n"),
+        },
+    )
+}
+
 /// `maructl rmdir NS`.
 pub fn rmdir(h: &maru::Handler, ns: &str) -> R {
     h.rmdir(ns)?;

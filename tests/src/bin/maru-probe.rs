@@ -69,6 +69,7 @@ fn main() -> anyhow::Result<()> {
                 "delete" => h.delete(path),
                 "pin" => h.pin(path),
                 "mkdir" => h.mkdir(path, 0o755),
+                "quota" => h.set_quota(path, None),
                 _ => Err(maru::Error::InvalidArgument(format!("unknown op {op}"))),
             });
             match r {

@@ -96,6 +96,13 @@ enum Cmd {
         /// Namespace.
         ns: String,
     },
+    /// Set a namespace's quota (bytes of sealed entries in it and under it; root only).
+    Quota {
+        /// Namespace.
+        ns: String,
+        /// Size (e.g. 64G), or `none` to clear it.
+        size: String,
+    },
     /// Evict least recently used entries until this much is free in every pool.
     Evict {
         /// Bytes to make free (suffixes: 512M, 4G).
@@ -172,6 +179,13 @@ fn run(cli: Cli) -> Result<Option<ctl::Output>, Failure> {
             ctl::mkdir(&h()?, &ns, m)
         }
         Cmd::Rmdir { ns } => ctl::rmdir(&h()?, &ns),
+        Cmd::Quota { ns, size } => {
+            let b = match size.as_str() {
+                "none" => None,
+                s => Some(maru::size::parse_size(s).map_err(|e| bad(e.to_string()))?),
+            };
+            ctl::quota(&h()?, &ns, b)
+        }
         Cmd::Evict { bytes } => {
             let b = maru::size::parse_size(&bytes).map_err(|e| bad(e.to_string()))?;
             ctl::evict(&h()?, b)
