@@ -51,6 +51,9 @@ impl Backend for StoreFs {
     fn truncate(&self, ino: u64, size: u64) -> Result<Attr> {
         self.0.fs_truncate(ino, size)
     }
+    fn make_room(&self, ino: u64, bytes: u64) {
+        self.0.fs_make_room(ino, bytes);
+    }
     fn chmod_chown(
         &self,
         c: &Caller,
@@ -163,10 +166,6 @@ pub fn mount(store: Arc<Store>, dir: &Path, threads: usize) -> anyhow::Result<Mo
         .name("maru-inval".into())
         .spawn(move || {
             for inv in rx {
-                backings.forget(inv.ino);
-                if inv.by_kernel {
-                    continue;
-                }
                 let _ = notifier.delete(
                     fuser::INodeNo(inv.parent),
                     fuser::INodeNo(inv.ino),
@@ -177,8 +176,14 @@ pub fn mount(store: Arc<Store>, dir: &Path, threads: usize) -> anyhow::Result<Mo
             }
         })?;
     let tx = parking_lot::Mutex::new(tx);
+    // The passthrough backing is dropped at once (an ioctl, safe inside a request), so that
+    // the pool gets the memory back before the store looks at its free space again; the
+    // kernel's name cache is told from the thread above.
     store.set_invalidate(Some(Box::new(move |inv| {
-        let _ = tx.lock().send(inv);
+        backings.forget(inv.ino);
+        if !inv.by_kernel {
+            let _ = tx.lock().send(inv);
+        }
     })));
     tracing::info!(dir = %dir.display(), "mounted");
     Ok(Mounted {

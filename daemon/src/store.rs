@@ -912,10 +912,16 @@ impl Store {
     /// Evicts least-recently-used entries of `pool` until its free space is at least
     /// [`Store::mount_headroom`] (with eviction on; nothing otherwise).
     fn keep_headroom(&self, st: &mut State, pool: u32, inv: &mut Vec<Invalidation>) {
+        self.ensure_free(st, pool, self.mount_headroom(pool), inv);
+    }
+
+    /// Evicts least-recently-used entries of `pool` until `want` bytes are free (with eviction
+    /// on; nothing otherwise).
+    fn ensure_free(&self, st: &mut State, pool: u32, want: u64, inv: &mut Vec<Invalidation>) {
         if self.cfg.eviction != Eviction::Lru {
             return;
         }
-        let want = self.mount_headroom(pool);
+        let want = want.min(self.pools[pool as usize].capacity);
         for _round in 0..32 {
             let free = self.free_space(st, pool);
             if free >= want {
@@ -2425,6 +2431,24 @@ impl Store {
         self.drop_alloc(&mut st, ino);
     }
 
+    /// Makes room in a memfs pool for `bytes` more of the entry being written `ino` (a
+    /// writer's fallocate), keeping the mount's headroom on top (with eviction on).
+    pub fn fs_make_room(&self, ino: u64, bytes: u64) {
+        let mut st = self.st.lock();
+        let Some(a) = st.allocs.get(&ino) else {
+            return;
+        };
+        if a.file.is_none() {
+            return;
+        }
+        let pool = a.pool;
+        let mut inv = Vec::new();
+        let want = bytes.saturating_add(self.mount_headroom(pool));
+        self.ensure_free(&mut st, pool, want, &mut inv);
+        drop(st);
+        self.notify(inv);
+    }
+
     /// Sets the size of an entry being written.
     pub fn fs_truncate(&self, ino: u64, size: u64) -> Result<Attr> {
         let mut st = self.st.lock();
@@ -2437,11 +2461,24 @@ impl Store {
         let max = self.cfg.max_copy_entry;
         let a = st
             .allocs
-            .get_mut(&ino)
+            .get(&ino)
             .ok_or_else(|| Error::NotFound(format!("inode {ino}")))?;
         if let Some(f) = &a.file {
+            // A writer that sizes its entry is about to fill it (often through a mapping, where
+            // a full tmpfs means SIGBUS): make room for the growth first.
+            let (f, pool) = (f.clone(), a.pool);
+            let grow = size.saturating_sub(f.metadata()?.len());
+            if grow > 0 {
+                let mut inv = Vec::new();
+                let want = grow.saturating_add(self.mount_headroom(pool));
+                self.ensure_free(&mut st, pool, want, &mut inv);
+                // Invalidations go to their own thread: queueing them here does not block.
+                self.notify(inv);
+            }
             f.set_len(size)?;
-        } else if let Some(b) = a.buf.as_mut() {
+        }
+        let a = st.allocs.get_mut(&ino).expect("present");
+        if let Some(b) = a.buf.as_mut() {
             if size > max {
                 return Err(Error::from_errno(libc::EFBIG));
             }

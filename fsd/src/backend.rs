@@ -199,6 +199,9 @@ pub trait Backend: Send + Sync + 'static {
     /// publication is imminent; lookups by other processes may wait for it. `abandoned` when
     /// the closing process is dying of a signal: the entry must then never be published.
     fn closing(&self, _ino: u64, _abandoned: bool) {}
+    /// A writer is about to allocate `bytes` more of the entry being written `ino` (fallocate):
+    /// make room for them if the store can (eviction). Best effort.
+    fn make_room(&self, _ino: u64, _bytes: u64) {}
     /// Called when the last writable handle of a WRITING entry is closed: publishes it.
     fn seal(&self, ino: u64) -> Result<()>;
     /// Drops a WRITING entry that will never be sealed.

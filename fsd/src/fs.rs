@@ -268,6 +268,7 @@ impl<B: Backend> Fs<B> {
         if end > a.size {
             match &h.opened {
                 OpenedFile::Passthrough(f) => {
+                    self.backend.make_room(h.ino, end - a.size);
                     use std::os::fd::AsRawFd;
                     // SAFETY: plain syscall on a descriptor the handle owns.
                     let r = unsafe { libc::fallocate(f.as_raw_fd(), 0, offset as i64, len as i64) };

@@ -329,6 +329,11 @@ fn names_too_long_and_unsupported_ops() {
     assert_eq!(e.raw_os_error(), Some(libc::EPERM));
     let e = std::fs::hard_link(d.path("n/t"), d.path("n/h")).unwrap_err();
     assert_eq!(e.raw_os_error(), Some(libc::EPERM));
+    // Names are UTF-8 (as over the socket, which speaks JSON).
+    use std::os::unix::ffi::OsStrExt;
+    let bad = d.path("n").join(std::ffi::OsStr::from_bytes(b"k\xff\xfe"));
+    let e = File::create(&bad).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EINVAL));
     // Entries live in namespaces, not at the root.
     let e = File::create(d.path("rootfile")).unwrap_err();
     assert_eq!(e.raw_os_error(), Some(libc::EACCES));
@@ -558,6 +563,39 @@ fn writers_through_the_mount_evict_when_the_pool_is_full() {
     assert!(
         (8..16).contains(&n),
         "{n} entries of 16 MiB in a 256 MiB pool"
+    );
+    // A writer that sizes its entry first (ftruncate, then fills it through a mapping, where a
+    // full tmpfs would mean SIGBUS) or reserves it (fallocate) gets the room for it.
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(d.path("full/sized"))
+        .unwrap();
+    f.set_len(160 << 20).unwrap();
+    // SAFETY: a shared writable mapping of a file only this test uses.
+    let mut m = unsafe { memmap2::MmapMut::map_mut(&f).unwrap() };
+    m.copy_from_slice(&pattern(50, 160 << 20));
+    drop(m);
+    drop(f);
+    assert_eq!(
+        std::fs::read(d.path("full/sized")).unwrap(),
+        pattern(50, 160 << 20)
+    );
+    let f = File::create(d.path("full/reserved")).unwrap();
+    use std::os::fd::AsRawFd;
+    // SAFETY: plain syscall on an open descriptor.
+    let r = unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, 160 << 20) };
+    assert_eq!(r, 0, "fallocate: {}", std::io::Error::last_os_error());
+    f.write_all_at(&pattern(51, 160 << 20), 0).unwrap();
+    drop(f);
+    assert!(
+        !d.path("full/sized").exists(),
+        "the older big entry made room"
+    );
+    assert_eq!(
+        std::fs::read(d.path("full/reserved")).unwrap(),
+        pattern(51, 160 << 20)
     );
 }
 

@@ -433,6 +433,7 @@ mod tests {
                 mode: 0o750,
                 entries: 192,
                 bytes: 6 << 30,
+                quota: None,
             }],
             clients: vec![ClientInfo {
                 session: 3,

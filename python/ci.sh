@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# CI for the Python package (python/): builds or reuses the test environment, installs the
+# package, runs its tests against a private marud.
+#
+#   bash python/ci.sh            # as root; marud from $MARUD or target/debug/marud
+#
+# The environment is a venv at $MARU_CI_VENV (default /var/cache/maru-ci/venv) with torch,
+# LMCache 0.5.6 (installed --no-deps) and the packages pinned in python/requirements-ci.txt.
+# It is rebuilt only when that file, the LMCache version or the Python version changes (a
+# stamp in the venv records them), or when it no longer imports; otherwise it is reused, so
+# a machine that keeps /var/cache pays the install (about 1.5 minutes, 5 GB) once. The
+# package itself is reinstalled on every run and the tests use the installed copy.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+repo=$(pwd)
+
+venv=${MARU_CI_VENV:-/var/cache/maru-ci/venv}
+lock=python/requirements-ci.txt
+lmcache_version=0.5.6
+marud=${MARUD:-$repo/target/debug/marud}
+python=${PYTHON:-python3}
+pip_flags=(--disable-pip-version-check --no-input -q)
+
+say() { echo "python ci: $*"; }
+die() { echo "python ci: $*" >&2; exit 1; }
+
+[ "$(id -u)" = 0 ] || die "run as root: the tests mount tmpfs and FUSE and read /proc/self/pagemap"
+[ -e /dev/fuse ] || die "/dev/fuse is missing: the tests mount FUSE"
+[ -x "$marud" ] || die "no marud at $marud: build it (cargo build) or set MARUD=/path/to/marud"
+command -v "$python" >/dev/null || die "no $python"
+
+t0=$(date +%s)
+mkdir -p "$(dirname "$venv")"
+# One run at a time builds or uses the venv.
+exec 9>"$venv.lock"
+flock 9
+
+pyver=$("$python" -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])')
+want=$( { cat "$lock"; echo "lmcache==$lmcache_version"; echo "python==$pyver"; } | sha256sum | cut -d' ' -f1)
+have=$(cat "$venv/.maru-ci-stamp" 2>/dev/null || true)
+if [ "$want" = "$have" ] && LMCACHE_LOG_LEVEL=WARNING "$venv/bin/python" -c 'import torch, lmcache.v1.storage_backend, numpy, pytest' >/dev/null 2>&1; then
+    say "reusing the environment in $venv"
+else
+    say "building the environment in $venv (torch, LMCache $lmcache_version; a few minutes)"
+    rm -rf "$venv"
+    if ! "$python" -c 'import ensurepip, venv' >/dev/null 2>&1; then
+        # Debian's python3 needs python3-venv for `python3 -m venv`.
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv
+    fi
+    "$python" -m venv "$venv"
+    "$venv/bin/pip" install "${pip_flags[@]}" -r "$lock"
+    "$venv/bin/pip" install "${pip_flags[@]}" --no-deps "lmcache==$lmcache_version"
+    LMCACHE_LOG_LEVEL=WARNING "$venv/bin/python" -c 'import torch, lmcache.v1.storage_backend, numpy, pytest' \
+        || die "the new environment does not import torch/lmcache/numpy/pytest"
+    echo "$want" >"$venv/.maru-ci-stamp"
+fi
+t1=$(date +%s)
+
+"$venv/bin/pip" install "${pip_flags[@]}" --no-deps --no-build-isolation --force-reinstall ./python
+rm -rf python/build python/*.egg-info
+t2=$(date +%s)
+
+log=$(mktemp)
+set +e
+# From the repository root the source tree's package is not importable: the tests use the
+# installed one. LMCACHE_LOG_LEVEL keeps LMCache's per-backend INFO lines out of the log.
+MARUD="$marud" LMCACHE_LOG_LEVEL=WARNING \
+    "$venv/bin/python" -m pytest -q -p no:cacheprovider python/tests 2>&1 | tee "$log"
+status=${PIPESTATUS[0]}
+set -e
+t3=$(date +%s)
+
+summary=$(grep -E '[0-9]+ (passed|failed|errors?)' "$log" | tail -1 | sed 's/=//g; s/^ *//; s/ *$//')
+rm -f "$log"
+if [ "$status" = 5 ]; then
+    say "pytest collected no tests"
+    status=1
+fi
+say "environment $((t1 - t0)) s, install $((t2 - t1)) s, tests $((t3 - t2)) s (marud: $marud)"
+say "${summary:-no pytest summary} (exit $status)"
+exit "$status"

@@ -1,0 +1,50 @@
+"""A separate LMCache process for the two-process tests.
+
+``python lmcache_child.py store MOUNT NS N``: build an LMCache StorageManager
+with the maru plugin, store chunks 0..N-1, wait until they are sealed, print
+a line "RESULT <JSON list of their SHA-256 digests>", exit (the process and its LMCache are
+gone afterwards).
+
+``python lmcache_child.py load MOUNT NS N``: a fresh StorageManager; look the
+chunks up (``batched_contains``) and load them through LMCache's retrieval
+path (``batched_get``); print "RESULT <JSON>" with the hit count, the digests, shapes and
+dtypes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import lmcache_util as lu
+
+
+def main(argv: list) -> int:
+    mode, mount, ns, n = argv[1], argv[2], argv[3], int(argv[4])
+    sm = lu.make_manager(lu.make_config(plugin_mount=mount, plugin_namespace=ns))
+    try:
+        plugin = sm.storage_backends["maru"]
+        if mode == "store":
+            lu.put_chunks(sm, range(n))
+            assert plugin.wait_for_puts(60)
+            print("RESULT", json.dumps([lu.digest(lu.chunk_tensor(i)) for i in range(n)]))
+            return 0
+        keys = [lu.key(i) for i in range(n)]
+        hits, mapping = sm.batched_contains(keys)
+        objs = sm.batched_get(keys, location="maru")
+        out = {
+            "hits": hits,
+            "backends": sorted(mapping),
+            "digests": [lu.digest(o.tensor) if o is not None else None for o in objs],
+            "shapes": [list(o.tensor.shape) if o is not None else None for o in objs],
+            "dtypes": [str(o.tensor.dtype) if o is not None else None for o in objs],
+        }
+        lu.release(objs)
+        print("RESULT", json.dumps(out))
+        return 0
+    finally:
+        sm.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
