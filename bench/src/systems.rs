@@ -13,6 +13,7 @@ use anyhow::Context;
 use serde::{Deserialize, Serialize};
 
 use crate::data;
+use maru_tools::bench::AlignedMap;
 
 /// A system that hands KV from a producer to a consumer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -170,76 +171,6 @@ impl Held {
             Held::Buf(b) => vec![&b[..]],
             Held::Vecs(v) => v.iter().map(|b| &b[..]).collect(),
         }
-    }
-}
-
-/// A read-only shared mapping placed at a 2 MiB-aligned address, so that the kernel can map
-/// the pool's 2 MiB pages with one page-table entry each. (The kernel aligns mappings of tmpfs
-/// files by itself, but not of files under a FUSE mount: there the caller picks the address.)
-pub struct AlignedMap {
-    ptr: *mut libc::c_void,
-    len: usize,
-}
-
-/// Huge page size of the pools.
-const HUGE: usize = 2 << 20;
-
-impl AlignedMap {
-    /// Maps `len` bytes of `f` read-only at a 2 MiB boundary.
-    pub fn new(f: &std::fs::File, len: usize) -> anyhow::Result<AlignedMap> {
-        use std::os::fd::AsRawFd;
-        // SAFETY: an anonymous PROT_NONE reservation, then a fixed mapping inside it; the
-        // slack on both sides is returned. Every pointer stays within the reservation.
-        unsafe {
-            let span = len + HUGE;
-            let res = libc::mmap(
-                std::ptr::null_mut(),
-                span,
-                libc::PROT_NONE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            );
-            anyhow::ensure!(res != libc::MAP_FAILED, "reserving {span} bytes failed");
-            let base = res as usize;
-            let start = base.next_multiple_of(HUGE);
-            let p = libc::mmap(
-                start as *mut libc::c_void,
-                len,
-                libc::PROT_READ,
-                libc::MAP_SHARED | libc::MAP_FIXED,
-                f.as_raw_fd(),
-                0,
-            );
-            if p == libc::MAP_FAILED {
-                let e = std::io::Error::last_os_error();
-                libc::munmap(res, span);
-                anyhow::bail!("mmap: {e}");
-            }
-            if start > base {
-                libc::munmap(res, start - base);
-            }
-            let end = start + len;
-            if base + span > end {
-                libc::munmap(end as *mut libc::c_void, base + span - end);
-            }
-            Ok(AlignedMap { ptr: p, len })
-        }
-    }
-}
-
-impl std::ops::Deref for AlignedMap {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        // SAFETY: a live read-only mapping of `len` bytes.
-        unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.len) }
-    }
-}
-
-impl Drop for AlignedMap {
-    fn drop(&mut self) {
-        // SAFETY: unmapping our own mapping.
-        unsafe { libc::munmap(self.ptr, self.len) };
     }
 }
 

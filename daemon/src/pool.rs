@@ -175,7 +175,6 @@ pub fn default_memfs_size() -> u64 {
 }
 
 /// A memfs pool.
-#[derive(Debug)]
 pub struct MemfsPool {
     /// The tmpfs mount point.
     pub root: PathBuf,
@@ -185,6 +184,75 @@ pub struct MemfsPool {
     pub mounted_here: bool,
     /// Namespace directories known to exist in this pool.
     ns_dirs: parking_lot::Mutex<std::collections::HashSet<String>>,
+    /// The crash-injection seam (tests): decides whether each metadata step reaches the tmpfs.
+    gate: parking_lot::RwLock<Option<MetaGate>>,
+}
+
+/// A metadata step of a memfs pool: what changes which entries the tmpfs tree holds (and so
+/// what a restarted daemon recovers). Data writes into entries are not steps.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MetaStep {
+    /// A namespace directory is created.
+    Mkdir {
+        /// Namespace.
+        ns: String,
+    },
+    /// Writing file `id` becomes entry `ns/key` (rename).
+    Publish {
+        /// Allocation id.
+        id: u64,
+        /// Namespace.
+        ns: String,
+        /// Key.
+        key: String,
+    },
+    /// A sealed entry moves.
+    Rename {
+        /// From.
+        ns: String,
+        /// From.
+        key: String,
+        /// To.
+        nns: String,
+        /// To.
+        nkey: String,
+    },
+    /// A sealed entry's file is removed.
+    Delete {
+        /// Namespace.
+        ns: String,
+        /// Key.
+        key: String,
+    },
+    /// A writing file is removed.
+    Abort {
+        /// Allocation id.
+        id: u64,
+    },
+    /// The pin xattr is set or removed.
+    Pin {
+        /// Namespace.
+        ns: String,
+        /// Key.
+        key: String,
+        /// New state.
+        pinned: bool,
+    },
+}
+
+/// Decides whether a metadata step reaches the pool; a gate that answers `false` from some
+/// step on simulates a daemon that died right before it (the daemon goes on believing every
+/// step succeeded, as a crashed one would have).
+pub type MetaGate = std::sync::Arc<dyn Fn(&MetaStep) -> bool + Send + Sync>;
+
+impl std::fmt::Debug for MemfsPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemfsPool")
+            .field("root", &self.root)
+            .field("capacity", &self.capacity)
+            .field("mounted_here", &self.mounted_here)
+            .finish_non_exhaustive()
+    }
 }
 
 /// A sealed entry found on a memfs pool at start.
@@ -260,7 +328,18 @@ impl MemfsPool {
             capacity,
             mounted_here,
             ns_dirs: parking_lot::Mutex::new(std::collections::HashSet::new()),
+            gate: parking_lot::RwLock::new(None),
         })
+    }
+
+    /// Installs the crash-injection seam (tests).
+    pub fn set_gate(&self, gate: Option<MetaGate>) {
+        *self.gate.write() = gate;
+    }
+
+    /// Whether `step` reaches the pool (always, without a gate).
+    fn pass(&self, step: MetaStep) -> bool {
+        self.gate.read().as_ref().is_none_or(|g| g(&step))
     }
 
     /// Path of a writing file.
@@ -306,6 +385,9 @@ impl MemfsPool {
         }
         let p = self.root.join("n").join(ns);
         if !p.is_dir() {
+            if !self.pass(MetaStep::Mkdir { ns: ns.to_owned() }) {
+                return Ok(());
+            }
             std::fs::DirBuilder::new()
                 .recursive(true)
                 .mode(0o700)
@@ -324,6 +406,14 @@ impl MemfsPool {
     /// Publishes writing file `id` as `ns/key`; fails if the name is taken.
     pub fn publish(&self, id: u64, ns: &str, key: &str) -> Result<(), Error> {
         self.ensure_ns(ns)?;
+        let step = MetaStep::Publish {
+            id,
+            ns: ns.to_owned(),
+            key: key.to_owned(),
+        };
+        if !self.pass(step) {
+            return Ok(());
+        }
         rename_noreplace(&self.writing_path(id), &self.entry_path(ns, key)).map_err(|e| {
             if e.raw_os_error() == Some(libc::EEXIST) {
                 Error::Exists(format!("{ns}/{key}"))
@@ -336,6 +426,15 @@ impl MemfsPool {
     /// Renames a sealed entry.
     pub fn rename(&self, ns: &str, key: &str, nns: &str, nkey: &str) -> Result<(), Error> {
         self.ensure_ns(nns)?;
+        let step = MetaStep::Rename {
+            ns: ns.to_owned(),
+            key: key.to_owned(),
+            nns: nns.to_owned(),
+            nkey: nkey.to_owned(),
+        };
+        if !self.pass(step) {
+            return Ok(());
+        }
         rename_noreplace(&self.entry_path(ns, key), &self.entry_path(nns, nkey))?;
         Ok(())
     }
@@ -359,16 +458,34 @@ impl MemfsPool {
 
     /// Removes a sealed entry's file. Mappings of it stay valid until unmapped.
     pub fn delete(&self, ns: &str, key: &str) -> io::Result<()> {
+        let step = MetaStep::Delete {
+            ns: ns.to_owned(),
+            key: key.to_owned(),
+        };
+        if !self.pass(step) {
+            return Ok(());
+        }
         std::fs::remove_file(self.entry_path(ns, key))
     }
 
     /// Removes a writing file.
     pub fn abort(&self, id: u64) {
+        if !self.pass(MetaStep::Abort { id }) {
+            return;
+        }
         let _ = std::fs::remove_file(self.writing_path(id));
     }
 
     /// Records the pin state on the backing file.
     pub fn set_pinned(&self, ns: &str, key: &str, pinned: bool) -> io::Result<()> {
+        let step = MetaStep::Pin {
+            ns: ns.to_owned(),
+            key: key.to_owned(),
+            pinned,
+        };
+        if !self.pass(step) {
+            return Ok(());
+        }
         let p = cpath(&self.entry_path(ns, key))?;
         let name = CString::new(PIN_XATTR).expect("no NUL");
         // SAFETY: valid C strings and buffer for the duration of the calls.

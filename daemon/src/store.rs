@@ -635,6 +635,13 @@ impl Store {
         self.st.lock().pools[pool as usize].wal = Some(Wal::new(sink));
     }
 
+    /// Installs the crash-injection seam of a memfs pool's metadata steps (tests).
+    pub fn set_memfs_gate(&self, pool: u32, gate: Option<crate::pool::MetaGate>) {
+        if let PoolImpl::Memfs(m) = &self.pools[pool as usize].imp {
+            m.set_gate(gate);
+        }
+    }
+
     /// Registers the mount's invalidation hook.
     pub fn set_invalidate(&self, f: Option<InvalidateFn>) {
         *self.invalidate.lock() = f.map(Arc::new);

@@ -1,0 +1,216 @@
+//! Crash injection in a memfs pool's metadata steps (namespace directories, publication
+//! renames, deletions, pin xattrs, aborted allocations): the pool stops taking steps after
+//! its Nth one, the daemon "dies" (the store is dropped without shutdown), and recovery from
+//! that tmpfs is checked against the first N steps of the workload — for every N.
+//! Needs root: each run mounts a tmpfs (and unmounts it, also on panic).
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use maru_daemon::pool::{MetaStep, PoolSpec};
+use maru_daemon::store::{Eviction, Store, StoreConfig};
+use maru_fsd::Caller;
+
+/// A tmpfs pool directory, unmounted on drop (also when a check panics).
+struct PoolDir {
+    dir: tempfile::TempDir,
+}
+
+impl PoolDir {
+    fn pool(&self) -> PathBuf {
+        self.dir.path().join("pool")
+    }
+}
+
+impl Drop for PoolDir {
+    fn drop(&mut self) {
+        let c = std::ffi::CString::new(self.pool().as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: valid C string; unmounting the tmpfs this test mounted.
+        unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+    }
+}
+
+fn cfg(dir: &Path) -> (StoreConfig, Vec<PoolSpec>) {
+    (
+        StoreConfig {
+            eviction: Eviction::Lru,
+            state_dir: dir.join("state"),
+            wal_sync: false,
+            max_copy_entry: 1 << 20,
+        },
+        vec![PoolSpec::parse(&format!("memfs:{}/pool,size=64M", dir.display())).unwrap()],
+    )
+}
+
+fn data(i: u64) -> Vec<u8> {
+    (0..(3000 + i * 1000)).map(|b| (b * 7 + i) as u8).collect()
+}
+
+fn ns_of(i: u64) -> &'static str {
+    if i % 3 == 2 { "ns/sub" } else { "ns" }
+}
+
+/// The scripted workload: namespaces, stores, deletes, pins, an abandoned allocation.
+fn workload(store: &Store) {
+    let root = Caller::root();
+    store.mkdir(&root, "ns", 0o755).unwrap();
+    store.mkdir(&root, "ns/sub", 0o755).unwrap();
+    let s = store.open_session("w", root.clone());
+    for i in 0..6u64 {
+        let d = data(i);
+        let (g, f) = store
+            .alloc(s, d.len() as u64, 1, None)
+            .unwrap()
+            .pop()
+            .unwrap();
+        f.expect("memfs allocations come with a file")
+            .write_all_at(&d, 0)
+            .unwrap();
+        store
+            .publish(s, g.alloc, ns_of(i), &format!("k{i}"), None)
+            .unwrap();
+    }
+    let keys = |v: &[u64]| v.iter().map(|i| format!("k{i}")).collect::<Vec<_>>();
+    let ok = |r: Vec<maru::Result<()>>| assert!(r.iter().all(Result::is_ok), "{r:?}");
+    ok(store.delete(&root, "ns", &keys(&[1, 3])).unwrap());
+    ok(store.pin(&root, "ns", &keys(&[0, 4]), true).unwrap());
+    ok(store.pin(&root, "ns/sub", &keys(&[2]), true).unwrap());
+    ok(store.pin(&root, "ns", &keys(&[4]), false).unwrap());
+    // An allocation given back, and one never published: neither may survive.
+    let (g, _) = store.alloc(s, 5000, 1, None).unwrap().pop().unwrap();
+    store.free(s, &[g.alloc]).unwrap();
+    store.alloc(s, 7000, 1, None).unwrap();
+}
+
+/// Runs the workload with a pool that takes `limit` metadata steps; returns every step the
+/// pool was asked to take, and the directory (its tmpfs still mounted, as after a crash).
+fn run(limit: i64) -> (Vec<MetaStep>, PoolDir) {
+    let dir = PoolDir {
+        dir: tempfile::Builder::new()
+            .prefix("maru-memfs-crash-")
+            .tempdir_in("/tmp")
+            .unwrap(),
+    };
+    let (c, specs) = cfg(dir.dir.path());
+    let store = Store::open(c, &specs).unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let left = Arc::new(AtomicI64::new(limit));
+    let (s2, l2) = (seen.clone(), left.clone());
+    store.set_memfs_gate(
+        0,
+        Some(Arc::new(move |step: &MetaStep| {
+            s2.lock().unwrap().push(step.clone());
+            l2.fetch_sub(1, Ordering::SeqCst) > 0
+        })),
+    );
+    workload(&store);
+    drop(store); // the "crash": no shutdown
+    let steps = seen.lock().unwrap().clone();
+    (steps, dir)
+}
+
+/// What the pool holds after the first `n` steps: (ns, key) -> (data index, pinned).
+fn model(steps: &[MetaStep]) -> BTreeMap<(String, String), (u64, bool)> {
+    let mut m = BTreeMap::new();
+    for s in steps {
+        match s {
+            MetaStep::Publish { ns, key, .. } => {
+                let i = key[1..].parse().unwrap();
+                m.insert((ns.clone(), key.clone()), (i, false));
+            }
+            MetaStep::Delete { ns, key } => {
+                m.remove(&(ns.clone(), key.clone()));
+            }
+            MetaStep::Pin { ns, key, pinned } => {
+                if let Some(e) = m.get_mut(&(ns.clone(), key.clone())) {
+                    e.1 = *pinned;
+                }
+            }
+            MetaStep::Rename { ns, key, nns, nkey } => {
+                if let Some(e) = m.remove(&(ns.clone(), key.clone())) {
+                    m.insert((nns.clone(), nkey.clone()), e);
+                }
+            }
+            MetaStep::Mkdir { .. } | MetaStep::Abort { .. } => {}
+        }
+    }
+    m
+}
+
+#[test]
+fn recovery_from_every_metadata_step() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        panic!("this test mounts a tmpfs: run it as root (bash .ci/run does)");
+    }
+    let (all, _full) = run(i64::MAX);
+    assert!(
+        all.len() >= 14, // 2 namespaces, 6 publications, 2 deletions, 3 pins, 1 abort
+        "the workload took {} steps: {all:?}",
+        all.len()
+    );
+    let root = Caller::root();
+    eprintln!("{} metadata steps: {all:?}", all.len());
+    for n in 0..=all.len() {
+        let (_, dir) = run(n as i64);
+        let want = model(&all[..n]);
+        let (c, specs) = cfg(dir.dir.path());
+        let store = Store::open(c, &specs).unwrap();
+        let mut got = BTreeMap::new();
+        for ns in ["ns", "ns/sub"] {
+            let Ok((_, _, entries)) = store.list(&root, ns) else {
+                continue;
+            };
+            for e in entries {
+                got.insert((ns.to_owned(), e.key.clone()), (e.size, e.pinned));
+            }
+        }
+        let want_view: BTreeMap<_, _> = want
+            .iter()
+            .map(|(k, (i, p))| (k.clone(), (data(*i).len() as u64, *p)))
+            .collect();
+        assert_eq!(
+            got,
+            want_view,
+            "after step {n} of {}: {:?}",
+            all.len(),
+            all.get(n)
+        );
+        for ((ns, key), (i, _)) in &want {
+            let bytes = std::fs::read(dir.pool().join("n").join(ns).join(key)).unwrap();
+            assert_eq!(bytes, data(*i), "{ns}/{key} after step {n}");
+        }
+        store
+            .check_invariants()
+            .unwrap_or_else(|m| panic!("after step {n}: {m}"));
+        assert_eq!(
+            std::fs::read_dir(dir.pool().join("w")).unwrap().count(),
+            0,
+            "after step {n}: an unpublished allocation survived"
+        );
+        assert_eq!(store.pools()[0].writing_bytes, 0);
+        // No leak: once everything is deleted the pool holds nothing.
+        for ns in ["ns", "ns/sub"] {
+            let keys: Vec<String> = want
+                .keys()
+                .filter(|(n2, _)| n2 == ns)
+                .map(|(_, k)| k.clone())
+                .collect();
+            if !keys.is_empty() {
+                store.pin(&root, ns, &keys, false).unwrap();
+                store.delete(&root, ns, &keys).unwrap();
+            }
+        }
+        let p = &store.pools()[0];
+        assert_eq!(p.entries, 0, "after step {n}");
+        assert!(
+            p.used < 64 << 10,
+            "after step {n}: {} bytes still used",
+            p.used
+        );
+        drop(store);
+    }
+}
