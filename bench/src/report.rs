@@ -379,6 +379,23 @@ pub fn markdown(r: &Results, img_prefix: &str) -> String {
     o
 }
 
+/// One line per system, from rows that each give (system, x, y).
+fn per_system<T>(rows: &[T], point: impl Fn(&T) -> (System, f64, f64)) -> Vec<Series> {
+    System::ALL
+        .iter()
+        .map(|&s| Series {
+            name: s.label().into(),
+            color: color(s),
+            points: rows
+                .iter()
+                .map(&point)
+                .filter(|p| p.0 == s)
+                .map(|p| (p.1, p.2))
+                .collect(),
+        })
+        .collect()
+}
+
 /// Draws every chart into `dir`.
 pub fn charts(r: &Results, dir: &Path) -> anyhow::Result<()> {
     let tokens_label = |x: f64| data::tokens_label(x.round() as usize);
@@ -408,26 +425,14 @@ pub fn charts(r: &Results, dir: &Path) -> anyhow::Result<()> {
             x_desc: "context length, tokens (Llama-3.1-8B KV, 128 KiB per token)",
             y_desc: "time, ms (log scale)",
             x_label_of: &tokens_label,
-            series: System::ALL
-                .iter()
-                .map(|&s| Series {
-                    name: s.label().into(),
-                    color: color(s),
-                    points: r
-                        .context
-                        .iter()
-                        .filter(|c| c.system == s)
-                        .map(|c| {
-                            let st = if read {
-                                &c.read_once_ms
-                            } else {
-                                &c.addressable_ms
-                            };
-                            (c.tokens as f64, st.median)
-                        })
-                        .collect(),
-                })
-                .collect(),
+            series: per_system(&r.context, |c| {
+                let st = if read {
+                    &c.read_once_ms
+                } else {
+                    &c.addressable_ms
+                };
+                (c.system, c.tokens as f64, st.median)
+            }),
         }
         .draw(&dir.join(file))?;
     }
@@ -453,26 +458,14 @@ pub fn charts(r: &Results, dir: &Path) -> anyhow::Result<()> {
             x_desc: "consumer processes",
             y_desc,
             x_label_of: &count_label,
-            series: System::ALL
-                .iter()
-                .map(|&s| Series {
-                    name: s.label().into(),
-                    color: color(s),
-                    points: r
-                        .fanout
-                        .iter()
-                        .filter(|f| f.system == s)
-                        .map(|f| {
-                            let v = if cpu {
-                                f.consumer_cpu_ms.median + f.server_cpu_ms.median
-                            } else {
-                                f.wall_ms.median
-                            };
-                            (f.consumers as f64, v)
-                        })
-                        .collect(),
-                })
-                .collect(),
+            series: per_system(&r.fanout, |f| {
+                let v = if cpu {
+                    f.consumer_cpu_ms.median + f.server_cpu_ms.median
+                } else {
+                    f.wall_ms.median
+                };
+                (f.system, f.consumers as f64, v)
+            }),
         }
         .draw(&dir.join(file))?;
     }

@@ -22,19 +22,7 @@ pub fn process_cpu_ns(pid: u32) -> u64 {
 }
 
 fn kill_child(c: &mut Child) {
-    if let Ok(None) = c.try_wait() {
-        // SAFETY: signalling our own child by pid.
-        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-        let t = Instant::now();
-        while t.elapsed() < Duration::from_secs(5) {
-            if let Ok(Some(_)) = c.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        let _ = c.kill();
-    }
-    let _ = c.wait();
+    maru_tools::env::stop_child(c, Duration::from_secs(5));
 }
 
 /// The TCP producer role (`__tcp-kv CHUNKS CHUNK_BYTES`): it computes the chunks (the same

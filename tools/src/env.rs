@@ -139,20 +139,27 @@ impl PrivateDaemon {
     }
 }
 
+/// Stops a child of ours: SIGTERM, up to `grace` to exit, then SIGKILL; always reaped.
+pub fn stop_child(c: &mut Child, grace: Duration) {
+    if let Ok(None) = c.try_wait() {
+        // SAFETY: signalling our own child by pid.
+        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+        let t = Instant::now();
+        while t.elapsed() < grace {
+            if let Ok(Some(_)) = c.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = c.kill();
+    }
+    let _ = c.wait();
+}
+
 impl Drop for PrivateDaemon {
     fn drop(&mut self) {
         if let Some(mut c) = self.child.take() {
-            // SAFETY: signalling our own child by pid.
-            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-            let t = Instant::now();
-            while t.elapsed() < Duration::from_secs(10) {
-                if let Ok(Some(_)) = c.try_wait() {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            let _ = c.kill();
-            let _ = c.wait();
+            stop_child(&mut c, Duration::from_secs(10));
         }
         if let Some(m) = &self.mount {
             detach(m);
