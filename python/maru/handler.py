@@ -18,7 +18,6 @@ How each verb maps onto the file system (see doc/PYTHON.md):
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import mmap
 import os
@@ -30,7 +29,6 @@ import warnings
 import weakref
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence
 
-from .buffers import address_of
 from .config import MaruConfig
 from .errors import (
     MaruError,
@@ -48,47 +46,6 @@ _XATTR_PREFIX = "user.maru."
 _TEMP_PREFIX_B = os.fsencode(TEMP_PREFIX)
 # Python >= 3.13 can map without keeping a duplicate descriptor per mapping.
 _NO_FD_COPY: Dict[str, Any] = {"trackfd": False} if sys.version_info >= (3, 13) else {}
-
-# Pool pages are 2 MiB (memfs pools use tmpfs huge pages). The kernel places mappings of
-# tmpfs files at 2 MiB boundaries, but not mappings of files under a FUSE mount; mapped at an
-# unaligned address, a 2 MiB page is mapped 4 KiB at a time (about 5x slower to page in).
-_HUGE = 2 << 20
-_MAP_FIXED = 0x10
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-
-def _map_entry(fd: int, size: int, copy_on_write: bool) -> "tuple[mmap.mmap, int]":
-    """Map ``size`` bytes of ``fd``; return the mmap object and the entry's offset in it.
-
-    Entries of at least 2 MiB are mapped at a 2 MiB boundary: a Python ``mmap`` reserves
-    ``size + 2 MiB`` of anonymous address space (and owns it: closing it unmaps all), and the
-    entry is mapped over it with ``MAP_FIXED`` at the first boundary inside.
-    """
-    access = mmap.ACCESS_COPY if copy_on_write else mmap.ACCESS_READ
-    if size < _HUGE:
-        return mmap.mmap(fd, size, access=access, **_NO_FD_COPY), 0
-    prot = mmap.PROT_READ | (mmap.PROT_WRITE if copy_on_write else 0)
-    res = mmap.mmap(-1, size + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=prot)
-    base = address_of(res)
-    off = (-base) % _HUGE
-    flags = (mmap.MAP_PRIVATE if copy_on_write else mmap.MAP_SHARED) | _MAP_FIXED
-    p = _libc.mmap(base + off, size, prot, flags, fd, 0)
-    if p is None or p == _MAP_FAILED or p != base + off:
-        err = ctypes.get_errno()
-        res.close()
-        raise OSError(err, os.strerror(err))
-    return res, off
-
 
 # Errors that mean "the mount is not (yet) served": keep waiting in connect().
 _NOT_SERVED = (errno.ENOTCONN, errno.ENOENT, errno.ENODATA, errno.EOPNOTSUPP, errno.ENODEV)
@@ -214,34 +171,14 @@ class MemoryInfo:
     mapped keeps its bytes until it is unmapped.
     """
 
-    def __init__(
-        self,
-        handler: "MaruHandler",
-        key: str,
-        path: bytes,
-        mm: Optional[mmap.mmap],
-        size: int,
-        offset: int = 0,
-        readonly: bool = True,
-    ) -> None:
+    def __init__(self, handler: "MaruHandler", key: str, path: bytes, mm: Optional[mmap.mmap], size: int) -> None:
         self._handler = handler
         self.key = key
         self._path = path
         self._mmap = mm
-        self._offset = offset
-        self._readonly = readonly
         self.size = size
-        self.view: memoryview = self._make_view()
+        self.view: memoryview = memoryview(mm) if mm is not None else memoryview(b"")
         self._closed = False
-
-    def _make_view(self) -> memoryview:
-        if self._mmap is None:
-            return memoryview(b"")
-        v = memoryview(self._mmap)
-        if self._offset != 0 or len(v) != self.size:
-            v = v[self._offset : self._offset + self.size]
-        # An aligned mapping's Python owner is an anonymous mmap that Python thinks writable.
-        return v.toreadonly() if self._readonly and not v.readonly else v
 
     @property
     def path(self) -> str:
@@ -265,7 +202,7 @@ class MemoryInfo:
             return
         if self._mmap is not None:
             if not _unmap(self.view, self._mmap):
-                self.view = self._make_view()
+                self.view = memoryview(self._mmap)
                 raise BufferError(
                     f"{self.key}: the mapping is still in use (a numpy array, tensor or "
                     "memoryview made from info.view is alive); drop it before close()"
@@ -669,17 +606,18 @@ class MaruHandler:
                 self._count("retrieve_miss")
                 return None
             raise from_oserror(e, "retrieve", os.fsdecode(path)) from e
-        offset = 0
         try:
-            size = os.fstat(fd).st_size
-            mm: Optional[mmap.mmap] = None
-            if size > 0:
-                mm, offset = _map_entry(fd, size, copy_on_write)
+            access = mmap.ACCESS_COPY if copy_on_write else mmap.ACCESS_READ
+            try:
+                mm: Optional[mmap.mmap] = mmap.mmap(fd, 0, access=access, **_NO_FD_COPY)
+                size = len(mm)  # type: ignore[arg-type]
+            except ValueError:  # "cannot mmap an empty file"
+                mm, size = None, 0
         except OSError as e:
             raise from_oserror(e, "retrieve: mmap", os.fsdecode(path)) from e
         finally:
             os.close(fd)  # the mapping keeps its own reference to the file
-        info = MemoryInfo(self, os.fsdecode(raw), path, mm, size, offset, not copy_on_write)
+        info = MemoryInfo(self, os.fsdecode(raw), path, mm, size)
         with self._lock:
             self._mappings.add(info)
             self._ops["retrieve"] += 1
