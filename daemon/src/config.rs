@@ -14,8 +14,8 @@ pub const DEFAULT_MOUNT: &str = "/maru";
 pub const DEFAULT_SOCKET: &str = "/run/maru/marud.sock";
 /// Default state directory.
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/maru";
-/// Default niceness: the daemon's requests sit on every retrieval's critical path.
-pub const DEFAULT_NICE: i32 = -10;
+/// Default niceness: left alone (see `--nice`).
+pub const DEFAULT_NICE: i32 = 0;
 /// Default pool of the embedded configuration.
 pub const DEFAULT_POOL: &str = "memfs:/run/maru/pool0";
 
@@ -65,8 +65,9 @@ pub struct Cli {
     /// FUSE worker threads.
     #[arg(long, value_name = "N")]
     pub fuse_threads: Option<usize>,
-    /// Scheduling niceness of the daemon (-20..19; default -10, so that its FUSE and socket
-    /// threads answer promptly on a machine whose CPUs are busy; 0 to leave it).
+    /// Scheduling niceness of the daemon (-20..19; default 0, left alone). Every retrieval
+    /// through the mount waits for one of its threads; a negative value puts it ahead of busy
+    /// inference threads.
     #[arg(long, value_name = "N", allow_hyphen_values = true)]
     pub nice: Option<i32>,
     /// Write the daemon's pid here once it serves.
