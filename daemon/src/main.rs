@@ -98,9 +98,8 @@ fn raise_fd_limit() {
     }
 }
 
-/// Sets the daemon's niceness before any thread exists (threads inherit it). Every retrieval
-/// through the mount waits for a FUSE thread of marud to run: on a machine whose CPUs are busy
-/// with inference work, a default-priority daemon can wait milliseconds for a CPU per request.
+/// Sets the daemon's niceness (`--nice`) before any thread exists (threads inherit it): every
+/// retrieval through the mount waits for a FUSE thread of marud to run.
 fn set_nice(nice: i32) {
     if nice == 0 {
         return;
