@@ -104,10 +104,7 @@ impl<'a> Stored<'a> {
     fn settle(&self) -> anyhow::Result<()> {
         let dir = self.env.pool.join("n").join(&self.ns);
         for i in 0..self.chunks {
-            let f = std::fs::File::open(dir.join(format!("c{i}")))?;
-            // SAFETY: read-only mapping of an immutable entry.
-            let m = unsafe { memmap2::Mmap::map(&f)? };
-            std::hint::black_box(maru_tools::bench::touch(&m));
+            maru_tools::bench::map_touch(&dir.join(format!("c{i}")))?;
         }
         Ok(())
     }

@@ -174,15 +174,6 @@ impl Held {
     }
 }
 
-/// Opens and maps an entry of known length (an engine knows its chunk size, so it maps
-/// without asking the file for it) at a 2 MiB boundary, and touches every page.
-fn map_file(path: &std::path::Path, len: usize) -> anyhow::Result<AlignedMap> {
-    let f = std::fs::File::open(path).with_context(|| format!("open {}", path.display()))?;
-    let m = AlignedMap::new(&f, len)?;
-    std::hint::black_box(maru_tools::bench::touch(&m));
-    Ok(m)
-}
-
 /// Sends one request per chunk (4-byte little-endian index), then receives them in order.
 pub fn tcp_receive(
     s: &mut std::net::TcpStream,
@@ -239,12 +230,14 @@ pub fn consume_main(spec_json: &str) -> anyhow::Result<()> {
     let held = match spec.system {
         System::MaruFs => Held::Maps(
             keys.iter()
-                .map(|k| map_file(&spec.mount.join(k), spec.chunk_bytes))
+                .map(|k| maru_tools::bench::map_aligned(&spec.mount.join(k), spec.chunk_bytes))
                 .collect::<anyhow::Result<_>>()?,
         ),
         System::Direct => Held::Maps(
             keys.iter()
-                .map(|k| map_file(&spec.pool.join("n").join(k), spec.chunk_bytes))
+                .map(|k| {
+                    maru_tools::bench::map_aligned(&spec.pool.join("n").join(k), spec.chunk_bytes)
+                })
                 .collect::<anyhow::Result<_>>()?,
         ),
         System::Libmaru => {

@@ -137,12 +137,19 @@ impl Drop for AlignedMap {
     }
 }
 
-/// Opens `path`, maps `len` bytes of it at a 2 MiB boundary (the length known, as an engine
-/// knows its chunk size: no `fstat`), touches every page, unmaps and closes.
-pub fn map_touch_aligned(path: &Path, len: usize) -> anyhow::Result<u64> {
-    let f = std::fs::File::open(path)?;
+/// Opens `path` and maps `len` bytes of it at a 2 MiB boundary (the length known, as an
+/// engine knows its chunk size: no `fstat`), with every page touched; the file is closed.
+pub fn map_aligned(path: &Path, len: usize) -> anyhow::Result<AlignedMap> {
+    let f =
+        std::fs::File::open(path).map_err(|e| anyhow::anyhow!("open {}: {e}", path.display()))?;
     let m = AlignedMap::new(&f, len)?;
-    Ok(touch(&m))
+    std::hint::black_box(touch(&m));
+    Ok(m)
+}
+
+/// [`map_aligned`], then unmaps.
+pub fn map_touch_aligned(path: &Path, len: usize) -> anyhow::Result<()> {
+    map_aligned(path, len).map(drop)
 }
 
 /// Opens, maps, touches every page, unmaps and closes `path`.
