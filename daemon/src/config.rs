@@ -62,9 +62,13 @@ pub struct Cli {
     /// fsync raw pool logs after each record.
     #[arg(long)]
     pub wal_sync: bool,
-    /// FUSE worker threads.
+    /// FUSE worker threads (for requests that come through /dev/fuse).
     #[arg(long, value_name = "N")]
     pub fuse_threads: Option<usize>,
+    /// FUSE over io_uring, one request queue per CPU served on that CPU: `auto` (default: when
+    /// the kernel has it, turning `fuse.enable_uring` on), `on` (required) or `off`.
+    #[arg(long, value_name = "MODE")]
+    pub fuse_uring: Option<String>,
     /// Scheduling niceness of the daemon (-20..19; default 0, left alone). Every retrieval
     /// through the mount waits for one of its threads; a negative value puts it ahead of busy
     /// inference threads.
@@ -105,6 +109,8 @@ pub struct FileConfig {
     pub wal_sync: Option<bool>,
     /// FUSE threads.
     pub fuse_threads: Option<usize>,
+    /// FUSE over io_uring: auto, on, off.
+    pub fuse_uring: Option<String>,
     /// Niceness.
     pub nice: Option<i32>,
     /// Pid file.
@@ -136,6 +142,8 @@ pub struct Settings {
     pub wal_sync: bool,
     /// FUSE threads.
     pub fuse_threads: usize,
+    /// FUSE over io_uring.
+    pub fuse_uring: maru_fsd::ring::UringMode,
     /// Niceness (-20..19).
     pub nice: i32,
     /// Pid file.
@@ -206,6 +214,13 @@ impl Settings {
             unmount_pools: cli.unmount_pools || file.unmount_pools.unwrap_or(false),
             wal_sync: cli.wal_sync || file.wal_sync.unwrap_or(false),
             fuse_threads: cli.fuse_threads.or(file.fuse_threads).unwrap_or(8),
+            fuse_uring: cli
+                .fuse_uring
+                .or(file.fuse_uring)
+                .as_deref()
+                .unwrap_or("auto")
+                .parse()
+                .map_err(|e: String| anyhow::anyhow!("--fuse-uring: {e}"))?,
             nice: cli
                 .nice
                 .or(file.nice)

@@ -142,7 +142,12 @@ fn run(s: Settings) -> anyhow::Result<()> {
         .enable_all()
         .build()?;
     let mounted = match &s.mount {
-        Some(dir) => Some(mount::mount(store.clone(), dir, s.fuse_threads)?),
+        Some(dir) => Some(mount::mount(
+            store.clone(),
+            dir,
+            s.fuse_threads,
+            s.fuse_uring,
+        )?),
         None => None,
     };
     let result = rt.block_on(async {

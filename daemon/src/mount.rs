@@ -7,6 +7,7 @@ use anyhow::Context;
 use maru::Result;
 use maru_fsd::fs::Fs;
 use maru_fsd::fuse::FuseFs;
+use maru_fsd::ring::{Rings, UringMode};
 use maru_fsd::{Attr, Backend, Caller, DirEntry, OpenedFile, Xattr};
 
 use crate::store::{Invalidation, Store};
@@ -35,6 +36,9 @@ impl Backend for StoreFs {
     }
     fn open(&self, c: &Caller, ino: u64, write: bool) -> Result<OpenedFile> {
         self.0.fs_open(c, ino, write)
+    }
+    fn reopen(&self, _c: &Caller, ino: u64) -> Result<()> {
+        self.0.fs_reopen(ino)
     }
     fn close(&self, ino: u64) {
         self.0.fs_close(ino)
@@ -100,8 +104,16 @@ impl Backend for StoreFs {
 /// A live mount; unmounts on drop.
 pub struct Mounted {
     session: Option<fuser::BackgroundSession>,
+    rings: Option<Rings>,
     store: Arc<Store>,
     dir: PathBuf,
+}
+
+impl Mounted {
+    /// Whether requests travel over io_uring (one queue per CPU) rather than `/dev/fuse`.
+    pub fn uses_uring(&self) -> bool {
+        self.rings.is_some()
+    }
 }
 
 impl Drop for Mounted {
@@ -112,7 +124,27 @@ impl Drop for Mounted {
         {
             tracing::warn!("unmounting {}: {e}", self.dir.display());
         }
+        // The unmount ended the connection, which ends the queue threads.
+        if let Some(r) = self.rings.take() {
+            r.join();
+        }
         tracing::info!(dir = %self.dir.display(), "unmounted");
+    }
+}
+
+/// Creates the io_uring queues when `mode` asks for them and the kernel allows them.
+fn prepare_rings(fs: &FuseFs<StoreFs>, mode: UringMode) -> anyhow::Result<Option<Rings>> {
+    if mode == UringMode::Off {
+        return Ok(None);
+    }
+    let r = maru_fsd::ring::allow_uring().and_then(|()| Rings::prepare(fs));
+    match r {
+        Ok(r) => Ok(Some(r)),
+        Err(e) if mode == UringMode::On => Err(e).context("FUSE over io_uring (--fuse-uring on)"),
+        Err(e) => {
+            tracing::info!("FUSE over io_uring unavailable ({e}); requests go through /dev/fuse");
+            Ok(None)
+        }
     }
 }
 
@@ -125,7 +157,8 @@ pub fn clear_stale(dir: &Path) -> anyhow::Result<()> {
         anyhow::bail!("{} is already a {fstype} mount", dir.display());
     }
     match std::fs::metadata(dir) {
-        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {
+        // ECONNABORTED: the request was caught by the teardown of the dead server's queues.
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTCONN | libc::ECONNABORTED)) => {
             tracing::warn!(dir = %dir.display(), "replacing a dead mount left by a crash");
             let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes())?;
             // SAFETY: valid C string.
@@ -138,8 +171,14 @@ pub fn clear_stale(dir: &Path) -> anyhow::Result<()> {
     }
 }
 
-/// Mounts the filesystem at `dir` with `threads` workers.
-pub fn mount(store: Arc<Store>, dir: &Path, threads: usize) -> anyhow::Result<Mounted> {
+/// Mounts the filesystem at `dir` with `threads` workers for `/dev/fuse`; `uring` says
+/// whether requests should rather come over io_uring, one queue per CPU.
+pub fn mount(
+    store: Arc<Store>,
+    dir: &Path,
+    threads: usize,
+    uring: UringMode,
+) -> anyhow::Result<Mounted> {
     clear_stale(dir)?;
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let mut cfg = fuser::Config::default();
@@ -156,8 +195,32 @@ pub fn mount(store: Arc<Store>, dir: &Path, threads: usize) -> anyhow::Result<Mo
     cfg.clone_fd = true;
     let fs = FuseFs::new(Fs::new(StoreFs(store.clone())));
     let backings = fs.backings();
-    let session = fuser::spawn_mount(fs, dir, &cfg)
+    let rings = prepare_rings(&fs, uring)?;
+    let handle = fs.share();
+    // The session answers INIT before it returns: io_uring is agreed on (or not) by then.
+    let session = fuser::Session::new(fs, dir, &cfg)
         .with_context(|| format!("mounting the filesystem on {}", dir.display()))?;
+    let dev = std::os::fd::AsFd::as_fd(&session)
+        .try_clone_to_owned()
+        .context("duplicating the FUSE descriptor")?;
+    let session = session
+        .spawn()
+        .with_context(|| format!("serving the filesystem on {}", dir.display()))?;
+    let rings = match rings {
+        Some(r) => match r.start(&handle, dev) {
+            Ok(Some(r)) => Some(r),
+            Ok(None) if uring == UringMode::On => {
+                drop(session);
+                anyhow::bail!("the kernel refused FUSE over io_uring (--fuse-uring on)");
+            }
+            Ok(None) => None,
+            Err(e) => {
+                drop(session);
+                return Err(e).context("starting the io_uring queues");
+            }
+        },
+        None => None,
+    };
     // Names removed behind the kernel's back (socket deletes, eviction) are invalidated from
     // a thread of their own: never from inside a FUSE request.
     let notifier = session.notifier();
@@ -185,9 +248,14 @@ pub fn mount(store: Arc<Store>, dir: &Path, threads: usize) -> anyhow::Result<Mo
             let _ = tx.lock().send(inv);
         }
     })));
-    tracing::info!(dir = %dir.display(), "mounted");
+    tracing::info!(
+        dir = %dir.display(),
+        transport = if rings.is_some() { "io_uring" } else { "/dev/fuse" },
+        "mounted"
+    );
     Ok(Mounted {
         session: Some(session),
+        rings,
         store,
         dir: dir.to_owned(),
     })

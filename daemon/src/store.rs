@@ -230,6 +230,8 @@ pub struct Store {
     started: std::time::Instant,
     /// Signalled when an entry written through the mount is sealed or dropped.
     sealed: parking_lot::Condvar,
+    /// Upcalls of the mount by operation: apart from `st`, which they need not wait for.
+    fuse_ops: Mutex<HashMap<&'static str, u64>>,
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -420,6 +422,7 @@ impl Store {
             invalidate: Mutex::new(None),
             started: std::time::Instant::now(),
             sealed: parking_lot::Condvar::new(),
+            fuse_ops: Mutex::new(HashMap::new()),
         };
         store.recover(&mut st)?;
         *store.st.lock() = st;
@@ -1147,8 +1150,7 @@ impl Store {
 
     /// Counts one FUSE upcall.
     pub fn count_upcall(&self, op: &'static str) {
-        let mut st = self.st.lock();
-        *st.ops.entry(format!("fuse_{op}")).or_insert(0) += 1;
+        *self.fuse_ops.lock().entry(op).or_insert(0) += 1;
     }
 
     /// Records the latency of one control operation.
@@ -1890,7 +1892,13 @@ impl Store {
             pools: self.pool_infos(&st),
             namespaces,
             clients,
-            ops: st.ops.clone(),
+            ops: {
+                let mut ops = st.ops.clone();
+                for (op, n) in self.fuse_ops.lock().iter() {
+                    ops.insert(format!("fuse_{op}"), *n);
+                }
+                ops
+            },
             eviction: match self.cfg.eviction {
                 Eviction::Lru => "lru".into(),
                 Eviction::Off => "off".into(),
@@ -2315,6 +2323,17 @@ impl Store {
             return Err(Error::from_errno(libc::EISDIR));
         }
         Err(Error::NotFound(format!("inode {ino}")))
+    }
+
+    /// Opens again a sealed entry whose backing file the mount holds (see `fs_open`): it
+    /// must still exist; the open counts as a use for eviction.
+    pub fn fs_reopen(&self, ino: u64) -> Result<()> {
+        let mut st = self.st.lock();
+        if !st.entries.contains_key(&ino) {
+            return Err(Error::NotFound(format!("inode {ino}")));
+        }
+        st.touch(ino);
+        Ok(())
     }
 
     /// A handle of the mount was released (drops its lease on raw entries).

@@ -193,6 +193,12 @@ pub trait Backend: Send + Sync + 'static {
     fn create(&self, c: &Caller, parent: u64, name: &str, mode: u32) -> Result<(Attr, OpenedFile)>;
     /// Opens a node: sealed entries read-only; a WRITING entry only by its creating process.
     fn open(&self, c: &Caller, ino: u64, write: bool) -> Result<OpenedFile>;
+    /// Opens read-only a sealed entry whose backing file the filesystem still holds: the
+    /// checks and bookkeeping of [`Backend::open`] (it exists, it was used) without opening
+    /// its file.
+    fn reopen(&self, c: &Caller, ino: u64) -> Result<()> {
+        self.open(c, ino, false).map(drop)
+    }
     /// A read handle of `ino` was released.
     fn close(&self, _ino: u64) {}
     /// A writable descriptor of an entry being written was closed (`close(2)`): its

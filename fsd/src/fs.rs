@@ -2,6 +2,7 @@
 //! close of a writable handle, cache lifetimes. No fuser types here.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -156,6 +157,18 @@ impl<B: Backend> Fs<B> {
             },
         });
         Ok((fh, opened))
+    }
+
+    /// Opens read-only a sealed entry whose backing `file` the caller already holds: the
+    /// backend's checks and bookkeeping of [`Fs::open`] without opening the file again.
+    pub fn reopen(&self, c: &Caller, ino: u64, file: Arc<std::fs::File>) -> Result<u64> {
+        self.backend.reopen(c, ino)?;
+        Ok(self.new_handle(Handle {
+            ino,
+            writable: false,
+            opened: OpenedFile::Passthrough(file),
+            tgid: 0,
+        }))
     }
 
     /// The handle `fh`.

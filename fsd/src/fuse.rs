@@ -3,14 +3,16 @@
 
 use std::collections::HashMap;
 use std::ffi::OsStr;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime};
 
 use fuser::{
     AccessFlags, BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags,
-    Generation, INodeNo, InitFlags, KernelConfig, LockOwner, OpenAccMode, OpenFlags, RenameFlags,
-    ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen,
-    ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
+    Generation, INodeNo, InitFlags, KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr,
+    ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs,
+    ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
 use maru::Error;
 use parking_lot::Mutex;
@@ -21,10 +23,55 @@ use crate::fs::Fs;
 /// Most idle backing ids kept for fast reopening of sealed entries.
 const IDLE_BACKINGS: usize = 1024;
 
-/// Passthrough backing ids by inode: (id, open handles, reusable after the last close).
+/// A passthrough backing id registered with the kernel: through fuser's channel (requests
+/// served by fuser) or through our own descriptor of the connection (requests served over
+/// io_uring, see [`crate::ring`]). Dropping it unregisters it.
+pub(crate) enum Backing {
+    /// Registered by fuser.
+    Fuser(BackingId),
+    /// Registered with `FUSE_DEV_IOC_BACKING_OPEN` on `dev`.
+    Raw { id: u32, dev: Arc<OwnedFd> },
+}
+
+/// `FUSE_DEV_IOC_BACKING_CLOSE`: `_IOW(229, 2, uint32_t)`.
+const FUSE_DEV_IOC_BACKING_CLOSE: libc::c_ulong = 0x4004_e502;
+
+impl Drop for Backing {
+    fn drop(&mut self) {
+        if let Backing::Raw { id, dev } = self {
+            // SAFETY: the ioctl reads one u32 that lives for the call.
+            let r = unsafe {
+                libc::ioctl(
+                    dev.as_raw_fd(),
+                    FUSE_DEV_IOC_BACKING_CLOSE,
+                    id as *const u32,
+                )
+            };
+            if r != 0 {
+                tracing::debug!(
+                    "closing backing id {id}: {}",
+                    std::io::Error::last_os_error()
+                );
+            }
+        }
+    }
+}
+
+/// An inode's registered backing.
+struct Registered {
+    backing: Backing,
+    /// Open handles using it.
+    open: u32,
+    /// Reusable after the last close (a sealed entry).
+    keep: bool,
+    /// The backing file, so that reopening a sealed entry opens nothing in the pool.
+    file: Arc<std::fs::File>,
+}
+
+/// Passthrough backing ids by inode.
 #[derive(Default)]
 pub struct Backings {
-    map: Mutex<HashMap<u64, (BackingId, u32, bool)>>,
+    map: Mutex<HashMap<u64, Registered>>,
 }
 
 impl Backings {
@@ -32,22 +79,35 @@ impl Backings {
     /// kernel drops its reference to the backing file.
     pub fn forget(&self, ino: u64) {
         let mut m = self.map.lock();
-        if m.get(&ino).is_some_and(|(_, n, _)| *n == 0) {
+        if m.get(&ino).is_some_and(|r| r.open == 0) {
             m.remove(&ino);
-        } else if let Some(e) = m.get_mut(&ino) {
-            e.2 = false;
+        } else if let Some(r) = m.get_mut(&ino) {
+            r.keep = false;
         }
     }
 }
 
 /// Block size reported by stat.
-const BLKSIZE: u32 = 4096;
+pub(crate) const BLKSIZE: u32 = 4096;
 
-/// The mounted filesystem.
+/// How the connection's requests travel, as negotiated at INIT.
+#[derive(Default)]
+pub(crate) struct Transport {
+    /// Ask the kernel for FUSE over io_uring at INIT (set once the rings exist).
+    pub(crate) want_uring: AtomicBool,
+    /// INIT is done.
+    pub(crate) init_done: AtomicBool,
+    /// The kernel agreed to io_uring.
+    pub(crate) uring: AtomicBool,
+}
+
+/// The mounted filesystem. Cheap handles to one shared state ([`FuseFs::share`]): fuser's
+/// session owns one, the io_uring queue threads another.
 pub struct FuseFs<B: Backend> {
-    fs: Fs<B>,
-    backing: Arc<Backings>,
-    passthrough: std::sync::atomic::AtomicBool,
+    pub(crate) fs: Arc<Fs<B>>,
+    pub(crate) backing: Arc<Backings>,
+    pub(crate) passthrough: Arc<AtomicBool>,
+    pub(crate) transport: Arc<Transport>,
 }
 
 impl<B: Backend> FuseFs<B> {
@@ -59,14 +119,30 @@ impl<B: Backend> FuseFs<B> {
     /// Wraps the filesystem logic.
     pub fn new(fs: Fs<B>) -> Self {
         FuseFs {
-            fs,
+            fs: Arc::new(fs),
             backing: Arc::new(Backings::default()),
-            passthrough: std::sync::atomic::AtomicBool::new(false),
+            passthrough: Arc::new(AtomicBool::new(false)),
+            transport: Arc::new(Transport::default()),
+        }
+    }
+
+    /// Whether the kernel agreed, at INIT, to send requests over io_uring.
+    pub fn uses_uring(&self) -> bool {
+        self.transport.uring.load(Ordering::Acquire)
+    }
+
+    /// Another handle to the same filesystem.
+    pub fn share(&self) -> Self {
+        FuseFs {
+            fs: self.fs.clone(),
+            backing: self.backing.clone(),
+            passthrough: self.passthrough.clone(),
+            transport: self.transport.clone(),
         }
     }
 }
 
-fn errno(e: &Error) -> Errno {
+pub(crate) fn errno(e: &Error) -> Errno {
     match e.errno() {
         libc::ENOENT | libc::EEXIST | libc::ENOTEMPTY | libc::ENODATA => {
             tracing::debug!("{e}")
@@ -78,12 +154,17 @@ fn errno(e: &Error) -> Errno {
 }
 
 fn caller(req: &Request, groups: bool) -> Caller {
-    let pid = req.pid() as i32;
+    caller_of(req.uid(), req.gid(), req.pid(), groups)
+}
+
+/// The caller of a request; `groups`: look its supplementary groups up (permission checks).
+pub(crate) fn caller_of(uid: u32, gid: u32, pid: u32, groups: bool) -> Caller {
+    let pid = pid as i32;
     Caller {
-        uid: req.uid(),
-        gid: req.gid(),
+        uid,
+        gid,
         pid,
-        groups: if groups && req.uid() != 0 {
+        groups: if groups && uid != 0 {
             groups_of(pid)
         } else {
             Vec::new()
@@ -122,15 +203,131 @@ fn file_attr(a: &Attr) -> FileAttr {
     }
 }
 
-fn name_str(name: &OsStr) -> Result<&str, Errno> {
+/// What an open or a create hands back to the kernel.
+pub(crate) struct Opened {
+    /// File handle.
+    pub(crate) fh: u64,
+    /// `FOPEN_*` flags.
+    pub(crate) flags: FopenFlags,
+    /// Serve read, write and mmap from the inode's backing file (passthrough).
+    pub(crate) passthrough: bool,
+}
+
+pub(crate) fn name_str(name: &OsStr) -> Result<&str, Errno> {
     name.to_str().ok_or(Errno::EINVAL)
 }
 
 impl<B: Backend> FuseFs<B> {
     /// Counts one upcall and enters its span (`fuse{op, pid}`, at debug level).
     fn enter(&self, op: &'static str, req: &Request) -> tracing::span::EnteredSpan {
+        self.enter_pid(op, req.pid())
+    }
+
+    /// [`Self::enter`] for a request seen by pid.
+    pub(crate) fn enter_pid(&self, op: &'static str, pid: u32) -> tracing::span::EnteredSpan {
         self.fs.backend().count_upcall(op);
-        tracing::debug_span!("fuse", op, pid = req.pid()).entered()
+        tracing::debug_span!("fuse", op, pid).entered()
+    }
+
+    /// Opens `ino` for `flags` (`open(2)` flags); with passthrough, the inode's backing id is
+    /// registered (or reused) with `register`.
+    pub(crate) fn open_common(
+        &self,
+        c: &Caller,
+        ino: u64,
+        flags: i32,
+        register: impl FnOnce(&std::fs::File) -> std::io::Result<Backing>,
+    ) -> Result<Opened, Errno> {
+        let write = (flags & libc::O_ACCMODE) != libc::O_RDONLY;
+        let trunc = flags & libc::O_TRUNC != 0;
+        // A sealed entry whose backing is still registered: its file is at hand, only the
+        // store's checks and bookkeeping are needed (no path walk in the pool).
+        let kept = if write { None } else { self.kept_file(ino) };
+        let (fh, opened) = match kept {
+            Some(file) => (
+                self.fs
+                    .reopen(c, ino, file.clone())
+                    .map_err(|e| errno(&e))?,
+                OpenedFile::Passthrough(file),
+            ),
+            None => self.fs.open(c, ino, write, trunc).map_err(|e| errno(&e))?,
+        };
+        let fl = if write {
+            FopenFlags::empty()
+        } else {
+            FopenFlags::FOPEN_NOFLUSH
+        };
+        let passthrough = match opened {
+            OpenedFile::Passthrough(f) if self.passthrough.load(Ordering::Relaxed) => {
+                if let Err(e) = self.with_backing(ino, &f, register, |_| ()) {
+                    self.fs.release(fh);
+                    return Err(Errno::from(e));
+                }
+                if !write {
+                    self.keep_backing(ino);
+                }
+                true
+            }
+            _ => false,
+        };
+        Ok(Opened {
+            fh,
+            flags: fl,
+            passthrough,
+        })
+    }
+
+    /// Creates `name` in `parent` and opens it for writing (see [`Self::open_common`]).
+    pub(crate) fn create_common(
+        &self,
+        c: &Caller,
+        parent: u64,
+        name: &str,
+        mode: u32,
+        register: impl FnOnce(&std::fs::File) -> std::io::Result<Backing>,
+    ) -> Result<(Attr, Opened), Errno> {
+        let (a, fh, opened) = self
+            .fs
+            .create(c, parent, name, mode)
+            .map_err(|e| errno(&e))?;
+        let passthrough = match opened {
+            OpenedFile::Passthrough(f) if self.passthrough.load(Ordering::Relaxed) => {
+                if let Err(e) = self.with_backing(a.ino, &f, register, |_| ()) {
+                    self.fs.release(fh);
+                    return Err(Errno::from(e));
+                }
+                true
+            }
+            _ => false,
+        };
+        Ok((
+            a,
+            Opened {
+                fh,
+                flags: FopenFlags::empty(),
+                passthrough,
+            },
+        ))
+    }
+
+    /// The backing file of `ino` when its backing is kept registered (a sealed entry).
+    fn kept_file(&self, ino: u64) -> Option<Arc<std::fs::File>> {
+        let m = self.backing.map.lock();
+        m.get(&ino).filter(|r| r.keep).map(|r| r.file.clone())
+    }
+
+    /// Runs `f` with the backing registered for `ino` (after an open or create).
+    pub(crate) fn backing_of<R>(&self, ino: u64, f: impl FnOnce(&Backing) -> R) -> Option<R> {
+        self.backing.map.lock().get(&ino).map(|r| f(&r.backing))
+    }
+
+    /// A handle is gone: releases it and puts its backing id back.
+    pub(crate) fn release_common(&self, ino: u64, fh: u64) {
+        if let Some(h) = self.fs.release(fh)
+            && matches!(h.opened, OpenedFile::Passthrough(_))
+        {
+            self.put_backing(ino, !h.writable);
+        }
     }
 
     fn reply_entry(&self, reply: ReplyEntry, r: maru::Result<Attr>) {
@@ -154,18 +351,27 @@ impl<B: Backend> FuseFs<B> {
     fn with_backing<R>(
         &self,
         ino: u64,
-        file: &std::fs::File,
-        open: impl FnOnce(&std::fs::File) -> std::io::Result<BackingId>,
-        f: impl FnOnce(&BackingId) -> R,
+        file: &Arc<std::fs::File>,
+        open: impl FnOnce(&std::fs::File) -> std::io::Result<Backing>,
+        f: impl FnOnce(&Backing) -> R,
     ) -> std::io::Result<R> {
         let mut m = self.backing.map.lock();
-        if let Some((id, n, _)) = m.get_mut(&ino) {
-            *n += 1;
+        if let Some(r) = m.get_mut(&ino) {
+            r.open += 1;
+            let id = &r.backing;
             return Ok(f(id));
         }
         let id = open(file)?;
         let r = f(&id);
-        m.insert(ino, (id, 1, false));
+        m.insert(
+            ino,
+            Registered {
+                backing: id,
+                open: 1,
+                keep: false,
+                file: file.clone(),
+            },
+        );
         Ok(r)
     }
 
@@ -173,12 +379,12 @@ impl<B: Backend> FuseFs<B> {
     /// next open of the same entry skips re-registering; entries being written drop theirs.
     fn put_backing(&self, ino: u64, keep: bool) {
         let mut m = self.backing.map.lock();
-        if let Some((_, n, k)) = m.get_mut(&ino) {
-            *n -= 1;
-            if *n == 0 {
-                if keep && *k {
+        if let Some(r) = m.get_mut(&ino) {
+            r.open -= 1;
+            if r.open == 0 {
+                if keep && r.keep {
                     if m.len() > IDLE_BACKINGS {
-                        m.retain(|_, (_, n, _)| *n > 0);
+                        m.retain(|_, r| r.open > 0);
                     }
                 } else {
                     m.remove(&ino);
@@ -189,8 +395,8 @@ impl<B: Backend> FuseFs<B> {
 
     /// Marks an inode's backing id reusable (a sealed entry opened read-only).
     fn keep_backing(&self, ino: u64) {
-        if let Some(e) = self.backing.map.lock().get_mut(&ino) {
-            e.2 = true;
+        if let Some(r) = self.backing.map.lock().get_mut(&ino) {
+            r.keep = true;
         }
     }
 }
@@ -200,8 +406,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         match config.add_capabilities(InitFlags::FUSE_PASSTHROUGH) {
             Ok(()) => {
                 let _ = config.set_max_stack_depth(1);
-                self.passthrough
-                    .store(true, std::sync::atomic::Ordering::Relaxed);
+                self.passthrough.store(true, Ordering::Relaxed);
                 tracing::info!("FUSE passthrough enabled: mmap of memfs entries is zero-copy");
             }
             Err(_) => tracing::warn!(
@@ -209,6 +414,24 @@ impl<B: Backend> Filesystem for FuseFs<B> {
             ),
         }
         let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
+        if self.transport.want_uring.load(Ordering::Acquire) {
+            // Every ring entry's payload buffer must hold the largest request or reply:
+            // max(max_write, max_pages pages), so both are bounded to RING_PAYLOAD.
+            let _ = config.set_max_write(crate::ring::RING_PAYLOAD as u32);
+            if let Err(nearest) = config.set_max_readahead(crate::ring::RING_PAYLOAD as u32) {
+                let _ = config.set_max_readahead(nearest);
+            }
+            match config.add_capabilities(InitFlags::FUSE_OVER_IO_URING) {
+                Ok(()) => {
+                    self.transport.uring.store(true, Ordering::Release);
+                    tracing::info!("FUSE over io_uring: one request queue per CPU");
+                }
+                Err(_) => tracing::info!(
+                    "the kernel does not offer FUSE over io_uring; requests go through /dev/fuse"
+                ),
+            }
+        }
+        self.transport.init_done.store(true, Ordering::Release);
         Ok(())
     }
 
@@ -350,37 +573,24 @@ impl<B: Backend> Filesystem for FuseFs<B> {
 
     fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         let _span = self.enter("open", req);
-        let write = !matches!(flags.acc_mode(), OpenAccMode::O_RDONLY);
-        let trunc = flags.0 & libc::O_TRUNC != 0;
         let c = caller(req, false);
-        match self.fs.open(&c, ino.0, write, trunc) {
-            Ok((fh, opened)) => {
-                let fl = if write {
-                    FopenFlags::empty()
-                } else {
-                    FopenFlags::FOPEN_NOFLUSH
-                };
-                match opened {
-                    OpenedFile::Passthrough(f)
-                        if self.passthrough.load(std::sync::atomic::Ordering::Relaxed) =>
-                    {
-                        let r =
-                            self.with_backing(ino.0, &f, |file| reply.open_backing(file), |_| ());
-                        if let Err(e) = r {
-                            self.fs.release(fh);
-                            return reply.error(Errno::from(e));
-                        }
-                        if !write {
-                            self.keep_backing(ino.0);
-                        }
-                        let m = self.backing.map.lock();
-                        let (id, _, _) = m.get(&ino.0).expect("just inserted");
-                        reply.opened_passthrough(FileHandle(fh), fl, id);
+        let register = |file: &std::fs::File| reply.open_backing(file).map(Backing::Fuser);
+        match self.open_common(&c, ino.0, flags.0, register) {
+            Ok(o) if o.passthrough => {
+                let m = self.backing.map.lock();
+                match m.get(&ino.0).map(|r| &r.backing) {
+                    Some(Backing::Fuser(id)) => {
+                        reply.opened_passthrough(FileHandle(o.fh), o.flags, id)
                     }
-                    _ => reply.opened(FileHandle(fh), fl),
+                    _ => {
+                        drop(m);
+                        self.release_common(ino.0, o.fh);
+                        reply.error(Errno::EIO)
+                    }
                 }
             }
-            Err(e) => reply.error(errno(&e)),
+            Ok(o) => reply.opened(FileHandle(o.fh), o.flags),
+            Err(e) => reply.error(e),
         }
     }
 
@@ -447,11 +657,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         reply: ReplyEmpty,
     ) {
         let _span = self.enter("release", req);
-        if let Some(h) = self.fs.release(fh.0)
-            && matches!(h.opened, OpenedFile::Passthrough(_))
-        {
-            self.put_backing(ino.0, !h.writable);
-        }
+        self.release_common(ino.0, fh.0);
         reply.ok();
     }
 
@@ -580,41 +786,32 @@ impl<B: Backend> Filesystem for FuseFs<B> {
             Err(e) => return reply.error(e),
         };
         let c = caller(req, true);
-        match self.fs.create(&c, parent.0, name, mode & !umask & 0o7777) {
-            Ok((a, fh, opened)) => {
+        let register = |file: &std::fs::File| reply.open_backing(file).map(Backing::Fuser);
+        match self.create_common(&c, parent.0, name, mode & !umask & 0o7777, register) {
+            Ok((a, o)) => {
                 let ttl = Duration::ZERO;
                 let fa = file_attr(&a);
-                match opened {
-                    OpenedFile::Passthrough(f)
-                        if self.passthrough.load(std::sync::atomic::Ordering::Relaxed) =>
-                    {
-                        let r =
-                            self.with_backing(a.ino, &f, |file| reply.open_backing(file), |_| ());
-                        if let Err(e) = r {
-                            self.fs.release(fh);
-                            return reply.error(Errno::from(e));
-                        }
-                        let m = self.backing.map.lock();
-                        let (id, _, _) = m.get(&a.ino).expect("just inserted");
-                        reply.created_passthrough(
-                            &ttl,
-                            &fa,
-                            Generation(0),
-                            FileHandle(fh),
-                            FopenFlags::empty(),
-                            id,
-                        );
-                    }
-                    _ => reply.created(
+                if !o.passthrough {
+                    return reply.created(&ttl, &fa, Generation(0), FileHandle(o.fh), o.flags);
+                }
+                let m = self.backing.map.lock();
+                match m.get(&a.ino).map(|r| &r.backing) {
+                    Some(Backing::Fuser(id)) => reply.created_passthrough(
                         &ttl,
                         &fa,
                         Generation(0),
-                        FileHandle(fh),
-                        FopenFlags::empty(),
+                        FileHandle(o.fh),
+                        o.flags,
+                        id,
                     ),
+                    _ => {
+                        drop(m);
+                        self.release_common(a.ino, o.fh);
+                        reply.error(Errno::EIO)
+                    }
                 }
             }
-            Err(e) => reply.error(errno(&e)),
+            Err(e) => reply.error(e),
         }
     }
 

@@ -8,5 +8,6 @@
 pub mod backend;
 pub mod fs;
 pub mod fuse;
+pub mod ring;
 
 pub use backend::{Attr, Backend, Caller, DirEntry, Kind, OpenedFile, Xattr};

@@ -171,8 +171,21 @@ fn real(d: &Daemon, h: &maru::Handler, root: &str, op: &FsOp, seed: u64) -> Outc
 
 #[test]
 fn mount_agrees_with_model() {
+    agrees_with_model(&[]);
+}
+
+/// The same with requests through `/dev/fuse`, as on kernels without FUSE over io_uring.
+#[test]
+fn mount_over_dev_fuse_agrees_with_model() {
+    agrees_with_model(&["--fuse-uring", "off"]);
+}
+
+fn agrees_with_model(extra: &[&str]) {
     use proptest::test_runner::{Config, TestRunner};
-    let d = Daemon::start(Opts::default());
+    let d = Daemon::start(Opts {
+        extra: extra.iter().map(|s| s.to_string()).collect(),
+        ..Opts::default()
+    });
     let h = d.handler();
     let case = AtomicU32::new(0);
     let mut runner = TestRunner::new(Config {

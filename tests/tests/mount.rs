@@ -504,6 +504,13 @@ fn crash_leaves_a_dead_mount_that_restart_replaces() {
             .success()
     );
     d.kill9();
+    // A request caught by the teardown of the dead daemon's io_uring queues fails with
+    // ECONNABORTED; once the connection is gone, every request fails with ENOTCONN.
+    let e = std::fs::metadata(d.path("c/k")).unwrap_err();
+    assert!(
+        matches!(e.raw_os_error(), Some(libc::ENOTCONN | libc::ECONNABORTED)),
+        "{e}"
+    );
     let e = std::fs::metadata(d.path("c/k")).unwrap_err();
     assert_eq!(e.raw_os_error(), Some(libc::ENOTCONN), "{e}");
     d.restart();
@@ -718,4 +725,95 @@ fn libmaru_sees_an_entry_as_soon_as_its_writer_closed_it() {
         assert_eq!(m.as_slice(), &pattern(i, 20_000)[..]);
     }
     assert!(!h.exists("now/never").unwrap());
+}
+
+/// Names of a process's threads, with their allowed CPUs.
+fn threads_of(pid: u32) -> Vec<(String, String)> {
+    let mut v = Vec::new();
+    for t in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let t = t.unwrap().path();
+        let comm = std::fs::read_to_string(t.join("comm")).unwrap_or_default();
+        let status = std::fs::read_to_string(t.join("status")).unwrap_or_default();
+        let cpus = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+            .unwrap_or("")
+            .trim()
+            .to_string();
+        v.push((comm.trim().to_string(), cpus));
+    }
+    v
+}
+
+#[test]
+fn requests_come_over_io_uring_one_queue_per_cpu() {
+    if !Path::new("/sys/module/fuse/parameters/enable_uring").exists() {
+        eprintln!("skipped: this kernel has no FUSE over io_uring");
+        return;
+    }
+    let d = daemon();
+    // One queue thread per possible CPU, pinned to it.
+    let possible = std::fs::read_to_string("/sys/devices/system/cpu/possible").unwrap();
+    let last: usize = possible
+        .trim()
+        .rsplit(['-', ','])
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let mut rings: Vec<(String, String)> = threads_of(d.pid())
+        .into_iter()
+        .filter(|(n, _)| n.starts_with("maru-ring"))
+        .collect();
+    rings.sort();
+    assert_eq!(rings.len(), last + 1, "{rings:?}");
+    for (name, cpus) in &rings {
+        assert_eq!(name.strip_prefix("maru-ring").unwrap(), cpus, "{rings:?}");
+    }
+    // Served through them: a store, a retrieval that maps the pool's pages.
+    std::fs::create_dir(d.path("u")).unwrap();
+    std::fs::write(d.path("u/k"), pattern(3, 4 << 20)).unwrap();
+    let f = File::open(d.path("u/k")).unwrap();
+    // SAFETY: read-only mapping of a sealed entry.
+    let m = unsafe { memmap2::Mmap::map(&f).unwrap() };
+    assert_eq!(&m[..], &pattern(3, 4 << 20)[..]);
+    let backing = File::open(d.pool_dir().join("n/u/k")).unwrap();
+    // SAFETY: as above.
+    let b = unsafe { memmap2::Mmap::map(&backing).unwrap() };
+    assert_eq!(pfns(m.as_ptr(), 4 << 20), pfns(b.as_ptr(), 4 << 20));
+    assert_eq!(
+        std::fs::read_dir(d.path("u")).unwrap().count(),
+        1,
+        "readdir over the ring"
+    );
+}
+
+#[test]
+fn dev_fuse_serves_the_mount_when_io_uring_is_off() {
+    let d = Daemon::start(Opts {
+        extra: vec!["--fuse-uring".into(), "off".into()],
+        ..Opts::default()
+    });
+    assert!(
+        !threads_of(d.pid())
+            .iter()
+            .any(|(n, _)| n.starts_with("maru-ring"))
+    );
+    std::fs::create_dir(d.path("o")).unwrap();
+    std::fs::write(d.path("o/k"), pattern(5, 4 << 20)).unwrap();
+    let f = File::open(d.path("o/k")).unwrap();
+    // SAFETY: read-only mappings of a sealed entry.
+    let (m, b) = unsafe {
+        (
+            memmap2::Mmap::map(&f).unwrap(),
+            memmap2::Mmap::map(&File::open(d.pool_dir().join("n/o/k")).unwrap()).unwrap(),
+        )
+    };
+    assert_eq!(&m[..], &pattern(5, 4 << 20)[..]);
+    assert_eq!(pfns(m.as_ptr(), 4 << 20), pfns(b.as_ptr(), 4 << 20));
+    let e = OpenOptions::new()
+        .write(true)
+        .open(d.path("o/k"))
+        .unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
 }

@@ -147,11 +147,6 @@ pub fn map_aligned(path: &Path, len: usize) -> anyhow::Result<AlignedMap> {
     Ok(m)
 }
 
-/// [`map_aligned`], then unmaps.
-pub fn map_touch_aligned(path: &Path, len: usize) -> anyhow::Result<()> {
-    map_aligned(path, len).map(drop)
-}
-
 /// Opens, maps, touches every page, unmaps and closes `path`.
 pub fn map_touch(path: &Path) -> anyhow::Result<u64> {
     let f = std::fs::File::open(path)?;
@@ -536,6 +531,56 @@ impl Drop for TcpPeer {
     }
 }
 
+/// Fisher-Yates with xorshift64: a reproducible order.
+fn shuffle(v: &mut [usize], state: &mut u64) {
+    for i in (1..v.len()).rev() {
+        *state ^= *state << 13;
+        *state ^= *state >> 7;
+        *state ^= *state << 17;
+        v.swap(i, (*state % (i as u64 + 1)) as usize);
+    }
+}
+
+/// Flushes from every CPU cache the lines [`touch`] reads of `m` (and their neighbours,
+/// which the adjacent-line prefetcher brings along).
+fn evict(m: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        for off in (0..m.len()).step_by(4096) {
+            for line in [0, 64] {
+                if let Some(b) = m.get(off + line) {
+                    // SAFETY: clflush of an address inside a live mapping.
+                    unsafe { std::arch::x86_64::_mm_clflush(b) };
+                }
+            }
+        }
+        // SAFETY: a fence has no preconditions.
+        unsafe { std::arch::x86_64::_mm_mfence() };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = m;
+}
+
+/// The phases of one retrieval by mapping.
+const PHASES: [&str; 5] = ["open", "mmap", "touch every page", "munmap", "close"];
+
+/// Opens `path`, maps `len` bytes at a 2 MiB boundary, touches every page, unmaps and
+/// closes, and returns the time of each of the [`PHASES`].
+fn retrieve_phases(path: &Path, len: usize) -> anyhow::Result<[Duration; 5]> {
+    let t0 = Instant::now();
+    let f = std::fs::File::open(path)?;
+    let t1 = Instant::now();
+    let m = AlignedMap::new(&f, len)?;
+    let t2 = Instant::now();
+    std::hint::black_box(touch(&m));
+    let t3 = Instant::now();
+    drop(m);
+    let t4 = Instant::now();
+    drop(f);
+    let t5 = Instant::now();
+    Ok([t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4])
+}
+
 /// `maructl bench fs`: retrieval through the mount.
 pub fn fs(rounds: usize, json: Option<&Path>) -> anyhow::Result<String> {
     let tmp = scratch()?;
@@ -570,24 +615,38 @@ pub fn fs(rounds: usize, json: Option<&Path>) -> anyhow::Result<String> {
     ];
     let mut t: Vec<Vec<Vec<Duration>>> = vec![vec![Vec::new(); cases.len()]; sizes.len()];
     let mut bufs: Vec<Vec<u8>> = sizes.iter().map(|s| vec![0u8; *s]).collect();
-    for round in 0..rounds {
+    // Phases of the two mapping cases, as timed inside the interleaved loop.
+    let mut inline: Vec<Vec<Vec<Vec<Duration>>>> =
+        vec![vec![vec![Vec::new(); PHASES.len()]; 2]; sizes.len()];
+    // Every case starts from memory, as a consumer of KV written long ago does: the cache
+    // lines a retrieval reads are evicted first (otherwise the case that runs right after
+    // another one on the same entry finds them in the 32 MiB L3 and reads 2-3x faster).
+    let evictors: Vec<AlignedMap> = sizes
+        .iter()
+        .map(|&s| {
+            let f = std::fs::File::open(pool.join(format!("n/bench/{s}")))?;
+            AlignedMap::new(&f, s)
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let mut order: Vec<usize> = (0..cases.len()).collect();
+    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+    for _ in 0..rounds {
         for (i, &s) in sizes.iter().enumerate() {
-            // Rotate the order of the cases so that none always runs right after another.
-            for k in 0..cases.len() {
-                let c = (k + round) % cases.len();
+            // A new order each round (fixed seed), so that no case always follows another.
+            shuffle(&mut order, &mut rng);
+            for &c in &order {
+                evict(&evictors[i]);
                 let st = Instant::now();
                 match c {
-                    0 => {
-                        std::hint::black_box(map_touch_aligned(
-                            &mnt.join(format!("bench/{s}")),
-                            s,
-                        )?);
-                    }
-                    1 => {
-                        std::hint::black_box(map_touch_aligned(
-                            &pool.join(format!("n/bench/{s}")),
-                            s,
-                        )?);
+                    0 | 1 => {
+                        let path = if c == 0 {
+                            mnt.join(format!("bench/{s}"))
+                        } else {
+                            pool.join(format!("n/bench/{s}"))
+                        };
+                        for (k, d) in retrieve_phases(&path, s)?.into_iter().enumerate() {
+                            inline[i][c][k].push(d);
+                        }
                     }
                     2 => {
                         let mut f = std::fs::File::open(cmnt.join(format!("bench/{s}")))?;
@@ -605,33 +664,33 @@ pub fn fs(rounds: usize, json: Option<&Path>) -> anyhow::Result<String> {
             rows.push(timed(&format!("{} {}", c, label(s)), v));
         }
     }
-    // Where the time of one retrieval goes, at 16 MiB.
+    // Where the time of one retrieval goes, at 16 MiB: inside the interleaved loop, and
+    // back to back (the same entry again and again, everything warm).
+    let i16 = sizes.iter().position(|&s| s == 16 << 20).expect("16 MiB");
+    for (c, label_) in [(0, "/maru"), (1, "direct")] {
+        for (k, v) in std::mem::take(&mut inline[i16][c]).into_iter().enumerate() {
+            rows.push(timed(
+                &format!("phase {} 16 MiB {label_}, interleaved", PHASES[k]),
+                v,
+            ));
+        }
+    }
     for (label_, path) in [
         ("/maru", mnt.join(format!("bench/{}", 16 << 20))),
         ("direct", pool.join(format!("n/bench/{}", 16 << 20))),
     ] {
-        let mut ph: Vec<Vec<Duration>> = vec![Vec::new(); 4];
+        let mut ph: Vec<Vec<Duration>> = vec![Vec::new(); PHASES.len()];
         for _ in 0..rounds {
-            let t0 = Instant::now();
-            let f = std::fs::File::open(&path)?;
-            let t1 = Instant::now();
-            let m = AlignedMap::new(&f, 16 << 20)?;
-            let t2 = Instant::now();
-            std::hint::black_box(touch(&m));
-            let t3 = Instant::now();
-            drop(m);
-            drop(f);
-            let t4 = Instant::now();
-            for (k, (a, b)) in [(t0, t1), (t1, t2), (t2, t3), (t3, t4)]
-                .into_iter()
-                .enumerate()
-            {
-                ph[k].push(b - a);
+            evict(&evictors[i16]);
+            for (k, d) in retrieve_phases(&path, 16 << 20)?.into_iter().enumerate() {
+                ph[k].push(d);
             }
         }
         for (k, v) in ph.into_iter().enumerate() {
-            let name = ["open", "mmap", "touch every page", "munmap+close"][k];
-            rows.push(timed(&format!("phase {name} 16 MiB {label_}"), v));
+            rows.push(timed(
+                &format!("phase {} 16 MiB {label_}, back to back", PHASES[k]),
+                v,
+            ));
         }
     }
     // Metadata: stat of a hot key, create+publish of 4 KiB entries.
@@ -671,7 +730,7 @@ pub fn fs(rounds: usize, json: Option<&Path>) -> anyhow::Result<String> {
 
     let mut out = String::from("# maructl bench fs\n");
     out.push_str(&format!(
-        "\n{rounds} interleaved rounds; every page (4 KiB) of each mapping touched. Entries are mapped as an engine that knows its chunk size does: the length given (no `fstat`, which after a passthrough mmap costs a GETATTR round trip) and at a 2 MiB-aligned address (the kernel aligns mappings of tmpfs files itself, not of FUSE files; unaligned, 2 MiB pool pages are mapped 4 KiB at a time).\n"
+        "\n{rounds} interleaved rounds (the cases in a new order each round); every page (4 KiB) of each mapping touched, its cache lines evicted before each case (every retrieval reads from memory). Entries are mapped as an engine that knows its chunk size does: the length given (no `fstat`, which after a passthrough mmap costs a GETATTR round trip) and at a 2 MiB-aligned address (the kernel aligns mappings of tmpfs files itself, not of FUSE files; unaligned, 2 MiB pool pages are mapped 4 KiB at a time).\n"
     ));
     out.push_str(&fmt_table(
         "Retrieve one entry",
