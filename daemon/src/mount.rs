@@ -156,9 +156,20 @@ pub fn clear_stale(dir: &Path) -> anyhow::Result<()> {
     if !fstype.starts_with("fuse") {
         anyhow::bail!("{} is already a {fstype} mount", dir.display());
     }
-    match std::fs::metadata(dir) {
-        // ECONNABORTED: the request was caught by the teardown of the dead server's queues.
-        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTCONN | libc::ECONNABORTED)) => {
+    // A request caught by the teardown of a dead server's io_uring queues fails with
+    // ECONNABORTED or ECANCELED; once the connection is gone, every request gets ENOTCONN.
+    let mut probe = std::fs::metadata(dir);
+    for _ in 0..50 {
+        match &probe {
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ECONNABORTED | libc::ECANCELED)) => {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+                probe = std::fs::metadata(dir);
+            }
+            _ => break,
+        }
+    }
+    match probe {
+        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {
             tracing::warn!(dir = %dir.display(), "replacing a dead mount left by a crash");
             let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes())?;
             // SAFETY: valid C string.

@@ -64,12 +64,7 @@ pub async fn serve(store: Arc<Store>, listener: UnixListener) {
                 tokio::spawn(async move {
                     let cred = stream.peer_cred().ok();
                     let caller = match cred {
-                        Some(c) => Caller {
-                            uid: c.uid(),
-                            gid: c.gid(),
-                            pid: c.pid().unwrap_or(0),
-                            groups: groups_of(c.pid().unwrap_or(0)),
-                        },
+                        Some(c) => Caller::with_groups(c.uid(), c.gid(), c.pid().unwrap_or(0)),
                         None => {
                             tracing::warn!("connection without peer credentials refused");
                             return;

@@ -2135,7 +2135,7 @@ impl Store {
             else {
                 return Err(Error::NotFound(join(&p, name)));
             };
-            let me = *tgid.get_or_insert_with(|| maru_fsd::backend::tgid_of(c.pid));
+            let me = *tgid.get_or_insert_with(|| c.tgid());
             if a.1.tgid == me {
                 return Ok(self.alloc_attr(*a.0, a.1));
             }
@@ -2268,7 +2268,7 @@ impl Store {
             mode: mode & 0o7777,
             mtime: now(),
             acct: 0,
-            tgid: maru_fsd::backend::tgid_of(c.pid),
+            tgid: c.tgid(),
             closing: false,
         };
         let attr = self.alloc_attr(id, &a);
@@ -2311,7 +2311,7 @@ impl Store {
             };
         }
         if let Some(a) = st.allocs.get(&ino) {
-            if a.target.is_none() || a.tgid != maru_fsd::backend::tgid_of(c.pid) {
+            if a.target.is_none() || a.tgid != c.tgid() {
                 return Err(Error::NotFound(format!("inode {ino} is being written")));
             }
             return Ok(match &a.file {
@@ -2404,12 +2404,7 @@ impl Store {
             self.drop_alloc(&mut st, ino);
             return Ok(());
         };
-        let caller = Caller {
-            uid: a.uid,
-            gid: a.gid,
-            groups: Vec::new(),
-            pid: 0,
-        };
+        let caller = Caller::new(a.uid, a.gid, 0);
         let cur = self.alloc_attr(ino, a).size;
         let pool = a.pool;
         tracing::debug!(ino, ns = %ns, key = %key, size = cur, "sealing an entry written through the mount");

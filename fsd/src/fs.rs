@@ -129,7 +129,7 @@ impl<B: Backend> Fs<B> {
             ino: attr.ino,
             writable: true,
             opened: opened.clone(),
-            tgid: crate::backend::tgid_of(c.pid),
+            tgid: c.tgid(),
         });
         Ok((attr, fh, opened))
     }
@@ -150,11 +150,7 @@ impl<B: Backend> Fs<B> {
             ino,
             writable: write,
             opened: opened.clone(),
-            tgid: if write {
-                crate::backend::tgid_of(c.pid)
-            } else {
-                0
-            },
+            tgid: if write { c.tgid() } else { 0 },
         });
         Ok((fh, opened))
     }

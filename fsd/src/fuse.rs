@@ -159,16 +159,10 @@ fn caller(req: &Request, groups: bool) -> Caller {
 
 /// The caller of a request; `groups`: look its supplementary groups up (permission checks).
 pub(crate) fn caller_of(uid: u32, gid: u32, pid: u32, groups: bool) -> Caller {
-    let pid = pid as i32;
-    Caller {
-        uid,
-        gid,
-        pid,
-        groups: if groups && uid != 0 {
-            groups_of(pid)
-        } else {
-            Vec::new()
-        },
+    if groups {
+        Caller::with_groups(uid, gid, pid as i32)
+    } else {
+        Caller::new(uid, gid, pid as i32)
     }
 }
 

@@ -141,7 +141,7 @@ impl Rings {
                 std::thread::Builder::new()
                     .name(format!("maru-ring{qid}"))
                     .spawn(move || {
-                        pin_to(qid);
+                        crate::backend::pin_thread(qid);
                         batch_policy();
                         let ring = match new_ring() {
                             Ok(r) => {
@@ -208,25 +208,6 @@ impl Rings {
             if t.is_finished() {
                 let _ = t.join();
             }
-        }
-    }
-}
-
-fn pin_to(cpu: usize) {
-    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET stays in bounds for ids below
-    // CPU_SETSIZE, checked first.
-    unsafe {
-        if cpu >= libc::CPU_SETSIZE as usize {
-            return;
-        }
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
-        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
-            tracing::debug!(
-                cpu,
-                "pinning an io_uring thread: {}",
-                std::io::Error::last_os_error()
-            );
         }
     }
 }

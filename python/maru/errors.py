@@ -16,7 +16,9 @@ EACCES, EPERM       namespace permissions; sealed entries are    :class:`Permiss
 ENAMETOOLONG,       the name breaks the naming rules             :class:`InvalidKeyError`
 EINVAL
 ENOTCONN, ENODEV,   marud is not serving the mount (crashed or   :class:`MountError`
-ESTALE              never started)
+ESTALE,             never started; a request caught by a crash
+ECONNABORTED,       gets ECONNABORTED or ECANCELED)
+ECANCELED
 ==================  ==========================================  ============================
 
 Keys refused before any system call (``/`` or NUL in a key, more than 255 bytes)
@@ -76,6 +78,8 @@ _BY_ERRNO = {
     errno.ENOTCONN: MountError,
     errno.ENODEV: MountError,
     errno.ESTALE: MountError,
+    errno.ECONNABORTED: MountError,
+    errno.ECANCELED: MountError,
 }
 
 

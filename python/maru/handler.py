@@ -48,7 +48,15 @@ _TEMP_PREFIX_B = os.fsencode(TEMP_PREFIX)
 _NO_FD_COPY: Dict[str, Any] = {"trackfd": False} if sys.version_info >= (3, 13) else {}
 
 # Errors that mean "the mount is not (yet) served": keep waiting in connect().
-_NOT_SERVED = (errno.ENOTCONN, errno.ENOENT, errno.ENODATA, errno.EOPNOTSUPP, errno.ENODEV)
+_NOT_SERVED = (
+    errno.ENOTCONN,
+    errno.ENOENT,
+    errno.ENODATA,
+    errno.EOPNOTSUPP,
+    errno.ENODEV,
+    errno.ECONNABORTED,
+    errno.ECANCELED,
+)
 
 
 def _drop_temp(path: bytes, fd: int) -> None:
