@@ -257,6 +257,30 @@ mod tests {
         assert_eq!(s.mount, Some(PathBuf::from("/maru")));
         let d = Settings::resolve(Cli::default()).unwrap();
         assert_eq!(d.pools[0].path, PathBuf::from("/run/maru/pool0"));
+        assert_eq!(d.fuse_uring, maru_fsd::ring::UringMode::Auto);
+        std::fs::write(&cfg, "fuse_uring = \"off\"\n").unwrap();
+        let file_only = Cli {
+            config: Some(cfg.clone()),
+            ..Default::default()
+        };
+        assert_eq!(
+            Settings::resolve(file_only).unwrap().fuse_uring,
+            maru_fsd::ring::UringMode::Off
+        );
+        let flag = Cli {
+            config: Some(cfg.clone()),
+            fuse_uring: Some("on".into()),
+            ..Default::default()
+        };
+        assert_eq!(
+            Settings::resolve(flag).unwrap().fuse_uring,
+            maru_fsd::ring::UringMode::On
+        );
+        let bad = Cli {
+            fuse_uring: Some("sometimes".into()),
+            ..Default::default()
+        };
+        assert!(Settings::resolve(bad).is_err());
         std::fs::write(&cfg, "bogus = 1\n").unwrap();
         assert!(
             Settings::resolve(Cli {

@@ -581,10 +581,17 @@ fn retrieve_phases(path: &Path, len: usize) -> anyhow::Result<[Duration; 5]> {
     Ok([t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4])
 }
 
-/// `maructl bench fs`: retrieval through the mount.
-pub fn fs(rounds: usize, json: Option<&Path>) -> anyhow::Result<String> {
+/// `maructl bench fs`: retrieval through the mount; `extra`: flags for the mount's marud.
+pub fn fs(rounds: usize, json: Option<&Path>, extra: &[String]) -> anyhow::Result<String> {
     let tmp = scratch()?;
-    let d = PrivateDaemon::start(tmp.path(), "fs", &["memfs:{dir}/pool,size=1G"], true)?;
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let d = PrivateDaemon::start_with(
+        tmp.path(),
+        "fs",
+        &["memfs:{dir}/pool,size=1G"],
+        true,
+        &extra,
+    )?;
     let copy = PrivateDaemon::start(tmp.path(), "copy", &["file:{dir}/dev.img,size=512M"], true)
         .context("starting the copying daemon (file: pool)")?;
     let mnt = d.mount.clone().context("mount")?;
@@ -729,6 +736,12 @@ pub fn fs(rounds: usize, json: Option<&Path>) -> anyhow::Result<String> {
     ));
 
     let mut out = String::from("# maructl bench fs\n");
+    if !extra.is_empty() {
+        out.push_str(&format!(
+            "\nmarud of the mount started with `{}`.\n",
+            extra.join(" ")
+        ));
+    }
     out.push_str(&format!(
         "\n{rounds} interleaved rounds (the cases in a new order each round); every page (4 KiB) of each mapping touched, its cache lines evicted before each case (every retrieval reads from memory). Entries are mapped as an engine that knows its chunk size does: the length given (no `fstat`, which after a passthrough mmap costs a GETATTR round trip) and at a 2 MiB-aligned address (the kernel aligns mappings of tmpfs files itself, not of FUSE files; unaligned, 2 MiB pool pages are mapped 4 KiB at a time).\n"
     ));

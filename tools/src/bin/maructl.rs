@@ -150,6 +150,9 @@ enum BenchCmd {
         /// Also write the rows as JSON here.
         #[arg(long = "out-json", value_name = "FILE")]
         out_json: Option<PathBuf>,
+        /// Extra flag for the benchmark's marud (repeatable), e.g. `--marud-arg=--fuse-uring=off`.
+        #[arg(long = "marud-arg", value_name = "ARG", allow_hyphen_values = true)]
+        marud_arg: Vec<String>,
     },
 }
 
@@ -200,9 +203,11 @@ fn run(cli: Cli) -> Result<Option<ctl::Output>, Failure> {
                 BenchCmd::Core { rounds, out_json } => {
                     maru_tools::bench::core(rounds, out_json.as_deref())
                 }
-                BenchCmd::Fs { rounds, out_json } => {
-                    maru_tools::bench::fs(rounds, out_json.as_deref())
-                }
+                BenchCmd::Fs {
+                    rounds,
+                    out_json,
+                    marud_arg,
+                } => maru_tools::bench::fs(rounds, out_json.as_deref(), &marud_arg),
             }
             .map_err(|e| Failure {
                 code: exit::FAILED,
