@@ -734,6 +734,31 @@ pub fn fs(rounds: usize, json: Option<&Path>, extra: &[String]) -> anyhow::Resul
         opens,
         st.elapsed(),
     ));
+    // The same open after the caller computed for a while without touching the kernel (a
+    // spin): how much of a system call's cost is the state of the caches, which the VM's
+    // neighbours evict while this one runs in user space.
+    for pause_ms in [0u64, 1, 10] {
+        for (label_, path) in [
+            ("/maru", hot.clone()),
+            ("direct", pool.join(format!("n/bench/{}", sizes[0]))),
+        ] {
+            let mut v = Vec::with_capacity(rounds);
+            for _ in 0..rounds {
+                let t = Instant::now();
+                while t.elapsed() < Duration::from_millis(pause_ms) {
+                    std::hint::spin_loop();
+                }
+                let st = Instant::now();
+                let f = std::fs::File::open(&path)?;
+                v.push(st.elapsed());
+                drop(f);
+            }
+            rows.push(timed(
+                &format!("open of a hot key after a {pause_ms} ms spin, {label_}"),
+                v,
+            ));
+        }
+    }
 
     let mut out = String::from("# maructl bench fs\n");
     if !extra.is_empty() {
