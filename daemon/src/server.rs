@@ -18,13 +18,6 @@ use tracing::Instrument;
 
 use crate::store::Store;
 
-/// Reads the supplementary groups of `pid` from /proc.
-pub fn groups_of(pid: i32) -> Vec<u32> {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .map(|s| maru_fsd::backend::parse_groups(&s))
-        .unwrap_or_default()
-}
-
 /// Binds the control socket (replacing a stale one) with mode 0660 and group `group`.
 pub fn bind(path: &Path, gid: Option<u32>) -> anyhow::Result<UnixListener> {
     use anyhow::Context;

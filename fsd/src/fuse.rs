@@ -166,13 +166,6 @@ pub(crate) fn caller_of(uid: u32, gid: u32, pid: u32, groups: bool) -> Caller {
     }
 }
 
-/// Supplementary groups of a process (from /proc, bounded: see `read_proc_bounded`).
-pub fn groups_of(pid: i32) -> Vec<u32> {
-    crate::backend::read_proc_bounded(format!("/proc/{pid}/status"))
-        .map(|s| crate::backend::parse_groups(&s))
-        .unwrap_or_default()
-}
-
 fn file_attr(a: &Attr) -> FileAttr {
     let (kind, nlink) = match a.kind {
         Kind::Dir => (FileType::Directory, 2),
@@ -251,19 +244,10 @@ impl<B: Backend> FuseFs<B> {
         } else {
             FopenFlags::FOPEN_NOFLUSH
         };
-        let passthrough = match opened {
-            OpenedFile::Passthrough(f) if self.passthrough.load(Ordering::Relaxed) => {
-                if let Err(e) = self.with_backing(ino, &f, register, |_| ()) {
-                    self.fs.release(fh);
-                    return Err(Errno::from(e));
-                }
-                if !write {
-                    self.keep_backing(ino);
-                }
-                true
-            }
-            _ => false,
-        };
+        let passthrough = self.attach_backing(ino, fh, &opened, register)?;
+        if passthrough && !write {
+            self.keep_backing(ino);
+        }
         Ok(Opened {
             fh,
             flags: fl,
@@ -284,16 +268,7 @@ impl<B: Backend> FuseFs<B> {
             .fs
             .create(c, parent, name, mode)
             .map_err(|e| errno(&e))?;
-        let passthrough = match opened {
-            OpenedFile::Passthrough(f) if self.passthrough.load(Ordering::Relaxed) => {
-                if let Err(e) = self.with_backing(a.ino, &f, register, |_| ()) {
-                    self.fs.release(fh);
-                    return Err(Errno::from(e));
-                }
-                true
-            }
-            _ => false,
-        };
+        let passthrough = self.attach_backing(a.ino, fh, &opened, register)?;
         Ok((
             a,
             Opened {
@@ -304,10 +279,63 @@ impl<B: Backend> FuseFs<B> {
         ))
     }
 
+    /// For a passthrough handle `fh` of `ino`, takes (or registers with `register`) the
+    /// inode's backing id; returns whether the handle is passthrough. On failure the handle
+    /// is released.
+    fn attach_backing(
+        &self,
+        ino: u64,
+        fh: u64,
+        opened: &OpenedFile,
+        register: impl FnOnce(&std::fs::File) -> std::io::Result<Backing>,
+    ) -> Result<bool, Errno> {
+        match opened {
+            OpenedFile::Passthrough(f) if self.passthrough.load(Ordering::Relaxed) => {
+                if let Err(e) = self.with_backing(ino, f, register) {
+                    self.fs.release(fh);
+                    return Err(Errno::from(e));
+                }
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    /// The fuser-registered backing of `ino`, for the reply to an open or create served by
+    /// fuser. Without one (it cannot happen while fuser serves the opens), releases `fh`:
+    /// EIO.
+    fn fuser_backing(
+        &self,
+        ino: u64,
+        fh: u64,
+    ) -> Result<parking_lot::MappedMutexGuard<'_, BackingId>, Errno> {
+        let m = self.backing.map.lock();
+        let found = parking_lot::MutexGuard::try_map(m, |m| match m.get_mut(&ino) {
+            Some(Registered {
+                backing: Backing::Fuser(id),
+                ..
+            }) => Some(id),
+            _ => None,
+        });
+        found.map_err(|m| {
+            drop(m);
+            self.release_common(ino, fh);
+            Errno::EIO
+        })
+    }
+
     /// The backing file of `ino` when its backing is kept registered (a sealed entry).
     fn kept_file(&self, ino: u64) -> Option<Arc<std::fs::File>> {
         let m = self.backing.map.lock();
         m.get(&ino).filter(|r| r.keep).map(|r| r.file.clone())
+    }
+
+    /// `statfs` counts in [`BLKSIZE`] blocks: blocks, free, available, files, free files
+    /// (names are not a limited resource). Names are at most 255 bytes.
+    pub(crate) fn statfs_counts(&self) -> [u64; 5] {
+        let (total, free, files) = self.fs.statfs();
+        let bs = u64::from(BLKSIZE);
+        [total / bs, free / bs, free / bs, files, u64::MAX / 2]
     }
 
     /// Runs `f` with the backing registered for `ino` (after an open or create).
@@ -341,22 +369,19 @@ impl<B: Backend> FuseFs<B> {
         }
     }
 
-    /// Takes (or creates) the inode's backing id and runs `f` with it.
-    fn with_backing<R>(
+    /// Takes (or registers with `open`) the inode's backing id for one more handle.
+    fn with_backing(
         &self,
         ino: u64,
         file: &Arc<std::fs::File>,
         open: impl FnOnce(&std::fs::File) -> std::io::Result<Backing>,
-        f: impl FnOnce(&Backing) -> R,
-    ) -> std::io::Result<R> {
+    ) -> std::io::Result<()> {
         let mut m = self.backing.map.lock();
         if let Some(r) = m.get_mut(&ino) {
             r.open += 1;
-            let id = &r.backing;
-            return Ok(f(id));
+            return Ok(());
         }
         let id = open(file)?;
-        let r = f(&id);
         m.insert(
             ino,
             Registered {
@@ -366,7 +391,7 @@ impl<B: Backend> FuseFs<B> {
                 file: file.clone(),
             },
         );
-        Ok(r)
+        Ok(())
     }
 
     /// A handle is gone. Backing ids of sealed entries stay registered (idle) so that the
@@ -570,19 +595,10 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         let c = caller(req, false);
         let register = |file: &std::fs::File| reply.open_backing(file).map(Backing::Fuser);
         match self.open_common(&c, ino.0, flags.0, register) {
-            Ok(o) if o.passthrough => {
-                let m = self.backing.map.lock();
-                match m.get(&ino.0).map(|r| &r.backing) {
-                    Some(Backing::Fuser(id)) => {
-                        reply.opened_passthrough(FileHandle(o.fh), o.flags, id)
-                    }
-                    _ => {
-                        drop(m);
-                        self.release_common(ino.0, o.fh);
-                        reply.error(Errno::EIO)
-                    }
-                }
-            }
+            Ok(o) if o.passthrough => match self.fuser_backing(ino.0, o.fh) {
+                Ok(id) => reply.opened_passthrough(FileHandle(o.fh), o.flags, &id),
+                Err(e) => reply.error(e),
+            },
             Ok(o) => reply.opened(FileHandle(o.fh), o.flags),
             Err(e) => reply.error(e),
         }
@@ -702,18 +718,8 @@ impl<B: Backend> Filesystem for FuseFs<B> {
 
     fn statfs(&self, req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
         let _span = self.enter("statfs", req);
-        let (total, free, files) = self.fs.statfs();
-        let bs = u64::from(BLKSIZE);
-        reply.statfs(
-            total / bs,
-            free / bs,
-            free / bs,
-            files,
-            u64::MAX / 2,
-            BLKSIZE,
-            255,
-            BLKSIZE,
-        );
+        let [blocks, bfree, bavail, files, ffree] = self.statfs_counts();
+        reply.statfs(blocks, bfree, bavail, files, ffree, BLKSIZE, 255, BLKSIZE);
     }
 
     fn setxattr(
@@ -788,21 +794,16 @@ impl<B: Backend> Filesystem for FuseFs<B> {
                 if !o.passthrough {
                     return reply.created(&ttl, &fa, Generation(0), FileHandle(o.fh), o.flags);
                 }
-                let m = self.backing.map.lock();
-                match m.get(&a.ino).map(|r| &r.backing) {
-                    Some(Backing::Fuser(id)) => reply.created_passthrough(
+                match self.fuser_backing(a.ino, o.fh) {
+                    Ok(id) => reply.created_passthrough(
                         &ttl,
                         &fa,
                         Generation(0),
                         FileHandle(o.fh),
                         o.flags,
-                        id,
+                        &id,
                     ),
-                    _ => {
-                        drop(m);
-                        self.release_common(a.ino, o.fh);
-                        reply.error(Errno::EIO)
-                    }
+                    Err(e) => reply.error(e),
                 }
             }
             Err(e) => reply.error(e),
@@ -827,10 +828,27 @@ impl<B: Backend> Filesystem for FuseFs<B> {
 }
 
 fn xattr_reply(reply: ReplyXattr, size: u32, r: maru::Result<Vec<u8>>) {
+    match xattr_answer(size, r) {
+        Ok(XattrAnswer::Size(n)) => reply.size(n),
+        Ok(XattrAnswer::Data(v)) => reply.data(&v),
+        Err(e) => reply.error(e),
+    }
+}
+
+/// The answer to `getxattr`/`listxattr` with a buffer of `size` bytes.
+pub(crate) enum XattrAnswer {
+    /// The caller asked for the size (`size == 0`).
+    Size(u32),
+    /// The value, which fits.
+    Data(Vec<u8>),
+}
+
+/// [`XattrAnswer`] for a value lookup `r`: ERANGE when it does not fit in `size`.
+pub(crate) fn xattr_answer(size: u32, r: maru::Result<Vec<u8>>) -> Result<XattrAnswer, Errno> {
     match r {
-        Ok(v) if size == 0 => reply.size(v.len() as u32),
-        Ok(v) if v.len() <= size as usize => reply.data(&v),
-        Ok(_) => reply.error(Errno::ERANGE),
-        Err(e) => reply.error(errno(&e)),
+        Ok(v) if size == 0 => Ok(XattrAnswer::Size(v.len() as u32)),
+        Ok(v) if v.len() <= size as usize => Ok(XattrAnswer::Data(v)),
+        Ok(_) => Err(Errno::ERANGE),
+        Err(e) => Err(errno(&e)),
     }
 }

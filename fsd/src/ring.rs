@@ -22,7 +22,7 @@ use io_uring::{IoUring, cqueue, opcode, squeue, types};
 
 use crate::backend::{Attr, Backend, Kind};
 use crate::fs::Fs;
-use crate::fuse::{BLKSIZE, Backing, FuseFs, Opened, caller_of, errno};
+use crate::fuse::{BLKSIZE, Backing, FuseFs, Opened, XattrAnswer, caller_of, errno, xattr_answer};
 
 /// Bytes of the payload buffer of each ring entry: the largest request (WRITE) or reply
 /// (READ) the connection allows; INIT bounds max_write and max_pages to it.
@@ -174,15 +174,12 @@ impl Rings {
         Ok(Rings { threads, go: go_tx })
     }
 
-    /// Starts serving over `dev` (a descriptor of the mounted connection) once INIT has
-    /// agreed to io_uring. Returns None (and ends the threads) when it did not.
+    /// Starts serving over `dev` (a descriptor of the mounted connection), after INIT
+    /// (fuser's `Session::new` answers it before returning). Returns None (and ends the
+    /// threads) when INIT did not agree to io_uring.
     pub fn start<B: Backend>(self, fs: &FuseFs<B>, dev: OwnedFd) -> std::io::Result<Option<Self>> {
-        let t = Instant::now();
-        while !fs.transport.init_done.load(Ordering::Acquire) {
-            if t.elapsed() > Duration::from_secs(30) {
-                return Err(std::io::Error::other("the kernel never sent INIT"));
-            }
-            std::thread::sleep(Duration::from_millis(1));
+        if !fs.transport.init_done.load(Ordering::Acquire) {
+            return Err(std::io::Error::other("the mount has not answered INIT yet"));
         }
         if !fs.transport.uring.load(Ordering::Acquire) {
             drop(self.go);
@@ -516,17 +513,16 @@ fn register(dev: &Arc<OwnedFd>) -> impl FnOnce(&std::fs::File) -> std::io::Resul
     }
 }
 
+/// `struct fuse_getxattr_out` when asked for the size, else the value.
 fn xattr_out(size: u32, r: maru::Result<Vec<u8>>) -> Result<Vec<u8>, Errno> {
-    match r {
-        Ok(v) if size == 0 => {
-            let mut out = (v.len() as u32).to_ne_bytes().to_vec();
+    Ok(match xattr_answer(size, r)? {
+        XattrAnswer::Size(n) => {
+            let mut out = n.to_ne_bytes().to_vec();
             out.extend_from_slice(&0u32.to_ne_bytes());
-            Ok(out)
+            out
         }
-        Ok(v) if v.len() <= size as usize => Ok(v),
-        Ok(_) => Err(Errno::ERANGE),
-        Err(e) => Err(errno(&e)),
-    }
+        XattrAnswer::Data(v) => v,
+    })
 }
 
 // Opcodes (include/uapi/linux/fuse.h).
@@ -668,10 +664,8 @@ fn dispatch<B: Backend>(fs: &FuseFs<B>, dev: &Arc<OwnedFd>, r: &Req<'_>) -> Resu
         }
         STATFS => {
             let _span = fs.enter_pid("statfs", r.pid);
-            let (total, free, files) = f.statfs();
-            let bs = u64::from(BLKSIZE);
             let mut out = Vec::with_capacity(80);
-            for v in [total / bs, free / bs, free / bs, files, u64::MAX / 2] {
+            for v in fs.statfs_counts() {
                 out.extend_from_slice(&v.to_ne_bytes());
             }
             for v in [BLKSIZE, 255, BLKSIZE, 0, 0, 0, 0, 0, 0, 0] {
