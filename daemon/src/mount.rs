@@ -8,7 +8,7 @@ use maru::Result;
 use maru_fsd::fs::Fs;
 use maru_fsd::fuse::FuseFs;
 use maru_fsd::ring::{Rings, UringMode};
-use maru_fsd::{Attr, Backend, Caller, DirEntry, OpenedFile, Xattr};
+use maru_fsd::{Attr, Backend, Caller, DirEntry, OpenedFile, Upcall, Xattr};
 
 use crate::store::{Invalidation, Store};
 
@@ -96,7 +96,7 @@ impl Backend for StoreFs {
     fn set_pinned(&self, c: &Caller, ino: u64, pinned: bool) -> Result<()> {
         self.0.fs_set_pinned(c, ino, pinned)
     }
-    fn count_upcall(&self, op: &'static str) {
+    fn count_upcall(&self, op: Upcall) {
         self.0.count_upcall(op)
     }
 }

@@ -15,6 +15,7 @@ use maru::index::{FLAG_PINNED, SlotView};
 use maru::name::{check_component, split_ns};
 use maru::proto::{ClientInfo, Grant, Located, NsInfo, PoolInfo, PoolKind, Stats};
 use maru::{Error, Result};
+use maru_fsd::Upcall;
 use maru_fsd::backend::ROOT_INO;
 use maru_fsd::{Attr, Caller, DirEntry, Kind, OpenedFile, Xattr};
 use parking_lot::Mutex;
@@ -231,7 +232,7 @@ pub struct Store {
     /// Signalled when an entry written through the mount is sealed or dropped.
     sealed: parking_lot::Condvar,
     /// Upcalls of the mount by operation: apart from `st`, which they need not wait for.
-    fuse_ops: Mutex<HashMap<&'static str, u64>>,
+    fuse_ops: [std::sync::atomic::AtomicU64; Upcall::ALL.len()],
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -422,7 +423,7 @@ impl Store {
             invalidate: Mutex::new(None),
             started: std::time::Instant::now(),
             sealed: parking_lot::Condvar::new(),
-            fuse_ops: Mutex::new(HashMap::new()),
+            fuse_ops: std::array::from_fn(|_| std::sync::atomic::AtomicU64::new(0)),
         };
         store.recover(&mut st)?;
         *store.st.lock() = st;
@@ -1149,8 +1150,8 @@ impl Store {
     }
 
     /// Counts one FUSE upcall.
-    pub fn count_upcall(&self, op: &'static str) {
-        *self.fuse_ops.lock().entry(op).or_insert(0) += 1;
+    pub fn count_upcall(&self, op: Upcall) {
+        self.fuse_ops[op as usize].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Records the latency of one control operation.
@@ -1894,8 +1895,11 @@ impl Store {
             clients,
             ops: {
                 let mut ops = st.ops.clone();
-                for (op, n) in self.fuse_ops.lock().iter() {
-                    ops.insert(format!("fuse_{op}"), *n);
+                for (op, n) in Upcall::ALL.iter().zip(&self.fuse_ops) {
+                    let n = n.load(std::sync::atomic::Ordering::Relaxed);
+                    if n > 0 {
+                        ops.insert(format!("fuse_{}", op.name()), n);
+                    }
                 }
                 ops
             },

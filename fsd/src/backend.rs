@@ -329,5 +329,67 @@ pub trait Backend: Send + Sync + 'static {
     /// Sets `user.maru.pinned`.
     fn set_pinned(&self, c: &Caller, ino: u64, pinned: bool) -> Result<()>;
     /// Counts one FUSE upcall (metrics).
-    fn count_upcall(&self, _op: &'static str) {}
+    fn count_upcall(&self, _op: Upcall) {}
+}
+
+/// The FUSE requests marud counts (`maructl stats`: `fuse_<name>`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Upcall {
+    Lookup,
+    Getattr,
+    Setattr,
+    Mkdir,
+    Unlink,
+    Rmdir,
+    Rename,
+    Open,
+    Read,
+    Write,
+    Flush,
+    Release,
+    Readdir,
+    Statfs,
+    Create,
+}
+
+impl Upcall {
+    /// Every upcall, in discriminant order (`ALL[op as usize] == op`).
+    pub const ALL: [Upcall; 15] = [
+        Upcall::Lookup,
+        Upcall::Getattr,
+        Upcall::Setattr,
+        Upcall::Mkdir,
+        Upcall::Unlink,
+        Upcall::Rmdir,
+        Upcall::Rename,
+        Upcall::Open,
+        Upcall::Read,
+        Upcall::Write,
+        Upcall::Flush,
+        Upcall::Release,
+        Upcall::Readdir,
+        Upcall::Statfs,
+        Upcall::Create,
+    ];
+
+    /// The request's name, lower case (as in `fuse_lowlevel_ops`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Upcall::Lookup => "lookup",
+            Upcall::Getattr => "getattr",
+            Upcall::Setattr => "setattr",
+            Upcall::Mkdir => "mkdir",
+            Upcall::Unlink => "unlink",
+            Upcall::Rmdir => "rmdir",
+            Upcall::Rename => "rename",
+            Upcall::Open => "open",
+            Upcall::Read => "read",
+            Upcall::Write => "write",
+            Upcall::Flush => "flush",
+            Upcall::Release => "release",
+            Upcall::Readdir => "readdir",
+            Upcall::Statfs => "statfs",
+            Upcall::Create => "create",
+        }
+    }
 }

@@ -17,7 +17,7 @@ use fuser::{
 use maru::Error;
 use parking_lot::Mutex;
 
-use crate::backend::{Attr, Backend, Caller, Kind, OpenedFile};
+use crate::backend::{Attr, Backend, Caller, Kind, OpenedFile, Upcall};
 use crate::fs::Fs;
 
 /// Most idle backing ids kept for fast reopening of sealed entries.
@@ -206,14 +206,14 @@ pub(crate) fn name_str(name: &OsStr) -> Result<&str, Errno> {
 
 impl<B: Backend> FuseFs<B> {
     /// Counts one upcall and enters its span (`fuse{op, pid}`, at debug level).
-    fn enter(&self, op: &'static str, req: &Request) -> tracing::span::EnteredSpan {
+    fn enter(&self, op: Upcall, req: &Request) -> tracing::span::EnteredSpan {
         self.enter_pid(op, req.pid())
     }
 
     /// [`Self::enter`] for a request seen by pid.
-    pub(crate) fn enter_pid(&self, op: &'static str, pid: u32) -> tracing::span::EnteredSpan {
+    pub(crate) fn enter_pid(&self, op: Upcall, pid: u32) -> tracing::span::EnteredSpan {
         self.fs.backend().count_upcall(op);
-        tracing::debug_span!("fuse", op, pid).entered()
+        tracing::debug_span!("fuse", op = op.name(), pid).entered()
     }
 
     /// Opens `ino` for `flags` (`open(2)` flags); with passthrough, the inode's backing id is
@@ -227,18 +227,23 @@ impl<B: Backend> FuseFs<B> {
     ) -> Result<Opened, Errno> {
         let write = (flags & libc::O_ACCMODE) != libc::O_RDONLY;
         let trunc = flags & libc::O_TRUNC != 0;
-        // A sealed entry whose backing is still registered: its file is at hand, only the
-        // store's checks and bookkeeping are needed (no path walk in the pool).
-        let kept = if write { None } else { self.kept_file(ino) };
-        let (fh, opened) = match kept {
-            Some(file) => (
-                self.fs
-                    .reopen(c, ino, file.clone())
-                    .map_err(|e| errno(&e))?,
-                OpenedFile::Passthrough(file),
-            ),
-            None => self.fs.open(c, ino, write, trunc).map_err(|e| errno(&e))?,
-        };
+        // A sealed entry whose backing is still registered (the common open of a hot key):
+        // its file and backing id are at hand, only the store's checks and bookkeeping remain
+        // (no path walk in the pool, one look at the backings).
+        if !write && let Some(file) = self.reuse_kept(ino) {
+            return match self.fs.reopen(c, ino, file) {
+                Ok(fh) => Ok(Opened {
+                    fh,
+                    flags: FopenFlags::FOPEN_NOFLUSH,
+                    passthrough: true,
+                }),
+                Err(e) => {
+                    self.put_backing(ino, true);
+                    Err(errno(&e))
+                }
+            };
+        }
+        let (fh, opened) = self.fs.open(c, ino, write, trunc).map_err(|e| errno(&e))?;
         let fl = if write {
             FopenFlags::empty()
         } else {
@@ -325,9 +330,13 @@ impl<B: Backend> FuseFs<B> {
     }
 
     /// The backing file of `ino` when its backing is kept registered (a sealed entry).
-    fn kept_file(&self, ino: u64) -> Option<Arc<std::fs::File>> {
-        let m = self.backing.map.lock();
-        m.get(&ino).filter(|r| r.keep).map(|r| r.file.clone())
+    /// One more use of the kept backing of `ino` (a sealed entry opened before, see
+    /// [`Self::put_backing`]): its file, or None.
+    fn reuse_kept(&self, ino: u64) -> Option<Arc<std::fs::File>> {
+        let mut m = self.backing.map.lock();
+        let r = m.get_mut(&ino).filter(|r| r.keep)?;
+        r.open += 1;
+        Some(r.file.clone())
     }
 
     /// `statfs` counts in [`BLKSIZE`] blocks: blocks, free, available, files, free files
@@ -455,7 +464,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
     }
 
     fn lookup(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        let _span = self.enter("lookup", req);
+        let _span = self.enter(Upcall::Lookup, req);
         let name = match name_str(name) {
             Ok(n) => n,
             Err(e) => return reply.error(e),
@@ -464,7 +473,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
     }
 
     fn getattr(&self, req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        let _span = self.enter("getattr", req);
+        let _span = self.enter(Upcall::Getattr, req);
         self.reply_attr(reply, self.fs.getattr(ino.0));
     }
 
@@ -486,7 +495,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
-        let _span = self.enter("setattr", req);
+        let _span = self.enter(Upcall::Setattr, req);
         let c = caller(req, true);
         self.reply_attr(reply, self.fs.setattr(&c, ino.0, mode, uid, gid, size));
     }
@@ -500,7 +509,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         umask: u32,
         reply: ReplyEntry,
     ) {
-        let _span = self.enter("mkdir", req);
+        let _span = self.enter(Upcall::Mkdir, req);
         let name = match name_str(name) {
             Ok(n) => n,
             Err(e) => return reply.error(e),
@@ -510,7 +519,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
     }
 
     fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        let _span = self.enter("unlink", req);
+        let _span = self.enter(Upcall::Unlink, req);
         let name = match name_str(name) {
             Ok(n) => n,
             Err(e) => return reply.error(e),
@@ -522,7 +531,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
     }
 
     fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        let _span = self.enter("rmdir", req);
+        let _span = self.enter(Upcall::Rmdir, req);
         let name = match name_str(name) {
             Ok(n) => n,
             Err(e) => return reply.error(e),
@@ -571,7 +580,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
-        let _span = self.enter("rename", req);
+        let _span = self.enter(Upcall::Rename, req);
         if flags.contains(RenameFlags::RENAME_EXCHANGE)
             || flags.contains(RenameFlags::RENAME_WHITEOUT)
         {
@@ -591,7 +600,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
     }
 
     fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
-        let _span = self.enter("open", req);
+        let _span = self.enter(Upcall::Open, req);
         let c = caller(req, false);
         let register = |file: &std::fs::File| reply.open_backing(file).map(Backing::Fuser);
         match self.open_common(&c, ino.0, flags.0, register) {
@@ -615,7 +624,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         _lock: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        let _span = self.enter("read", req);
+        let _span = self.enter(Upcall::Read, req);
         match self.fs.read(fh.0, offset, size) {
             Ok(d) => reply.data(&d),
             Err(e) => reply.error(errno(&e)),
@@ -634,7 +643,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         _lock: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        let _span = self.enter("write", req);
+        let _span = self.enter(Upcall::Write, req);
         match self.fs.write(fh.0, offset, data) {
             Ok(n) => reply.written(n),
             Err(e) => reply.error(errno(&e)),
@@ -649,7 +658,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         _lock: LockOwner,
         reply: ReplyEmpty,
     ) {
-        let _span = self.enter("flush", req);
+        let _span = self.enter(Upcall::Flush, req);
         match self.fs.flush(&caller(req, false), fh.0) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(&e)),
@@ -666,7 +675,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        let _span = self.enter("release", req);
+        let _span = self.enter(Upcall::Release, req);
         self.release_common(ino.0, fh.0);
         reply.ok();
     }
@@ -698,7 +707,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
-        let _span = self.enter("readdir", req);
+        let _span = self.enter(Upcall::Readdir, req);
         match self.fs.readdir(&caller(req, true), ino.0) {
             Ok(list) => {
                 for (i, e) in list.iter().enumerate().skip(offset as usize) {
@@ -717,7 +726,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
     }
 
     fn statfs(&self, req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        let _span = self.enter("statfs", req);
+        let _span = self.enter(Upcall::Statfs, req);
         let [blocks, bfree, bavail, files, ffree] = self.statfs_counts();
         reply.statfs(blocks, bfree, bavail, files, ffree, BLKSIZE, 255, BLKSIZE);
     }
@@ -780,7 +789,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         _flags: i32,
         reply: ReplyCreate,
     ) {
-        let _span = self.enter("create", req);
+        let _span = self.enter(Upcall::Create, req);
         let name = match name_str(name) {
             Ok(n) => n,
             Err(e) => return reply.error(e),

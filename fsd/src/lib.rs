@@ -10,4 +10,4 @@ pub mod fs;
 pub mod fuse;
 pub mod ring;
 
-pub use backend::{Attr, Backend, Caller, DirEntry, Kind, OpenedFile, Xattr};
+pub use backend::{Attr, Backend, Caller, DirEntry, Kind, OpenedFile, Upcall, Xattr};

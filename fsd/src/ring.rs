@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use fuser::{BackingId, Errno, FopenFlags};
 use io_uring::{IoUring, cqueue, opcode, squeue, types};
 
-use crate::backend::{Attr, Backend, Kind};
+use crate::backend::{Attr, Backend, Kind, Upcall};
 use crate::fs::Fs;
 use crate::fuse::{BLKSIZE, Backing, FuseFs, Opened, XattrAnswer, caller_of, errno, xattr_answer};
 
@@ -308,17 +308,20 @@ fn serve_queue<B: Backend>(
         )?;
     }
     let started = Instant::now();
+    // The completions of one wait (at most the CQ's size), reused from wait to wait.
+    let mut done: Vec<(usize, i32)> = Vec::with_capacity(4 * DEPTH);
     loop {
         match ring.submit_and_wait(1) {
             Ok(_) => {}
             Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
             Err(e) => return Err(e),
         }
-        let done: Vec<(usize, i32)> = ring
-            .completion()
-            .map(|c| (c.user_data() as usize, c.result()))
-            .collect();
-        for (i, res) in done {
+        done.clear();
+        done.extend(
+            ring.completion()
+                .map(|c| (c.user_data() as usize, c.result())),
+        );
+        for &(i, res) in &done {
             let Some(e) = entries.get_mut(i) else {
                 continue;
             };
@@ -571,7 +574,7 @@ fn dispatch<B: Backend>(fs: &FuseFs<B>, dev: &Arc<OwnedFd>, r: &Req<'_>) -> Resu
     let f = &fs.fs;
     match r.opcode {
         LOOKUP => {
-            let _span = fs.enter_pid("lookup", r.pid);
+            let _span = fs.enter_pid(Upcall::Lookup, r.pid);
             let a = f
                 .lookup(&r.caller(false), ino, r.name(0)?)
                 .map_err(|e| errno(&e))?;
@@ -579,12 +582,12 @@ fn dispatch<B: Backend>(fs: &FuseFs<B>, dev: &Arc<OwnedFd>, r: &Req<'_>) -> Resu
             Ok(entry_out(&a, attr_ttl, entry_ttl))
         }
         GETATTR => {
-            let _span = fs.enter_pid("getattr", r.pid);
+            let _span = fs.enter_pid(Upcall::Getattr, r.pid);
             let a = f.getattr(ino).map_err(|e| errno(&e))?;
             Ok(attr_out(&a, Fs::<B>::ttls(&a).0))
         }
         SETATTR => {
-            let _span = fs.enter_pid("setattr", r.pid);
+            let _span = fs.enter_pid(Upcall::Setattr, r.pid);
             let valid = u32_at(r.op, 0);
             let opt = |bit: u32, v: u32| (valid & bit != 0).then_some(v);
             let size = (valid & FATTR_SIZE != 0).then(|| u64_at(r.op, 16));
@@ -601,7 +604,7 @@ fn dispatch<B: Backend>(fs: &FuseFs<B>, dev: &Arc<OwnedFd>, r: &Req<'_>) -> Resu
             Ok(attr_out(&a, Fs::<B>::ttls(&a).0))
         }
         MKDIR => {
-            let _span = fs.enter_pid("mkdir", r.pid);
+            let _span = fs.enter_pid(Upcall::Mkdir, r.pid);
             let (mode, umask) = (u32_at(r.op, 0), u32_at(r.op, 4));
             let a = f
                 .mkdir(&r.caller(true), ino, r.name(0)?, mode & !umask)
@@ -610,15 +613,15 @@ fn dispatch<B: Backend>(fs: &FuseFs<B>, dev: &Arc<OwnedFd>, r: &Req<'_>) -> Resu
             Ok(entry_out(&a, attr_ttl, entry_ttl))
         }
         UNLINK => {
-            let _span = fs.enter_pid("unlink", r.pid);
+            let _span = fs.enter_pid(Upcall::Unlink, r.pid);
             empty(f.unlink(&r.caller(true), ino, r.name(0)?))
         }
         RMDIR => {
-            let _span = fs.enter_pid("rmdir", r.pid);
+            let _span = fs.enter_pid(Upcall::Rmdir, r.pid);
             empty(f.rmdir(&r.caller(true), ino, r.name(0)?))
         }
         RENAME | RENAME2 => {
-            let _span = fs.enter_pid("rename", r.pid);
+            let _span = fs.enter_pid(Upcall::Rename, r.pid);
             let newdir = u64_at(r.op, 0);
             if r.opcode == RENAME2 {
                 let flags = u32_at(r.op, 8);
@@ -631,14 +634,14 @@ fn dispatch<B: Backend>(fs: &FuseFs<B>, dev: &Arc<OwnedFd>, r: &Req<'_>) -> Resu
         SYMLINK | LINK | MKNOD => Err(Errno::EPERM),
         READLINK => Err(Errno::EINVAL),
         OPEN => {
-            let _span = fs.enter_pid("open", r.pid);
+            let _span = fs.enter_pid(Upcall::Open, r.pid);
             let flags = u32_at(r.op, 0) as i32;
             let o = fs.open_common(&r.caller(false), ino, flags, register(dev))?;
             let id = raw_backing(fs, ino, &o)?;
             Ok(open_out(&o, id))
         }
         CREATE => {
-            let _span = fs.enter_pid("create", r.pid);
+            let _span = fs.enter_pid(Upcall::Create, r.pid);
             let (mode, umask) = (u32_at(r.op, 4), u32_at(r.op, 8));
             let c = r.caller(true);
             let (a, o) =
@@ -649,12 +652,12 @@ fn dispatch<B: Backend>(fs: &FuseFs<B>, dev: &Arc<OwnedFd>, r: &Req<'_>) -> Resu
             Ok(out)
         }
         READ => {
-            let _span = fs.enter_pid("read", r.pid);
+            let _span = fs.enter_pid(Upcall::Read, r.pid);
             let (fh, offset, size) = (u64_at(r.op, 0), u64_at(r.op, 8), u32_at(r.op, 16));
             f.read(fh, offset, size).map_err(|e| errno(&e))
         }
         WRITE => {
-            let _span = fs.enter_pid("write", r.pid);
+            let _span = fs.enter_pid(Upcall::Write, r.pid);
             let (fh, offset, size) = (u64_at(r.op, 0), u64_at(r.op, 8), u32_at(r.op, 16));
             let data = r.payload.get(..size as usize).ok_or(Errno::EINVAL)?;
             let n = f.write(fh, offset, data).map_err(|e| errno(&e))?;
@@ -663,7 +666,7 @@ fn dispatch<B: Backend>(fs: &FuseFs<B>, dev: &Arc<OwnedFd>, r: &Req<'_>) -> Resu
             Ok(out)
         }
         STATFS => {
-            let _span = fs.enter_pid("statfs", r.pid);
+            let _span = fs.enter_pid(Upcall::Statfs, r.pid);
             let mut out = Vec::with_capacity(80);
             for v in fs.statfs_counts() {
                 out.extend_from_slice(&v.to_ne_bytes());
@@ -674,12 +677,12 @@ fn dispatch<B: Backend>(fs: &FuseFs<B>, dev: &Arc<OwnedFd>, r: &Req<'_>) -> Resu
             Ok(out)
         }
         RELEASE => {
-            let _span = fs.enter_pid("release", r.pid);
+            let _span = fs.enter_pid(Upcall::Release, r.pid);
             fs.release_common(ino, u64_at(r.op, 0));
             Ok(Vec::new())
         }
         FLUSH => {
-            let _span = fs.enter_pid("flush", r.pid);
+            let _span = fs.enter_pid(Upcall::Flush, r.pid);
             empty(f.flush(&r.caller(false), u64_at(r.op, 0)))
         }
         FSYNC | FSYNCDIR | RELEASEDIR | ACCESS | DESTROY => Ok(Vec::new()),
@@ -696,7 +699,7 @@ fn dispatch<B: Backend>(fs: &FuseFs<B>, dev: &Arc<OwnedFd>, r: &Req<'_>) -> Resu
             Err(e) => Err(errno(&e)),
         },
         READDIR => {
-            let _span = fs.enter_pid("readdir", r.pid);
+            let _span = fs.enter_pid(Upcall::Readdir, r.pid);
             let (offset, size) = (u64_at(r.op, 8), u32_at(r.op, 16) as usize);
             let list = f.readdir(&r.caller(true), ino).map_err(|e| errno(&e))?;
             let mut out = Vec::new();

@@ -3,6 +3,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{ErrorKind, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, PermissionsExt};
 use std::path::Path;
 use std::process::Command;
@@ -119,6 +120,51 @@ fn mount_mapping_is_the_pool_page() {
     // The entry says how it is served.
     let access = xattr(&d.path("pfn/k"), "user.maru.access").unwrap();
     assert_eq!(access, b"passthrough");
+    // The daemon counts the requests the mount sent it: a sealed entry opened read-only
+    // again is one OPEN (the lookup and attributes come from the kernel's cache).
+    let ops = |name: &str| d.handler().stats().unwrap().ops.get(name).copied();
+    let before = ops("fuse_open").expect("fuse_open counted");
+    let lookups = ops("fuse_lookup");
+    drop(File::open(d.path("pfn/k")).unwrap());
+    assert_eq!(ops("fuse_open"), Some(before + 1));
+    assert_eq!(ops("fuse_lookup"), lookups);
+}
+
+/// The `field` (kB) of `/proc/self/smaps` for the mapping that starts at `addr`.
+fn smaps_kib(addr: *const u8, field: &str) -> u64 {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let start = format!("{:x}-", addr as usize);
+    let mut lines = smaps.lines().skip_while(|l| !l.starts_with(&start)).skip(1);
+    lines
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no {field} for the mapping at {start}"))
+}
+
+#[test]
+fn a_plain_mapping_of_a_large_entry_uses_2mib_pages() {
+    // Engines (and the Python package) map an entry with a plain mmap(NULL, size): the
+    // kernel places it at a 2 MiB boundary, FUSE file or not, so the pool's 2 MiB pages are
+    // mapped with one page-table entry each.
+    let d = daemon();
+    std::fs::create_dir(d.path("huge")).unwrap();
+    let size = 16 << 20;
+    std::fs::write(d.path("huge/k"), pattern(3, size)).unwrap();
+    let f = File::open(d.path("huge/k")).unwrap();
+    // SAFETY: a read-only mapping of a sealed entry.
+    let m = unsafe { memmap2::Mmap::map(&f).unwrap() };
+    let sum: u64 = m.iter().step_by(4096).map(|b| u64::from(*b)).sum();
+    assert!(sum > 0);
+    assert_eq!(
+        m.as_ptr() as usize % (2 << 20),
+        0,
+        "mapping not 2 MiB-aligned"
+    );
+    assert_eq!(
+        smaps_kib(m.as_ptr(), "ShmemPmdMapped:"),
+        (size >> 10) as u64,
+        "the entry's pages are not mapped 2 MiB at a time"
+    );
 }
 
 fn xattr(p: &Path, name: &str) -> std::io::Result<Vec<u8>> {
@@ -263,7 +309,8 @@ fn unlink_while_mapped_keeps_bytes() {
     let f = File::open(&p).unwrap();
     // SAFETY: read-only mapping of a sealed entry.
     let m = unsafe { memmap2::Mmap::map(&f).unwrap() };
-    drop(f);
+    // Opened before (its backing kept for the next open) and held open across the unlink.
+    drop(File::open(&p).unwrap());
     std::fs::remove_file(&p).unwrap();
     assert_eq!(
         std::fs::metadata(&p).unwrap_err().kind(),
@@ -271,6 +318,14 @@ fn unlink_while_mapped_keeps_bytes() {
     );
     assert!(!d.pool_dir().join("n/u/k").exists());
     assert!(m[..] == data[..]);
+    // The held descriptor still reads; opening the deleted entry again (through
+    // /proc/self/fd, which skips the name) is refused: a deleted entry is gone.
+    let mut head = [0u8; 16];
+    f.read_exact_at(&mut head, 0).unwrap();
+    assert_eq!(head[..], data[..16]);
+    let again = File::open(format!("/proc/self/fd/{}", f.as_raw_fd())).unwrap_err();
+    assert_eq!(again.raw_os_error(), Some(libc::ENOENT));
+    drop(f);
     // Deleted through libmaru while mapped through the mount: same guarantee, and the
     // kernel forgets the name at once (no stale cached entry).
     let h = d.handler();
