@@ -5,7 +5,7 @@
 
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -235,7 +235,13 @@ pub fn tcp_serve_main(size: usize) -> anyhow::Result<()> {
     let data = vec![7u8; size];
     let mut req = [0u8; 1];
     while s.read_exact(&mut req).is_ok() {
-        s.write_all(&data)?;
+        if req[0] == COOL {
+            // The KV a peer sends was written long ago: evict it, then say so.
+            evict_all(&data);
+            s.write_all(&[COOL])?;
+        } else {
+            s.write_all(&data)?;
+        }
     }
     Ok(())
 }
@@ -534,6 +540,15 @@ impl TcpPeer {
         Ok(TcpPeer { child, sock })
     }
 
+    /// Has the peer evict the bytes it sends from the CPU caches (before a timed fetch).
+    fn cool(&mut self) -> anyhow::Result<()> {
+        let mut ack = [0u8; 1];
+        self.sock.write_all(&[COOL])?;
+        self.sock.read_exact(&mut ack)?;
+        anyhow::ensure!(ack[0] == COOL, "TCP peer: unexpected answer {}", ack[0]);
+        Ok(())
+    }
+
     fn fetch(&mut self, buf: &mut [u8]) -> anyhow::Result<()> {
         self.sock.write_all(&[1])?;
         self.sock.read_exact(buf)?;
@@ -578,6 +593,24 @@ fn evict(m: &[u8]) {
     #[cfg(not(target_arch = "x86_64"))]
     let _ = m;
 }
+
+/// Flushes every cache line of `m` from every CPU cache.
+fn evict_all(m: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        for b in m.iter().step_by(64) {
+            // SAFETY: clflush of an address inside a live buffer.
+            unsafe { std::arch::x86_64::_mm_clflush(b) };
+        }
+        // SAFETY: a fence has no preconditions.
+        unsafe { std::arch::x86_64::_mm_mfence() };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = m;
+}
+
+/// The TCP peer's request byte for [`evict_all`] of what it sends (any other byte: send).
+const COOL: u8 = b'c';
 
 /// The phases of one retrieval by mapping.
 const PHASES: [&str; 5] = ["open", "mmap", "touch every page", "munmap", "close"];
@@ -653,6 +686,18 @@ pub fn fs(rounds: usize, json: Option<&Path>, extra: &[String]) -> anyhow::Resul
             AlignedMap::new(&f, s)
         })
         .collect::<anyhow::Result<_>>()?;
+    // What each case opens (the TCP case: nothing), made before the clock starts.
+    let paths: Vec<[PathBuf; 4]> = sizes
+        .iter()
+        .map(|s| {
+            [
+                mnt.join(format!("bench/{s}")),
+                pool.join(format!("n/bench/{s}")),
+                cmnt.join(format!("bench/{s}")),
+                PathBuf::new(),
+            ]
+        })
+        .collect();
     let mut order: Vec<usize> = (0..cases.len()).collect();
     let mut rng = 0x9e37_79b9_7f4a_7c15u64;
     // The opens of the two mapping cases at 16 MiB, by what ran just before (the open is
@@ -666,25 +711,26 @@ pub fn fs(rounds: usize, json: Option<&Path>, extra: &[String]) -> anyhow::Resul
             shuffle(&mut order, &mut rng);
             for &c in &order {
                 evict(&evictors[i]);
-                let st = Instant::now();
-                match c {
-                    0 | 1 => {
-                        let path = if c == 0 {
-                            mnt.join(format!("bench/{s}"))
-                        } else {
-                            pool.join(format!("n/bench/{s}"))
-                        };
-                        for (k, d) in retrieve_phases(&path, s)?.into_iter().enumerate() {
-                            inline[i][c][k].push(d);
-                        }
-                    }
-                    2 => {
-                        let mut f = std::fs::File::open(cmnt.join(format!("bench/{s}")))?;
-                        f.read_exact(&mut bufs[i])?;
-                    }
-                    _ => peers[i].fetch(&mut bufs[i])?,
+                if c == 3 {
+                    peers[i].cool()?;
                 }
+                let path = &paths[i][c];
+                let st = Instant::now();
+                let phases = match c {
+                    0 | 1 => Some(retrieve_phases(path, s)?),
+                    2 => {
+                        std::fs::File::open(path)?.read_exact(&mut bufs[i])?;
+                        None
+                    }
+                    _ => {
+                        peers[i].fetch(&mut bufs[i])?;
+                        None
+                    }
+                };
                 t[i][c].push(st.elapsed());
+                for (k, d) in phases.into_iter().flatten().enumerate() {
+                    inline[i][c][k].push(d);
+                }
                 if c < 2
                     && s == 16 << 20
                     && let Some(p) = prev
