@@ -18,10 +18,10 @@ How each verb maps onto the file system (see doc/PYTHON.md):
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import mmap
 import os
+import sys
 import threading
 import time
 import uuid
@@ -29,7 +29,6 @@ import warnings
 import weakref
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence
 
-from .buffers import address_of
 from .config import MaruConfig
 from .errors import (
     MaruError,
@@ -45,6 +44,8 @@ _XATTR_ENTRIES = "user.maru.entries"
 _XATTR_BYTES = "user.maru.bytes"
 _XATTR_PREFIX = "user.maru."
 _TEMP_PREFIX_B = os.fsencode(TEMP_PREFIX)
+# Python >= 3.13 can map without keeping a duplicate descriptor per mapping.
+_NO_FD_COPY: Dict[str, Any] = {"trackfd": False} if sys.version_info >= (3, 13) else {}
 
 # Errors that mean "the mount is not (yet) served": keep waiting in connect().
 _NOT_SERVED = (
@@ -73,67 +74,17 @@ def _drop_temp(path: bytes, fd: int) -> None:
         pass
 
 
-# Mapping an entry without fstat(2). ``mmap.mmap(fd, ...)`` calls fstat first, and once any
-# process has mapped an entry, the kernel's cached attributes of that FUSE passthrough file
-# lack a valid atime: that fstat is then a GETATTR round trip to marud on every retrieve,
-# on top of the OPEN. Here an anonymous ``mmap`` object (no descriptor, no fstat) reserves
-# the addresses and owns them (its close() unmaps everything), and the file is mapped over
-# the reservation with MAP_FIXED, at a 2 MiB boundary inside it so that 2 MiB pool pages are
-# mapped whole.
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_MAP_FIXED = 0x10
-_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
-_HUGE = 2 << 20
+def _unmap(view: memoryview, mm: mmap.mmap) -> bool:
+    """Release ``view`` and unmap ``mm``; False (nothing unmapped) if either is still exported.
 
-
-class _Mapping:
-    """``size`` bytes of a file, mapped inside an anonymous reservation that owns them.
-
-    Attributes:
-        size: the mapped length.
-        writable: whether :meth:`view` is writable (shared: the pool's pages; private:
-            copy-on-write).
+    ``view`` is released in any case; the caller makes a new one on failure.
     """
-
-    __slots__ = ("_res", "_off", "size", "writable")
-
-    def __init__(self, fd: int, size: int, *, writable: bool, shared: bool) -> None:
-        slack = _HUGE if size >= _HUGE else 0
-        res = mmap.mmap(-1, size + slack, flags=mmap.MAP_PRIVATE | _MAP_NORESERVE)
-        try:
-            base = address_of(res)
-            start = (base + _HUGE - 1) & ~(_HUGE - 1) if slack else base
-            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-            flags = (mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE) | _MAP_FIXED
-            if _libc.mmap(start, size, prot, flags, fd, 0) != start:
-                err = ctypes.get_errno()
-                raise OSError(err, os.strerror(err))
-        except BaseException:
-            res.close()
-            raise
-        self._res = res
-        self._off = start - base
-        self.size = size
-        self.writable = writable
-
-    def view(self) -> memoryview:
-        """A memoryview of the file's bytes (read-only unless :attr:`writable`)."""
-        v = memoryview(self._res)[self._off : self._off + self.size]
-        return v if self.writable else v.toreadonly()
-
-    def unmap(self, view: memoryview) -> bool:
-        """Release ``view`` and unmap; False (nothing unmapped) if either is still exported.
-
-        ``view`` is released in any case; the caller makes a new one on failure.
-        """
-        try:
-            view.release()
-            self._res.close()
-        except BufferError:
-            return False
-        return True
+    try:
+        view.release()
+        mm.close()
+    except BufferError:
+        return False
+    return True
 
 
 class AllocHandle:
@@ -154,13 +105,13 @@ class AllocHandle:
         name: the temporary name of the allocation in the namespace.
     """
 
-    def __init__(self, handler: "MaruHandler", name: bytes, path: bytes, fd: int, m: _Mapping, size: int) -> None:
+    def __init__(self, handler: "MaruHandler", name: bytes, path: bytes, fd: int, mm: mmap.mmap, size: int) -> None:
         self._handler = handler
         self._name = name
         self._path = path
         self._fd = fd
-        self._mmap: Optional[_Mapping] = m
-        self.buf: memoryview = m.view()
+        self._mmap: Optional[mmap.mmap] = mm
+        self.buf: memoryview = memoryview(mm)
         self.size = size
         self._done = False
         self._finalizer = weakref.finalize(self, _drop_temp, path, fd)
@@ -184,8 +135,8 @@ class AllocHandle:
         """Release :attr:`buf` and unmap; raises ``BufferError`` if still exported."""
         if self._mmap is None:
             return
-        if not self._mmap.unmap(self.buf):
-            self.buf = self._mmap.view()
+        if not _unmap(self.buf, self._mmap):
+            self.buf = memoryview(self._mmap)
             raise BufferError(
                 f"{self.name}: handle.buf is still in use (a numpy array, tensor or "
                 "memoryview made from it is alive); drop it before store() or free()"
@@ -228,13 +179,13 @@ class MemoryInfo:
     mapped keeps its bytes until it is unmapped.
     """
 
-    def __init__(self, handler: "MaruHandler", key: str, path: bytes, m: Optional[_Mapping], size: int) -> None:
+    def __init__(self, handler: "MaruHandler", key: str, path: bytes, mm: Optional[mmap.mmap], size: int) -> None:
         self._handler = handler
         self.key = key
         self._path = path
-        self._mmap = m
+        self._mmap = mm
         self.size = size
-        self.view: memoryview = m.view() if m is not None else memoryview(b"")
+        self.view: memoryview = memoryview(mm) if mm is not None else memoryview(b"")
         self._closed = False
 
     @property
@@ -258,8 +209,8 @@ class MemoryInfo:
         if self._closed:
             return
         if self._mmap is not None:
-            if not self._mmap.unmap(self.view):
-                self.view = self._mmap.view()
+            if not _unmap(self.view, self._mmap):
+                self.view = memoryview(self._mmap)
                 raise BufferError(
                     f"{self.key}: the mapping is still in use (a numpy array, tensor or "
                     "memoryview made from info.view is alive); drop it before close()"
@@ -494,7 +445,7 @@ class MaruHandler:
             # Reserve the pages now: writing through a mapping of a sparse file
             # in a full pool would kill the process with SIGBUS.
             os.posix_fallocate(fd, 0, size)
-            mm = _Mapping(fd, size, writable=True, shared=True)
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as e:
             _drop_temp(path, fd)
             raise from_oserror(e, f"alloc({size})", os.fsdecode(path)) from e
@@ -664,10 +615,12 @@ class MaruHandler:
                 return None
             raise from_oserror(e, "retrieve", os.fsdecode(path)) from e
         try:
-            # The size from lseek, not fstat: the kernel answers it from its cache (see
-            # _Mapping), so the OPEN is the only round trip of a retrieve.
-            size = os.lseek(fd, 0, os.SEEK_END)
-            mm = _Mapping(fd, size, writable=copy_on_write, shared=not copy_on_write) if size else None
+            access = mmap.ACCESS_COPY if copy_on_write else mmap.ACCESS_READ
+            try:
+                mm: Optional[mmap.mmap] = mmap.mmap(fd, 0, access=access, **_NO_FD_COPY)
+                size = len(mm)  # type: ignore[arg-type]
+            except ValueError:  # "cannot mmap an empty file"
+                mm, size = None, 0
         except OSError as e:
             raise from_oserror(e, "retrieve: mmap", os.fsdecode(path)) from e
         finally:
