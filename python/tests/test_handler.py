@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import errno
 import gc
+import json
 import os
+import subprocess
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -180,6 +183,58 @@ def test_retrieved_view_is_the_pool_page(handler: maru.MaruHandler) -> None:
             assert reader == writer_pfns[i], "the reader does not map the page the writer filled"
     with handler.retrieve("zc", copy_on_write=True) as cow:  # type: ignore[union-attr]
         assert pfn_of(cow.view, 0) == writer_pfns[0]  # a private mapping shares until written
+
+
+def _fuse_ops(marud: Marud) -> dict:
+    """marud's counts of the requests its mount received (``maructl status --json``)."""
+    maructl = Path(marud.binary).parent / "maructl"
+    out = subprocess.run(
+        [str(maructl), "status", "--socket", str(marud.socket), "--json"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return {k: v for k, v in json.loads(out)["ops"].items() if k.startswith("fuse_")}
+
+
+def _smaps_kib(addr: int, field: str) -> int:
+    """The ``field`` (kB) of /proc/self/smaps for the mapping that holds ``addr``."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == field:
+                return int(line.split()[1])
+    raise AssertionError(f"no {field} for {addr:#x}")
+
+
+def test_a_retrieve_maps_2mib_pages_with_one_open(handler: maru.MaruHandler, marud: Marud) -> None:
+    """retrieve() of a hot key maps the entry at a 2 MiB boundary, the pool's 2 MiB pages
+    whole, whatever its size; marud sees one OPEN per retrieve and no LOOKUP (the kernel
+    caches names). (``mmap.mmap`` also calls fstat, which after a mapping of a passthrough
+    file refreshes its atime with a GETATTR: doc/PYTHON.md.)"""
+    size = (4 << 20) + 4096  # not a multiple of 2 MiB
+    data = pattern(5, size)
+    assert put(handler, "rt", data)
+    with handler.retrieve("rt") as info:  # type: ignore[union-attr]
+        assert info.view[size - 1] == data[-1]
+    n = 5
+    before = _fuse_ops(marud)
+    for _ in range(n):
+        with handler.retrieve("rt") as info:  # type: ignore[union-attr]
+            assert bytes(info.view[:64]) == data[:64] and info.view[size - 1] == data[-1]
+            addr = maru.address_of(info.view)
+            assert addr % (2 << 20) == 0
+            for off in range(0, size, 4096):
+                _ = info.view[off]
+            assert _smaps_kib(addr, "ShmemPmdMapped:") == 4 << 10
+    after = _fuse_ops(marud)
+    grew = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert grew.get("fuse_open") == n, grew
+    assert grew.get("fuse_lookup", 0) == 0 and grew.get("fuse_getattr", 0) <= n, grew
 
 
 def test_invalid_keys_are_refused(handler: maru.MaruHandler) -> None:
