@@ -350,11 +350,17 @@ pub enum Upcall {
     Readdir,
     Statfs,
     Create,
+    Getxattr,
+    Setxattr,
+    Listxattr,
+    Removexattr,
+    Fallocate,
+    Opendir,
 }
 
 impl Upcall {
     /// Every upcall, in discriminant order (`ALL[op as usize] == op`).
-    pub const ALL: [Upcall; 15] = [
+    pub const ALL: [Upcall; 21] = [
         Upcall::Lookup,
         Upcall::Getattr,
         Upcall::Setattr,
@@ -370,6 +376,12 @@ impl Upcall {
         Upcall::Readdir,
         Upcall::Statfs,
         Upcall::Create,
+        Upcall::Getxattr,
+        Upcall::Setxattr,
+        Upcall::Listxattr,
+        Upcall::Removexattr,
+        Upcall::Fallocate,
+        Upcall::Opendir,
     ];
 
     /// The request's name, lower case (as in `fuse_lowlevel_ops`).
@@ -390,6 +402,12 @@ impl Upcall {
             Upcall::Readdir => "readdir",
             Upcall::Statfs => "statfs",
             Upcall::Create => "create",
+            Upcall::Getxattr => "getxattr",
+            Upcall::Setxattr => "setxattr",
+            Upcall::Listxattr => "listxattr",
+            Upcall::Removexattr => "removexattr",
+            Upcall::Fallocate => "fallocate",
+            Upcall::Opendir => "opendir",
         }
     }
 }

@@ -691,7 +691,8 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         reply.ok();
     }
 
-    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+    fn opendir(&self, req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        let _span = self.enter(Upcall::Opendir, req);
         match self.fs.getattr(ino.0) {
             Ok(a) if a.kind == Kind::Dir => reply.opened(FileHandle(0), FopenFlags::empty()),
             Ok(_) => reply.error(Errno::ENOTDIR),
@@ -741,6 +742,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         _pos: u32,
         reply: ReplyEmpty,
     ) {
+        let _span = self.enter(Upcall::Setxattr, req);
         let name = match name_str(name) {
             Ok(n) => n,
             Err(e) => return reply.error(e),
@@ -751,7 +753,8 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         }
     }
 
-    fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+    fn getxattr(&self, req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        let _span = self.enter(Upcall::Getxattr, req);
         let name = match name_str(name) {
             Ok(n) => n,
             Err(e) => return reply.error(e),
@@ -759,11 +762,13 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         xattr_reply(reply, size, self.fs.getxattr(ino.0, name));
     }
 
-    fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+    fn listxattr(&self, req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+        let _span = self.enter(Upcall::Listxattr, req);
         xattr_reply(reply, size, self.fs.listxattr(ino.0));
     }
 
     fn removexattr(&self, req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let _span = self.enter(Upcall::Removexattr, req);
         let name = match name_str(name) {
             Ok(n) => n,
             Err(e) => return reply.error(e),
@@ -821,7 +826,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
 
     fn fallocate(
         &self,
-        _req: &Request,
+        req: &Request,
         _ino: INodeNo,
         fh: FileHandle,
         offset: u64,
@@ -829,6 +834,7 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         mode: i32,
         reply: ReplyEmpty,
     ) {
+        let _span = self.enter(Upcall::Fallocate, req);
         match self.fs.fallocate(fh.0, offset, length, mode) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(&e)),

@@ -686,18 +686,21 @@ fn dispatch<B: Backend>(fs: &FuseFs<B>, dev: &Arc<OwnedFd>, r: &Req<'_>) -> Resu
             empty(f.flush(&r.caller(false), u64_at(r.op, 0)))
         }
         FSYNC | FSYNCDIR | RELEASEDIR | ACCESS | DESTROY => Ok(Vec::new()),
-        OPENDIR => match f.getattr(ino) {
-            Ok(a) if a.kind == Kind::Dir => Ok(open_out(
-                &Opened {
-                    fh: 0,
-                    flags: FopenFlags::empty(),
-                    passthrough: false,
-                },
-                0,
-            )),
-            Ok(_) => Err(Errno::ENOTDIR),
-            Err(e) => Err(errno(&e)),
-        },
+        OPENDIR => {
+            let _span = fs.enter_pid(Upcall::Opendir, r.pid);
+            match f.getattr(ino) {
+                Ok(a) if a.kind == Kind::Dir => Ok(open_out(
+                    &Opened {
+                        fh: 0,
+                        flags: FopenFlags::empty(),
+                        passthrough: false,
+                    },
+                    0,
+                )),
+                Ok(_) => Err(Errno::ENOTDIR),
+                Err(e) => Err(errno(&e)),
+            }
+        }
         READDIR => {
             let _span = fs.enter_pid(Upcall::Readdir, r.pid);
             let (offset, size) = (u64_at(r.op, 8), u32_at(r.op, 16) as usize);
@@ -723,6 +726,7 @@ fn dispatch<B: Backend>(fs: &FuseFs<B>, dev: &Arc<OwnedFd>, r: &Req<'_>) -> Resu
             Ok(out)
         }
         SETXATTR => {
+            let _span = fs.enter_pid(Upcall::Setxattr, r.pid);
             let size = u32_at(r.op, 0) as usize;
             let name = r.name(0)?;
             let value = r
@@ -731,10 +735,20 @@ fn dispatch<B: Backend>(fs: &FuseFs<B>, dev: &Arc<OwnedFd>, r: &Req<'_>) -> Resu
                 .ok_or(Errno::EINVAL)?;
             empty(f.setxattr(&r.caller(true), ino, name, value))
         }
-        GETXATTR => xattr_out(u32_at(r.op, 0), f.getxattr(ino, r.name(0)?)),
-        LISTXATTR => xattr_out(u32_at(r.op, 0), f.listxattr(ino)),
-        REMOVEXATTR => empty(f.setxattr(&r.caller(true), ino, r.name(0)?, b"0")),
+        GETXATTR => {
+            let _span = fs.enter_pid(Upcall::Getxattr, r.pid);
+            xattr_out(u32_at(r.op, 0), f.getxattr(ino, r.name(0)?))
+        }
+        LISTXATTR => {
+            let _span = fs.enter_pid(Upcall::Listxattr, r.pid);
+            xattr_out(u32_at(r.op, 0), f.listxattr(ino))
+        }
+        REMOVEXATTR => {
+            let _span = fs.enter_pid(Upcall::Removexattr, r.pid);
+            empty(f.setxattr(&r.caller(true), ino, r.name(0)?, b"0"))
+        }
         FALLOCATE => {
+            let _span = fs.enter_pid(Upcall::Fallocate, r.pid);
             let (fh, offset, length) = (u64_at(r.op, 0), u64_at(r.op, 8), u64_at(r.op, 16));
             let mode = u32_at(r.op, 24) as i32;
             empty(f.fallocate(fh, offset, length, mode))

@@ -454,7 +454,21 @@ fn xattrs_show_state_and_pin() {
     std::fs::create_dir(d.path("x")).unwrap();
     let p = d.path("x/k");
     std::fs::write(&p, b"abc").unwrap();
+    let gets = || {
+        d.handler()
+            .stats()
+            .unwrap()
+            .ops
+            .get("fuse_getxattr")
+            .copied()
+    };
+    let before = gets().unwrap_or(0);
     assert_eq!(xattr(&p, "user.maru.state").unwrap(), b"sealed");
+    assert_eq!(
+        gets(),
+        Some(before + 1),
+        "marud counts the GETXATTR it served"
+    );
     assert_eq!(xattr(&p, "user.maru.size").unwrap(), b"3");
     assert_eq!(xattr(&p, "user.maru.pinned").unwrap(), b"0");
     assert!(
