@@ -2269,7 +2269,7 @@ impl Store {
             target: Some((p.clone(), name.to_owned())),
             uid: c.uid,
             gid: c.gid,
-            mode: mode & 0o7777,
+            mode: mode & ENTRY_MODES,
             mtime: now(),
             acct: 0,
             tgid: c.tgid(),
@@ -2551,7 +2551,7 @@ impl Store {
             set_owner_mode(
                 (&mut a.mode, &mut a.uid, &mut a.gid),
                 (mode, uid, gid),
-                0o7777,
+                ENTRY_MODES,
             );
             let a = &st.allocs[&ino];
             return Ok(self.alloc_attr(ino, a));
@@ -2567,7 +2567,7 @@ impl Store {
         set_owner_mode(
             (&mut e.mode, &mut e.uid, &mut e.gid),
             (mode, uid, gid),
-            0o7555,
+            ENTRY_MODES & !0o222,
         );
         let e = e.clone();
         if let PoolImpl::Memfs(m) = &self.pools[e.pool as usize].imp {
@@ -2868,6 +2868,12 @@ fn shmem_huge_bytes() -> u64 {
 }
 
 /// Applies a chmod/chown request; `mask` limits the mode bits that may be set.
+/// The mode bits an entry can have: never set-user-ID or set-group-ID (entries are data; the
+/// mount is `nosuid,noexec`). So no write or truncate ever has such bits (or file
+/// capabilities: only `user.maru.*` attributes exist) to clear, which lets the mount take the
+/// kernel's FUSE_HANDLE_KILLPRIV_V2 without a GETXATTR before every `write(2)`.
+const ENTRY_MODES: u32 = 0o1777;
+
 fn set_owner_mode(
     cur: (&mut u32, &mut u32, &mut u32),
     new: (Option<u32>, Option<u32>, Option<u32>),

@@ -442,6 +442,11 @@ impl<B: Backend> Filesystem for FuseFs<B> {
             ),
         }
         let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
+        // Entries never carry set-user-ID/set-group-ID bits nor file capabilities (the store
+        // masks them), so there is never anything to kill on a write, truncate or chown:
+        // saying so spares the kernel's GETXATTR of `security.capability` before every
+        // `write(2)` (it then checks once per inode and attribute refresh).
+        let _ = config.add_capabilities(InitFlags::FUSE_HANDLE_KILLPRIV_V2);
         if self.transport.want_uring.load(Ordering::Acquire) {
             // Every ring entry's payload buffer must hold the largest request or reply:
             // max(max_write, max_pages pages), so both are bounded to RING_PAYLOAD.

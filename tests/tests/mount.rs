@@ -491,6 +491,48 @@ fn xattrs_show_state_and_pin() {
 }
 
 #[test]
+fn entries_never_carry_setuid_bits_and_writes_ask_no_xattrs() {
+    use std::os::unix::fs::OpenOptionsExt;
+    let d = daemon();
+    std::fs::create_dir(d.path("s")).unwrap();
+    let p = d.path("s/e");
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+    let mut f = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o6755)
+        .open(&p)
+        .unwrap();
+    assert_eq!(mode(&p), 0o755, "set-user/group-ID dropped at create");
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o4644)).unwrap();
+    assert_eq!(mode(&p), 0o644, "and by chmod while written");
+    // Nothing to kill on a write, and the kernel knows it (FUSE_HANDLE_KILLPRIV_V2): it
+    // checks the file's security attributes once, not before every write(2).
+    let gets = || {
+        d.handler()
+            .stats()
+            .unwrap()
+            .ops
+            .get("fuse_getxattr")
+            .copied()
+            .unwrap_or(0)
+    };
+    let before = gets();
+    for _ in 0..16 {
+        f.write_all(&[7u8; 65536]).unwrap();
+    }
+    assert!(
+        gets() - before <= 1,
+        "{} GETXATTR for 16 writes",
+        gets() - before
+    );
+    drop(f);
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o6444)).unwrap();
+    assert_eq!(mode(&p), 0o444, "and by chmod once sealed");
+    assert_eq!(std::fs::read(&p).unwrap(), vec![7u8; 16 * 65536]);
+}
+
+#[test]
 fn rename_publishes_a_temp_name_and_tools_work() {
     let d = daemon();
     std::fs::create_dir(d.path("t")).unwrap();
