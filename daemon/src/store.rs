@@ -2867,13 +2867,13 @@ fn shmem_huge_bytes() -> u64 {
         * 1024
 }
 
-/// Applies a chmod/chown request; `mask` limits the mode bits that may be set.
 /// The mode bits an entry can have: never set-user-ID or set-group-ID (entries are data; the
 /// mount is `nosuid,noexec`). So no write or truncate ever has such bits (or file
 /// capabilities: only `user.maru.*` attributes exist) to clear, which lets the mount take the
 /// kernel's FUSE_HANDLE_KILLPRIV_V2 without a GETXATTR before every `write(2)`.
 const ENTRY_MODES: u32 = 0o1777;
 
+/// Applies a chmod/chown request; `mask` limits the mode bits that may be set.
 fn set_owner_mode(
     cur: (&mut u32, &mut u32, &mut u32),
     new: (Option<u32>, Option<u32>, Option<u32>),

@@ -332,7 +332,7 @@ pub trait Backend: Send + Sync + 'static {
     fn count_upcall(&self, _op: Upcall) {}
 }
 
-/// The FUSE requests marud counts (`maructl stats`: `fuse_<name>`).
+/// The FUSE requests marud counts (`maructl status`: `fuse_<name>`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Upcall {
     Lookup,
@@ -409,5 +409,21 @@ impl Upcall {
             Upcall::Fallocate => "fallocate",
             Upcall::Opendir => "opendir",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Upcall;
+
+    #[test]
+    fn upcalls_are_listed_in_discriminant_order_with_distinct_names() {
+        for (i, op) in Upcall::ALL.iter().enumerate() {
+            assert_eq!(*op as usize, i, "{op:?}");
+        }
+        let mut names: Vec<_> = Upcall::ALL.iter().map(|o| o.name()).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), Upcall::ALL.len());
     }
 }

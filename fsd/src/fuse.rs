@@ -329,7 +329,6 @@ impl<B: Backend> FuseFs<B> {
         })
     }
 
-    /// The backing file of `ino` when its backing is kept registered (a sealed entry).
     /// One more use of the kept backing of `ino` (a sealed entry opened before, see
     /// [`Self::put_backing`]): its file, or None.
     fn reuse_kept(&self, ino: u64) -> Option<Arc<std::fs::File>> {

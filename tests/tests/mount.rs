@@ -15,6 +15,25 @@ fn daemon() -> Daemon {
     Daemon::start(Opts::default())
 }
 
+/// How many requests of kind `op` (`"fuse_open"`, ...) marud has served through the mount.
+fn fuse_ops(d: &Daemon, op: &str) -> u64 {
+    d.handler()
+        .stats()
+        .unwrap()
+        .ops
+        .get(op)
+        .copied()
+        .unwrap_or(0)
+}
+
+/// Writes a sealed entry of `size` pattern bytes at `ns/key` (the namespace is created).
+fn sealed_entry(d: &Daemon, ns: &str, key: &str, seed: u64, size: usize) -> std::path::PathBuf {
+    std::fs::create_dir(d.path(ns)).unwrap();
+    let p = d.path(&format!("{ns}/{key}"));
+    std::fs::write(&p, pattern(seed, size)).unwrap();
+    p
+}
+
 fn python(code: &str, args: &[&str]) -> String {
     let out = Command::new("python3")
         .arg("-c")
@@ -100,10 +119,9 @@ fn python_stores_python_and_rust_retrieve() {
 #[test]
 fn mount_mapping_is_the_pool_page() {
     let d = daemon();
-    std::fs::create_dir(d.path("pfn")).unwrap();
     let size = 8 << 20;
-    std::fs::write(d.path("pfn/k"), pattern(1, size)).unwrap();
-    let via_mount = File::open(d.path("pfn/k")).unwrap();
+    let p = sealed_entry(&d, "pfn", "k", 1, size);
+    let via_mount = File::open(&p).unwrap();
     let backing = File::open(d.pool_dir().join("n/pfn/k")).unwrap();
     // SAFETY: read-only mappings of a sealed entry.
     let (a, b) = unsafe {
@@ -118,16 +136,15 @@ fn mount_mapping_is_the_pool_page() {
     assert!(pa[0] != 0, "PFNs are zero: not root?");
     assert_eq!(pa, pb, "the mount's mapping is not the pool's pages");
     // The entry says how it is served.
-    let access = xattr(&d.path("pfn/k"), "user.maru.access").unwrap();
+    let access = xattr(&p, "user.maru.access").unwrap();
     assert_eq!(access, b"passthrough");
     // The daemon counts the requests the mount sent it: a sealed entry opened read-only
     // again is one OPEN (the lookup and attributes come from the kernel's cache).
-    let ops = |name: &str| d.handler().stats().unwrap().ops.get(name).copied();
-    let before = ops("fuse_open").expect("fuse_open counted");
-    let lookups = ops("fuse_lookup");
-    drop(File::open(d.path("pfn/k")).unwrap());
-    assert_eq!(ops("fuse_open"), Some(before + 1));
-    assert_eq!(ops("fuse_lookup"), lookups);
+    let (opens, lookups) = (fuse_ops(&d, "fuse_open"), fuse_ops(&d, "fuse_lookup"));
+    assert!(opens > 0, "fuse_open counted");
+    drop(File::open(&p).unwrap());
+    assert_eq!(fuse_ops(&d, "fuse_open"), opens + 1);
+    assert_eq!(fuse_ops(&d, "fuse_lookup"), lookups);
 }
 
 /// The `field` (kB) of `/proc/self/smaps` for the mapping that starts at `addr`.
@@ -147,10 +164,8 @@ fn a_plain_mapping_of_a_large_entry_uses_2mib_pages() {
     // kernel places it at a 2 MiB boundary, FUSE file or not, so the pool's 2 MiB pages are
     // mapped with one page-table entry each.
     let d = daemon();
-    std::fs::create_dir(d.path("huge")).unwrap();
     let size = 16 << 20;
-    std::fs::write(d.path("huge/k"), pattern(3, size)).unwrap();
-    let f = File::open(d.path("huge/k")).unwrap();
+    let f = File::open(sealed_entry(&d, "huge", "k", 3, size)).unwrap();
     // SAFETY: a read-only mapping of a sealed entry.
     let m = unsafe { memmap2::Mmap::map(&f).unwrap() };
     let sum: u64 = m.iter().step_by(4096).map(|b| u64::from(*b)).sum();
@@ -454,19 +469,11 @@ fn xattrs_show_state_and_pin() {
     std::fs::create_dir(d.path("x")).unwrap();
     let p = d.path("x/k");
     std::fs::write(&p, b"abc").unwrap();
-    let gets = || {
-        d.handler()
-            .stats()
-            .unwrap()
-            .ops
-            .get("fuse_getxattr")
-            .copied()
-    };
-    let before = gets().unwrap_or(0);
+    let before = fuse_ops(&d, "fuse_getxattr");
     assert_eq!(xattr(&p, "user.maru.state").unwrap(), b"sealed");
     assert_eq!(
-        gets(),
-        Some(before + 1),
+        fuse_ops(&d, "fuse_getxattr"),
+        before + 1,
         "marud counts the GETXATTR it served"
     );
     assert_eq!(xattr(&p, "user.maru.size").unwrap(), b"3");
@@ -508,24 +515,12 @@ fn entries_never_carry_setuid_bits_and_writes_ask_no_xattrs() {
     assert_eq!(mode(&p), 0o644, "and by chmod while written");
     // Nothing to kill on a write, and the kernel knows it (FUSE_HANDLE_KILLPRIV_V2): it
     // checks the file's security attributes once, not before every write(2).
-    let gets = || {
-        d.handler()
-            .stats()
-            .unwrap()
-            .ops
-            .get("fuse_getxattr")
-            .copied()
-            .unwrap_or(0)
-    };
-    let before = gets();
+    let before = fuse_ops(&d, "fuse_getxattr");
     for _ in 0..16 {
         f.write_all(&[7u8; 65536]).unwrap();
     }
-    assert!(
-        gets() - before <= 1,
-        "{} GETXATTR for 16 writes",
-        gets() - before
-    );
+    let asked = fuse_ops(&d, "fuse_getxattr") - before;
+    assert!(asked <= 1, "{asked} GETXATTR for 16 writes");
     drop(f);
     std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o6444)).unwrap();
     assert_eq!(mode(&p), 0o444, "and by chmod once sealed");

@@ -577,28 +577,20 @@ fn shuffle(v: &mut [usize], state: &mut u64) {
 /// Flushes from every CPU cache the lines [`touch`] reads of `m` (and their neighbours,
 /// which the adjacent-line prefetcher brings along).
 fn evict(m: &[u8]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        for off in (0..m.len()).step_by(4096) {
-            for line in [0, 64] {
-                if let Some(b) = m.get(off + line) {
-                    // SAFETY: clflush of an address inside a live mapping.
-                    unsafe { std::arch::x86_64::_mm_clflush(b) };
-                }
-            }
-        }
-        // SAFETY: a fence has no preconditions.
-        unsafe { std::arch::x86_64::_mm_mfence() };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = m;
+    clflush(m, (0..m.len()).step_by(4096).flat_map(|p| [p, p + 64]));
 }
 
 /// Flushes every cache line of `m` from every CPU cache.
 fn evict_all(m: &[u8]) {
+    clflush(m, (0..m.len()).step_by(64));
+}
+
+/// Flushes the lines of `m` at `offsets` (those past its end are skipped) from every CPU
+/// cache, then fences.
+fn clflush(m: &[u8], offsets: impl Iterator<Item = usize>) {
     #[cfg(target_arch = "x86_64")]
     {
-        for b in m.iter().step_by(64) {
+        for b in offsets.filter_map(|o| m.get(o)) {
             // SAFETY: clflush of an address inside a live buffer.
             unsafe { std::arch::x86_64::_mm_clflush(b) };
         }
@@ -606,7 +598,7 @@ fn evict_all(m: &[u8]) {
         unsafe { std::arch::x86_64::_mm_mfence() };
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = m;
+    let _ = (m, offsets);
 }
 
 /// The TCP peer's request byte for [`evict_all`] of what it sends (any other byte: send).
