@@ -135,7 +135,12 @@ struct Entry {
     size: u64,
     asize: u64,
     pinned: bool,
+    /// Last use (the store's clock).
     tick: u64,
+    /// The key this entry is filed under in `State::lru`: its `tick` when last filed. A use
+    /// only moves `tick`; eviction re-files entries whose key fell behind (see
+    /// [`State::settle_lru`]), so the hot path of a retrieval never reorders the tree.
+    lru_key: u64,
     slot: usize,
     owner: Option<u64>,
     leases: u32,
@@ -487,6 +492,7 @@ impl Store {
                             asize: align_up(f.size.max(1), ENTRY_ALIGN),
                             pinned: f.pinned,
                             tick: 0,
+                            lru_key: 0,
                             slot: 0,
                             owner: None,
                             leases: 0,
@@ -591,6 +597,7 @@ impl Store {
                                 asize,
                                 pinned: pin,
                                 tick: 0,
+                                lru_key: 0,
                                 slot: 0,
                                 owner: None,
                                 leases: 0,
@@ -732,6 +739,7 @@ impl Store {
     fn insert_entry(&self, st: &mut State, mut e: Entry) {
         st.tick += 1;
         e.tick = st.tick;
+        e.lru_key = e.tick;
         let view = slot_view(&e);
         let n = st.ns.get_mut(&e.ns).expect("namespace exists");
         if n.index.needs_rebuild() {
@@ -782,7 +790,7 @@ impl Store {
     /// Removes a sealed entry from the namespace and index; frees its space unless leased.
     fn remove_entry(&self, st: &mut State, ino: u64, evicted: bool) -> Option<Invalidation> {
         let e = st.entries.remove(&ino)?;
-        st.lru.remove(&e.tick);
+        st.lru.remove(&e.lru_key);
         if st.gone.len() > 4096 {
             st.gone.clear();
         }
@@ -890,6 +898,7 @@ impl Store {
         let mut freed = 0;
         let mut count = 0;
         let mut inv = Vec::new();
+        st.settle_lru();
         let candidates: Vec<u64> = st
             .lru
             .values()
@@ -1501,6 +1510,7 @@ impl Store {
                 asize,
                 pinned: false,
                 tick: 0,
+                lru_key: 0,
                 slot: 0,
                 owner: a.session,
                 leases: 0,
@@ -1978,6 +1988,24 @@ impl Store {
                 }
             }
         }
+        // Every entry is filed once in the LRU tree, under a key no later than its last use.
+        if st.lru.len() != st.entries.len() {
+            return Err(format!(
+                "lru files {} entries, the store has {}",
+                st.lru.len(),
+                st.entries.len()
+            ));
+        }
+        for (ino, e) in &st.entries {
+            if st.lru.get(&e.lru_key) != Some(ino) || e.tick < e.lru_key {
+                return Err(format!(
+                    "inode {ino}: filed under {} in lru ({:?}), last used at {}",
+                    e.lru_key,
+                    st.lru.get(&e.lru_key),
+                    e.tick
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -2071,14 +2099,35 @@ fn slot_view(e: &Entry) -> SlotView {
 }
 
 impl State {
-    /// Marks entry `ino` as the most recently used.
-    fn touch(&mut self, ino: u64) {
+    /// Marks entry `ino` as the most recently used (its place in `lru` is settled when
+    /// eviction next needs the order); false when there is no such entry.
+    fn touch(&mut self, ino: u64) -> bool {
         self.tick += 1;
         let tick = self.tick;
-        if let Some(e) = self.entries.get_mut(&ino) {
-            self.lru.remove(&e.tick);
-            e.tick = tick;
-            self.lru.insert(tick, ino);
+        match self.entries.get_mut(&ino) {
+            Some(e) => {
+                e.tick = tick;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Re-files in `lru` every entry used since it was filed, so that the tree's order is
+    /// the order of last use again (before eviction walks it).
+    fn settle_lru(&mut self) {
+        let stale: Vec<(u64, u64)> = self
+            .lru
+            .iter()
+            .filter(|(k, ino)| self.entries.get(ino).is_some_and(|e| e.tick != **k))
+            .map(|(k, ino)| (*k, *ino))
+            .collect();
+        for (k, ino) in stale {
+            self.lru.remove(&k);
+            if let Some(e) = self.entries.get_mut(&ino) {
+                e.lru_key = e.tick;
+                self.lru.insert(e.tick, ino);
+            }
         }
     }
 
@@ -2332,12 +2381,11 @@ impl Store {
     /// Opens again a sealed entry whose backing file the mount holds (see `fs_open`): it
     /// must still exist; the open counts as a use for eviction.
     pub fn fs_reopen(&self, ino: u64) -> Result<()> {
-        let mut st = self.st.lock();
-        if !st.entries.contains_key(&ino) {
-            return Err(Error::NotFound(format!("inode {ino}")));
+        if self.st.lock().touch(ino) {
+            Ok(())
+        } else {
+            Err(Error::NotFound(format!("inode {ino}")))
         }
-        st.touch(ino);
-        Ok(())
     }
 
     /// A handle of the mount was released (drops its lease on raw entries).
@@ -2744,7 +2792,7 @@ impl Store {
             let mut moved = e;
             moved.ns = np.clone();
             moved.key = newname.to_owned();
-            st.lru.remove(&moved.tick);
+            st.lru.remove(&moved.lru_key);
             st.entries.remove(&ino);
             let ps = &mut st.pools[moved.pool as usize];
             ps.sealed_bytes -= moved.asize;

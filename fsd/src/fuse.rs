@@ -198,6 +198,9 @@ pub(crate) struct Opened {
     pub(crate) flags: FopenFlags,
     /// Serve read, write and mmap from the inode's backing file (passthrough).
     pub(crate) passthrough: bool,
+    /// The backing id registered over the ring's descriptor, when the open already found it
+    /// (a kept entry), so that the reply needs no second look at the backings.
+    pub(crate) raw_id: Option<u32>,
 }
 
 pub(crate) fn name_str(name: &OsStr) -> Result<&str, Errno> {
@@ -230,12 +233,13 @@ impl<B: Backend> FuseFs<B> {
         // A sealed entry whose backing is still registered (the common open of a hot key):
         // its file and backing id are at hand, only the store's checks and bookkeeping remain
         // (no path walk in the pool, one look at the backings).
-        if !write && let Some(file) = self.reuse_kept(ino) {
+        if !write && let Some((file, raw_id)) = self.reuse_kept(ino) {
             return match self.fs.reopen(c, ino, file) {
                 Ok(fh) => Ok(Opened {
                     fh,
                     flags: FopenFlags::FOPEN_NOFLUSH,
                     passthrough: true,
+                    raw_id,
                 }),
                 Err(e) => {
                     self.put_backing(ino, true);
@@ -257,6 +261,7 @@ impl<B: Backend> FuseFs<B> {
             fh,
             flags: fl,
             passthrough,
+            raw_id: None,
         })
     }
 
@@ -280,6 +285,7 @@ impl<B: Backend> FuseFs<B> {
                 fh,
                 flags: FopenFlags::empty(),
                 passthrough,
+                raw_id: None,
             },
         ))
     }
@@ -330,12 +336,17 @@ impl<B: Backend> FuseFs<B> {
     }
 
     /// One more use of the kept backing of `ino` (a sealed entry opened before, see
-    /// [`Self::put_backing`]): its file, or None.
-    fn reuse_kept(&self, ino: u64) -> Option<Arc<std::fs::File>> {
+    /// [`Self::put_backing`]): its file and, when registered over a ring's descriptor, its
+    /// backing id; or None.
+    fn reuse_kept(&self, ino: u64) -> Option<(Arc<std::fs::File>, Option<u32>)> {
         let mut m = self.backing.map.lock();
         let r = m.get_mut(&ino).filter(|r| r.keep)?;
         r.open += 1;
-        Some(r.file.clone())
+        let raw = match &r.backing {
+            Backing::Raw { id, .. } => Some(*id),
+            Backing::Fuser(_) => None,
+        };
+        Some((r.file.clone(), raw))
     }
 
     /// `statfs` counts in [`BLKSIZE`] blocks: blocks, free, available, files, free files

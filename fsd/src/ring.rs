@@ -495,6 +495,9 @@ fn raw_backing<B: Backend>(fs: &FuseFs<B>, ino: u64, o: &Opened) -> Result<u32, 
     if !o.passthrough {
         return Ok(0);
     }
+    if let Some(id) = o.raw_id {
+        return Ok(id);
+    }
     match fs.backing_of(ino, |b| match b {
         Backing::Raw { id, .. } => Some(*id),
         Backing::Fuser(_) => None,
@@ -694,6 +697,7 @@ fn dispatch<B: Backend>(fs: &FuseFs<B>, dev: &Arc<OwnedFd>, r: &Req<'_>) -> Resu
                         fh: 0,
                         flags: FopenFlags::empty(),
                         passthrough: false,
+                        raw_id: None,
                     },
                     0,
                 )),

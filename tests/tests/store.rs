@@ -414,6 +414,39 @@ fn full_pool_without_eviction() {
     fill_pool("off");
 }
 
+/// Eviction takes the least recently *used* entries, not the oldest stored: a retrieval
+/// (through libmaru, or an open through the mount) counts as a use.
+#[test]
+fn eviction_spares_recently_retrieved_entries() {
+    let d = Daemon::start(Opts {
+        pools: vec!["memfs:{dir}/pool,size=64M".into()],
+        mount: true,
+        extra: vec!["--eviction".into(), "lru".into()],
+    });
+    let h = d.handler();
+    h.mkdir("u", 0o755).unwrap();
+    let mb = 1 << 20;
+    for i in 0..8u64 {
+        h.put(&format!("u/k{i}"), &pattern(i, mb)).unwrap();
+    }
+    // Used after storing, oldest first in storing order: k0 by libmaru, k1 through the mount,
+    // k0 again (it is now the most recently used).
+    drop(h.retrieve("u/k0").unwrap().unwrap());
+    let mnt = d.mount.clone().expect("mounted");
+    drop(std::fs::File::open(mnt.join("u/k1")).unwrap());
+    drop(h.retrieve("u/k0").unwrap().unwrap());
+    // Make room for 5 MiB more than is free: the least recently used entries go first,
+    // k2, k3, ... in storing order, and neither k1 nor k0.
+    let p = &h.stats().unwrap().pools[0];
+    let (n, _) = h.evict(p.capacity - p.used + 5 * mb as u64).unwrap();
+    assert!((2..=6).contains(&n), "evicted {n}");
+    let left: Vec<u64> = (0..8u64)
+        .filter(|i| h.exists(&format!("u/k{i}")).unwrap())
+        .collect();
+    let want: Vec<u64> = (0..8u64).filter(|i| *i < 2 || *i >= 2 + n).collect();
+    assert_eq!(left, want, "{n} evicted");
+}
+
 #[test]
 fn full_raw_pool_evicts() {
     let d = Daemon::start(Opts {
