@@ -826,25 +826,51 @@ pub fn fs(rounds: usize, json: Option<&Path>, extra: &[String]) -> anyhow::Resul
     ));
     // The same open after the caller computed for a while without touching the kernel (a
     // spin): how much of a system call's cost is the state of the caches, which the VM's
-    // neighbours evict while this one runs in user space.
-    for pause_ms in [0u64, 1, 10] {
+    // neighbours evict while this one runs in user space. Then after work that streams 16
+    // MiB: a copy in user space, and a loopback TCP receive (the kernel's network path,
+    // another process on the other CPU), which leaves the next system call far colder.
+    enum Before {
+        Spin(u64),
+        Memcpy,
+        Tcp,
+    }
+    let src16 = vec![0x5au8; 16 << 20];
+    for before in [
+        Before::Spin(0),
+        Before::Spin(1),
+        Before::Spin(10),
+        Before::Memcpy,
+        Before::Tcp,
+    ] {
         for (label_, path) in [
             ("/maru", hot.clone()),
             ("direct", pool.join(format!("n/bench/{}", sizes[0]))),
         ] {
             let mut v = Vec::with_capacity(rounds);
             for _ in 0..rounds {
-                let t = Instant::now();
-                while t.elapsed() < Duration::from_millis(pause_ms) {
-                    std::hint::spin_loop();
+                match before {
+                    Before::Spin(ms) => {
+                        let t = Instant::now();
+                        while t.elapsed() < Duration::from_millis(ms) {
+                            std::hint::spin_loop();
+                        }
+                    }
+                    Before::Memcpy => bufs[i16].copy_from_slice(&src16),
+                    Before::Tcp => peers[i16].fetch(&mut bufs[i16])?,
                 }
+                std::hint::black_box(&bufs[i16]);
                 let st = Instant::now();
                 let f = std::fs::File::open(&path)?;
                 v.push(st.elapsed());
                 drop(f);
             }
+            let what = match before {
+                Before::Spin(ms) => format!("a {ms} ms spin"),
+                Before::Memcpy => "a 16 MiB memcpy".into(),
+                Before::Tcp => "a 16 MiB loopback TCP receive".into(),
+            };
             rows.push(timed(
-                &format!("open of a hot key after a {pause_ms} ms spin, {label_}"),
+                &format!("open of a hot key after {what}, {label_}"),
                 v,
             ));
         }
