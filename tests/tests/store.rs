@@ -432,8 +432,7 @@ fn eviction_spares_recently_retrieved_entries() {
     // Used after storing, oldest first in storing order: k0 by libmaru, k1 through the mount,
     // k0 again (it is now the most recently used).
     drop(h.retrieve("u/k0").unwrap().unwrap());
-    let mnt = d.mount.clone().expect("mounted");
-    drop(std::fs::File::open(mnt.join("u/k1")).unwrap());
+    drop(std::fs::File::open(d.path("u/k1")).unwrap());
     drop(h.retrieve("u/k0").unwrap().unwrap());
     // Make room for 5 MiB more than is free: the least recently used entries go first,
     // k2, k3, ... in storing order, and neither k1 nor k0.

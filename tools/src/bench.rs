@@ -842,6 +842,11 @@ pub fn fs(rounds: usize, json: Option<&Path>, extra: &[String]) -> anyhow::Resul
         Before::Memcpy,
         Before::Tcp,
     ] {
+        let what = match before {
+            Before::Spin(ms) => format!("a {ms} ms spin"),
+            Before::Memcpy => "a 16 MiB memcpy".into(),
+            Before::Tcp => "a 16 MiB loopback TCP receive".into(),
+        };
         for (label_, path) in [
             ("/maru", hot.clone()),
             ("direct", pool.join(format!("n/bench/{}", sizes[0]))),
@@ -864,11 +869,6 @@ pub fn fs(rounds: usize, json: Option<&Path>, extra: &[String]) -> anyhow::Resul
                 v.push(st.elapsed());
                 drop(f);
             }
-            let what = match before {
-                Before::Spin(ms) => format!("a {ms} ms spin"),
-                Before::Memcpy => "a 16 MiB memcpy".into(),
-                Before::Tcp => "a 16 MiB loopback TCP receive".into(),
-            };
             rows.push(timed(
                 &format!("open of a hot key after {what}, {label_}"),
                 v,
