@@ -203,7 +203,7 @@ pub fn bars(
     chart
         .draw_series(bars.iter().enumerate().map(|(i, b)| {
             Text::new(
-                format!("  {}", crate::report::human(b.1)),
+                format!("  {}", crate::stats::human(b.1)),
                 (b.1, SegmentValue::CenterOf(i as u32)),
                 TextStyle::from(("sans-serif", 16).into_font())
                     .pos(Pos::new(HPos::Left, VPos::Center)),

@@ -109,19 +109,6 @@ pub struct Results {
     pub seconds: f64,
 }
 
-/// A short human number (1.2k, 3.4M).
-pub fn human(v: f64) -> String {
-    if v >= 1e6 {
-        format!("{:.2}M", v / 1e6)
-    } else if v >= 1e4 {
-        format!("{:.0}k", v / 1e3)
-    } else if v >= 1e3 {
-        format!("{:.1}k", v / 1e3)
-    } else {
-        format!("{v:.0}")
-    }
-}
-
 /// Chart color of a system.
 pub fn color(s: System) -> RGBColor {
     match s {
@@ -539,7 +526,5 @@ mod tests {
         let twice = splice(&once, "two\n");
         assert!(twice.contains("two\n") && !twice.contains("one\n"));
         assert!(twice.starts_with(doc) && twice.ends_with(&format!("{END}\n")));
-        assert_eq!(human(1234.0), "1.2k");
-        assert_eq!(human(3_400_000.0), "3.40M");
     }
 }

@@ -69,8 +69,27 @@ pub fn digits_for(v: f64) -> usize {
     }
 }
 
+/// A short human number (1.2k, 3.4M).
+pub fn human(v: f64) -> String {
+    if v >= 1e6 {
+        format!("{:.2}M", v / 1e6)
+    } else if v >= 1e4 {
+        format!("{:.0}k", v / 1e3)
+    } else if v >= 1e3 {
+        format!("{:.1}k", v / 1e3)
+    } else {
+        format!("{v:.0}")
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn human_numbers() {
+        assert_eq!(super::human(1234.0), "1.2k");
+        assert_eq!(super::human(3_400_000.0), "3.40M");
+    }
+
     use super::*;
 
     #[test]

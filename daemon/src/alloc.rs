@@ -38,11 +38,6 @@ impl ExtentAlloc {
         self.free.values().sum()
     }
 
-    /// The largest free extent.
-    pub fn largest_free(&self) -> u64 {
-        self.free.values().copied().max().unwrap_or(0)
-    }
-
     /// Number of free extents (1 when fully coalesced and empty).
     pub fn fragments(&self) -> usize {
         self.free.len()

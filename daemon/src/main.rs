@@ -9,8 +9,10 @@ use maru_daemon::store::{Store, StoreConfig};
 use maru_daemon::{mount, server};
 
 /// Logs go to journald when marud runs under systemd (`JOURNAL_STREAM` is set), to stderr
-/// otherwise. `MARU_LOG` (an EnvFilter) wins over `--log-level`.
+/// otherwise, coloured only when stderr is a terminal (a log redirected to a file has no
+/// escape codes). `MARU_LOG` (an EnvFilter) wins over `--log-level`.
 fn init_logging(filter: &str) {
+    use std::io::IsTerminal;
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;
     let filter = tracing_subscriber::EnvFilter::try_from_env("MARU_LOG")
@@ -23,21 +25,40 @@ fn init_logging(filter: &str) {
         Some(j) => tracing_subscriber::registry().with(filter).with(j).init(),
         None => tracing_subscriber::registry()
             .with(filter)
-            .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .with_writer(std::io::stderr)
+                    .with_ansi(std::io::stderr().is_terminal()),
+            )
             .init(),
     }
 }
 
-fn group_id(name: &str) -> Option<u32> {
-    let c = std::ffi::CString::new(name).ok()?;
-    // SAFETY: valid C string; getgrnam returns a pointer into static storage or NULL.
-    let g = unsafe { libc::getgrnam(c.as_ptr()) };
-    if g.is_null() {
-        None
-    } else {
-        // SAFETY: non-null result of getgrnam.
-        Some(unsafe { (*g).gr_gid })
-    }
+/// The group given the control socket: `--group` (which must exist), else `maru` where it
+/// exists.
+fn socket_group(name: Option<&str>) -> anyhow::Result<Option<server::SocketGroup>> {
+    use nix::unistd::Group;
+    Ok(match name {
+        Some(n) => {
+            let g = Group::from_name(n)
+                .with_context(|| format!("looking up group `{n}`"))?
+                .with_context(|| format!("no group named `{n}`"))?;
+            Some(server::SocketGroup {
+                gid: g.gid.as_raw(),
+                explicit: true,
+            })
+        }
+        None => match Group::from_name("maru") {
+            Ok(g) => g.map(|g| server::SocketGroup {
+                gid: g.gid.as_raw(),
+                explicit: false,
+            }),
+            Err(e) => {
+                tracing::warn!("cannot look up the default group `maru`: {e}");
+                None
+            }
+        },
+    })
 }
 
 fn main() {
@@ -87,14 +108,17 @@ fn drop_capabilities() -> anyhow::Result<()> {
 }
 
 /// Lets marud hold as many descriptors as the hard limit allows (connections, entries open).
+/// A failure leaves the soft limit, which is enough for small setups: a warning.
 fn raise_fd_limit() {
-    // SAFETY: getrlimit/setrlimit with a valid out-parameter.
-    unsafe {
-        let mut r: libc::rlimit = std::mem::zeroed();
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur < r.rlim_max {
-            r.rlim_cur = r.rlim_max;
-            libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let r = getrlimit(Resource::RLIMIT_NOFILE).and_then(|(soft, hard)| {
+        if soft < hard {
+            setrlimit(Resource::RLIMIT_NOFILE, hard, hard)?;
         }
+        Ok(())
+    });
+    if let Err(e) = r {
+        tracing::warn!("cannot raise the descriptor limit to the hard limit: {e}");
     }
 }
 
@@ -104,6 +128,7 @@ fn set_nice(nice: i32) {
     if nice == 0 {
         return;
     }
+    // libc: nix has no setpriority.
     // SAFETY: setpriority on this process; it fails without CAP_SYS_NICE, which is reported.
     if unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, nice) } != 0 {
         tracing::warn!(
@@ -116,15 +141,11 @@ fn set_nice(nice: i32) {
 
 fn run(s: Settings) -> anyhow::Result<()> {
     // Files the daemon creates are its own unless it says otherwise.
-    // SAFETY: umask has no preconditions.
-    unsafe { libc::umask(0o077) };
+    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
     raise_fd_limit();
     set_nice(s.nice);
     drop_capabilities().context("dropping capabilities")?;
-    let gid = match &s.group {
-        Some(g) => Some(group_id(g).with_context(|| format!("no group named `{g}`"))?),
-        None => group_id("maru"),
-    };
+    let group = socket_group(s.group.as_deref())?;
     let store = Store::open(
         StoreConfig {
             eviction: s.eviction,
@@ -137,8 +158,9 @@ fn run(s: Settings) -> anyhow::Result<()> {
     for p in store.pools() {
         tracing::info!(pool = %p.name, kind = ?p.kind, capacity = p.capacity, entries = p.entries, "pool ready");
     }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+    // The runtime only accepts connections (each is served on a thread of its own), serves
+    // metrics and waits for signals: the main thread, inside `block_on`, runs it all.
+    let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     let mounted = match &s.mount {
@@ -151,7 +173,7 @@ fn run(s: Settings) -> anyhow::Result<()> {
         None => None,
     };
     let result = rt.block_on(async {
-        let listener = server::bind(&s.socket, gid)?;
+        let listener = server::bind(&s.socket, group)?;
         tracing::info!(socket = %s.socket.display(), "serving");
         if let Some(p) = &s.pid_file {
             std::fs::write(p, format!("{}\n", std::process::id()))?;
@@ -184,7 +206,10 @@ fn run(s: Settings) -> anyhow::Result<()> {
         anyhow::Ok(())
     });
     drop(mounted);
-    let _ = std::fs::remove_file(&s.socket);
+    if let Err(e) = std::fs::remove_file(&s.socket) {
+        // Harmless: the next start replaces a stale socket.
+        tracing::warn!(socket = %s.socket.display(), "cannot remove the socket: {e}");
+    }
     store.sync();
     if s.unmount_pools {
         store.unmount_pools();

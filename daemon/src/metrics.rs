@@ -202,11 +202,15 @@ pub async fn serve(store: Arc<Store>, addr: SocketAddr) -> std::io::Result<()> {
             let path = req.split_whitespace().nth(1).unwrap_or("");
             let (status, ctype, body) =
                 if req.starts_with("GET ") && (path == "/metrics" || path == "/") {
-                    (
-                        "200 OK",
-                        "text/plain; version=0.0.4; charset=utf-8",
-                        render(&store.stats()),
-                    )
+                    // The store's lock may be held a while: not on a tokio worker.
+                    match tokio::task::spawn_blocking(move || render(&store.stats())).await {
+                        Ok(text) => ("200 OK", "text/plain; version=0.0.4; charset=utf-8", text),
+                        Err(e) => (
+                            "500 Internal Server Error",
+                            "text/plain",
+                            format!("rendering the metrics failed: {e}\n"),
+                        ),
+                    }
                 } else {
                     (
                         "404 Not Found",
@@ -218,6 +222,7 @@ pub async fn serve(store: Arc<Store>, addr: SocketAddr) -> std::io::Result<()> {
                 "HTTP/1.1 {status}\r\ncontent-type: {ctype}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
                 body.len()
             );
+            // A scraper that went away gets nothing; there is no one to tell.
             let _ = s.write_all(resp.as_bytes()).await;
         });
     }

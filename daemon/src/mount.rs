@@ -4,102 +4,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::Context;
-use maru::Result;
 use maru_fsd::fs::Fs;
 use maru_fsd::fuse::FuseFs;
 use maru_fsd::ring::{Rings, UringMode};
-use maru_fsd::{Attr, Backend, Caller, DirEntry, OpenedFile, Upcall, Xattr};
 
+use crate::store::fsview::StoreFs;
 use crate::store::{Invalidation, Store};
-
-/// The store seen through the filesystem's [`Backend`] trait.
-pub struct StoreFs(pub Arc<Store>);
-
-impl Backend for StoreFs {
-    fn lookup(&self, c: &Caller, parent: u64, name: &str) -> Result<Attr> {
-        self.0.fs_lookup(c, parent, name)
-    }
-    fn getattr(&self, ino: u64) -> Result<Attr> {
-        self.0.fs_getattr(ino)
-    }
-    fn readdir(&self, c: &Caller, ino: u64) -> Result<Vec<DirEntry>> {
-        self.0.fs_readdir(c, ino)
-    }
-    fn mkdir(&self, c: &Caller, parent: u64, name: &str, mode: u32) -> Result<Attr> {
-        self.0.fs_mkdir(c, parent, name, mode)
-    }
-    fn rmdir(&self, c: &Caller, parent: u64, name: &str) -> Result<()> {
-        self.0.fs_rmdir(c, parent, name)
-    }
-    fn create(&self, c: &Caller, parent: u64, name: &str, mode: u32) -> Result<(Attr, OpenedFile)> {
-        self.0.fs_create(c, parent, name, mode)
-    }
-    fn open(&self, c: &Caller, ino: u64, write: bool) -> Result<OpenedFile> {
-        self.0.fs_open(c, ino, write)
-    }
-    fn reopen(&self, _c: &Caller, ino: u64) -> Result<()> {
-        self.0.fs_reopen(ino)
-    }
-    fn close(&self, ino: u64) {
-        self.0.fs_close(ino)
-    }
-    fn closing(&self, ino: u64, abandoned: bool) {
-        self.0.fs_closing(ino, abandoned)
-    }
-    fn seal(&self, ino: u64) -> Result<()> {
-        self.0.fs_seal(ino)
-    }
-    fn abort(&self, ino: u64) {
-        self.0.fs_abort(ino)
-    }
-    fn truncate(&self, ino: u64, size: u64) -> Result<Attr> {
-        self.0.fs_truncate(ino, size)
-    }
-    fn make_room(&self, ino: u64, bytes: u64) {
-        self.0.fs_make_room(ino, bytes);
-    }
-    fn chmod_chown(
-        &self,
-        c: &Caller,
-        ino: u64,
-        mode: Option<u32>,
-        uid: Option<u32>,
-        gid: Option<u32>,
-    ) -> Result<Attr> {
-        self.0.fs_chmod_chown(c, ino, mode, uid, gid)
-    }
-    fn read(&self, ino: u64, offset: u64, len: u32) -> Result<Vec<u8>> {
-        self.0.fs_read(ino, offset, len)
-    }
-    fn write(&self, ino: u64, offset: u64, data: &[u8]) -> Result<u32> {
-        self.0.fs_write(ino, offset, data)
-    }
-    fn unlink(&self, c: &Caller, parent: u64, name: &str) -> Result<()> {
-        self.0.fs_unlink(c, parent, name)
-    }
-    fn rename(
-        &self,
-        c: &Caller,
-        parent: u64,
-        name: &str,
-        newparent: u64,
-        newname: &str,
-    ) -> Result<()> {
-        self.0.fs_rename(c, parent, name, newparent, newname)
-    }
-    fn statfs(&self) -> (u64, u64, u64) {
-        self.0.fs_statfs()
-    }
-    fn xattrs(&self, ino: u64) -> Result<Vec<Xattr>> {
-        self.0.fs_xattrs(ino)
-    }
-    fn set_pinned(&self, c: &Caller, ino: u64, pinned: bool) -> Result<()> {
-        self.0.fs_set_pinned(c, ino, pinned)
-    }
-    fn count_upcall(&self, op: Upcall) {
-        self.0.count_upcall(op)
-    }
-}
 
 /// A live mount; unmounts on drop.
 pub struct Mounted {

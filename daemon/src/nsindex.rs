@@ -2,7 +2,9 @@
 //! per namespace, mapped read-write here and handed to clients read-only.
 
 use std::fs::{File, OpenOptions};
-use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::fd::AsRawFd;
+
+use nix::sys::memfd::{MFdFlags, memfd_create};
 
 use maru::index::{SlotView, Table, TableWriter, table_bytes};
 
@@ -33,14 +35,7 @@ impl NsIndex {
     /// A new empty table with room for `nslots` (rounded to a power of two).
     pub fn new(nslots: usize) -> std::io::Result<Self> {
         let nslots = nslots.max(MIN_SLOTS).next_power_of_two();
-        let name = c"maru-index";
-        // SAFETY: valid C string; flags are constants.
-        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: memfd_create returned a fresh descriptor we now own.
-        let memfd = unsafe { File::from_raw_fd(fd) };
+        let memfd = File::from(memfd_create(c"maru-index", MFdFlags::MFD_CLOEXEC)?);
         memfd.set_len(table_bytes(nslots) as u64)?;
         // SAFETY: a private-to-us memfd; clients only get read-only descriptors and all access
         // goes through atomics (maru::index).

@@ -11,12 +11,12 @@
 use std::ffi::CString;
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use maru::Error;
+use maru::format;
 use maru::proto::PoolKind;
 use maru::size::parse_size;
 
@@ -24,12 +24,6 @@ use maru::size::parse_size;
 pub const REGION_ALIGN: u64 = 2 << 20;
 /// Alignment of entries inside regions (one page, so each can be mapped alone).
 pub const ENTRY_ALIGN: u64 = 4096;
-/// Magic of the raw pool header.
-pub const DEV_MAGIC: [u8; 8] = *b"MARUDEV\0";
-/// Version of the raw pool format.
-pub const DEV_VERSION: u32 = 1;
-/// Size of the header.
-pub const DEV_HEADER_LEN: usize = 32;
 
 /// Transparent huge page policy of a memfs pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -362,18 +356,17 @@ impl MemfsPool {
             .mode(mode)
             .custom_flags(libc::O_CLOEXEC)
             .open(self.writing_path(id))?;
-        if size > 0 {
-            // SAFETY: plain syscall on an fd we own.
-            let r = unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, size as libc::off_t) };
-            if r != 0 {
-                let e = io::Error::last_os_error();
-                let _ = std::fs::remove_file(self.writing_path(id));
-                return Err(if e.raw_os_error() == Some(libc::ENOSPC) {
-                    Error::NoSpace(format!("memfs pool {} is full", self.root.display()))
-                } else {
-                    Error::Io(e)
-                });
-            }
+        if size > 0
+            && let Err(e) = fallocate(&f, size)
+        {
+            // The file is useless without its space; a failed removal leaves a writing file
+            // that the next start's scan deletes.
+            let _ = std::fs::remove_file(self.writing_path(id));
+            return Err(if e == nix::errno::Errno::ENOSPC {
+                Error::NoSpace(format!("memfs pool {} is full", self.root.display()))
+            } else {
+                Error::Io(e.into())
+            });
         }
         Ok(f)
     }
@@ -447,15 +440,6 @@ impl MemfsPool {
             .open(self.entry_path(ns, key))
     }
 
-    /// Opens a writing file again (for the mount's writable handles).
-    pub fn open_writing(&self, id: u64) -> io::Result<File> {
-        OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_CLOEXEC)
-            .open(self.writing_path(id))
-    }
-
     /// Removes a sealed entry's file. Mappings of it stay valid until unmapped.
     pub fn delete(&self, ns: &str, key: &str) -> io::Result<()> {
         let step = MetaStep::Delete {
@@ -486,23 +470,7 @@ impl MemfsPool {
         if !self.pass(step) {
             return Ok(());
         }
-        let p = cpath(&self.entry_path(ns, key))?;
-        let name = CString::new(PIN_XATTR).expect("no NUL");
-        // SAFETY: valid C strings and buffer for the duration of the calls.
-        let r = unsafe {
-            if pinned {
-                libc::setxattr(p.as_ptr(), name.as_ptr(), b"1".as_ptr().cast(), 1, 0)
-            } else {
-                libc::removexattr(p.as_ptr(), name.as_ptr())
-            }
-        };
-        if r != 0 {
-            let e = io::Error::last_os_error();
-            if pinned || e.raw_os_error() != Some(libc::ENODATA) {
-                return Err(e);
-            }
-        }
-        Ok(())
+        set_pin_xattr(&self.entry_path(ns, key), pinned)
     }
 
     /// (capacity, free) bytes from statvfs.
@@ -525,9 +493,9 @@ impl MemfsPool {
 
     /// Unmounts the tmpfs (dropping every entry).
     pub fn unmount(&self) {
-        if let Ok(c) = cpath(&self.root) {
-            // SAFETY: valid C string.
-            unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+        // At exit: a failure leaves the tmpfs (and its entries) for the next run to reuse.
+        if let Err(e) = nix::mount::umount2(&self.root, nix::mount::MntFlags::MNT_DETACH) {
+            tracing::warn!(dir = %self.root.display(), "cannot unmount the pool: {e}");
         }
     }
 }
@@ -566,6 +534,31 @@ fn walk(
     Ok(())
 }
 
+// The raw system calls of the pools. nix has no xattr calls (setxattr, removexattr,
+// getxattr): those stay libc.
+
+/// Sets (`user.maru.pinned=1`) or removes the pin xattr of `p`; removing an absent one is fine.
+fn set_pin_xattr(p: &Path, pinned: bool) -> io::Result<()> {
+    let p = cpath(p)?;
+    let name = CString::new(PIN_XATTR).expect("no NUL");
+    // SAFETY: valid C strings and buffer for the duration of the calls.
+    let r = unsafe {
+        if pinned {
+            libc::setxattr(p.as_ptr(), name.as_ptr(), b"1".as_ptr().cast(), 1, 0)
+        } else {
+            libc::removexattr(p.as_ptr(), name.as_ptr())
+        }
+    };
+    if r != 0 {
+        let e = io::Error::last_os_error();
+        if pinned || e.raw_os_error() != Some(libc::ENODATA) {
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
+/// Whether `p` has the xattr `name`; an error reading it counts as absent.
 fn has_xattr(p: &Path, name: &str) -> bool {
     let (Ok(p), Ok(n)) = (cpath(p), CString::new(name)) else {
         return false;
@@ -574,140 +567,40 @@ fn has_xattr(p: &Path, name: &str) -> bool {
     unsafe { libc::getxattr(p.as_ptr(), n.as_ptr(), std::ptr::null_mut(), 0) >= 0 }
 }
 
+/// Reserves the first `size` bytes of `f`.
+fn fallocate(f: &File, size: u64) -> nix::Result<()> {
+    let len = libc::off_t::try_from(size).map_err(|_| nix::errno::Errno::EFBIG)?;
+    nix::fcntl::fallocate(f, nix::fcntl::FallocateFlags::empty(), 0, len)
+}
+
 fn mount_tmpfs(dir: &Path, opts: &str, remount: bool) -> io::Result<()> {
-    let src = CString::new("maru").expect("no NUL");
-    let fstype = CString::new("tmpfs").expect("no NUL");
-    let target = cpath(dir)?;
-    let data = CString::new(opts).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-    let mut flags = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
+    use nix::mount::MsFlags;
+    let mut flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
     if remount {
-        flags |= libc::MS_REMOUNT;
+        flags |= MsFlags::MS_REMOUNT;
     }
-    // SAFETY: valid C strings for the duration of the call.
-    let r = unsafe {
-        libc::mount(
-            src.as_ptr(),
-            target.as_ptr(),
-            fstype.as_ptr(),
-            flags,
-            data.as_ptr().cast(),
-        )
-    };
-    if r != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    nix::mount::mount(Some("maru"), dir, Some("tmpfs"), flags, Some(opts))?;
     Ok(())
 }
 
 fn rename_noreplace(from: &Path, to: &Path) -> io::Result<()> {
-    let (f, t) = (cpath(from)?, cpath(to)?);
-    // SAFETY: valid C strings for the duration of the call.
-    let r = unsafe {
-        libc::renameat2(
-            libc::AT_FDCWD,
-            f.as_ptr(),
-            libc::AT_FDCWD,
-            t.as_ptr(),
-            libc::RENAME_NOREPLACE,
-        )
-    };
-    if r != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    use nix::fcntl::{AT_FDCWD, RenameFlags, renameat2};
+    renameat2(AT_FDCWD, from, AT_FDCWD, to, RenameFlags::RENAME_NOREPLACE)?;
     Ok(())
 }
 
 /// (total, free) bytes of the filesystem holding `p`.
 pub fn statvfs(p: &Path) -> io::Result<(u64, u64)> {
-    let c = cpath(p)?;
-    // SAFETY: zeroed statvfs is a valid out-parameter.
-    let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: valid C string and out-pointer.
-    if unsafe { libc::statvfs(c.as_ptr(), &mut s) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok((s.f_blocks * s.f_frsize, s.f_bavail * s.f_frsize))
-}
-
-/// The 32-byte header at offset 0 of a raw pool.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DevHeader {
-    /// Format version.
-    pub version: u32,
-    /// Identity of the pool (names its log in the state directory).
-    pub uuid: [u8; 16],
-}
-
-impl DevHeader {
-    /// Encodes: magic[8] | version u32 LE | uuid[16] | reserved u32 (0).
-    pub fn encode(&self) -> [u8; DEV_HEADER_LEN] {
-        let mut b = [0u8; DEV_HEADER_LEN];
-        b[..8].copy_from_slice(&DEV_MAGIC);
-        b[8..12].copy_from_slice(&self.version.to_le_bytes());
-        b[12..28].copy_from_slice(&self.uuid);
-        b
-    }
-
-    /// Decodes; `None` when the magic is absent.
-    pub fn decode(b: &[u8; DEV_HEADER_LEN]) -> Option<Self> {
-        if b[..8] != DEV_MAGIC {
-            return None;
-        }
-        Some(DevHeader {
-            version: u32::from_le_bytes(b[8..12].try_into().expect("4")),
-            uuid: b[12..28].try_into().expect("16"),
-        })
-    }
-
-    /// The UUID as text.
-    pub fn uuid_string(&self) -> String {
-        uuid::Uuid::from_bytes(self.uuid).to_string()
-    }
-}
-
-/// Reads the header of a raw pool device or file.
-pub fn read_header(f: &File) -> io::Result<Option<DevHeader>> {
-    let mut b = [0u8; DEV_HEADER_LEN];
-    f.read_exact_at(&mut b, 0)?;
-    Ok(DevHeader::decode(&b))
-}
-
-/// Writes a new header with a fresh UUID.
-pub fn init_header(f: &File) -> io::Result<DevHeader> {
-    let h = DevHeader {
-        version: DEV_VERSION,
-        uuid: *uuid::Uuid::new_v4().as_bytes(),
-    };
-    f.write_all_at(&h.encode(), 0)?;
-    f.sync_data()?;
-    Ok(h)
-}
-
-/// Zeroes the header.
-pub fn clear_header(f: &File) -> io::Result<()> {
-    f.write_all_at(&[0u8; DEV_HEADER_LEN], 0)?;
-    f.sync_data()
-}
-
-/// Takes the exclusive lock a running marud holds on each raw pool device or file.
-/// Returns false if another process holds it.
-pub fn lock_device(f: &File) -> io::Result<bool> {
-    // SAFETY: plain syscall on a descriptor we own.
-    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-        return Ok(true);
-    }
-    let e = io::Error::last_os_error();
-    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
-        Ok(false)
-    } else {
-        Err(e)
-    }
+    let s = nix::sys::statvfs::statvfs(p)?;
+    let frsize = s.fragment_size();
+    Ok((s.blocks() * frsize, s.blocks_available() * frsize))
 }
 
 /// Opens a raw pool's device or file read-write (and locks it); returns it with its capacity.
+/// A header of a format version this build does not know fails the open, naming the device.
 pub fn open_raw(spec: &PoolSpec) -> anyhow::Result<(File, u64)> {
     use anyhow::Context;
-    match spec.kind {
+    let (f, size) = match spec.kind {
         PoolKind::File => {
             let f = OpenOptions::new()
                 .read(true)
@@ -718,7 +611,7 @@ pub fn open_raw(spec: &PoolSpec) -> anyhow::Result<(File, u64)> {
                 .custom_flags(libc::O_CLOEXEC)
                 .open(&spec.path)
                 .with_context(|| format!("opening {}", spec.path.display()))?;
-            if !lock_device(&f)? {
+            if !format::lock_device(&f)? {
                 anyhow::bail!("{} is in use by another marud", spec.path.display());
             }
             let cur = f.metadata()?.len();
@@ -726,7 +619,7 @@ pub fn open_raw(spec: &PoolSpec) -> anyhow::Result<(File, u64)> {
             if cur < size {
                 f.set_len(size)?;
             }
-            Ok((f, size & !(REGION_ALIGN - 1)))
+            (f, size)
         }
         PoolKind::Devdax => {
             let f = OpenOptions::new()
@@ -735,17 +628,22 @@ pub fn open_raw(spec: &PoolSpec) -> anyhow::Result<(File, u64)> {
                 .custom_flags(libc::O_CLOEXEC)
                 .open(&spec.path)
                 .with_context(|| format!("opening {}", spec.path.display()))?;
-            if !lock_device(&f)? {
+            if !format::lock_device(&f)? {
                 anyhow::bail!("{} is in use by another marud", spec.path.display());
             }
             let size = match spec.size {
                 Some(s) => s,
                 None => devdax_size(&spec.path)?,
             };
-            Ok((f, size & !(REGION_ALIGN - 1)))
+            (f, size)
         }
         PoolKind::Memfs => unreachable!("not a raw pool"),
-    }
+    };
+    // Before anything is written to the device: a header another format version wrote is
+    // refused, never replaced.
+    format::read_header(&f)
+        .with_context(|| format!("pool `{}` on {}", spec.name, spec.path.display()))?;
+    Ok((f, size & !(REGION_ALIGN - 1)))
 }
 
 fn devdax_size(p: &Path) -> anyhow::Result<u64> {
@@ -760,6 +658,8 @@ fn devdax_size(p: &Path) -> anyhow::Result<u64> {
 
 #[cfg(test)]
 mod tests {
+    use std::os::unix::fs::FileExt;
+
     use super::*;
 
     #[test]
@@ -781,14 +681,24 @@ mod tests {
     }
 
     #[test]
-    fn header_roundtrip() {
-        let h = DevHeader {
-            version: 1,
-            uuid: [7; 16],
-        };
-        let b = h.encode();
-        assert_eq!(&b[..8], b"MARUDEV\0");
-        assert_eq!(DevHeader::decode(&b), Some(h));
-        assert_eq!(DevHeader::decode(&[0; 32]), None);
+    fn open_raw_refuses_an_unknown_format_version() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dev.img");
+        let spec = PoolSpec::parse(&format!("file:{},size=4M,name=p", path.display())).unwrap();
+        let (f, cap) = open_raw(&spec).unwrap();
+        assert_eq!(cap, 4 << 20);
+        let mut b = format::DevHeader::fresh().encode();
+        b[8..12].copy_from_slice(&7u32.to_le_bytes());
+        f.write_all_at(&b, 0).unwrap();
+        drop(f);
+        let e = format!("{:#}", open_raw(&spec).unwrap_err());
+        assert_eq!(
+            e,
+            format!(
+                "pool `p` on {}: pool format version 7 is not supported (this build supports \
+                 version 1)",
+                path.display()
+            )
+        );
     }
 }

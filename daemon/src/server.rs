@@ -1,9 +1,16 @@
-//! The control server: a Unix socket speaking `maru::proto`, one task per
-//! connection, caller identity from `SO_PEERCRED`.
+//! The control server: a Unix socket speaking `maru::proto`, caller identity from
+//! `SO_PEERCRED`.
+//!
+//! The accept loop is a tokio task (it never blocks); each connection is served on a thread
+//! of its own with blocking I/O, because serving a request blocks: the store's mutex,
+//! `/proc` reads for the caller's groups (up to 50 ms), waits of up to 1 s in `exists` and
+//! `retrieve` for an entry being published. On a tokio worker any of these would stall every
+//! other connection (and the metrics server) scheduled there.
 
 use std::collections::HashSet;
 use std::fs::File;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::os::fd::AsFd;
+use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -12,69 +19,107 @@ use maru::proto::{
 };
 use maru::{Error, Result};
 use maru_fsd::Caller;
-use tokio::io::Interest;
-use tokio::net::{UnixListener, UnixStream};
-use tracing::Instrument;
+use tokio::net::UnixListener;
 
 use crate::store::Store;
 
+/// The group the control socket is given (with mode 0660), so that its members may connect.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SocketGroup {
+    /// Group id.
+    pub gid: u32,
+    /// Asked for by name (`--group`): failing to give the socket to it fails the start. The
+    /// default group (`maru`, where it exists) is given the socket where the daemon may.
+    pub explicit: bool,
+}
+
 /// Binds the control socket (replacing a stale one) with mode 0660 and group `group`.
-pub fn bind(path: &Path, gid: Option<u32>) -> anyhow::Result<UnixListener> {
+pub fn bind(path: &Path, group: Option<SocketGroup>) -> anyhow::Result<UnixListener> {
     use anyhow::Context;
+    use std::os::unix::fs::PermissionsExt;
     if let Some(dir) = path.parent()
         && !dir.exists()
     {
         // The socket's directory must be traversable by the socket's group (the daemon's
         // umask would make it 0700).
-        std::fs::create_dir_all(dir)?;
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))?;
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))
+            .with_context(|| format!("making {} traversable", dir.display()))?;
     }
     if path.exists() {
-        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+        if UnixStream::connect(path).is_ok() {
             anyhow::bail!("another marud is listening on {}", path.display());
         }
-        std::fs::remove_file(path)?;
+        std::fs::remove_file(path)
+            .with_context(|| format!("removing the stale socket {}", path.display()))?;
     }
     let l = UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
-    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())?;
-    // SAFETY: valid C string.
-    unsafe {
-        libc::chmod(c.as_ptr(), 0o660);
-        if let Some(g) = gid {
-            libc::chown(c.as_ptr(), u32::MAX, g);
+    // std covers both calls (no libc, no nix needed).
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
+        .with_context(|| format!("setting the mode of {}", path.display()))?;
+    if let Some(g) = group
+        && let Err(e) = std::os::unix::fs::chown(path, None, Some(g.gid))
+    {
+        if g.explicit {
+            return Err(e).with_context(|| format!("giving {} to group {}", path.display(), g.gid));
         }
+        // Only the daemon's user can connect then; the daemon itself works.
+        tracing::warn!(
+            socket = %path.display(),
+            gid = g.gid,
+            "cannot give the socket to the default group: {e}"
+        );
     }
     Ok(l)
 }
 
-/// Accepts connections until the listener fails.
+/// Accepts connections until the task is dropped; each is served on its own thread.
 pub async fn serve(store: Arc<Store>, listener: UnixListener) {
     loop {
         match listener.accept().await {
             Ok((stream, _)) => {
-                let store = store.clone();
-                tokio::spawn(async move {
-                    let cred = stream.peer_cred().ok();
-                    let caller = match cred {
-                        Some(c) => Caller::with_groups(c.uid(), c.gid(), c.pid().unwrap_or(0)),
-                        None => {
-                            tracing::warn!("connection without peer credentials refused");
-                            return;
-                        }
-                    };
-                    let span = tracing::info_span!("conn", pid = caller.pid, uid = caller.uid);
-                    Conn::new(store, stream, caller)
-                        .run()
-                        .instrument(span)
-                        .await;
-                });
+                if let Err(e) = spawn_conn(store.clone(), stream) {
+                    // The stream was dropped: the client sees the connection closed.
+                    tracing::warn!("connection refused: cannot start its thread: {e}");
+                }
             }
             Err(e) => {
                 tracing::warn!("accept: {e}");
                 tokio::time::sleep(std::time::Duration::from_millis(50)).await;
             }
         }
+    }
+}
+
+fn spawn_conn(store: Arc<Store>, stream: tokio::net::UnixStream) -> std::io::Result<()> {
+    let stream = stream.into_std()?;
+    stream.set_nonblocking(false)?;
+    std::thread::Builder::new()
+        .name("marud-conn".into())
+        .spawn(move || serve_conn(store, stream))?;
+    Ok(())
+}
+
+/// Serves one connection until the peer closes it or breaks the protocol.
+fn serve_conn(store: Arc<Store>, stream: UnixStream) {
+    use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
+    let cred = match getsockopt(&stream, PeerCredentials) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!("connection without peer credentials refused: {e}");
+            return;
+        }
+    };
+    let caller = Caller::with_groups(cred.uid(), cred.gid(), cred.pid());
+    let span = tracing::info_span!("conn", pid = caller.pid, uid = caller.uid);
+    let _g = span.enter();
+    let mut conn = Conn {
+        stream,
+        reader: FrameReader::new(),
+        d: Dispatcher::new(store, caller),
+    };
+    if let Err(e) = conn.run() {
+        tracing::debug!("connection closed: {e}");
     }
 }
 
@@ -107,33 +152,13 @@ impl Drop for Dispatcher {
 }
 
 impl Conn {
-    fn new(store: Arc<Store>, stream: UnixStream, caller: Caller) -> Self {
-        Conn {
-            stream,
-            reader: FrameReader::new(),
-            d: Dispatcher::new(store, caller),
-        }
-    }
-
-    async fn run(mut self) {
-        if let Err(e) = self.run_inner().await {
-            tracing::debug!("connection closed: {e}");
-        }
-    }
-
-    async fn run_inner(&mut self) -> Result<()> {
+    /// Reads, handles and answers frames until the peer closes the connection.
+    fn run(&mut self) -> Result<()> {
         loop {
-            self.stream.readable().await?;
-            let fd = self.stream.as_raw_fd();
-            let r = self.stream.try_io(Interest::READABLE, || {
-                // SAFETY: the stream owns fd for the duration of the call.
-                let b = unsafe { BorrowedFd::borrow_raw(fd) };
-                self.reader.read_from(b)
-            });
-            match r {
+            match self.reader.read_from(self.stream.as_fd()) {
                 Ok(0) => return Ok(()),
                 Ok(_) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(e.into()),
             }
             // Clients never send descriptors.
@@ -147,48 +172,49 @@ impl Conn {
                     Err(e) => {
                         // Oversized: framing is lost; say why and close.
                         self.d.push_err(0, &e);
-                        self.flush().await?;
+                        self.flush()?;
                         return Err(e);
                     }
                 };
+                let before = (self.d.out.len(), self.d.out_fds.len());
                 let close = self.d.handle(&body);
-                if self.d.out_fds.len() >= MAX_FDS_PER_FRAME / 2 || self.d.out.len() > (1 << 20) {
-                    self.flush().await?;
+                if self.d.out_fds.len() > MAX_FDS_PER_FRAME {
+                    // One sendmsg carries at most MAX_FDS_PER_FRAME descriptors, and one
+                    // response at most that many: what was queued before goes first.
+                    self.flush_split(before)?;
+                } else if self.d.out_fds.len() >= MAX_FDS_PER_FRAME / 2
+                    || self.d.out.len() > (1 << 20)
+                {
+                    self.flush()?;
                 }
                 if close {
-                    self.flush().await?;
+                    self.flush()?;
                     return Ok(());
                 }
             }
-            self.flush().await?;
+            // Everything the frames of this read asked for, in one send.
+            self.flush()?;
         }
     }
 
-    async fn flush(&mut self) -> Result<()> {
+    /// Sends the queued responses and their descriptors (blocking).
+    fn flush(&mut self) -> Result<()> {
+        self.flush_split((0, 0))
+    }
+
+    /// [`Conn::flush`] in two sends: the first `at.0` bytes with the first `at.1` descriptors,
+    /// then the rest. A response's descriptors travel with (or before) its bytes, so that the
+    /// client has them when it parses the response.
+    fn flush_split(&mut self, at: (usize, usize)) -> Result<()> {
         let bytes = std::mem::take(&mut self.d.out);
         let fds = std::mem::take(&mut self.d.out_fds);
-        let mut off = 0;
-        let mut fds_sent = false;
-        while off < bytes.len() {
-            self.stream.writable().await?;
-            let raw = self.stream.as_raw_fd();
-            let borrowed: Vec<BorrowedFd<'_>> = if fds_sent {
-                Vec::new()
-            } else {
-                fds.iter().map(|f| f.as_fd()).collect()
-            };
-            let r = self.stream.try_io(Interest::WRITABLE, || {
-                // SAFETY: the stream owns raw for the duration of the call.
-                let b = unsafe { BorrowedFd::borrow_raw(raw) };
-                proto::send_some(b, &bytes[off..], &borrowed)
-            });
-            match r {
-                Ok(n) => {
-                    off += n;
-                    fds_sent = true;
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-                Err(e) => return Err(e.into()),
+        let borrowed: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
+        for (b, f) in [
+            (&bytes[..at.0], &borrowed[..at.1]),
+            (&bytes[at.0..], &borrowed[at.1..]),
+        ] {
+            if !b.is_empty() {
+                proto::send_all(self.stream.as_fd(), b, f)?;
             }
         }
         Ok(())
@@ -392,10 +418,7 @@ impl Dispatcher {
             }
             Op::Stats => Body::Stats(store.stats()),
             Op::Evict { bytes } => {
-                if c.uid != 0 {
-                    return Err(Error::PermissionDenied("evict is for root".into()));
-                }
-                let (entries, bytes) = store.evict(bytes);
+                let (entries, bytes) = store.evict(&c, bytes)?;
                 Body::Evicted { entries, bytes }
             }
         })

@@ -1,8 +1,8 @@
-//! Write-ahead log of a raw pool's metadata, kept in the state directory.
+//! Write-ahead log of a raw pool's metadata, kept in the state directory: the file and the
+//! writer. The records and their framing are `maru::format`'s (doc/POOL-FORMAT.md).
 //!
-//! A record is `u32 len (LE) | u32 crc32 (LE) | len bytes of JSON`. Replay stops
-//! at the first record that is short or fails its checksum (a torn tail after a
-//! crash) and truncates the log there. A checkpoint rewrites the log as one
+//! Reading stops at the first record that is short, fails its checksum or does not parse (a
+//! torn tail after a crash) and truncates the log there. A checkpoint rewrites the log as one
 //! `Seal` record per live entry (written to a temporary file, synced, renamed).
 //!
 //! Writes go through [`LogSink`] so tests can stop the log after the Nth write
@@ -12,55 +12,7 @@ use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
 
-use serde::{Deserialize, Serialize};
-
-/// One metadata change.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "t", rename_all = "snake_case")]
-pub enum Record {
-    /// An entry was sealed at `off`.
-    Seal {
-        /// Namespace.
-        ns: String,
-        /// Key.
-        key: String,
-        /// Offset in the pool.
-        off: u64,
-        /// Bytes of data.
-        size: u64,
-        /// Bytes reserved (4 KiB multiple).
-        asize: u64,
-        /// Pinned.
-        pin: bool,
-        /// Owner uid.
-        #[serde(default)]
-        uid: u32,
-        /// Owner gid.
-        #[serde(default)]
-        gid: u32,
-    },
-    /// The entry at `off` was deleted or evicted.
-    Del {
-        /// Offset in the pool.
-        off: u64,
-    },
-    /// The entry at `off` was pinned or unpinned.
-    Pin {
-        /// Offset in the pool.
-        off: u64,
-        /// New state.
-        pin: bool,
-    },
-    /// The entry at `off` was renamed.
-    Rename {
-        /// Offset in the pool.
-        off: u64,
-        /// New namespace.
-        ns: String,
-        /// New key.
-        key: String,
-    },
-}
+use maru::format;
 
 /// Where log bytes go: the seam for crash injection.
 pub trait LogSink: Send {
@@ -127,40 +79,8 @@ impl LogSink for FileSink {
     }
 }
 
-/// Encodes one record.
-pub fn encode(r: &Record) -> Vec<u8> {
-    let body = serde_json::to_vec(r).expect("records serialize");
-    let mut out = Vec::with_capacity(body.len() + 8);
-    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
-    out.extend_from_slice(&crc32fast::hash(&body).to_le_bytes());
-    out.extend_from_slice(&body);
-    out
-}
-
-/// Decodes records from a log image; returns them and the length of the valid prefix.
-pub fn decode_all(bytes: &[u8]) -> (Vec<Record>, usize) {
-    let mut out = Vec::new();
-    let mut pos = 0;
-    while pos + 8 <= bytes.len() {
-        let len = u32::from_le_bytes(bytes[pos..pos + 4].try_into().expect("4")) as usize;
-        let crc = u32::from_le_bytes(bytes[pos + 4..pos + 8].try_into().expect("4"));
-        let Some(body) = bytes.get(pos + 8..pos + 8 + len) else {
-            break;
-        };
-        if crc32fast::hash(body) != crc {
-            break;
-        }
-        let Ok(r) = serde_json::from_slice::<Record>(body) else {
-            break;
-        };
-        out.push(r);
-        pos += 8 + len;
-    }
-    (out, pos)
-}
-
 /// Reads a log file, truncating a torn tail. A missing file is an empty log.
-pub fn read_log(path: &Path) -> io::Result<Vec<Record>> {
+pub fn read_log(path: &Path) -> io::Result<Vec<format::Record>> {
     let mut bytes = Vec::new();
     match File::open(path) {
         Ok(mut f) => {
@@ -169,7 +89,7 @@ pub fn read_log(path: &Path) -> io::Result<Vec<Record>> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(e),
     }
-    let (recs, valid) = decode_all(&bytes);
+    let (recs, valid) = format::decode_records(&bytes);
     if valid < bytes.len() {
         tracing::warn!(
             path = %path.display(),
@@ -201,17 +121,17 @@ impl Wal {
     }
 
     /// Appends one record.
-    pub fn append(&mut self, r: &Record) -> io::Result<()> {
-        self.sink.append(&encode(r))?;
+    pub fn append(&mut self, r: &format::Record) -> io::Result<()> {
+        self.sink.append(&format::encode_record(r))?;
         self.since_checkpoint += 1;
         Ok(())
     }
 
     /// Rewrites the log as `live`.
-    pub fn checkpoint(&mut self, live: &[Record]) -> io::Result<()> {
+    pub fn checkpoint(&mut self, live: &[format::Record]) -> io::Result<()> {
         let mut bytes = Vec::new();
         for r in live {
-            bytes.extend_from_slice(&encode(r));
+            bytes.extend_from_slice(&format::encode_record(r));
         }
         self.sink.replace(&bytes)?;
         self.since_checkpoint = 0;
@@ -224,94 +144,50 @@ impl Wal {
     }
 }
 
-/// Applies records to a map `offset -> Seal record`: the live entries they describe.
-pub fn replay(recs: Vec<Record>) -> std::collections::BTreeMap<u64, Record> {
-    let mut live = std::collections::BTreeMap::new();
-    for r in recs {
-        match r {
-            Record::Seal { off, .. } => {
-                live.insert(off, r);
-            }
-            Record::Del { off } => {
-                live.remove(&off);
-            }
-            Record::Pin { off, pin } => {
-                if let Some(Record::Seal { pin: p, .. }) = live.get_mut(&off) {
-                    *p = pin;
-                }
-            }
-            Record::Rename { off, ns, key } => {
-                if let Some(Record::Seal { ns: n, key: k, .. }) = live.get_mut(&off) {
-                    *n = ns;
-                    *k = key;
-                }
-            }
-        }
-    }
-    live
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use maru::format::Record;
 
-    fn seal(off: u64) -> Record {
-        Record::Seal {
-            ns: "n".into(),
-            key: format!("k{off}"),
-            off,
-            size: 10,
-            asize: 4096,
-            pin: false,
-            uid: 0,
-            gid: 0,
+    #[test]
+    fn a_torn_tail_is_cut_off_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("pool.wal");
+        assert!(
+            read_log(&path).unwrap().is_empty(),
+            "a missing log is empty"
+        );
+        let mut w = Wal::new(Box::new(FileSink::open(&path, false).unwrap()));
+        let recs = [Record::Del { off: 1 }, Record::Pin { off: 2, pin: true }];
+        for r in &recs {
+            w.append(r).unwrap();
         }
+        w.sync().unwrap();
+        let whole = std::fs::metadata(&path).unwrap().len();
+        let third = format::encode_record(&Record::Del { off: 3 });
+        OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap()
+            .write_all(&third[..third.len() - 1])
+            .unwrap();
+        assert_eq!(read_log(&path).unwrap(), recs);
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), whole);
     }
 
     #[test]
-    fn torn_tail_is_dropped() {
-        let mut bytes = encode(&seal(1));
-        bytes.extend(encode(&seal(2)));
-        let full = bytes.len();
-        bytes.extend(&encode(&seal(3))[..5]);
-        let (recs, valid) = decode_all(&bytes);
-        assert_eq!(recs.len(), 2);
-        assert_eq!(valid, full);
-        // A flipped byte ends the log at that record.
-        let mut bad = encode(&seal(1));
-        bad.extend(encode(&seal(2)));
-        let n = bad.len();
-        bad[n - 3] ^= 0xff;
-        assert_eq!(decode_all(&bad).0.len(), 1);
-    }
-
-    #[test]
-    fn replay_applies_changes() {
-        let recs = vec![
-            seal(1),
-            seal(2),
-            Record::Pin { off: 2, pin: true },
-            Record::Del { off: 1 },
-            Record::Rename {
-                off: 2,
-                ns: "m".into(),
-                key: "x".into(),
-            },
-        ];
-        let live = replay(recs);
-        assert_eq!(live.len(), 1);
+    fn a_checkpoint_replaces_the_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("pool.wal");
+        let mut w = Wal::new(Box::new(FileSink::open(&path, true).unwrap()));
+        w.append(&Record::Del { off: 1 }).unwrap();
+        assert_eq!(w.since_checkpoint, 1);
+        w.checkpoint(&[Record::Pin { off: 5, pin: false }]).unwrap();
+        assert_eq!(w.since_checkpoint, 0);
+        w.append(&Record::Del { off: 5 }).unwrap();
         assert_eq!(
-            live[&2],
-            Record::Seal {
-                ns: "m".into(),
-                key: "x".into(),
-                off: 2,
-                size: 10,
-                asize: 4096,
-                pin: true,
-                uid: 0,
-                gid: 0,
-            }
+            read_log(&path).unwrap(),
+            [Record::Pin { off: 5, pin: false }, Record::Del { off: 5 }]
         );
     }
 }

@@ -6,9 +6,10 @@ use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use maru::format::{self, Record};
 use maru_daemon::pool::PoolSpec;
 use maru_daemon::store::{Eviction, Store, StoreConfig};
-use maru_daemon::wal::{self, FileSink, LogSink, Record};
+use maru_daemon::wal::{FileSink, LogSink};
 use maru_fsd::Caller;
 
 /// Passes writes through until its budget is spent, then drops them (a crash at that point).
@@ -21,7 +22,10 @@ struct Stopping {
 
 impl LogSink for Stopping {
     fn append(&mut self, bytes: &[u8]) -> std::io::Result<()> {
-        self.seen.lock().unwrap().extend(wal::decode_all(bytes).0);
+        self.seen
+            .lock()
+            .unwrap()
+            .extend(format::decode_records(bytes).0);
         match self.left.fetch_sub(1, Ordering::SeqCst) {
             n if n > 1 => self.inner.append(bytes),
             1 if self.torn => self.inner.append(&bytes[..bytes.len() / 2]),
@@ -108,11 +112,10 @@ fn run(limit: i64, torn: bool) -> (Vec<Record>, tempfile::TempDir) {
     let (c, specs) = cfg(dir.path());
     let store = Store::open(c.clone(), &specs).unwrap();
     let seen = Arc::new(Mutex::new(Vec::new()));
-    let uuid =
-        maru_daemon::pool::read_header(&std::fs::File::open(dir.path().join("dev.img")).unwrap())
-            .unwrap()
-            .unwrap()
-            .uuid_string();
+    let uuid = format::read_header(&std::fs::File::open(dir.path().join("dev.img")).unwrap())
+        .unwrap()
+        .unwrap()
+        .uuid_string();
     let sink = FileSink::open(&c.state_dir.join(format!("pool-{uuid}.wal")), false).unwrap();
     store.set_log_sink(
         0,
@@ -142,7 +145,7 @@ fn recovery_from_every_write_point() {
             let (_, dir) = run(n, torn);
             // Expected: the first n records (n-1 if the nth was torn) applied.
             let kept = if torn { (n - 1).max(0) } else { n } as usize;
-            let want = wal::replay(all[..kept.min(all.len())].to_vec());
+            let want = format::replay(all[..kept.min(all.len())].to_vec());
             let (c, specs) = cfg(dir.path());
             let store = Store::open(c, &specs).unwrap();
             let (_, _, entries) = store.list(&Caller::root(), "ns").unwrap();

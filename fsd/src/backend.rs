@@ -16,8 +16,9 @@ pub struct Caller {
     pub uid: u32,
     /// Primary group id.
     pub gid: u32,
-    /// Supplementary groups.
-    pub groups: Vec<u32>,
+    /// Supplementary groups, looked up at most once, when first needed (see
+    /// [`Caller::in_group`]): most requests never need them.
+    groups: std::sync::OnceLock<Vec<u32>>,
     /// Process id (of the thread, for FUSE requests).
     pub pid: i32,
     /// Thread group of `pid`, looked up at most once (see [`Caller::tgid`]).
@@ -45,8 +46,7 @@ pub fn read_proc_bounded(path: String) -> Option<String> {
             .map(|_| parking_lot::Mutex::new(None))
             .collect()
     });
-    // SAFETY: no preconditions.
-    let cpu = usize::try_from(unsafe { libc::sched_getcpu() }).unwrap_or(0) % readers.len();
+    let cpu = nix::sched::sched_getcpu().unwrap_or(0) % readers.len();
     let slot = &readers[cpu];
     let idle = slot.lock().take();
     let tx = match idle {
@@ -78,18 +78,15 @@ pub fn read_proc_bounded(path: String) -> Option<String> {
     v
 }
 
-/// Pins the calling thread to `cpu` (best effort).
+/// Pins the calling thread to `cpu` (best effort: a failure is logged and the thread runs
+/// unpinned, which only costs speed).
 pub fn pin_thread(cpu: usize) {
-    if cpu >= libc::CPU_SETSIZE as usize {
-        return;
-    }
-    // SAFETY: a zeroed cpu_set_t is a valid empty set; `cpu` is below CPU_SETSIZE.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
-        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
-            tracing::debug!(cpu, "pinning a thread: {}", std::io::Error::last_os_error());
-        }
+    let mut set = nix::sched::CpuSet::new();
+    let r = set
+        .set(cpu)
+        .and_then(|()| nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set));
+    if let Err(e) = r {
+        tracing::debug!(cpu, "pinning a thread: {e}");
     }
 }
 
@@ -144,35 +141,36 @@ pub fn killed_by_signal(pid: i32) -> bool {
 }
 
 impl Caller {
-    /// A caller with no supplementary groups.
+    /// A caller whose supplementary groups are read from `/proc/<pid>/status` if and when a
+    /// permission check needs them.
     pub fn new(uid: u32, gid: u32, pid: i32) -> Self {
         Caller {
             uid,
             gid,
-            groups: Vec::new(),
+            groups: std::sync::OnceLock::new(),
             pid,
             tgid: std::sync::OnceLock::new(),
         }
     }
 
+    /// A caller with these supplementary groups.
+    pub fn with_group_list(uid: u32, gid: u32, pid: i32, groups: Vec<u32>) -> Self {
+        let c = Caller::new(uid, gid, pid);
+        let _ = c.groups.set(groups);
+        c
+    }
+
     /// The caller with its supplementary groups (and thread group) from one read of
-    /// `/proc/<pid>/status`; root needs no groups.
+    /// `/proc/<pid>/status` now; root needs no groups.
     pub fn with_groups(uid: u32, gid: u32, pid: i32) -> Self {
-        let mut c = Caller::new(uid, gid, pid);
-        if uid != 0
-            && let Some(s) = read_proc_bounded(format!("/proc/{pid}/status"))
-        {
-            c.groups = parse_groups(&s);
-            if let Some(t) = parse_tgid(&s) {
-                let _ = c.tgid.set(t);
-            }
-        }
+        let c = Caller::new(uid, gid, pid);
+        c.groups();
         c
     }
 
     /// Root.
     pub fn root() -> Self {
-        Caller::new(0, 0, 0)
+        Caller::with_group_list(0, 0, 0, Vec::new())
     }
 
     /// The caller's thread group (process), looked up once.
@@ -180,24 +178,27 @@ impl Caller {
         *self.tgid.get_or_init(|| tgid_of(self.pid))
     }
 
-    /// True if the caller is in group `gid`.
-    pub fn in_group(&self, gid: u32) -> bool {
-        self.gid == gid || self.groups.contains(&gid)
+    /// The caller's supplementary groups (read once; none for root, or when unreadable).
+    pub fn groups(&self) -> &[u32] {
+        self.groups.get_or_init(|| {
+            if self.uid == 0 || self.pid <= 0 {
+                return Vec::new();
+            }
+            match read_proc_bounded(format!("/proc/{}/status", self.pid)) {
+                Some(s) => {
+                    if let Some(t) = parse_tgid(&s) {
+                        let _ = self.tgid.set(t);
+                    }
+                    parse_groups(&s)
+                }
+                None => Vec::new(),
+            }
+        })
     }
 
-    /// Whether `mode` (owned by uid/gid) grants `want` (a mask of 4=r, 2=w, 1=x).
-    pub fn may(&self, uid: u32, gid: u32, mode: u32, want: u32) -> bool {
-        if self.uid == 0 {
-            return true;
-        }
-        let bits = if self.uid == uid {
-            (mode >> 6) & 7
-        } else if self.in_group(gid) {
-            (mode >> 3) & 7
-        } else {
-            mode & 7
-        };
-        bits & want == want
+    /// True if the caller is in group `gid` (its primary group, else a supplementary one).
+    pub fn in_group(&self, gid: u32) -> bool {
+        self.gid == gid || self.groups().contains(&gid)
     }
 }
 
@@ -245,10 +246,20 @@ pub struct DirEntry {
 /// How an opened file is served.
 #[derive(Debug, Clone)]
 pub enum OpenedFile {
-    /// By the kernel, passing through to this backing file (memfs pools).
+    /// A sealed entry, by the kernel, passing through to this backing file (memfs pools):
+    /// read and mmap never reach the daemon.
     Passthrough(Arc<File>),
-    /// By the daemon, copying (raw pools).
+    /// A sealed entry, by the daemon, copying (raw pools). Immutable: the kernel may cache it.
     Copy,
+    /// An entry being written: every `read` and `write` goes to the daemon
+    /// (`FOPEN_DIRECT_IO`), so the store sees each write's outcome and never publishes an entry
+    /// one of whose writes failed. With a file (memfs pools), mappings pass through to it
+    /// (`FOPEN_DIRECT_IO | FOPEN_PASSTHROUGH`: the kernel sends read and write to the daemon
+    /// and maps the backing file): a writer filling its entry through a mapping writes the
+    /// pool's pages, and a page the pool cannot give it is a `SIGBUS` that kills it, which
+    /// abandons the entry. Without one (raw pools), mappings are allowed
+    /// (`FUSE_DIRECT_IO_ALLOW_MMAP`) and written back through the daemon.
+    Writing(Option<Arc<File>>),
 }
 
 /// `user.maru.*` attributes.
@@ -285,14 +296,19 @@ pub trait Backend: Send + Sync + 'static {
     }
     /// A read handle of `ino` was released.
     fn close(&self, _ino: u64) {}
-    /// A writable descriptor of an entry being written was closed (`close(2)`): its
-    /// publication is imminent; lookups by other processes may wait for it. `abandoned` when
-    /// the closing process is dying of a signal: the entry must then never be published.
-    fn closing(&self, _ino: u64, _abandoned: bool) {}
-    /// A writer is about to allocate `bytes` more of the entry being written `ino` (fallocate):
-    /// make room for them if the store can (eviction). Best effort.
-    fn make_room(&self, _ino: u64, _bytes: u64) {}
-    /// Called when the last writable handle of a WRITING entry is closed: publishes it.
+    /// A writable descriptor of an entry being written was closed (`close(2)`, the FLUSH
+    /// request; every close of every descriptor sends one). The store checks that the entry
+    /// can be published as it stands (none of its writes failed, its name is free, it fits the
+    /// namespace's quota and the pool) and reserves what it checked, so that the publication
+    /// at release cannot fail for those reasons; lookups by other processes may then wait for
+    /// it. An error is `close`'s return value, and the entry will never be published.
+    /// `abandoned` when the closing process is dying of a signal: the entry is then dropped.
+    fn commit(&self, c: &Caller, ino: u64, abandoned: bool) -> Result<()>;
+    /// Reserves pool space for `[offset, offset + len)` of the entry being written `ino`
+    /// (`fallocate` mode 0), growing it if that range ends past its size.
+    fn fallocate(&self, ino: u64, offset: u64, len: u64) -> Result<()>;
+    /// Called when the last writable handle of a WRITING entry is released: publishes it
+    /// (when its last commit succeeded and nothing failed since).
     fn seal(&self, ino: u64) -> Result<()>;
     /// Drops a WRITING entry that will never be sealed.
     fn abort(&self, ino: u64);
@@ -307,9 +323,11 @@ pub trait Backend: Send + Sync + 'static {
         uid: Option<u32>,
         gid: Option<u32>,
     ) -> Result<Attr>;
-    /// Reads bytes of an entry served by copying.
+    /// Reads bytes of an entry served by the daemon ([`OpenedFile::Copy`] or
+    /// [`OpenedFile::Writing`]).
     fn read(&self, ino: u64, offset: u64, len: u32) -> Result<Vec<u8>>;
-    /// Writes bytes of a WRITING entry served by copying.
+    /// Writes bytes of a WRITING entry: all of them or an error (never a short count). A
+    /// failed write marks the entry failed: it will not be published.
     fn write(&self, ino: u64, offset: u64, data: &[u8]) -> Result<u32>;
     /// Deletes an entry.
     fn unlink(&self, c: &Caller, parent: u64, name: &str) -> Result<()>;

@@ -167,6 +167,12 @@ impl<B: Backend> Fs<B> {
         }))
     }
 
+    /// Number of open handles.
+    #[cfg(test)]
+    pub(crate) fn open_handles(&self) -> usize {
+        self.handles.lock().len()
+    }
+
     /// The handle `fh`.
     pub fn handle(&self, fh: u64) -> Result<Handle> {
         self.handles
@@ -176,20 +182,21 @@ impl<B: Backend> Fs<B> {
             .ok_or_else(|| Error::from_errno(libc::EBADF))
     }
 
-    /// `close(2)` of a descriptor. The kernel releases the handle (and the entry is
-    /// published) asynchronously after the last descriptor and mapping of it are gone; a
-    /// close of a writable descriptor tells the store that publication is near, so that
-    /// other processes looking the name up wait for it instead of missing it.
+    /// `close(2)` of a descriptor (FLUSH; every close of every descriptor sends one). The
+    /// kernel releases the handle (and the entry is published) asynchronously after the last
+    /// descriptor and mapping of it are gone; closing a writable descriptor commits the entry
+    /// as it stands ([`Backend::commit`]): the store checks now that it can be published, so
+    /// that what can fail at publication fails here, as `close`'s return value.
     ///
     /// A writer killed by a signal closes its descriptors without meaning to: what it wrote is
     /// then abandoned, never published.
     pub fn flush(&self, c: &Caller, fh: u64) -> Result<()> {
         let h = self.handle(fh)?;
-        if h.writable {
-            let abandoned = crate::backend::killed_by_signal(c.pid);
-            self.backend.closing(h.ino, abandoned);
+        if !h.writable {
+            return Ok(());
         }
-        Ok(())
+        let abandoned = crate::backend::killed_by_signal(c.pid);
+        self.backend.commit(c, h.ino, abandoned)
     }
 
     fn drop_writer(&self, ino: u64) -> bool {
@@ -223,19 +230,32 @@ impl<B: Backend> Fs<B> {
         Some(h)
     }
 
-    /// Reads through the daemon (copy-served entries).
+    /// Reads through the daemon (entries served by copying, entries being written).
     pub fn read(&self, fh: u64, offset: u64, size: u32) -> Result<Vec<u8>> {
         let h = self.handle(fh)?;
         self.backend.read(h.ino, offset, size)
     }
 
-    /// Writes through the daemon (copy-served entries).
+    /// Writes through the daemon: a `write(2)` on a writable handle, or pages of a mapping
+    /// written back (the kernel then names any writable handle of the inode). All of `data`
+    /// or an error, never a short count (the store's contract; a short count from it is
+    /// reported as EIO).
     pub fn write(&self, fh: u64, offset: u64, data: &[u8]) -> Result<u32> {
         let h = self.handle(fh)?;
         if !h.writable {
             return Err(Error::from_errno(libc::EBADF));
         }
-        self.backend.write(h.ino, offset, data)
+        let n = self.backend.write(h.ino, offset, data)?;
+        if n as usize != data.len() {
+            tracing::warn!(
+                ino = h.ino,
+                n,
+                len = data.len(),
+                "short write from the store"
+            );
+            return Err(Error::from_errno(libc::EIO));
+        }
+        Ok(n)
     }
 
     /// `setattr`: size (entries being written) and mode/owner.
@@ -261,7 +281,10 @@ impl<B: Backend> Fs<B> {
         }
     }
 
-    /// `fallocate`: grows an entry being written.
+    /// `fallocate` mode 0 on a writable handle: the store reserves pool space for the range
+    /// of the entry being written, growing it if the range ends past its size
+    /// ([`Backend::fallocate`]). Other modes (punching holes, keeping the size) are not
+    /// supported.
     pub fn fallocate(&self, fh: u64, offset: u64, len: u64, mode: i32) -> Result<()> {
         let h = self.handle(fh)?;
         if !h.writable {
@@ -270,27 +293,10 @@ impl<B: Backend> Fs<B> {
         if mode != 0 {
             return Err(Error::Unsupported("fallocate modes other than 0".into()));
         }
-        let a = self.backend.getattr(h.ino)?;
-        let end = offset
-            .checked_add(len)
-            .ok_or_else(|| Error::InvalidArgument("range overflows".into()))?;
-        if end > a.size {
-            match &h.opened {
-                OpenedFile::Passthrough(f) => {
-                    self.backend.make_room(h.ino, end - a.size);
-                    use std::os::fd::AsRawFd;
-                    // SAFETY: plain syscall on a descriptor the handle owns.
-                    let r = unsafe { libc::fallocate(f.as_raw_fd(), 0, offset as i64, len as i64) };
-                    if r != 0 {
-                        return Err(Error::Io(std::io::Error::last_os_error()));
-                    }
-                }
-                OpenedFile::Copy => {
-                    self.backend.truncate(h.ino, end)?;
-                }
-            }
+        if offset.checked_add(len).is_none() {
+            return Err(Error::InvalidArgument("range overflows".into()));
         }
-        Ok(())
+        self.backend.fallocate(h.ino, offset, len)
     }
 
     /// Deletes an entry.
@@ -371,93 +377,7 @@ fn check_name(name: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::AtomicU32;
-    use std::time::SystemTime;
-
-    /// A backend that records seals; enough to test handle bookkeeping.
-    #[derive(Default)]
-    struct Rec {
-        seals: AtomicU32,
-    }
-
-    fn attr(ino: u64, sealed: bool) -> Attr {
-        Attr {
-            ino,
-            kind: Kind::File,
-            size: 0,
-            mode: 0o644,
-            uid: 0,
-            gid: 0,
-            mtime: SystemTime::UNIX_EPOCH,
-            sealed,
-        }
-    }
-
-    impl Backend for Rec {
-        fn lookup(&self, _: &Caller, _: u64, _: &str) -> Result<Attr> {
-            Err(Error::NotFound("x".into()))
-        }
-        fn getattr(&self, ino: u64) -> Result<Attr> {
-            Ok(attr(ino, false))
-        }
-        fn readdir(&self, _: &Caller, _: u64) -> Result<Vec<DirEntry>> {
-            Ok(vec![])
-        }
-        fn mkdir(&self, _: &Caller, _: u64, _: &str, _: u32) -> Result<Attr> {
-            unreachable!()
-        }
-        fn rmdir(&self, _: &Caller, _: u64, _: &str) -> Result<()> {
-            unreachable!()
-        }
-        fn create(&self, _: &Caller, _: u64, _: &str, _: u32) -> Result<(Attr, OpenedFile)> {
-            Ok((attr(7, false), OpenedFile::Copy))
-        }
-        fn open(&self, _: &Caller, _: u64, _: bool) -> Result<OpenedFile> {
-            Ok(OpenedFile::Copy)
-        }
-        fn seal(&self, _: u64) -> Result<()> {
-            self.seals.fetch_add(1, Ordering::SeqCst);
-            Ok(())
-        }
-        fn abort(&self, _: u64) {}
-        fn truncate(&self, ino: u64, _: u64) -> Result<Attr> {
-            Ok(attr(ino, false))
-        }
-        fn chmod_chown(
-            &self,
-            _: &Caller,
-            ino: u64,
-            _: Option<u32>,
-            _: Option<u32>,
-            _: Option<u32>,
-        ) -> Result<Attr> {
-            Ok(attr(ino, false))
-        }
-        fn read(&self, _: u64, _: u64, _: u32) -> Result<Vec<u8>> {
-            Ok(vec![])
-        }
-        fn write(&self, _: u64, _: u64, d: &[u8]) -> Result<u32> {
-            Ok(d.len() as u32)
-        }
-        fn unlink(&self, _: &Caller, _: u64, _: &str) -> Result<()> {
-            Ok(())
-        }
-        fn rename(&self, _: &Caller, _: u64, _: &str, _: u64, _: &str) -> Result<()> {
-            Ok(())
-        }
-        fn statfs(&self) -> (u64, u64, u64) {
-            (0, 0, 0)
-        }
-        fn xattrs(&self, _: u64) -> Result<Vec<Xattr>> {
-            Ok(vec![Xattr {
-                name: "state",
-                value: "writing".into(),
-            }])
-        }
-        fn set_pinned(&self, _: &Caller, _: u64, _: bool) -> Result<()> {
-            Ok(())
-        }
-    }
+    use crate::testing::{Call, Rec};
 
     #[test]
     fn seals_once_at_last_writable_close() {
@@ -468,14 +388,14 @@ mod tests {
         let (fh3, _) = fs.open(&c, a.ino, false, false).unwrap();
         fs.flush(&c, fh3).unwrap();
         fs.flush(&c, fh1).unwrap();
-        assert_eq!(fs.backend().seals.load(Ordering::SeqCst), 0);
+        assert_eq!(fs.backend().seals(), 0);
         fs.release(fh1);
         fs.flush(&c, fh2).unwrap();
-        assert_eq!(fs.backend().seals.load(Ordering::SeqCst), 0);
+        assert_eq!(fs.backend().seals(), 0);
         fs.release(fh2);
-        assert_eq!(fs.backend().seals.load(Ordering::SeqCst), 1);
+        assert_eq!(fs.backend().seals(), 1);
         fs.release(fh3);
-        assert_eq!(fs.backend().seals.load(Ordering::SeqCst), 1);
+        assert_eq!(fs.backend().seals(), 1);
     }
 
     #[test]
@@ -483,8 +403,70 @@ mod tests {
         let fs = Fs::new(Rec::default());
         let (_, fh, _) = fs.create(&Caller::root(), 1, "k", 0o644).unwrap();
         fs.release(fh);
-        assert_eq!(fs.backend().seals.load(Ordering::SeqCst), 1);
+        assert_eq!(fs.backend().seals(), 1);
         assert!(fs.read(fh, 0, 1).is_err());
+    }
+
+    #[test]
+    fn flush_of_a_writable_handle_returns_the_commit() {
+        let fs = Fs::new(Rec::default());
+        let c = Caller::new(1000, 1000, std::process::id() as i32);
+        let (a, w, _) = fs.create(&c, 1, "k", 0o644).unwrap();
+        let (r, _) = fs.open(&c, a.ino, false, false).unwrap();
+        fs.flush(&c, w).unwrap();
+        fs.backend().fail_commits(libc::ENOSPC);
+        assert_eq!(fs.flush(&c, w).unwrap_err().errno(), libc::ENOSPC);
+        // A read-only handle commits nothing.
+        fs.flush(&c, r).unwrap();
+        let commits: Vec<_> = fs
+            .backend()
+            .calls()
+            .into_iter()
+            .filter(|x| matches!(x, Call::Commit { .. }))
+            .collect();
+        // The test process is alive: nothing abandoned.
+        let commit = Call::Commit {
+            ino: a.ino,
+            abandoned: false,
+        };
+        assert_eq!(commits, vec![commit.clone(), commit]);
+        assert_eq!(fs.flush(&c, 999).unwrap_err().errno(), libc::EBADF);
+    }
+
+    #[test]
+    fn fallocate_goes_to_the_store() {
+        let fs = Fs::new(Rec::serving(OpenedFile::Writing(None)));
+        let c = Caller::root();
+        let (a, w, _) = fs.create(&c, 1, "k", 0o644).unwrap();
+        let (r, _) = fs.open(&c, a.ino, false, false).unwrap();
+        fs.fallocate(w, 4096, 1 << 20, 0).unwrap();
+        assert!(fs.backend().calls().contains(&Call::Fallocate {
+            ino: a.ino,
+            offset: 4096,
+            len: 1 << 20,
+        }));
+        let keep_size = libc::FALLOC_FL_KEEP_SIZE;
+        assert_eq!(
+            fs.fallocate(w, 0, 1, keep_size).unwrap_err().errno(),
+            libc::EOPNOTSUPP
+        );
+        assert_eq!(fs.fallocate(r, 0, 1, 0).unwrap_err().errno(), libc::EBADF);
+        assert_eq!(
+            fs.fallocate(w, u64::MAX, 2, 0).unwrap_err().errno(),
+            libc::EINVAL
+        );
+    }
+
+    #[test]
+    fn writes_are_whole_or_fail() {
+        let fs = Fs::new(Rec::serving(OpenedFile::Writing(None)));
+        let c = Caller::root();
+        let (a, w, _) = fs.create(&c, 1, "k", 0o644).unwrap();
+        let (r, _) = fs.open(&c, a.ino, false, false).unwrap();
+        assert_eq!(fs.write(w, 0, b"abc").unwrap(), 3);
+        assert_eq!(fs.write(r, 0, b"abc").unwrap_err().errno(), libc::EBADF);
+        fs.backend().short_writes();
+        assert_eq!(fs.write(w, 0, b"abc").unwrap_err().errno(), libc::EIO);
     }
 
     #[test]

@@ -1,168 +1,34 @@
-//! The fuser adapter: translates kernel requests to [`crate::fs::Fs`] and replies.
-//! Passthrough backing ids live here (one per inode, shared by its handles).
+//! The fuser adapter: each of fuser's callbacks becomes one [`Request`], served by
+//! [`Server::dispatch`]; its [`Reply`] goes back through fuser's reply object. Passthrough
+//! backing ids of requests fuser serves are registered through that reply object.
 
-use std::collections::HashMap;
 use std::ffi::OsStr;
-use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, SystemTime};
+use std::os::unix::ffi::OsStrExt;
+use std::sync::atomic::Ordering;
+use std::time::SystemTime;
 
 use fuser::{
-    AccessFlags, BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags,
-    Generation, INodeNo, InitFlags, KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr,
-    ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs,
-    ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
+    AccessFlags, Errno, FileAttr, FileHandle, FileType, Filesystem, Generation, INodeNo, InitFlags,
+    KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData,
+    ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr,
+    TimeOrNow, WriteFlags,
 };
-use maru::Error;
-use parking_lot::Mutex;
 
-use crate::backend::{Attr, Backend, Caller, Kind, OpenedFile, Upcall};
-use crate::fs::Fs;
+use crate::backend::{Attr, Backend, Kind};
+use crate::server::{
+    BLKSIZE, BackingRef, Ids, Opened, RING_PAYLOAD, Registrar, Reply, Request, Server, XattrAnswer,
+};
 
-/// Most idle backing ids kept for fast reopening of sealed entries.
-const IDLE_BACKINGS: usize = 1024;
+pub use crate::server::Backings;
 
-/// A passthrough backing id registered with the kernel: through fuser's channel (requests
-/// served by fuser) or through our own descriptor of the connection (requests served over
-/// io_uring, see [`crate::ring`]). Dropping it unregisters it.
-pub(crate) enum Backing {
-    /// Registered by fuser.
-    Fuser(BackingId),
-    /// Registered with `FUSE_DEV_IOC_BACKING_OPEN` on `dev`.
-    Raw { id: u32, dev: Arc<OwnedFd> },
-}
+/// The mounted filesystem, as fuser's session and the io_uring queues serve it.
+pub type FuseFs<B> = Server<B>;
 
-/// `FUSE_DEV_IOC_BACKING_CLOSE`: `_IOW(229, 2, uint32_t)`.
-const FUSE_DEV_IOC_BACKING_CLOSE: libc::c_ulong = 0x4004_e502;
-
-impl Drop for Backing {
-    fn drop(&mut self) {
-        if let Backing::Raw { id, dev } = self {
-            // SAFETY: the ioctl reads one u32 that lives for the call.
-            let r = unsafe {
-                libc::ioctl(
-                    dev.as_raw_fd(),
-                    FUSE_DEV_IOC_BACKING_CLOSE,
-                    id as *const u32,
-                )
-            };
-            if r != 0 {
-                tracing::debug!(
-                    "closing backing id {id}: {}",
-                    std::io::Error::last_os_error()
-                );
-            }
-        }
-    }
-}
-
-/// An inode's registered backing.
-struct Registered {
-    backing: Backing,
-    /// Open handles using it.
-    open: u32,
-    /// Reusable after the last close (a sealed entry).
-    keep: bool,
-    /// The backing file, so that reopening a sealed entry opens nothing in the pool.
-    file: Arc<std::fs::File>,
-}
-
-/// Passthrough backing ids by inode.
-#[derive(Default)]
-pub struct Backings {
-    map: Mutex<HashMap<u64, Registered>>,
-}
-
-impl Backings {
-    /// Forgets an inode's idle backing id (its entry was deleted, evicted or renamed), so the
-    /// kernel drops its reference to the backing file.
-    pub fn forget(&self, ino: u64) {
-        let mut m = self.map.lock();
-        if m.get(&ino).is_some_and(|r| r.open == 0) {
-            m.remove(&ino);
-        } else if let Some(r) = m.get_mut(&ino) {
-            r.keep = false;
-        }
-    }
-}
-
-/// Block size reported by stat.
-pub(crate) const BLKSIZE: u32 = 4096;
-
-/// How the connection's requests travel, as negotiated at INIT.
-#[derive(Default)]
-pub(crate) struct Transport {
-    /// Ask the kernel for FUSE over io_uring at INIT (set once the rings exist).
-    pub(crate) want_uring: AtomicBool,
-    /// INIT is done.
-    pub(crate) init_done: AtomicBool,
-    /// The kernel agreed to io_uring.
-    pub(crate) uring: AtomicBool,
-}
-
-/// The mounted filesystem. Cheap handles to one shared state ([`FuseFs::share`]): fuser's
-/// session owns one, the io_uring queue threads another.
-pub struct FuseFs<B: Backend> {
-    pub(crate) fs: Arc<Fs<B>>,
-    pub(crate) backing: Arc<Backings>,
-    pub(crate) passthrough: Arc<AtomicBool>,
-    pub(crate) transport: Arc<Transport>,
-}
-
-impl<B: Backend> FuseFs<B> {
-    /// The backing-id table, for the store's invalidations.
-    pub fn backings(&self) -> Arc<Backings> {
-        self.backing.clone()
-    }
-
-    /// Wraps the filesystem logic.
-    pub fn new(fs: Fs<B>) -> Self {
-        FuseFs {
-            fs: Arc::new(fs),
-            backing: Arc::new(Backings::default()),
-            passthrough: Arc::new(AtomicBool::new(false)),
-            transport: Arc::new(Transport::default()),
-        }
-    }
-
-    /// Whether the kernel agreed, at INIT, to send requests over io_uring.
-    pub fn uses_uring(&self) -> bool {
-        self.transport.uring.load(Ordering::Acquire)
-    }
-
-    /// Another handle to the same filesystem.
-    pub fn share(&self) -> Self {
-        FuseFs {
-            fs: self.fs.clone(),
-            backing: self.backing.clone(),
-            passthrough: self.passthrough.clone(),
-            transport: self.transport.clone(),
-        }
-    }
-}
-
-pub(crate) fn errno(e: &Error) -> Errno {
-    match e.errno() {
-        libc::ENOENT | libc::EEXIST | libc::ENOTEMPTY | libc::ENODATA => {
-            tracing::debug!("{e}")
-        }
-        libc::EIO => tracing::warn!("{e}"),
-        _ => tracing::debug!("{e}"),
-    }
-    Errno::from_i32(e.errno())
-}
-
-fn caller(req: &Request, groups: bool) -> Caller {
-    caller_of(req.uid(), req.gid(), req.pid(), groups)
-}
-
-/// The caller of a request; `groups`: look its supplementary groups up (permission checks).
-pub(crate) fn caller_of(uid: u32, gid: u32, pid: u32, groups: bool) -> Caller {
-    if groups {
-        Caller::with_groups(uid, gid, pid as i32)
-    } else {
-        Caller::new(uid, gid, pid as i32)
+fn ids(req: &fuser::Request) -> Ids {
+    Ids {
+        uid: req.uid(),
+        gid: req.gid(),
+        pid: req.pid(),
     }
 }
 
@@ -190,261 +56,79 @@ fn file_attr(a: &Attr) -> FileAttr {
     }
 }
 
-/// What an open or a create hands back to the kernel.
-pub(crate) struct Opened {
-    /// File handle.
-    pub(crate) fh: u64,
-    /// `FOPEN_*` flags.
-    pub(crate) flags: FopenFlags,
-    /// Serve read, write and mmap from the inode's backing file (passthrough).
-    pub(crate) passthrough: bool,
-    /// The backing id registered over the ring's descriptor, when the open already found it
-    /// (a kept entry), so that the reply needs no second look at the backings.
-    pub(crate) raw_id: Option<u32>,
+/// The error of a reply that is not the kind the request expects: an error reply, or (a bug)
+/// another kind, EIO.
+fn error_of(r: Reply) -> Errno {
+    match r {
+        Reply::Err(e) => e,
+        other => {
+            tracing::error!("unexpected reply {other:?}");
+            Errno::EIO
+        }
+    }
 }
 
-pub(crate) fn name_str(name: &OsStr) -> Result<&str, Errno> {
-    name.to_str().ok_or(Errno::EINVAL)
+fn reply_entry(reply: ReplyEntry, r: Reply) {
+    match r {
+        Reply::Entry {
+            attr,
+            attr_ttl,
+            entry_ttl,
+        } => reply.entry_with_ttls(&attr_ttl, &entry_ttl, &file_attr(&attr), Generation(0)),
+        r => reply.error(error_of(r)),
+    }
 }
 
-impl<B: Backend> FuseFs<B> {
-    /// Counts one upcall and enters its span (`fuse{op, pid}`, at debug level).
-    fn enter(&self, op: Upcall, req: &Request) -> tracing::span::EnteredSpan {
-        self.enter_pid(op, req.pid())
+fn reply_attr(reply: ReplyAttr, r: Reply) {
+    match r {
+        Reply::Attr { attr, ttl } => reply.attr(&ttl, &file_attr(&attr)),
+        r => reply.error(error_of(r)),
     }
+}
 
-    /// [`Self::enter`] for a request seen by pid.
-    pub(crate) fn enter_pid(&self, op: Upcall, pid: u32) -> tracing::span::EnteredSpan {
-        self.fs.backend().count_upcall(op);
-        tracing::debug_span!("fuse", op = op.name(), pid).entered()
+fn reply_empty(reply: ReplyEmpty, r: Reply) {
+    match r {
+        Reply::Empty => reply.ok(),
+        r => reply.error(error_of(r)),
     }
+}
 
-    /// Opens `ino` for `flags` (`open(2)` flags); with passthrough, the inode's backing id is
-    /// registered (or reused) with `register`.
-    pub(crate) fn open_common(
-        &self,
-        c: &Caller,
-        ino: u64,
-        flags: i32,
-        register: impl FnOnce(&std::fs::File) -> std::io::Result<Backing>,
-    ) -> Result<Opened, Errno> {
-        let write = (flags & libc::O_ACCMODE) != libc::O_RDONLY;
-        let trunc = flags & libc::O_TRUNC != 0;
-        // A sealed entry whose backing is still registered (the common open of a hot key):
-        // its file and backing id are at hand, only the store's checks and bookkeeping remain
-        // (no path walk in the pool, one look at the backings).
-        if !write && let Some((file, raw_id)) = self.reuse_kept(ino) {
-            return match self.fs.reopen(c, ino, file) {
-                Ok(fh) => Ok(Opened {
-                    fh,
-                    flags: FopenFlags::FOPEN_NOFLUSH,
-                    passthrough: true,
-                    raw_id,
-                }),
-                Err(e) => {
-                    self.put_backing(ino, true);
-                    Err(errno(&e))
-                }
-            };
-        }
-        let (fh, opened) = self.fs.open(c, ino, write, trunc).map_err(|e| errno(&e))?;
-        let fl = if write {
-            FopenFlags::empty()
-        } else {
-            FopenFlags::FOPEN_NOFLUSH
-        };
-        let passthrough = self.attach_backing(ino, fh, &opened, register)?;
-        if passthrough && !write {
-            self.keep_backing(ino);
-        }
-        Ok(Opened {
-            fh,
-            flags: fl,
-            passthrough,
-            raw_id: None,
-        })
+fn reply_xattr(reply: ReplyXattr, r: Reply) {
+    match r {
+        Reply::Xattr(XattrAnswer::Size(n)) => reply.size(n),
+        Reply::Xattr(XattrAnswer::Data(v)) => reply.data(&v),
+        r => reply.error(error_of(r)),
     }
+}
 
-    /// Creates `name` in `parent` and opens it for writing (see [`Self::open_common`]).
-    pub(crate) fn create_common(
-        &self,
-        c: &Caller,
-        parent: u64,
-        name: &str,
-        mode: u32,
-        register: impl FnOnce(&std::fs::File) -> std::io::Result<Backing>,
-    ) -> Result<(Attr, Opened), Errno> {
-        let (a, fh, opened) = self
-            .fs
-            .create(c, parent, name, mode)
-            .map_err(|e| errno(&e))?;
-        let passthrough = self.attach_backing(a.ino, fh, &opened, register)?;
-        Ok((
-            a,
-            Opened {
-                fh,
-                flags: FopenFlags::empty(),
-                passthrough,
-                raw_id: None,
-            },
-        ))
-    }
-
-    /// For a passthrough handle `fh` of `ino`, takes (or registers with `register`) the
-    /// inode's backing id; returns whether the handle is passthrough. On failure the handle
-    /// is released.
-    fn attach_backing(
+impl<B: Backend> Server<B> {
+    /// The fuser-registered backing id to reply with for the passthrough handle `o` of `ino`.
+    /// The handle's backing was registered through fuser ([`Registrar::Fuser`]); should it
+    /// not be, the handle is released: EIO.
+    fn fuser_id(
         &self,
         ino: u64,
-        fh: u64,
-        opened: &OpenedFile,
-        register: impl FnOnce(&std::fs::File) -> std::io::Result<Backing>,
-    ) -> Result<bool, Errno> {
-        match opened {
-            OpenedFile::Passthrough(f) if self.passthrough.load(Ordering::Relaxed) => {
-                if let Err(e) = self.with_backing(ino, f, register) {
-                    self.fs.release(fh);
-                    return Err(Errno::from(e));
-                }
-                Ok(true)
-            }
-            _ => Ok(false),
-        }
-    }
-
-    /// The fuser-registered backing of `ino`, for the reply to an open or create served by
-    /// fuser. Without one (it cannot happen while fuser serves the opens), releases `fh`:
-    /// EIO.
-    fn fuser_backing(
-        &self,
-        ino: u64,
-        fh: u64,
-    ) -> Result<parking_lot::MappedMutexGuard<'_, BackingId>, Errno> {
-        let m = self.backing.map.lock();
-        let found = parking_lot::MutexGuard::try_map(m, |m| match m.get_mut(&ino) {
-            Some(Registered {
-                backing: Backing::Fuser(id),
-                ..
-            }) => Some(id),
+        o: &Opened,
+    ) -> Result<parking_lot::MappedMutexGuard<'_, fuser::BackingId>, Errno> {
+        let id = match o.backing {
+            Some(BackingRef::Fuser) => self.fuser_backing(ino),
             _ => None,
-        });
-        found.map_err(|m| {
-            drop(m);
-            self.release_common(ino, fh);
+        };
+        id.ok_or_else(|| {
+            tracing::error!(ino, "no fuser backing id for a passthrough handle");
+            self.release(o.fh);
             Errno::EIO
         })
     }
-
-    /// One more use of the kept backing of `ino` (a sealed entry opened before, see
-    /// [`Self::put_backing`]): its file and, when registered over a ring's descriptor, its
-    /// backing id; or None.
-    fn reuse_kept(&self, ino: u64) -> Option<(Arc<std::fs::File>, Option<u32>)> {
-        let mut m = self.backing.map.lock();
-        let r = m.get_mut(&ino).filter(|r| r.keep)?;
-        r.open += 1;
-        let raw = match &r.backing {
-            Backing::Raw { id, .. } => Some(*id),
-            Backing::Fuser(_) => None,
-        };
-        Some((r.file.clone(), raw))
-    }
-
-    /// `statfs` counts in [`BLKSIZE`] blocks: blocks, free, available, files, free files
-    /// (names are not a limited resource). Names are at most 255 bytes.
-    pub(crate) fn statfs_counts(&self) -> [u64; 5] {
-        let (total, free, files) = self.fs.statfs();
-        let bs = u64::from(BLKSIZE);
-        [total / bs, free / bs, free / bs, files, u64::MAX / 2]
-    }
-
-    /// Runs `f` with the backing registered for `ino` (after an open or create).
-    pub(crate) fn backing_of<R>(&self, ino: u64, f: impl FnOnce(&Backing) -> R) -> Option<R> {
-        self.backing.map.lock().get(&ino).map(|r| f(&r.backing))
-    }
-
-    /// A handle is gone: releases it and puts its backing id back.
-    pub(crate) fn release_common(&self, ino: u64, fh: u64) {
-        if let Some(h) = self.fs.release(fh)
-            && matches!(h.opened, OpenedFile::Passthrough(_))
-        {
-            self.put_backing(ino, !h.writable);
-        }
-    }
-
-    fn reply_entry(&self, reply: ReplyEntry, r: maru::Result<Attr>) {
-        match r {
-            Ok(a) => {
-                let (attr_ttl, entry_ttl) = Fs::<B>::ttls(&a);
-                reply.entry_with_ttls(&attr_ttl, &entry_ttl, &file_attr(&a), Generation(0));
-            }
-            Err(e) => reply.error(errno(&e)),
-        }
-    }
-
-    fn reply_attr(&self, reply: ReplyAttr, r: maru::Result<Attr>) {
-        match r {
-            Ok(a) => reply.attr(&Fs::<B>::ttls(&a).0, &file_attr(&a)),
-            Err(e) => reply.error(errno(&e)),
-        }
-    }
-
-    /// Takes (or registers with `open`) the inode's backing id for one more handle.
-    fn with_backing(
-        &self,
-        ino: u64,
-        file: &Arc<std::fs::File>,
-        open: impl FnOnce(&std::fs::File) -> std::io::Result<Backing>,
-    ) -> std::io::Result<()> {
-        let mut m = self.backing.map.lock();
-        if let Some(r) = m.get_mut(&ino) {
-            r.open += 1;
-            return Ok(());
-        }
-        let id = open(file)?;
-        m.insert(
-            ino,
-            Registered {
-                backing: id,
-                open: 1,
-                keep: false,
-                file: file.clone(),
-            },
-        );
-        Ok(())
-    }
-
-    /// A handle is gone. Backing ids of sealed entries stay registered (idle) so that the
-    /// next open of the same entry skips re-registering; entries being written drop theirs.
-    fn put_backing(&self, ino: u64, keep: bool) {
-        let mut m = self.backing.map.lock();
-        if let Some(r) = m.get_mut(&ino) {
-            r.open -= 1;
-            if r.open == 0 {
-                if keep && r.keep {
-                    if m.len() > IDLE_BACKINGS {
-                        m.retain(|_, r| r.open > 0);
-                    }
-                } else {
-                    m.remove(&ino);
-                }
-            }
-        }
-    }
-
-    /// Marks an inode's backing id reusable (a sealed entry opened read-only).
-    fn keep_backing(&self, ino: u64) {
-        if let Some(r) = self.backing.map.lock().get_mut(&ino) {
-            r.keep = true;
-        }
-    }
 }
 
-impl<B: Backend> Filesystem for FuseFs<B> {
-    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+impl<B: Backend> Filesystem for Server<B> {
+    fn init(&mut self, _req: &fuser::Request, config: &mut KernelConfig) -> std::io::Result<()> {
+        let t = self.transport();
         match config.add_capabilities(InitFlags::FUSE_PASSTHROUGH) {
             Ok(()) => {
                 let _ = config.set_max_stack_depth(1);
-                self.passthrough.store(true, Ordering::Relaxed);
+                t.passthrough.store(true, Ordering::Relaxed);
                 tracing::info!("FUSE passthrough enabled: mmap of memfs entries is zero-copy");
             }
             Err(_) => tracing::warn!(
@@ -457,16 +141,27 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         // saying so spares the kernel's GETXATTR of `security.capability` before every
         // `write(2)` (it then checks once per inode and attribute refresh).
         let _ = config.add_capabilities(InitFlags::FUSE_HANDLE_KILLPRIV_V2);
-        if self.transport.want_uring.load(Ordering::Acquire) {
+        // Entries being written are served without the page cache (FOPEN_DIRECT_IO) so that
+        // the store sees every write; a writer may still map one, and the kernel then writes
+        // its dirty pages back through WRITE requests (Linux 6.6+).
+        if config
+            .add_capabilities(InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP)
+            .is_err()
+        {
+            tracing::warn!(
+                "the kernel cannot map entries being written (FUSE_DIRECT_IO_ALLOW_MMAP)"
+            );
+        }
+        if t.want_uring.load(Ordering::Acquire) {
             // Every ring entry's payload buffer must hold the largest request or reply:
             // max(max_write, max_pages pages), so both are bounded to RING_PAYLOAD.
-            let _ = config.set_max_write(crate::ring::RING_PAYLOAD as u32);
-            if let Err(nearest) = config.set_max_readahead(crate::ring::RING_PAYLOAD as u32) {
+            let _ = config.set_max_write(RING_PAYLOAD as u32);
+            if let Err(nearest) = config.set_max_readahead(RING_PAYLOAD as u32) {
                 let _ = config.set_max_readahead(nearest);
             }
             match config.add_capabilities(InitFlags::FUSE_OVER_IO_URING) {
                 Ok(()) => {
-                    self.transport.uring.store(true, Ordering::Release);
+                    t.uring.store(true, Ordering::Release);
                     tracing::info!("FUSE over io_uring: one request queue per CPU");
                 }
                 Err(_) => tracing::info!(
@@ -474,27 +169,32 @@ impl<B: Backend> Filesystem for FuseFs<B> {
                 ),
             }
         }
-        self.transport.init_done.store(true, Ordering::Release);
+        t.init_done.store(true, Ordering::Release);
         Ok(())
     }
 
-    fn lookup(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        let _span = self.enter(Upcall::Lookup, req);
-        let name = match name_str(name) {
-            Ok(n) => n,
-            Err(e) => return reply.error(e),
+    fn lookup(&self, req: &fuser::Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        let r = Request::Lookup {
+            parent: parent.0,
+            name: name.as_bytes(),
         };
-        self.reply_entry(reply, self.fs.lookup(&caller(req, false), parent.0, name));
+        reply_entry(reply, self.dispatch(&r, ids(req), Registrar::None));
     }
 
-    fn getattr(&self, req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        let _span = self.enter(Upcall::Getattr, req);
-        self.reply_attr(reply, self.fs.getattr(ino.0));
+    fn getattr(
+        &self,
+        req: &fuser::Request,
+        ino: INodeNo,
+        _fh: Option<FileHandle>,
+        reply: ReplyAttr,
+    ) {
+        let r = Request::Getattr { ino: ino.0 };
+        reply_attr(reply, self.dispatch(&r, ids(req), Registrar::None));
     }
 
     fn setattr(
         &self,
-        req: &Request,
+        req: &fuser::Request,
         ino: INodeNo,
         mode: Option<u32>,
         uid: Option<u32>,
@@ -510,71 +210,81 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
-        let _span = self.enter(Upcall::Setattr, req);
-        let c = caller(req, true);
-        self.reply_attr(reply, self.fs.setattr(&c, ino.0, mode, uid, gid, size));
+        let r = Request::Setattr {
+            ino: ino.0,
+            mode,
+            uid,
+            gid,
+            size,
+        };
+        reply_attr(reply, self.dispatch(&r, ids(req), Registrar::None));
     }
 
     fn mkdir(
         &self,
-        req: &Request,
+        req: &fuser::Request,
         parent: INodeNo,
         name: &OsStr,
         mode: u32,
         umask: u32,
         reply: ReplyEntry,
     ) {
-        let _span = self.enter(Upcall::Mkdir, req);
-        let name = match name_str(name) {
-            Ok(n) => n,
-            Err(e) => return reply.error(e),
+        let r = Request::Mkdir {
+            parent: parent.0,
+            name: name.as_bytes(),
+            mode,
+            umask,
         };
-        let c = caller(req, true);
-        self.reply_entry(reply, self.fs.mkdir(&c, parent.0, name, mode & !umask));
+        reply_entry(reply, self.dispatch(&r, ids(req), Registrar::None));
     }
 
-    fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        let _span = self.enter(Upcall::Unlink, req);
-        let name = match name_str(name) {
-            Ok(n) => n,
-            Err(e) => return reply.error(e),
+    fn unlink(&self, req: &fuser::Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let r = Request::Unlink {
+            parent: parent.0,
+            name: name.as_bytes(),
         };
-        match self.fs.unlink(&caller(req, true), parent.0, name) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(&e)),
-        }
+        reply_empty(reply, self.dispatch(&r, ids(req), Registrar::None));
     }
 
-    fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        let _span = self.enter(Upcall::Rmdir, req);
-        let name = match name_str(name) {
-            Ok(n) => n,
-            Err(e) => return reply.error(e),
+    fn rmdir(&self, req: &fuser::Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let r = Request::Rmdir {
+            parent: parent.0,
+            name: name.as_bytes(),
         };
-        match self.fs.rmdir(&caller(req, true), parent.0, name) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(&e)),
-        }
+        reply_empty(reply, self.dispatch(&r, ids(req), Registrar::None));
     }
 
     fn symlink(
         &self,
-        _req: &Request,
+        req: &fuser::Request,
         _parent: INodeNo,
         _link: &OsStr,
         _target: &std::path::Path,
         reply: ReplyEntry,
     ) {
-        reply.error(Errno::EPERM);
+        reply_entry(
+            reply,
+            self.dispatch(&Request::Link, ids(req), Registrar::None),
+        );
     }
 
-    fn link(&self, _req: &Request, _ino: INodeNo, _np: INodeNo, _nn: &OsStr, reply: ReplyEntry) {
-        reply.error(Errno::EPERM);
+    fn link(
+        &self,
+        req: &fuser::Request,
+        _ino: INodeNo,
+        _newparent: INodeNo,
+        _newname: &OsStr,
+        reply: ReplyEntry,
+    ) {
+        reply_entry(
+            reply,
+            self.dispatch(&Request::Link, ids(req), Registrar::None),
+        );
     }
 
     fn mknod(
         &self,
-        _req: &Request,
+        req: &fuser::Request,
         _parent: INodeNo,
         _name: &OsStr,
         _mode: u32,
@@ -582,12 +292,15 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         _rdev: u32,
         reply: ReplyEntry,
     ) {
-        reply.error(Errno::EPERM);
+        reply_entry(
+            reply,
+            self.dispatch(&Request::Link, ids(req), Registrar::None),
+        );
     }
 
     fn rename(
         &self,
-        req: &Request,
+        req: &fuser::Request,
         parent: INodeNo,
         name: &OsStr,
         newparent: INodeNo,
@@ -595,42 +308,35 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
-        let _span = self.enter(Upcall::Rename, req);
-        if flags.contains(RenameFlags::RENAME_EXCHANGE)
-            || flags.contains(RenameFlags::RENAME_WHITEOUT)
-        {
-            return reply.error(Errno::EINVAL);
-        }
-        let (name, newname) = match (name_str(name), name_str(newname)) {
-            (Ok(a), Ok(b)) => (a, b),
-            _ => return reply.error(Errno::EINVAL),
+        let r = Request::Rename {
+            parent: parent.0,
+            name: name.as_bytes(),
+            newparent: newparent.0,
+            newname: newname.as_bytes(),
+            flags: flags.bits(),
         };
-        match self
-            .fs
-            .rename(&caller(req, true), parent.0, name, newparent.0, newname)
-        {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(&e)),
-        }
+        reply_empty(reply, self.dispatch(&r, ids(req), Registrar::None));
     }
 
-    fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
-        let _span = self.enter(Upcall::Open, req);
-        let c = caller(req, false);
-        let register = |file: &std::fs::File| reply.open_backing(file).map(Backing::Fuser);
-        match self.open_common(&c, ino.0, flags.0, register) {
-            Ok(o) if o.passthrough => match self.fuser_backing(ino.0, o.fh) {
+    fn open(&self, req: &fuser::Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        let r = Request::Open {
+            ino: ino.0,
+            flags: flags.0,
+        };
+        let register = |file: &std::fs::File| reply.open_backing(file);
+        match self.dispatch(&r, ids(req), Registrar::Fuser(&register)) {
+            Reply::Open(o) if o.backing.is_none() => reply.opened(FileHandle(o.fh), o.flags),
+            Reply::Open(o) => match self.fuser_id(ino.0, &o) {
                 Ok(id) => reply.opened_passthrough(FileHandle(o.fh), o.flags, &id),
                 Err(e) => reply.error(e),
             },
-            Ok(o) => reply.opened(FileHandle(o.fh), o.flags),
-            Err(e) => reply.error(e),
+            r => reply.error(error_of(r)),
         }
     }
 
     fn read(
         &self,
-        req: &Request,
+        req: &fuser::Request,
         _ino: INodeNo,
         fh: FileHandle,
         offset: u64,
@@ -639,117 +345,132 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         _lock: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        let _span = self.enter(Upcall::Read, req);
-        match self.fs.read(fh.0, offset, size) {
-            Ok(d) => reply.data(&d),
-            Err(e) => reply.error(errno(&e)),
+        let r = Request::Read {
+            fh: fh.0,
+            offset,
+            size,
+        };
+        match self.dispatch(&r, ids(req), Registrar::None) {
+            Reply::Data(d) => reply.data(&d),
+            r => reply.error(error_of(r)),
         }
     }
 
     fn write(
         &self,
-        req: &Request,
+        req: &fuser::Request,
         _ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         data: &[u8],
-        _wf: WriteFlags,
+        write_flags: WriteFlags,
         _flags: OpenFlags,
         _lock: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        let _span = self.enter(Upcall::Write, req);
-        match self.fs.write(fh.0, offset, data) {
-            Ok(n) => reply.written(n),
-            Err(e) => reply.error(errno(&e)),
+        let r = Request::Write {
+            fh: fh.0,
+            offset,
+            data,
+            write_flags: write_flags.bits(),
+        };
+        match self.dispatch(&r, ids(req), Registrar::None) {
+            Reply::Written(n) => reply.written(n),
+            r => reply.error(error_of(r)),
         }
     }
 
     fn flush(
         &self,
-        req: &Request,
+        req: &fuser::Request,
         _ino: INodeNo,
         fh: FileHandle,
         _lock: LockOwner,
         reply: ReplyEmpty,
     ) {
-        let _span = self.enter(Upcall::Flush, req);
-        match self.fs.flush(&caller(req, false), fh.0) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(&e)),
-        }
+        let r = Request::Flush { fh: fh.0 };
+        reply_empty(reply, self.dispatch(&r, ids(req), Registrar::None));
     }
 
     fn release(
         &self,
-        req: &Request,
-        ino: INodeNo,
+        req: &fuser::Request,
+        _ino: INodeNo,
         fh: FileHandle,
         _flags: OpenFlags,
         _lock: Option<LockOwner>,
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        let _span = self.enter(Upcall::Release, req);
-        self.release_common(ino.0, fh.0);
-        reply.ok();
+        let r = Request::Release { fh: fh.0 };
+        reply_empty(reply, self.dispatch(&r, ids(req), Registrar::None));
     }
 
     fn fsync(
         &self,
-        _req: &Request,
+        req: &fuser::Request,
         _ino: INodeNo,
         _fh: FileHandle,
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
-        reply.ok();
+        reply_empty(
+            reply,
+            self.dispatch(&Request::Fsync, ids(req), Registrar::None),
+        );
     }
 
-    fn opendir(&self, req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
-        let _span = self.enter(Upcall::Opendir, req);
-        match self.fs.getattr(ino.0) {
-            Ok(a) if a.kind == Kind::Dir => reply.opened(FileHandle(0), FopenFlags::empty()),
-            Ok(_) => reply.error(Errno::ENOTDIR),
-            Err(e) => reply.error(errno(&e)),
+    fn opendir(&self, req: &fuser::Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        let r = Request::Opendir { ino: ino.0 };
+        match self.dispatch(&r, ids(req), Registrar::None) {
+            Reply::Open(o) => reply.opened(FileHandle(o.fh), o.flags),
+            r => reply.error(error_of(r)),
         }
     }
 
     fn readdir(
         &self,
-        req: &Request,
+        req: &fuser::Request,
         ino: INodeNo,
         _fh: FileHandle,
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
-        let _span = self.enter(Upcall::Readdir, req);
-        match self.fs.readdir(&caller(req, true), ino.0) {
-            Ok(list) => {
-                for (i, e) in list.iter().enumerate().skip(offset as usize) {
+        // fuser's reply buffer is as large as the kernel asked for, and says when it is full.
+        let r = Request::Readdir {
+            ino: ino.0,
+            offset,
+            size: u32::MAX,
+        };
+        match self.dispatch(&r, ids(req), Registrar::None) {
+            Reply::Dir(list) => {
+                for (next, e) in list.iter() {
                     let kind = match e.kind {
                         Kind::Dir => FileType::Directory,
                         Kind::File => FileType::RegularFile,
                     };
-                    if reply.add(INodeNo(e.ino), (i + 1) as u64, kind, &e.name) {
+                    if reply.add(INodeNo(e.ino), next, kind, &e.name) {
                         break;
                     }
                 }
                 reply.ok();
             }
-            Err(e) => reply.error(errno(&e)),
+            r => reply.error(error_of(r)),
         }
     }
 
-    fn statfs(&self, req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        let _span = self.enter(Upcall::Statfs, req);
-        let [blocks, bfree, bavail, files, ffree] = self.statfs_counts();
-        reply.statfs(blocks, bfree, bavail, files, ffree, BLKSIZE, 255, BLKSIZE);
+    fn statfs(&self, req: &fuser::Request, _ino: INodeNo, reply: ReplyStatfs) {
+        match self.dispatch(&Request::Statfs, ids(req), Registrar::None) {
+            Reply::Statfs(s) => reply.statfs(
+                s.blocks, s.bfree, s.bavail, s.files, s.ffree, s.bsize, s.namelen, s.frsize,
+            ),
+            r => reply.error(error_of(r)),
+        }
     }
 
     fn setxattr(
         &self,
-        req: &Request,
+        req: &fuser::Request,
         ino: INodeNo,
         name: &OsStr,
         value: &[u8],
@@ -757,91 +478,88 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         _pos: u32,
         reply: ReplyEmpty,
     ) {
-        let _span = self.enter(Upcall::Setxattr, req);
-        let name = match name_str(name) {
-            Ok(n) => n,
-            Err(e) => return reply.error(e),
+        let r = Request::Setxattr {
+            ino: ino.0,
+            name: name.as_bytes(),
+            value,
         };
-        match self.fs.setxattr(&caller(req, true), ino.0, name, value) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(&e)),
-        }
+        reply_empty(reply, self.dispatch(&r, ids(req), Registrar::None));
     }
 
-    fn getxattr(&self, req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
-        let _span = self.enter(Upcall::Getxattr, req);
-        let name = match name_str(name) {
-            Ok(n) => n,
-            Err(e) => return reply.error(e),
+    fn getxattr(
+        &self,
+        req: &fuser::Request,
+        ino: INodeNo,
+        name: &OsStr,
+        size: u32,
+        reply: ReplyXattr,
+    ) {
+        let r = Request::Getxattr {
+            ino: ino.0,
+            name: name.as_bytes(),
+            size,
         };
-        xattr_reply(reply, size, self.fs.getxattr(ino.0, name));
+        reply_xattr(reply, self.dispatch(&r, ids(req), Registrar::None));
     }
 
-    fn listxattr(&self, req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
-        let _span = self.enter(Upcall::Listxattr, req);
-        xattr_reply(reply, size, self.fs.listxattr(ino.0));
+    fn listxattr(&self, req: &fuser::Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+        let r = Request::Listxattr { ino: ino.0, size };
+        reply_xattr(reply, self.dispatch(&r, ids(req), Registrar::None));
     }
 
-    fn removexattr(&self, req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        let _span = self.enter(Upcall::Removexattr, req);
-        let name = match name_str(name) {
-            Ok(n) => n,
-            Err(e) => return reply.error(e),
+    fn removexattr(&self, req: &fuser::Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let r = Request::Removexattr {
+            ino: ino.0,
+            name: name.as_bytes(),
         };
-        match self.fs.setxattr(&caller(req, true), ino.0, name, b"0") {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(&e)),
-        }
+        reply_empty(reply, self.dispatch(&r, ids(req), Registrar::None));
     }
 
-    fn access(&self, _req: &Request, _ino: INodeNo, _mask: AccessFlags, reply: ReplyEmpty) {
-        // default_permissions: the kernel checks modes itself.
-        reply.ok();
+    fn access(&self, req: &fuser::Request, _ino: INodeNo, _mask: AccessFlags, reply: ReplyEmpty) {
+        reply_empty(
+            reply,
+            self.dispatch(&Request::Access, ids(req), Registrar::None),
+        );
     }
 
     fn create(
         &self,
-        req: &Request,
+        req: &fuser::Request,
         parent: INodeNo,
         name: &OsStr,
         mode: u32,
         umask: u32,
-        _flags: i32,
+        flags: i32,
         reply: ReplyCreate,
     ) {
-        let _span = self.enter(Upcall::Create, req);
-        let name = match name_str(name) {
-            Ok(n) => n,
-            Err(e) => return reply.error(e),
+        let r = Request::Create {
+            parent: parent.0,
+            name: name.as_bytes(),
+            mode,
+            umask,
+            flags,
         };
-        let c = caller(req, true);
-        let register = |file: &std::fs::File| reply.open_backing(file).map(Backing::Fuser);
-        match self.create_common(&c, parent.0, name, mode & !umask & 0o7777, register) {
-            Ok((a, o)) => {
-                let ttl = Duration::ZERO;
-                let fa = file_attr(&a);
-                if !o.passthrough {
-                    return reply.created(&ttl, &fa, Generation(0), FileHandle(o.fh), o.flags);
-                }
-                match self.fuser_backing(a.ino, o.fh) {
-                    Ok(id) => reply.created_passthrough(
-                        &ttl,
-                        &fa,
-                        Generation(0),
-                        FileHandle(o.fh),
-                        o.flags,
-                        &id,
-                    ),
-                    Err(e) => reply.error(e),
-                }
-            }
+        let register = |file: &std::fs::File| reply.open_backing(file);
+        let (attr, o) = match self.dispatch(&r, ids(req), Registrar::Fuser(&register)) {
+            Reply::Created { attr, opened } => (attr, opened),
+            r => return reply.error(error_of(r)),
+        };
+        // Being written: the kernel asks again each time (zero TTL).
+        let ttl = std::time::Duration::ZERO;
+        let fa = file_attr(&attr);
+        let (fh, flags) = (FileHandle(o.fh), o.flags);
+        if o.backing.is_none() {
+            return reply.created(&ttl, &fa, Generation(0), fh, flags);
+        }
+        match self.fuser_id(attr.ino, &o) {
+            Ok(id) => reply.created_passthrough(&ttl, &fa, Generation(0), fh, flags, &id),
             Err(e) => reply.error(e),
         }
     }
 
     fn fallocate(
         &self,
-        req: &Request,
+        req: &fuser::Request,
         _ino: INodeNo,
         fh: FileHandle,
         offset: u64,
@@ -849,36 +567,41 @@ impl<B: Backend> Filesystem for FuseFs<B> {
         mode: i32,
         reply: ReplyEmpty,
     ) {
-        let _span = self.enter(Upcall::Fallocate, req);
-        match self.fs.fallocate(fh.0, offset, length, mode) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(&e)),
-        }
+        let r = Request::Fallocate {
+            fh: fh.0,
+            offset,
+            len: length,
+            mode,
+        };
+        reply_empty(reply, self.dispatch(&r, ids(req), Registrar::None));
     }
 }
 
-fn xattr_reply(reply: ReplyXattr, size: u32, r: maru::Result<Vec<u8>>) {
-    match xattr_answer(size, r) {
-        Ok(XattrAnswer::Size(n)) => reply.size(n),
-        Ok(XattrAnswer::Data(v)) => reply.data(&v),
-        Err(e) => reply.error(e),
-    }
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fs::Fs;
+    use crate::ring::Rings;
+    use crate::testing::Rec;
 
-/// The answer to `getxattr`/`listxattr` with a buffer of `size` bytes.
-pub(crate) enum XattrAnswer {
-    /// The caller asked for the size (`size == 0`).
-    Size(u32),
-    /// The value, which fits.
-    Data(Vec<u8>),
-}
+    fn serves<F: Filesystem>(_: &F) {}
 
-/// [`XattrAnswer`] for a value lookup `r`: ERANGE when it does not fit in `size`.
-pub(crate) fn xattr_answer(size: u32, r: maru::Result<Vec<u8>>) -> Result<XattrAnswer, Errno> {
-    match r {
-        Ok(v) if size == 0 => Ok(XattrAnswer::Size(v.len() as u32)),
-        Ok(v) if v.len() <= size as usize => Ok(XattrAnswer::Data(v)),
-        Ok(_) => Err(Errno::ERANGE),
-        Err(e) => Err(errno(&e)),
+    #[test]
+    fn the_mount_api_holds() {
+        // As the daemon mounts: a FuseFs for fuser's session, a handle for the rings, the
+        // backings for the store's invalidations.
+        let fs = FuseFs::new(Fs::new(Rec::default()));
+        let backings: std::sync::Arc<Backings> = fs.backings();
+        backings.forget(7);
+        let handle = fs.share();
+        assert!(!handle.uses_uring());
+        serves(&fs);
+        let _prepare: fn(&FuseFs<Rec>) -> std::io::Result<Rings> = Rings::prepare;
+        let _start: fn(
+            Rings,
+            &FuseFs<Rec>,
+            std::os::fd::OwnedFd,
+        ) -> std::io::Result<Option<Rings>> = Rings::start;
+        let _join: fn(Rings) = Rings::join;
     }
 }

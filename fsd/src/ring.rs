@@ -8,40 +8,26 @@
 //!
 //! fuser still mounts, answers INIT (asking for io_uring) and serves what the kernel keeps
 //! sending through `/dev/fuse` (FORGET, INTERRUPT). Every other request arrives here, is
-//! decoded, served by the same [`FuseFs`] logic as fuser's requests, and answered with
-//! COMMIT_AND_FETCH. Protocol: the kernel's `Documentation/filesystems/fuse/fuse-io-uring.rst`
-//! and `include/uapi/linux/fuse.h`.
+//! decoded into a [`crate::server::Request`] ([`crate::codec`]), served by the same
+//! [`Server::dispatch`] as fuser's requests, and its [`Reply`] encoded into the entry and
+//! committed with COMMIT_AND_FETCH. Protocol: the kernel's
+//! `Documentation/filesystems/fuse/fuse-io-uring.rst` and `include/uapi/linux/fuse.h`.
 
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use fuser::{BackingId, Errno, FopenFlags};
 use io_uring::{IoUring, cqueue, opcode, squeue, types};
 
-use crate::backend::{Attr, Backend, Kind, Upcall};
-use crate::fs::Fs;
-use crate::fuse::{BLKSIZE, Backing, FuseFs, Opened, XattrAnswer, caller_of, errno, xattr_answer};
+use crate::abi::{self, Plain};
+use crate::backend::Backend;
+use crate::codec::{decode, encode};
+pub use crate::server::RING_PAYLOAD;
+use crate::server::{Ids, Registrar, Reply, Server};
 
-/// Bytes of the payload buffer of each ring entry: the largest request (WRITE) or reply
-/// (READ) the connection allows; INIT bounds max_write and max_pages to it.
-pub const RING_PAYLOAD: usize = 1 << 20;
 /// Ring entries per queue: one being served, one already holding the next request.
 const DEPTH: usize = 2;
-
-const CMD_REGISTER: u32 = 1;
-const CMD_COMMIT_AND_FETCH: u32 = 2;
-
-/// `struct fuse_uring_req_header`: in/out header, op header, `fuse_uring_ent_in_out`.
-const HDR_OP: usize = 128;
-const HDR_ENT: usize = 256;
-const HDR_SIZE: usize = 288;
-/// `fuse_in_header` (in the first 128 bytes) and `fuse_out_header` sizes. No extension
-/// (`total_extlen`) is negotiated at INIT, so none follows a request's arguments.
-const IN_HEADER: usize = 40;
-const OUT_HEADER: usize = 16;
-const _: () = assert!(IN_HEADER <= HDR_OP);
 
 /// Where the module parameter that allows FUSE over io_uring lives.
 const ENABLE_PARAM: &str = "/sys/module/fuse/parameters/enable_uring";
@@ -121,13 +107,13 @@ struct Entry {
 }
 
 #[repr(C, align(64))]
-struct Header([u8; HDR_SIZE]);
+struct Header(abi::UringReqHeader);
 
 impl Rings {
     /// Creates one io_uring per possible CPU, each in a thread pinned to its CPU, before the
     /// mount (so that INIT only asks for io_uring when the rings exist). The threads wait for
     /// [`Rings::start`].
-    pub fn prepare<B: Backend>(fs: &FuseFs<B>) -> std::io::Result<Rings> {
+    pub fn prepare<B: Backend>(fs: &Server<B>) -> std::io::Result<Rings> {
         let n = possible_cpus();
         let (go_tx, go_rx) = std::sync::mpsc::channel::<Arc<OwnedFd>>();
         let go_rx = Arc::new(parking_lot::Mutex::new(go_rx));
@@ -170,18 +156,18 @@ impl Rings {
                 Err(_) => return Err(std::io::Error::other("an io_uring thread died")),
             }
         }
-        fs.transport.want_uring.store(true, Ordering::Release);
+        fs.transport().want_uring.store(true, Ordering::Release);
         Ok(Rings { threads, go: go_tx })
     }
 
     /// Starts serving over `dev` (a descriptor of the mounted connection), after INIT
     /// (fuser's `Session::new` answers it before returning). Returns None (and ends the
     /// threads) when INIT did not agree to io_uring.
-    pub fn start<B: Backend>(self, fs: &FuseFs<B>, dev: OwnedFd) -> std::io::Result<Option<Self>> {
-        if !fs.transport.init_done.load(Ordering::Acquire) {
+    pub fn start<B: Backend>(self, fs: &Server<B>, dev: OwnedFd) -> std::io::Result<Option<Self>> {
+        if !fs.transport().init_done.load(Ordering::Acquire) {
             return Err(std::io::Error::other("the mount has not answered INIT yet"));
         }
-        if !fs.transport.uring.load(Ordering::Acquire) {
+        if !fs.transport().uring.load(Ordering::Acquire) {
             drop(self.go);
             for t in self.threads {
                 let _ = t.join();
@@ -215,6 +201,7 @@ impl Rings {
 /// CPU in the middle of `close`.
 fn batch_policy() {
     let p = libc::sched_param { sched_priority: 0 };
+    // nix has no sched_setscheduler. A failure only costs the preemption described above.
     // SAFETY: plain syscall on the calling thread with a valid parameter.
     if unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &p) } != 0 {
         tracing::debug!("SCHED_BATCH: {}", std::io::Error::last_os_error());
@@ -245,24 +232,36 @@ fn command(
     entry: usize,
     iov: Option<*const libc::iovec>,
 ) -> squeue::Entry128 {
+    let req = abi::UringCmdReq {
+        flags: 0,
+        commit_id,
+        qid,
+        padding: [0; 6],
+    };
     let mut cmd = [0u8; 80];
-    cmd[8..16].copy_from_slice(&commit_id.to_ne_bytes());
-    cmd[16..18].copy_from_slice(&qid.to_ne_bytes());
+    cmd[..size_of::<abi::UringCmdReq>()].copy_from_slice(req.as_bytes());
     let mut b = opcode::UringCmd80::new(types::Fd(dev), op).cmd(cmd);
     if let Some(p) = iov {
         b = b.addr(Some(p as u64));
     }
     let e = b.build().user_data(entry as u64);
-    if iov.is_none() {
-        return e;
+    match iov {
+        Some(_) => with_len(e, abi::URING_IOV_SEGS),
+        None => e,
     }
-    // The builder has no field for `sqe->len` (the iovec count, 2 here): set it in place.
-    // SAFETY: Entry128 is a repr(C) 128-byte SQE; `len` is the u32 at byte 24.
-    unsafe {
-        let mut raw: [u8; 128] = std::mem::transmute(e);
-        raw[24..28].copy_from_slice(&2u32.to_ne_bytes());
-        std::mem::transmute::<[u8; 128], squeue::Entry128>(raw)
-    }
+}
+
+/// `e` with its `sqe->len` set to `len`: the io-uring crate's URING_CMD builder has no setter
+/// for it, and REGISTER passes its iovec count there.
+fn with_len(e: squeue::Entry128, len: u32) -> squeue::Entry128 {
+    const _: () = assert!(size_of::<squeue::Entry128>() == size_of::<abi::Sqe128>());
+    // SAFETY: Entry128 is #[repr(C)]: the kernel's 64-byte `io_uring_sqe` (integers and unions
+    // of integers, no padding) then 64 bytes; abi::Sqe128 mirrors the same 128 bytes with
+    // integers only. Any initialized bytes are a valid value of either.
+    let mut sqe = unsafe { std::mem::transmute::<squeue::Entry128, abi::Sqe128>(e) };
+    sqe.head.len = len;
+    // SAFETY: as above, the other way.
+    unsafe { std::mem::transmute::<abi::Sqe128, squeue::Entry128>(sqe) }
 }
 
 fn push(ring: &mut Ring, e: &squeue::Entry128) -> std::io::Result<()> {
@@ -273,7 +272,7 @@ fn push(ring: &mut Ring, e: &squeue::Entry128) -> std::io::Result<()> {
 
 /// Serves queue `qid` until the connection ends.
 fn serve_queue<B: Backend>(
-    fs: &FuseFs<B>,
+    fs: &Server<B>,
     mut ring: Ring,
     dev: &Arc<OwnedFd>,
     qid: u16,
@@ -281,12 +280,12 @@ fn serve_queue<B: Backend>(
     let fd = dev.as_raw_fd();
     let mut entries: Vec<Entry> = (0..DEPTH)
         .map(|_| {
-            let mut header = Box::new(Header([0; HDR_SIZE]));
+            let mut header = Box::new(Header(abi::UringReqHeader::default()));
             let mut payload = vec![0u8; RING_PAYLOAD];
             let iov = Box::new([
                 libc::iovec {
-                    iov_base: header.0.as_mut_ptr().cast(),
-                    iov_len: HDR_SIZE,
+                    iov_base: (&raw mut header.0).cast(),
+                    iov_len: size_of::<abi::UringReqHeader>(),
                 },
                 libc::iovec {
                     iov_base: payload.as_mut_ptr().cast(),
@@ -302,9 +301,10 @@ fn serve_queue<B: Backend>(
         })
         .collect();
     for (i, e) in entries.iter().enumerate() {
+        let register = abi::FUSE_IO_URING_CMD_REGISTER;
         push(
             &mut ring,
-            &command(fd, CMD_REGISTER, qid, 0, i, Some(e.iov.as_ptr())),
+            &command(fd, register, qid, 0, i, Some(e.iov.as_ptr())),
         )?;
     }
     let started = Instant::now();
@@ -328,9 +328,10 @@ fn serve_queue<B: Backend>(
             if res == -libc::EAGAIN && started.elapsed() < Duration::from_secs(30) {
                 // INIT not processed yet: register again.
                 std::thread::sleep(Duration::from_millis(1));
+                let register = abi::FUSE_IO_URING_CMD_REGISTER;
                 push(
                     &mut ring,
-                    &command(fd, CMD_REGISTER, qid, 0, i, Some(e.iov.as_ptr())),
+                    &command(fd, register, qid, 0, i, Some(e.iov.as_ptr())),
                 )?;
                 continue;
             }
@@ -345,11 +346,9 @@ fn serve_queue<B: Backend>(
                 e.live = false;
                 continue;
             }
-            let unique = serve_one(fs, dev, e);
-            push(
-                &mut ring,
-                &command(fd, CMD_COMMIT_AND_FETCH, qid, unique, i, None),
-            )?;
+            let unique = serve_one(fs, dev, &mut e.header.0, &mut e.payload);
+            let commit = abi::FUSE_IO_URING_CMD_COMMIT_AND_FETCH;
+            push(&mut ring, &command(fd, commit, qid, unique, i, None))?;
         }
         if entries.iter().all(|e| !e.live) {
             return Ok(());
@@ -357,413 +356,74 @@ fn serve_queue<B: Backend>(
     }
 }
 
-fn u32_at(b: &[u8], o: usize) -> u32 {
-    u32::from_ne_bytes(b[o..o + 4].try_into().expect("4 bytes"))
-}
-fn u64_at(b: &[u8], o: usize) -> u64 {
-    u64::from_ne_bytes(b[o..o + 8].try_into().expect("8 bytes"))
-}
-
-/// One decoded request.
-struct Req<'a> {
-    opcode: u32,
-    unique: u64,
-    nodeid: u64,
-    uid: u32,
-    gid: u32,
-    pid: u32,
-    /// The per-op header (`in_args[0]`), zero-padded to 128 bytes.
-    op: &'a [u8],
-    /// The other input arguments, back to back.
-    payload: &'a [u8],
-}
-
-impl Req<'_> {
-    fn caller(&self, groups: bool) -> crate::backend::Caller {
-        caller_of(self.uid, self.gid, self.pid, groups)
-    }
-
-    /// The `k`-th NUL-terminated string of the payload.
-    fn name(&self, k: usize) -> Result<&str, Errno> {
-        let s = self
-            .payload
-            .split(|b| *b == 0)
-            .nth(k)
-            .ok_or(Errno::EINVAL)?;
-        std::str::from_utf8(s).map_err(|_| Errno::EINVAL)
-    }
-}
-
-/// Serves the request in `e` and writes the reply into it; returns the request's unique id.
-fn serve_one<B: Backend>(fs: &FuseFs<B>, dev: &Arc<OwnedFd>, e: &mut Entry) -> u64 {
-    let h = &e.header.0;
-    let payload_sz = (u32_at(h, HDR_ENT + 16) as usize).min(RING_PAYLOAD);
-    let req = Req {
-        opcode: u32_at(h, 4),
-        unique: u64_at(h, 8),
-        nodeid: u64_at(h, 16),
-        uid: u32_at(h, 24),
-        gid: u32_at(h, 28),
-        pid: u32_at(h, 32),
-        op: &h[HDR_OP..HDR_ENT],
-        payload: &e.payload[..payload_sz],
+/// Serves the request in a ring entry (`header`, `payload`) and writes the reply into it;
+/// returns the request's unique id.
+fn serve_one<B: Backend>(
+    fs: &Server<B>,
+    dev: &Arc<OwnedFd>,
+    header: &mut abi::UringReqHeader,
+    payload: &mut [u8],
+) -> u64 {
+    // Always there: the in/out area is larger than the header (checked in abi).
+    let h = abi::InHeader::read_from(&header.in_out).unwrap_or_default();
+    let len = (header.ring_ent_in_out.payload_sz as usize).min(payload.len());
+    let ids = Ids {
+        uid: h.uid,
+        gid: h.gid,
+        pid: h.pid,
     };
-    let unique = req.unique;
-    let out = dispatch(fs, dev, &req);
-    let (error, len) = match out {
-        Ok(bytes) => {
-            let n = bytes.len().min(RING_PAYLOAD);
-            e.payload[..n].copy_from_slice(&bytes[..n]);
-            (0i32, n)
-        }
-        Err(err) => (-err.code(), 0),
+    let reply = match decode(&h, &header.op_in, &payload[..len]) {
+        Ok(req) => fs.dispatch(&req, ids, Registrar::Raw(dev)),
+        Err(e) => Reply::Err(e),
     };
-    let h = &mut e.header.0;
-    h[0..4].copy_from_slice(&((OUT_HEADER + len) as u32).to_ne_bytes());
-    h[4..8].copy_from_slice(&error.to_ne_bytes());
-    h[8..16].copy_from_slice(&unique.to_ne_bytes());
-    h[HDR_ENT + 16..HDR_ENT + 20].copy_from_slice(&(len as u32).to_ne_bytes());
-    unique
-}
-
-/// `struct fuse_attr`.
-fn put_attr(out: &mut Vec<u8>, a: &Attr) {
-    let (secs, nsecs) = match a.mtime.duration_since(std::time::UNIX_EPOCH) {
-        Ok(d) => (d.as_secs() as i64, d.subsec_nanos()),
-        Err(_) => (0, 0),
+    let (error, len) = match encode(&reply, payload) {
+        Ok(n) => (0, n),
+        Err(e) => {
+            // A handle the kernel will never hear of.
+            if let Reply::Open(o) | Reply::Created { opened: o, .. } = &reply {
+                fs.release(o.fh);
+            }
+            (-e.code(), 0)
+        }
     };
-    let (kind, nlink) = match a.kind {
-        Kind::Dir => (libc::S_IFDIR, 2u32),
-        Kind::File => (libc::S_IFREG, 1u32),
+    let out = abi::OutHeader {
+        len: (size_of::<abi::OutHeader>() + len) as u32,
+        error,
+        unique: h.unique,
     };
-    out.extend_from_slice(&a.ino.to_ne_bytes());
-    out.extend_from_slice(&a.size.to_ne_bytes());
-    out.extend_from_slice(&a.size.div_ceil(512).to_ne_bytes());
-    for _ in 0..3 {
-        out.extend_from_slice(&secs.to_ne_bytes());
-    }
-    for _ in 0..3 {
-        out.extend_from_slice(&nsecs.to_ne_bytes());
-    }
-    for v in [kind | (a.mode & 0o7777), nlink, a.uid, a.gid, 0, BLKSIZE, 0] {
-        out.extend_from_slice(&v.to_ne_bytes());
-    }
-}
-
-/// `struct fuse_entry_out`.
-fn entry_out(a: &Attr, attr_ttl: Duration, entry_ttl: Duration) -> Vec<u8> {
-    let mut out = Vec::with_capacity(128);
-    out.extend_from_slice(&a.ino.to_ne_bytes());
-    out.extend_from_slice(&0u64.to_ne_bytes()); // generation
-    out.extend_from_slice(&entry_ttl.as_secs().to_ne_bytes());
-    out.extend_from_slice(&attr_ttl.as_secs().to_ne_bytes());
-    out.extend_from_slice(&entry_ttl.subsec_nanos().to_ne_bytes());
-    out.extend_from_slice(&attr_ttl.subsec_nanos().to_ne_bytes());
-    put_attr(&mut out, a);
-    out
-}
-
-/// `struct fuse_attr_out`.
-fn attr_out(a: &Attr, ttl: Duration) -> Vec<u8> {
-    let mut out = Vec::with_capacity(104);
-    out.extend_from_slice(&ttl.as_secs().to_ne_bytes());
-    out.extend_from_slice(&ttl.subsec_nanos().to_ne_bytes());
-    out.extend_from_slice(&0u32.to_ne_bytes());
-    put_attr(&mut out, a);
-    out
-}
-
-/// `struct fuse_open_out`.
-fn open_out(o: &Opened, backing_id: u32) -> Vec<u8> {
-    let mut flags = o.flags;
-    if o.passthrough {
-        flags |= FopenFlags::FOPEN_PASSTHROUGH;
-    }
-    let mut out = Vec::with_capacity(16);
-    out.extend_from_slice(&o.fh.to_ne_bytes());
-    out.extend_from_slice(&flags.bits().to_ne_bytes());
-    out.extend_from_slice(&backing_id.to_ne_bytes());
-    out
-}
-
-fn empty(r: maru::Result<()>) -> Result<Vec<u8>, Errno> {
-    r.map(|()| Vec::new()).map_err(|e| errno(&e))
-}
-
-/// The backing id of `ino` to put in an open reply (registered over our descriptor).
-fn raw_backing<B: Backend>(fs: &FuseFs<B>, ino: u64, o: &Opened) -> Result<u32, Errno> {
-    if !o.passthrough {
-        return Ok(0);
-    }
-    if let Some(id) = o.raw_id {
-        return Ok(id);
-    }
-    match fs.backing_of(ino, |b| match b {
-        Backing::Raw { id, .. } => Some(*id),
-        Backing::Fuser(_) => None,
-    }) {
-        Some(Some(id)) => Ok(id),
-        _ => {
-            fs.release_common(ino, o.fh);
-            Err(Errno::EIO)
-        }
-    }
-}
-
-fn register(dev: &Arc<OwnedFd>) -> impl FnOnce(&std::fs::File) -> std::io::Result<Backing> + '_ {
-    move |file| {
-        BackingId::create_raw(dev.as_ref(), file).map(|id| Backing::Raw {
-            id,
-            dev: dev.clone(),
-        })
-    }
-}
-
-/// `struct fuse_getxattr_out` when asked for the size, else the value.
-fn xattr_out(size: u32, r: maru::Result<Vec<u8>>) -> Result<Vec<u8>, Errno> {
-    Ok(match xattr_answer(size, r)? {
-        XattrAnswer::Size(n) => {
-            let mut out = n.to_ne_bytes().to_vec();
-            out.extend_from_slice(&0u32.to_ne_bytes());
-            out
-        }
-        XattrAnswer::Data(v) => v,
-    })
-}
-
-// Opcodes (include/uapi/linux/fuse.h).
-const LOOKUP: u32 = 1;
-const GETATTR: u32 = 3;
-const SETATTR: u32 = 4;
-const READLINK: u32 = 5;
-const SYMLINK: u32 = 6;
-const MKNOD: u32 = 8;
-const MKDIR: u32 = 9;
-const UNLINK: u32 = 10;
-const RMDIR: u32 = 11;
-const RENAME: u32 = 12;
-const LINK: u32 = 13;
-const OPEN: u32 = 14;
-const READ: u32 = 15;
-const WRITE: u32 = 16;
-const STATFS: u32 = 17;
-const RELEASE: u32 = 18;
-const FSYNC: u32 = 20;
-const SETXATTR: u32 = 21;
-const GETXATTR: u32 = 22;
-const LISTXATTR: u32 = 23;
-const REMOVEXATTR: u32 = 24;
-const FLUSH: u32 = 25;
-const OPENDIR: u32 = 27;
-const READDIR: u32 = 28;
-const RELEASEDIR: u32 = 29;
-const FSYNCDIR: u32 = 30;
-const ACCESS: u32 = 34;
-const CREATE: u32 = 35;
-const DESTROY: u32 = 38;
-const FALLOCATE: u32 = 43;
-const RENAME2: u32 = 45;
-
-/// `setattr` valid bits.
-const FATTR_MODE: u32 = 1 << 0;
-const FATTR_UID: u32 = 1 << 1;
-const FATTR_GID: u32 = 1 << 2;
-const FATTR_SIZE: u32 = 1 << 3;
-
-/// Serves one request, as fuser's adapter in [`crate::fuse`] does; the reply's output
-/// arguments, back to back.
-fn dispatch<B: Backend>(fs: &FuseFs<B>, dev: &Arc<OwnedFd>, r: &Req<'_>) -> Result<Vec<u8>, Errno> {
-    let ino = r.nodeid;
-    let f = &fs.fs;
-    match r.opcode {
-        LOOKUP => {
-            let _span = fs.enter_pid(Upcall::Lookup, r.pid);
-            let a = f
-                .lookup(&r.caller(false), ino, r.name(0)?)
-                .map_err(|e| errno(&e))?;
-            let (attr_ttl, entry_ttl) = Fs::<B>::ttls(&a);
-            Ok(entry_out(&a, attr_ttl, entry_ttl))
-        }
-        GETATTR => {
-            let _span = fs.enter_pid(Upcall::Getattr, r.pid);
-            let a = f.getattr(ino).map_err(|e| errno(&e))?;
-            Ok(attr_out(&a, Fs::<B>::ttls(&a).0))
-        }
-        SETATTR => {
-            let _span = fs.enter_pid(Upcall::Setattr, r.pid);
-            let valid = u32_at(r.op, 0);
-            let opt = |bit: u32, v: u32| (valid & bit != 0).then_some(v);
-            let size = (valid & FATTR_SIZE != 0).then(|| u64_at(r.op, 16));
-            let a = f
-                .setattr(
-                    &r.caller(true),
-                    ino,
-                    opt(FATTR_MODE, u32_at(r.op, 68)),
-                    opt(FATTR_UID, u32_at(r.op, 76)),
-                    opt(FATTR_GID, u32_at(r.op, 80)),
-                    size,
-                )
-                .map_err(|e| errno(&e))?;
-            Ok(attr_out(&a, Fs::<B>::ttls(&a).0))
-        }
-        MKDIR => {
-            let _span = fs.enter_pid(Upcall::Mkdir, r.pid);
-            let (mode, umask) = (u32_at(r.op, 0), u32_at(r.op, 4));
-            let a = f
-                .mkdir(&r.caller(true), ino, r.name(0)?, mode & !umask)
-                .map_err(|e| errno(&e))?;
-            let (attr_ttl, entry_ttl) = Fs::<B>::ttls(&a);
-            Ok(entry_out(&a, attr_ttl, entry_ttl))
-        }
-        UNLINK => {
-            let _span = fs.enter_pid(Upcall::Unlink, r.pid);
-            empty(f.unlink(&r.caller(true), ino, r.name(0)?))
-        }
-        RMDIR => {
-            let _span = fs.enter_pid(Upcall::Rmdir, r.pid);
-            empty(f.rmdir(&r.caller(true), ino, r.name(0)?))
-        }
-        RENAME | RENAME2 => {
-            let _span = fs.enter_pid(Upcall::Rename, r.pid);
-            let newdir = u64_at(r.op, 0);
-            if r.opcode == RENAME2 {
-                let flags = u32_at(r.op, 8);
-                if flags & (libc::RENAME_EXCHANGE | libc::RENAME_WHITEOUT) != 0 {
-                    return Err(Errno::EINVAL);
-                }
-            }
-            empty(f.rename(&r.caller(true), ino, r.name(0)?, newdir, r.name(1)?))
-        }
-        SYMLINK | LINK | MKNOD => Err(Errno::EPERM),
-        READLINK => Err(Errno::EINVAL),
-        OPEN => {
-            let _span = fs.enter_pid(Upcall::Open, r.pid);
-            let flags = u32_at(r.op, 0) as i32;
-            let o = fs.open_common(&r.caller(false), ino, flags, register(dev))?;
-            let id = raw_backing(fs, ino, &o)?;
-            Ok(open_out(&o, id))
-        }
-        CREATE => {
-            let _span = fs.enter_pid(Upcall::Create, r.pid);
-            let (mode, umask) = (u32_at(r.op, 4), u32_at(r.op, 8));
-            let c = r.caller(true);
-            let (a, o) =
-                fs.create_common(&c, ino, r.name(0)?, mode & !umask & 0o7777, register(dev))?;
-            let id = raw_backing(fs, a.ino, &o)?;
-            let mut out = entry_out(&a, Duration::ZERO, Duration::ZERO);
-            out.extend_from_slice(&open_out(&o, id));
-            Ok(out)
-        }
-        READ => {
-            let _span = fs.enter_pid(Upcall::Read, r.pid);
-            let (fh, offset, size) = (u64_at(r.op, 0), u64_at(r.op, 8), u32_at(r.op, 16));
-            f.read(fh, offset, size).map_err(|e| errno(&e))
-        }
-        WRITE => {
-            let _span = fs.enter_pid(Upcall::Write, r.pid);
-            let (fh, offset, size) = (u64_at(r.op, 0), u64_at(r.op, 8), u32_at(r.op, 16));
-            let data = r.payload.get(..size as usize).ok_or(Errno::EINVAL)?;
-            let n = f.write(fh, offset, data).map_err(|e| errno(&e))?;
-            let mut out = n.to_ne_bytes().to_vec();
-            out.extend_from_slice(&0u32.to_ne_bytes());
-            Ok(out)
-        }
-        STATFS => {
-            let _span = fs.enter_pid(Upcall::Statfs, r.pid);
-            let mut out = Vec::with_capacity(80);
-            for v in fs.statfs_counts() {
-                out.extend_from_slice(&v.to_ne_bytes());
-            }
-            for v in [BLKSIZE, 255, BLKSIZE, 0, 0, 0, 0, 0, 0, 0] {
-                out.extend_from_slice(&v.to_ne_bytes());
-            }
-            Ok(out)
-        }
-        RELEASE => {
-            let _span = fs.enter_pid(Upcall::Release, r.pid);
-            fs.release_common(ino, u64_at(r.op, 0));
-            Ok(Vec::new())
-        }
-        FLUSH => {
-            let _span = fs.enter_pid(Upcall::Flush, r.pid);
-            empty(f.flush(&r.caller(false), u64_at(r.op, 0)))
-        }
-        FSYNC | FSYNCDIR | RELEASEDIR | ACCESS | DESTROY => Ok(Vec::new()),
-        OPENDIR => {
-            let _span = fs.enter_pid(Upcall::Opendir, r.pid);
-            match f.getattr(ino) {
-                Ok(a) if a.kind == Kind::Dir => Ok(open_out(
-                    &Opened {
-                        fh: 0,
-                        flags: FopenFlags::empty(),
-                        passthrough: false,
-                        raw_id: None,
-                    },
-                    0,
-                )),
-                Ok(_) => Err(Errno::ENOTDIR),
-                Err(e) => Err(errno(&e)),
-            }
-        }
-        READDIR => {
-            let _span = fs.enter_pid(Upcall::Readdir, r.pid);
-            let (offset, size) = (u64_at(r.op, 8), u32_at(r.op, 16) as usize);
-            let list = f.readdir(&r.caller(true), ino).map_err(|e| errno(&e))?;
-            let mut out = Vec::new();
-            for (i, e) in list.iter().enumerate().skip(offset as usize) {
-                let name = e.name.as_bytes();
-                let rec = (24 + name.len()).next_multiple_of(8);
-                if out.len() + rec > size.min(RING_PAYLOAD) {
-                    break;
-                }
-                let kind = match e.kind {
-                    Kind::Dir => libc::DT_DIR,
-                    Kind::File => libc::DT_REG,
-                };
-                out.extend_from_slice(&e.ino.to_ne_bytes());
-                out.extend_from_slice(&((i + 1) as u64).to_ne_bytes());
-                out.extend_from_slice(&(name.len() as u32).to_ne_bytes());
-                out.extend_from_slice(&u32::from(kind).to_ne_bytes());
-                out.extend_from_slice(name);
-                out.resize(out.len().next_multiple_of(8), 0);
-            }
-            Ok(out)
-        }
-        SETXATTR => {
-            let _span = fs.enter_pid(Upcall::Setxattr, r.pid);
-            let size = u32_at(r.op, 0) as usize;
-            let name = r.name(0)?;
-            let value = r
-                .payload
-                .get(name.len() + 1..name.len() + 1 + size)
-                .ok_or(Errno::EINVAL)?;
-            empty(f.setxattr(&r.caller(true), ino, name, value))
-        }
-        GETXATTR => {
-            let _span = fs.enter_pid(Upcall::Getxattr, r.pid);
-            xattr_out(u32_at(r.op, 0), f.getxattr(ino, r.name(0)?))
-        }
-        LISTXATTR => {
-            let _span = fs.enter_pid(Upcall::Listxattr, r.pid);
-            xattr_out(u32_at(r.op, 0), f.listxattr(ino))
-        }
-        REMOVEXATTR => {
-            let _span = fs.enter_pid(Upcall::Removexattr, r.pid);
-            empty(f.setxattr(&r.caller(true), ino, r.name(0)?, b"0"))
-        }
-        FALLOCATE => {
-            let _span = fs.enter_pid(Upcall::Fallocate, r.pid);
-            let (fh, offset, length) = (u64_at(r.op, 0), u64_at(r.op, 8), u64_at(r.op, 16));
-            let mode = u32_at(r.op, 24) as i32;
-            empty(f.fallocate(fh, offset, length, mode))
-        }
-        _ => Err(Errno::ENOSYS),
-    }
+    header.in_out[..size_of::<abi::OutHeader>()].copy_from_slice(out.as_bytes());
+    header.ring_ent_in_out.payload_sz = len as u32;
+    h.unique
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::OpenedFile;
+    use crate::fs::Fs;
+    use crate::testing::{Call, Rec};
+    use fuser::FopenFlags;
+
+    fn header(opcode: u32, nodeid: u64) -> abi::InHeader {
+        abi::InHeader {
+            len: 0,
+            opcode,
+            unique: 42,
+            nodeid,
+            uid: 1000,
+            gid: 100,
+            pid: std::process::id(),
+            total_extlen: 0,
+            padding: 0,
+        }
+    }
+
+    /// A zero-filled op area holding `arg`.
+    fn op_area(arg: &impl Plain) -> [u8; abi::URING_OP_IN_OUT_SZ] {
+        let mut op = [0; abi::URING_OP_IN_OUT_SZ];
+        arg.write_to(&mut op).unwrap();
+        op
+    }
 
     #[test]
     fn cpu_lists() {
@@ -774,26 +434,99 @@ mod tests {
     }
 
     #[test]
-    fn attr_layouts_match_the_kernel() {
-        let a = Attr {
-            ino: 7,
-            kind: Kind::File,
-            size: 4096,
-            mode: 0o640,
-            uid: 1,
-            gid: 2,
-            mtime: std::time::UNIX_EPOCH + Duration::new(5, 6),
-            sealed: true,
+    fn register_commands_carry_their_iovec_count() {
+        let iov = [libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        }; 2];
+        let register = abi::FUSE_IO_URING_CMD_REGISTER;
+        let e = command(5, register, 3, 0, 1, Some(iov.as_ptr()));
+        // SAFETY: as in `with_len`: both are 128 bytes of integers.
+        let sqe = unsafe { std::mem::transmute::<squeue::Entry128, abi::Sqe128>(e) };
+        assert_eq!(sqe.head.len, abi::URING_IOV_SEGS);
+        assert_eq!(sqe.head.addr, iov.as_ptr() as u64);
+        assert_eq!((sqe.head.fd, sqe.head.user_data), (5, 1));
+        assert_eq!(sqe.head.off as u32, register); // cmd_op
+        // The command area starts at byte 48 of the SQE.
+        let cmd = abi::UringCmdReq::read_from(&sqe.rest[48 - size_of::<abi::SqeHead>()..]);
+        assert_eq!(cmd.map(|c| (c.qid, c.commit_id)), Some((3, 0)));
+
+        let commit = abi::FUSE_IO_URING_CMD_COMMIT_AND_FETCH;
+        let e = command(5, commit, 3, 77, 0, None);
+        // SAFETY: as above.
+        let sqe = unsafe { std::mem::transmute::<squeue::Entry128, abi::Sqe128>(e) };
+        assert_eq!((sqe.head.len, sqe.head.addr), (0, 0));
+        let cmd = abi::UringCmdReq::read_from(&sqe.rest[8..]);
+        assert_eq!(cmd.map(|c| (c.qid, c.commit_id)), Some((3, 77)));
+    }
+
+    /// Serves one request through a ring entry: (out header, reply payload).
+    fn serve(
+        fs: &Server<Rec>,
+        h: abi::InHeader,
+        op: [u8; abi::URING_OP_IN_OUT_SZ],
+        payload: &[u8],
+    ) -> (abi::OutHeader, Vec<u8>) {
+        let dev = Arc::new(OwnedFd::from(std::fs::File::open("/dev/null").unwrap()));
+        let mut header = abi::UringReqHeader::default();
+        h.write_to(&mut header.in_out).unwrap();
+        header.op_in = op;
+        header.ring_ent_in_out.payload_sz = payload.len() as u32;
+        let mut buf = vec![0u8; 4096];
+        buf[..payload.len()].copy_from_slice(payload);
+        assert_eq!(serve_one(fs, &dev, &mut header, &mut buf), 42);
+        let out = abi::OutHeader::read_from(&header.in_out).unwrap();
+        let n = header.ring_ent_in_out.payload_sz as usize;
+        assert_eq!(out.len as usize, size_of::<abi::OutHeader>() + n);
+        (out, buf[..n].to_vec())
+    }
+
+    #[test]
+    fn a_writer_is_served_through_the_ring() {
+        let fs = Server::new(Fs::new(Rec::serving(OpenedFile::Writing(None))));
+        let create = abi::CreateIn {
+            flags: libc::O_WRONLY as u32,
+            mode: 0o644,
+            umask: 0o022,
+            open_flags: 0,
         };
-        // fuse_entry_out is 40 + 88 bytes, fuse_attr_out 16 + 88.
-        assert_eq!(entry_out(&a, Duration::ZERO, Duration::ZERO).len(), 128);
-        let out = attr_out(&a, Duration::from_millis(1500));
-        assert_eq!(out.len(), 104);
-        assert_eq!(u64_at(&out, 0), 1);
-        assert_eq!(u32_at(&out, 8), 500_000_000);
-        assert_eq!(u64_at(&out, 16), 7); // ino
-        assert_eq!(u64_at(&out, 16 + 24), 5); // atime
-        assert_eq!(u32_at(&out, 16 + 48), 6); // atimensec
-        assert_eq!(u32_at(&out, 16 + 60), libc::S_IFREG | 0o640); // mode
+        let h = header(abi::FUSE_CREATE, 1);
+        let (out, reply) = serve(&fs, h, op_area(&create), b"k\0");
+        assert_eq!((out.error, out.unique, reply.len()), (0, 42, 144));
+        let o = abi::OpenOut::read_from(&reply[128..]).unwrap();
+        let direct_io = FopenFlags::FOPEN_DIRECT_IO.bits();
+        assert_eq!((o.open_flags, o.backing_id), (direct_io, 0));
+
+        let w = abi::WriteIn {
+            fh: o.fh,
+            size: 3,
+            write_flags: abi::FUSE_WRITE_CACHE,
+            ..Default::default()
+        };
+        let (out, reply) = serve(&fs, header(abi::FUSE_WRITE, 7), op_area(&w), b"abc");
+        assert_eq!(out.error, 0);
+        assert_eq!(abi::WriteOut::read_from(&reply).map(|w| w.size), Some(3));
+
+        let f = abi::FlushIn {
+            fh: o.fh,
+            ..Default::default()
+        };
+        fs.fs().backend().fail_commits(libc::EDQUOT);
+        let (out, reply) = serve(&fs, header(abi::FUSE_FLUSH, 7), op_area(&f), &[]);
+        assert_eq!((out.error, reply.len()), (-libc::EDQUOT, 0));
+
+        let a = abi::FallocateIn {
+            fh: o.fh,
+            offset: 0,
+            length: 1 << 20,
+            ..Default::default()
+        };
+        let (out, _) = serve(&fs, header(abi::FUSE_FALLOCATE, 7), op_area(&a), &[]);
+        assert_eq!(out.error, 0);
+        assert!(fs.fs().backend().calls().contains(&Call::Fallocate {
+            ino: 7,
+            offset: 0,
+            len: 1 << 20
+        }));
     }
 }

@@ -17,6 +17,7 @@
 
 pub mod client;
 pub mod error;
+pub mod format;
 pub mod index;
 pub mod mapping;
 pub mod name;

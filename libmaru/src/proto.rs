@@ -9,6 +9,7 @@ use std::collections::VecDeque;
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 
+use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, WireError};
@@ -436,9 +437,6 @@ pub struct FrameReader {
     fds: VecDeque<OwnedFd>,
 }
 
-/// Space for the control message of the largest descriptor batch.
-const CMSG_SPACE: usize = 8 * 256 + 64;
-
 impl FrameReader {
     /// A new, empty reader.
     pub fn new() -> Self {
@@ -457,47 +455,40 @@ impl FrameReader {
         let old = self.buf.len();
         let want = 64 * 1024;
         self.buf.resize(old + want, 0);
-        let mut cmsg = [0u8; CMSG_SPACE];
-        let mut iov = libc::iovec {
-            iov_base: self.buf[old..].as_mut_ptr().cast(),
-            iov_len: want,
+        let mut cmsg = nix::cmsg_space!([RawFd; MAX_FDS_PER_FRAME]);
+        let mut iov = [io::IoSliceMut::new(&mut self.buf[old..])];
+        let r = recvmsg::<()>(
+            fd.as_raw_fd(),
+            &mut iov,
+            Some(&mut cmsg),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        );
+        let msg = match r {
+            Ok(m) => m,
+            Err(e) => {
+                self.buf.truncate(old);
+                return Err(e.into());
+            }
         };
-        // SAFETY: an all-zero msghdr is a valid empty value.
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = cmsg.as_mut_ptr().cast();
-        msg.msg_controllen = cmsg.len();
-        // SAFETY: msg points at live buffers of the given sizes for the whole call.
-        let n = unsafe { libc::recvmsg(fd.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-        if n < 0 {
-            self.buf.truncate(old);
-            return Err(io::Error::last_os_error());
-        }
-        self.buf.truncate(old + n as usize);
-        // SAFETY: msg was filled by recvmsg; the CMSG macros walk inside msg_control.
-        unsafe {
-            let mut c = libc::CMSG_FIRSTHDR(&msg);
-            while !c.is_null() {
-                if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-                    let data = libc::CMSG_DATA(c) as *const RawFd;
-                    let count =
-                        ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / size_of::<RawFd>();
-                    for i in 0..count {
-                        let raw = std::ptr::read_unaligned(data.add(i));
-                        self.fds.push_back(OwnedFd::from_raw_fd(raw));
-                    }
-                }
-                c = libc::CMSG_NXTHDR(&msg, c);
+        let n = msg.bytes;
+        let truncated = msg.flags.contains(MsgFlags::MSG_CTRUNC);
+        for c in msg.cmsgs().map_err(io::Error::from)? {
+            if let ControlMessageOwned::ScmRights(fds) = c {
+                // SAFETY: SCM_RIGHTS hands this process new descriptors that nothing else owns.
+                self.fds.extend(
+                    fds.into_iter()
+                        .map(|raw| unsafe { OwnedFd::from_raw_fd(raw) }),
+                );
             }
         }
-        if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+        self.buf.truncate(old + n);
+        if truncated {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 "descriptors were truncated",
             ));
         }
-        Ok(n as usize)
+        Ok(n)
     }
 
     /// Appends bytes as if received (tests and fuzzing).
@@ -525,11 +516,6 @@ impl FrameReader {
         Ok(Some(body))
     }
 
-    /// Bytes buffered but not yet consumed as frames.
-    pub fn pending_bytes(&self) -> usize {
-        self.buf.len() - self.start
-    }
-
     /// Takes the next `n` received descriptors.
     pub fn take_fds(&mut self, n: usize) -> Result<Vec<OwnedFd>, Error> {
         if self.fds.len() < n {
@@ -555,41 +541,18 @@ impl FrameReader {
 /// One `sendmsg` of `bytes` with `fds` attached. Returns the bytes written
 /// (the descriptors go with the first byte; resend the rest without them).
 pub fn send_some(fd: BorrowedFd<'_>, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<usize> {
-    let mut iov = libc::iovec {
-        iov_base: bytes.as_ptr() as *mut libc::c_void,
-        iov_len: bytes.len(),
-    };
-    let mut cmsg = [0u8; CMSG_SPACE];
-    // SAFETY: an all-zero msghdr is a valid empty value.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    if !fds.is_empty() {
-        assert!(fds.len() <= MAX_FDS_PER_FRAME);
-        let payload = fds.len() * size_of::<RawFd>();
-        // SAFETY: CMSG_SPACE only computes a size.
-        let space = unsafe { libc::CMSG_SPACE(payload as u32) } as usize;
-        msg.msg_control = cmsg.as_mut_ptr().cast();
-        msg.msg_controllen = space;
-        // SAFETY: msg_control points at `space` (< CMSG_SPACE) writable bytes, enough for one
-        // header and `fds.len()` descriptors.
-        unsafe {
-            let c = libc::CMSG_FIRSTHDR(&msg);
-            (*c).cmsg_level = libc::SOL_SOCKET;
-            (*c).cmsg_type = libc::SCM_RIGHTS;
-            (*c).cmsg_len = libc::CMSG_LEN(payload as u32) as usize;
-            let data = libc::CMSG_DATA(c) as *mut RawFd;
-            for (i, f) in fds.iter().enumerate() {
-                std::ptr::write_unaligned(data.add(i), f.as_raw_fd());
-            }
-        }
-    }
-    // SAFETY: msg points at live buffers for the whole call.
-    let n = unsafe { libc::sendmsg(fd.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(n as usize)
+    assert!(fds.len() <= MAX_FDS_PER_FRAME);
+    let raw: Vec<RawFd> = fds.iter().map(AsRawFd::as_raw_fd).collect();
+    let rights = [ControlMessage::ScmRights(&raw)];
+    let cmsgs: &[ControlMessage<'_>] = if raw.is_empty() { &[] } else { &rights };
+    let iov = [io::IoSlice::new(bytes)];
+    Ok(sendmsg::<()>(
+        fd.as_raw_fd(),
+        &iov,
+        cmsgs,
+        MsgFlags::MSG_NOSIGNAL,
+        None,
+    )?)
 }
 
 /// Sends a whole frame on a blocking socket.

@@ -10,7 +10,8 @@ errno               meaning on /maru                             exception
 ENOENT              no such entry or namespace                   (``None``/``False`` results,
                                                                  or :class:`NotFoundError`)
 EEXIST              the key is taken (entries are write-once)    ``store`` returns ``False``
-ENOSPC              no space left in the pools                   :class:`NoSpaceError`
+ENOSPC, EDQUOT,     no space left in the pools, the namespace's  :class:`NoSpaceError`
+EFBIG               quota, or an entry larger than a pool
 EACCES, EPERM       namespace permissions; sealed entries are    :class:`PermissionDeniedError`
                     immutable
 ENAMETOOLONG,       the name breaks the naming rules             :class:`InvalidKeyError`
@@ -52,7 +53,8 @@ class NotFoundError(MaruError, KeyError):
 
 
 class NoSpaceError(MaruError):
-    """The pools are full (``ENOSPC``)."""
+    """The pools are full (``ENOSPC``), the namespace is at its quota (``EDQUOT``), or the
+    entry is larger than a pool can hold (``EFBIG``)."""
 
 
 class PermissionDeniedError(MaruError, PermissionError):
@@ -71,6 +73,7 @@ _BY_ERRNO = {
     errno.ENOENT: NotFoundError,
     errno.ENOSPC: NoSpaceError,
     errno.EDQUOT: NoSpaceError,
+    errno.EFBIG: NoSpaceError,
     errno.EACCES: PermissionDeniedError,
     errno.EPERM: PermissionDeniedError,
     errno.ENAMETOOLONG: InvalidKeyError,

@@ -34,6 +34,44 @@ pub fn bin(name: &str) -> PathBuf {
     p
 }
 
+/// True when this process runs with effective uid 0.
+pub fn is_root() -> bool {
+    nix::unistd::geteuid().is_root()
+}
+
+/// Whether a test that needs root runs here: true as root. Otherwise it prints
+/// `skipped: <test> needs root` to stderr and returns false, so `cargo test` works for a
+/// contributor without root; with `MARU_REQUIRE_ROOT=1` (CI) it panics instead, so a machine
+/// that is supposed to run everything cannot skip anything quietly.
+/// Tests call it through [`require_root!`].
+pub fn root_or_skip(test: &str) -> bool {
+    if is_root() {
+        return true;
+    }
+    if std::env::var_os("MARU_REQUIRE_ROOT").is_some_and(|v| v == "1") {
+        panic!("{test} needs root, and MARU_REQUIRE_ROOT=1 says this run has it: run as root");
+    }
+    eprintln!("skipped: {test} needs root");
+    false
+}
+
+/// The first statement of a test that needs root (it mounts FUSE or tmpfs, reads
+/// `/proc/self/pagemap`, or acts as other users): returns from the test, after saying so on
+/// stderr, when the effective uid is not 0, and fails it instead under `MARU_REQUIRE_ROOT=1`.
+/// See [`root_or_skip`].
+#[macro_export]
+macro_rules! require_root {
+    () => {
+        if !$crate::root_or_skip({
+            fn here() {}
+            let name = ::std::any::type_name_of_val(&here);
+            name.strip_suffix("::here").unwrap_or(name)
+        }) {
+            return;
+        }
+    };
+}
+
 /// True if `dir` is a mount point (of any type).
 pub fn is_mounted(dir: &Path) -> bool {
     let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
@@ -91,9 +129,21 @@ pub struct Daemon {
     pub log: PathBuf,
 }
 
+impl Opts {
+    /// True if marud needs root to start with these options: it mounts the FUSE filesystem
+    /// and a tmpfs for each memfs pool. (Only `file:` pools without the mount run unprivileged.)
+    pub fn needs_root(&self) -> bool {
+        self.mount || self.pools.iter().any(|p| !p.starts_with("file:"))
+    }
+}
+
 impl Daemon {
     /// Starts a daemon and waits until it serves.
     pub fn start(opts: Opts) -> Self {
+        assert!(
+            is_root() || !opts.needs_root(),
+            "marud needs root to mount: start the test with maru_tests::require_root!()"
+        );
         let tmp = tempfile::Builder::new()
             .prefix("maru-e2e-")
             .tempdir_in("/tmp")

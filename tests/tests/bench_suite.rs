@@ -9,6 +9,7 @@ use serde_json::Value;
 
 #[test]
 fn quick_run_writes_table_json_and_charts() {
+    maru_tests::require_root!();
     let out = tempfile::Builder::new()
         .prefix("maru-bench-out-")
         .tempdir_in("/tmp")

@@ -57,6 +57,7 @@ fn verify_namespace(h: &maru::Handler, ns: &str) -> usize {
 
 #[test]
 fn daemon_killed_at_random_moments() {
+    maru_tests::require_root!();
     let mut d = Daemon::start(Opts {
         pools: vec![
             "memfs:{dir}/pool,size=96M,name=mem".into(),
@@ -174,6 +175,7 @@ fn daemon_killed_at_random_moments() {
 
 #[test]
 fn clients_killed_in_the_middle_of_stores() {
+    maru_tests::require_root!();
     let d = Daemon::start(Opts {
         pools: vec![
             "memfs:{dir}/pool,size=64M,name=mem".into(),
@@ -248,6 +250,7 @@ fn clients_killed_in_the_middle_of_stores() {
 /// one that exits normally without closing publishes what it wrote.
 #[test]
 fn mount_writers_killed_mid_store_publish_nothing() {
+    maru_tests::require_root!();
     const PY: &str = r#"
 import os, sys, time
 fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)

@@ -112,6 +112,7 @@ fn send(s: &mut UnixStream, f: &Frame) -> std::io::Result<()> {
 
 #[test]
 fn random_frame_sequences_never_hurt_the_daemon() {
+    maru_tests::require_root!();
     let d = Daemon::start(Opts {
         pools: vec!["memfs:{dir}/pool,size=64M".into()],
         mount: false,

@@ -18,6 +18,7 @@ fn size_of(k: u64) -> usize {
 
 #[test]
 fn eight_clients_mixed_load_with_eviction() {
+    maru_tests::require_root!();
     let d = Daemon::start(Opts {
         pools: vec!["memfs:{dir}/pool,size=48M".into()],
         mount: false,

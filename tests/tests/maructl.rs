@@ -48,6 +48,7 @@ fn fails(d: &Daemon, args: &[&str], code: i32, kind: &str) {
 
 #[test]
 fn every_command_against_a_live_daemon() {
+    maru_tests::require_root!();
     let d = Daemon::start(Opts {
         pools: vec!["memfs:{dir}/pool,size=64M,name=mem".into()],
         mount: false,
@@ -137,6 +138,7 @@ fn every_command_against_a_live_daemon() {
 
 #[test]
 fn errors_are_clear_and_exit_non_zero() {
+    maru_tests::require_root!();
     let mut d = Daemon::start(Opts {
         pools: vec!["memfs:{dir}/pool,size=64M".into()],
         mount: false,
@@ -197,6 +199,7 @@ fn device_header_init_show_clear() {
 
 #[test]
 fn marutop_csv_snapshots_from_a_live_daemon() {
+    maru_tests::require_root!();
     let d = Daemon::start(Opts {
         pools: vec!["memfs:{dir}/pool,size=64M,name=mem".into()],
         mount: false,
@@ -249,6 +252,7 @@ fn marutop_csv_snapshots_from_a_live_daemon() {
 
 #[test]
 fn benchmarks_run_and_write_json() {
+    maru_tests::require_root!();
     let dir = tempfile::tempdir().unwrap();
     for (which, rounds) in [("core", "3"), ("fs", "2")] {
         let out_json = dir.path().join(format!("{which}.json"));

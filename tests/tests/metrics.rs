@@ -69,6 +69,7 @@ fn parse(text: &str) -> BTreeMap<String, f64> {
 
 #[test]
 fn metrics_count_what_was_done() {
+    maru_tests::require_root!();
     let port = free_port();
     let d = Daemon::start(Opts {
         pools: vec!["memfs:{dir}/pool,size=64M,name=mem".into()],

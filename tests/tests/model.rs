@@ -171,12 +171,14 @@ fn real(d: &Daemon, h: &maru::Handler, root: &str, op: &FsOp, seed: u64) -> Outc
 
 #[test]
 fn mount_agrees_with_model() {
+    maru_tests::require_root!();
     agrees_with_model(&[]);
 }
 
 /// The same with requests through `/dev/fuse`, as on kernels without FUSE over io_uring.
 #[test]
 fn mount_over_dev_fuse_agrees_with_model() {
+    maru_tests::require_root!();
     agrees_with_model(&["--fuse-uring", "off"]);
 }
 

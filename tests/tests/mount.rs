@@ -87,6 +87,7 @@ fn sha256_hex(path: &Path) -> String {
 
 #[test]
 fn python_stores_python_and_rust_retrieve() {
+    maru_tests::require_root!();
     let d = daemon();
     std::fs::create_dir(d.path("llama")).unwrap();
     let p = d.path("llama/chunk0");
@@ -118,6 +119,7 @@ fn python_stores_python_and_rust_retrieve() {
 
 #[test]
 fn mount_mapping_is_the_pool_page() {
+    maru_tests::require_root!();
     let d = daemon();
     let size = 8 << 20;
     let p = sealed_entry(&d, "pfn", "k", 1, size);
@@ -160,6 +162,7 @@ fn smaps_kib(addr: *const u8, field: &str) -> u64 {
 
 #[test]
 fn a_plain_mapping_of_a_large_entry_uses_2mib_pages() {
+    maru_tests::require_root!();
     // Engines (and the Python package) map an entry with a plain mmap(NULL, size): the
     // kernel places it at a 2 MiB boundary, FUSE file or not, so the pool's 2 MiB pages are
     // mapped with one page-table entry each.
@@ -230,6 +233,7 @@ print("ok", full)
 
 #[test]
 fn readers_never_see_a_partial_entry() {
+    maru_tests::require_root!();
     let d = daemon();
     std::fs::create_dir(d.path("race")).unwrap();
     let size = 2 << 20;
@@ -274,14 +278,15 @@ fn readers_never_see_a_partial_entry() {
 
 #[test]
 fn sealed_entries_are_immutable() {
+    maru_tests::require_root!();
     let d = daemon();
     std::fs::create_dir(d.path("ro")).unwrap();
     let p = d.path("ro/k");
     std::fs::write(&p, b"original").unwrap();
-    assert_eq!(
-        std::fs::metadata(&p).unwrap().permissions().mode() & 0o777,
-        0o444
-    );
+    // An entry keeps the mode it was created with (here 0666 & umask); sealed, it is
+    // immutable whatever the mode says.
+    let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode & 0o444, 0o444, "{mode:o}");
     for opts in [
         OpenOptions::new().write(true).clone(),
         OpenOptions::new().append(true).clone(),
@@ -316,6 +321,7 @@ fn sealed_entries_are_immutable() {
 
 #[test]
 fn unlink_while_mapped_keeps_bytes() {
+    maru_tests::require_root!();
     let d = daemon();
     std::fs::create_dir(d.path("u")).unwrap();
     let p = d.path("u/k");
@@ -363,6 +369,7 @@ fn unlink_while_mapped_keeps_bytes() {
 
 #[test]
 fn df_shows_the_pool() {
+    maru_tests::require_root!();
     let d = daemon();
     let s = nix::sys::statvfs::statvfs(d.mount.as_ref().unwrap()).unwrap();
     let total = s.blocks() * s.fragment_size();
@@ -386,6 +393,7 @@ fn df_shows_the_pool() {
 
 #[test]
 fn names_too_long_and_unsupported_ops() {
+    maru_tests::require_root!();
     let d = daemon();
     std::fs::create_dir(d.path("n")).unwrap();
     let long = d.path(&format!("n/{}", "x".repeat(256)));
@@ -414,6 +422,7 @@ fn names_too_long_and_unsupported_ops() {
 
 #[test]
 fn other_users_cannot_touch_a_private_namespace() {
+    maru_tests::require_root!();
     let d = daemon();
     // Let others reach the mount point itself.
     std::fs::set_permissions(&d.dir, std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -465,6 +474,7 @@ fn other_users_cannot_touch_a_private_namespace() {
 
 #[test]
 fn xattrs_show_state_and_pin() {
+    maru_tests::require_root!();
     let d = daemon();
     std::fs::create_dir(d.path("x")).unwrap();
     let p = d.path("x/k");
@@ -499,6 +509,7 @@ fn xattrs_show_state_and_pin() {
 
 #[test]
 fn entries_never_carry_setuid_bits_and_writes_ask_no_xattrs() {
+    maru_tests::require_root!();
     use std::os::unix::fs::OpenOptionsExt;
     let d = daemon();
     std::fs::create_dir(d.path("s")).unwrap();
@@ -529,6 +540,7 @@ fn entries_never_carry_setuid_bits_and_writes_ask_no_xattrs() {
 
 #[test]
 fn rename_publishes_a_temp_name_and_tools_work() {
+    maru_tests::require_root!();
     let d = daemon();
     std::fs::create_dir(d.path("t")).unwrap();
     // Write under a temp name, rename onto the key.
@@ -597,6 +609,7 @@ fn rename_publishes_a_temp_name_and_tools_work() {
 
 #[test]
 fn crash_leaves_a_dead_mount_that_restart_replaces() {
+    maru_tests::require_root!();
     let mut d = daemon();
     std::fs::create_dir(d.path("c")).unwrap();
     std::fs::write(d.path("c/k"), pattern(4, 10_000)).unwrap();
@@ -636,6 +649,7 @@ fn crash_leaves_a_dead_mount_that_restart_replaces() {
 
 #[test]
 fn eviction_removes_names_from_the_mount() {
+    maru_tests::require_root!();
     let d = Daemon::start(Opts {
         pools: vec!["memfs:{dir}/pool,size=16M".into()],
         mount: true,
@@ -658,8 +672,9 @@ fn eviction_removes_names_from_the_mount() {
 
 #[test]
 fn writers_through_the_mount_evict_when_the_pool_is_full() {
+    maru_tests::require_root!();
     // 256 MiB pool, 16 MiB entries: writing 40 of them (640 MiB) through the mount only works
-    // if creating an entry makes room first (passthrough writes go straight to the tmpfs).
+    // if the daemon evicts for the writes it serves.
     let d = Daemon::start(Opts {
         pools: vec!["memfs:{dir}/pool,size=256M".into()],
         mount: true,
@@ -681,7 +696,7 @@ fn writers_through_the_mount_evict_when_the_pool_is_full() {
     );
     let n = std::fs::read_dir(d.path("full")).unwrap().count();
     assert!(
-        (8..16).contains(&n),
+        (8..=16).contains(&n),
         "{n} entries of 16 MiB in a 256 MiB pool"
     );
     // A writer that sizes its entry first (ftruncate, then fills it through a mapping, where a
@@ -721,6 +736,7 @@ fn writers_through_the_mount_evict_when_the_pool_is_full() {
 
 #[test]
 fn unlink_through_the_mount_frees_pool_memory() {
+    maru_tests::require_root!();
     let d = daemon();
     std::fs::create_dir(d.path("rm")).unwrap();
     let used = |d: &Daemon| {
@@ -753,6 +769,7 @@ fn unlink_through_the_mount_frees_pool_memory() {
 
 #[test]
 fn eviction_off_gives_enospc_through_the_mount() {
+    maru_tests::require_root!();
     let d = Daemon::start(Opts {
         pools: vec!["memfs:{dir}/pool,size=64M".into()],
         mount: true,
@@ -773,6 +790,7 @@ fn eviction_off_gives_enospc_through_the_mount() {
 
 #[test]
 fn a_child_closing_an_inherited_copy_does_not_publish() {
+    maru_tests::require_root!();
     let d = daemon();
     std::fs::create_dir(d.path("fork")).unwrap();
     let p = d.path("fork/k");
@@ -792,6 +810,7 @@ fn a_child_closing_an_inherited_copy_does_not_publish() {
 
 #[test]
 fn raw_pool_entries_are_served_by_copying() {
+    maru_tests::require_root!();
     let d = Daemon::start(Opts {
         pools: vec!["file:{dir}/dev.img,size=64M".into()],
         mount: true,
@@ -820,6 +839,7 @@ fn raw_pool_entries_are_served_by_copying() {
 
 #[test]
 fn libmaru_sees_an_entry_as_soon_as_its_writer_closed_it() {
+    maru_tests::require_root!();
     let d = daemon();
     std::fs::create_dir(d.path("now")).unwrap();
     let h = d.handler();
@@ -860,6 +880,7 @@ fn threads_of(pid: u32) -> Vec<(String, String)> {
 
 #[test]
 fn requests_come_over_io_uring_one_queue_per_cpu() {
+    maru_tests::require_root!();
     if !Path::new("/sys/module/fuse/parameters/enable_uring").exists() {
         eprintln!("skipped: this kernel has no FUSE over io_uring");
         return;
@@ -903,6 +924,7 @@ fn requests_come_over_io_uring_one_queue_per_cpu() {
 
 #[test]
 fn dev_fuse_serves_the_mount_when_io_uring_is_off() {
+    maru_tests::require_root!();
     let d = Daemon::start(Opts {
         extra: vec!["--fuse-uring".into(), "off".into()],
         ..Opts::default()

@@ -15,6 +15,7 @@ fn caps_of(pid: u32, field: &str) -> u64 {
 
 #[test]
 fn marud_keeps_only_the_capabilities_it_needs() {
+    maru_tests::require_root!();
     let d = Daemon::start(Opts::default());
     // CAP_CHOWN (0), CAP_DAC_OVERRIDE (1), CAP_FOWNER (3), CAP_SYS_ADMIN (21).
     let want = (1 << 0) | (1 << 1) | (1 << 3) | (1 << 21);
@@ -33,6 +34,7 @@ fn marud_keeps_only_the_capabilities_it_needs() {
 
 #[test]
 fn daemon_files_are_private() {
+    maru_tests::require_root!();
     let d = Daemon::start(Opts::default());
     d.handler().mkdir("p", 0o755).unwrap();
     d.handler().put("p/k", b"x").unwrap();
@@ -61,6 +63,7 @@ fn as_nobody(d: &Daemon, op: &str, path: &str) -> String {
 
 #[test]
 fn another_user_cannot_touch_a_private_namespace_through_the_socket() {
+    maru_tests::require_root!();
     // The socket belongs to a group the test user is in (nogroup, 65534), as `maru` would be.
     let d = Daemon::start(Opts {
         pools: vec!["memfs:{dir}/pool,size=64M".into()],
@@ -109,6 +112,7 @@ fn another_user_cannot_touch_a_private_namespace_through_the_socket() {
 
 #[test]
 fn thousands_of_idle_connections_do_not_stop_service() {
+    maru_tests::require_root!();
     // Let this test process hold them.
     // SAFETY: getrlimit/setrlimit with a valid out-parameter.
     unsafe {

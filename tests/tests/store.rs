@@ -81,6 +81,7 @@ fn roundtrip(d: &Daemon) {
 
 #[test]
 fn roundtrip_memfs() {
+    maru_tests::require_root!();
     let d = Daemon::start(no_mount(&[MEMFS]));
     roundtrip(&d);
 }
@@ -93,6 +94,7 @@ fn roundtrip_file_pool() {
 
 #[test]
 fn bad_names_are_refused() {
+    maru_tests::require_root!();
     let d = Daemon::start(no_mount(&[MEMFS]));
     let h = d.handler();
     h.mkdir("n", 0o755).unwrap();
@@ -127,11 +129,13 @@ fn two_process_pfn(pool: &str) {
 
 #[test]
 fn two_processes_share_frames_memfs() {
+    maru_tests::require_root!();
     two_process_pfn(MEMFS);
 }
 
 #[test]
 fn two_processes_share_frames_file_pool() {
+    maru_tests::require_root!();
     two_process_pfn(FILE);
 }
 
@@ -225,6 +229,7 @@ fn recovery(pools: &[&str]) {
 
 #[test]
 fn kill9_recovery_memfs() {
+    maru_tests::require_root!();
     recovery(&[MEMFS]);
 }
 
@@ -235,11 +240,13 @@ fn kill9_recovery_file_pool() {
 
 #[test]
 fn kill9_recovery_two_pools() {
+    maru_tests::require_root!();
     recovery(&["memfs:{dir}/pool,size=4M", FILE]);
 }
 
 #[test]
 fn client_crash_is_reclaimed() {
+    maru_tests::require_root!();
     for pool in [MEMFS, FILE] {
         let d = Daemon::start(no_mount(&[pool]));
         let h = d.handler();
@@ -299,6 +306,7 @@ fn read_reply(s: &mut UnixStream) -> Option<serde_json::Value> {
 
 #[test]
 fn malformed_frames_get_errors_and_change_nothing() {
+    maru_tests::require_root!();
     let d = Daemon::start(no_mount(&[MEMFS]));
     let h = d.handler();
     h.mkdir("f", 0o755).unwrap();
@@ -406,11 +414,13 @@ fn fill_pool(eviction: &str) {
 
 #[test]
 fn full_pool_with_eviction() {
+    maru_tests::require_root!();
     fill_pool("lru");
 }
 
 #[test]
 fn full_pool_without_eviction() {
+    maru_tests::require_root!();
     fill_pool("off");
 }
 
@@ -418,6 +428,7 @@ fn full_pool_without_eviction() {
 /// (through libmaru, or an open through the mount) counts as a use.
 #[test]
 fn eviction_spares_recently_retrieved_entries() {
+    maru_tests::require_root!();
     let d = Daemon::start(Opts {
         pools: vec!["memfs:{dir}/pool,size=64M".into()],
         mount: true,
@@ -471,6 +482,7 @@ fn full_raw_pool_evicts() {
 
 #[test]
 fn namespace_quotas_bound_stores_through_socket_and_mount() {
+    maru_tests::require_root!();
     let mut d = Daemon::start(Opts::default());
     let h = d.handler();
     h.mkdir("q", 0o777).unwrap();

@@ -72,71 +72,83 @@ pub fn touch(bytes: &[u8]) -> u64 {
 /// 2 MiB or more at such a boundary by itself, FUSE files included; where it did not (an
 /// older kernel, or a crowded address space), the mapping is placed by hand.
 pub struct AlignedMap {
-    ptr: *mut libc::c_void,
+    ptr: std::ptr::NonNull<std::ffi::c_void>,
     len: usize,
 }
 
 /// Huge page size of the pools.
 const HUGE: usize = 2 << 20;
 
+/// Unmaps `len` bytes at `addr`, an address inside a mapping made here.
+///
+/// # Safety
+///
+/// `[addr, addr + len)` is mapped by this module and nothing refers to it any more.
+unsafe fn unmap(addr: usize, len: usize) -> anyhow::Result<()> {
+    let p = std::ptr::NonNull::new(addr as *mut std::ffi::c_void).context("null mapping")?;
+    // SAFETY: the caller's contract.
+    unsafe { nix::sys::mman::munmap(p, len) }.context("munmap")
+}
+
 impl AlignedMap {
     /// Maps `len` bytes of `f` read-only at a 2 MiB boundary.
     pub fn new(f: &std::fs::File, len: usize) -> anyhow::Result<AlignedMap> {
-        use std::os::fd::AsRawFd;
-        // SAFETY: a plain mapping, kept if aligned (or too small for a huge page) and
-        // unmapped otherwise; then an anonymous PROT_NONE reservation and a fixed mapping
-        // inside it, the slack on both sides returned. Every pointer stays within a mapping
-        // made here.
-        unsafe {
-            let p = libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ,
-                libc::MAP_SHARED,
-                f.as_raw_fd(),
-                0,
-            );
-            if p == libc::MAP_FAILED {
-                anyhow::bail!("mmap: {}", std::io::Error::last_os_error());
-            }
-            if len < HUGE || (p as usize).is_multiple_of(HUGE) {
-                return Ok(AlignedMap { ptr: p, len });
-            }
-            libc::munmap(p, len);
-            let span = len + HUGE;
-            let res = libc::mmap(
-                std::ptr::null_mut(),
-                span,
-                libc::PROT_NONE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            );
-            anyhow::ensure!(res != libc::MAP_FAILED, "reserving {span} bytes failed");
-            let base = res as usize;
-            let start = base.next_multiple_of(HUGE);
-            let p = libc::mmap(
-                start as *mut libc::c_void,
-                len,
-                libc::PROT_READ,
-                libc::MAP_SHARED | libc::MAP_FIXED,
-                f.as_raw_fd(),
-                0,
-            );
-            if p == libc::MAP_FAILED {
-                let e = std::io::Error::last_os_error();
-                libc::munmap(res, span);
-                anyhow::bail!("mmap: {e}");
-            }
-            if start > base {
-                libc::munmap(res, start - base);
-            }
-            let end = start + len;
-            if base + span > end {
-                libc::munmap(end as *mut libc::c_void, base + span - end);
-            }
-            Ok(AlignedMap { ptr: p, len })
+        use nix::sys::mman::{MapFlags, ProtFlags, mmap, mmap_anonymous};
+        use std::num::NonZeroUsize;
+        let nz = NonZeroUsize::new(len).context("an empty mapping")?;
+        // SAFETY: a new read-only shared mapping of a file; nothing else refers to it.
+        let p = unsafe { mmap(None, nz, ProtFlags::PROT_READ, MapFlags::MAP_SHARED, f, 0) }
+            .context("mmap")?;
+        if len < HUGE || (p.as_ptr() as usize).is_multiple_of(HUGE) {
+            return Ok(AlignedMap { ptr: p, len });
         }
+        // Misplaced: unmap it, reserve a span with room for a 2 MiB boundary (PROT_NONE), map
+        // the file at that boundary inside it, and return the slack on both sides.
+        // SAFETY: the mapping just made, not handed out.
+        unsafe { unmap(p.as_ptr() as usize, len)? };
+        let span = len + HUGE;
+        // SAFETY: a new anonymous reservation; nothing else refers to it.
+        let res = unsafe {
+            mmap_anonymous(
+                None,
+                NonZeroUsize::new(span).expect("len > 0"),
+                ProtFlags::PROT_NONE,
+                MapFlags::MAP_PRIVATE | MapFlags::MAP_NORESERVE,
+            )
+        }
+        .with_context(|| format!("reserving {span} bytes"))?;
+        let base = res.as_ptr() as usize;
+        let start = base.next_multiple_of(HUGE);
+        // SAFETY: MAP_FIXED at `start`, inside the reservation made above (start + len <=
+        // base + span), which nothing else uses.
+        let mapped = unsafe {
+            mmap(
+                NonZeroUsize::new(start),
+                nz,
+                ProtFlags::PROT_READ,
+                MapFlags::MAP_SHARED | MapFlags::MAP_FIXED,
+                f,
+                0,
+            )
+        };
+        let p = match mapped {
+            Ok(p) => p,
+            Err(e) => {
+                // SAFETY: the reservation made above, unused.
+                unsafe { unmap(base, span)? };
+                return Err(e).context("mmap");
+            }
+        };
+        if start > base {
+            // SAFETY: the reservation's slack before the mapping.
+            unsafe { unmap(base, start - base)? };
+        }
+        let end = start + len;
+        if base + span > end {
+            // SAFETY: the reservation's slack after the mapping.
+            unsafe { unmap(end, base + span - end)? };
+        }
+        Ok(AlignedMap { ptr: p, len })
     }
 }
 
@@ -144,14 +156,17 @@ impl std::ops::Deref for AlignedMap {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
         // SAFETY: a live read-only mapping of `len` bytes.
-        unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.len) }
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr() as *const u8, self.len) }
     }
 }
 
 impl Drop for AlignedMap {
     fn drop(&mut self) {
-        // SAFETY: unmapping our own mapping.
-        unsafe { libc::munmap(self.ptr, self.len) };
+        // SAFETY: our own mapping; `&self` borrows of it have ended.
+        if let Err(e) = unsafe { unmap(self.ptr.as_ptr() as usize, self.len) } {
+            // Only a bad address or length fails; the mapping leaks (the bench goes on).
+            eprintln!("maructl bench: {e:#}");
+        }
     }
 }
 
@@ -276,6 +291,7 @@ impl Echo {
 
 impl Drop for Echo {
     fn drop(&mut self) {
+        // Teardown: each fails only if the peer is gone already, which is the goal.
         let _ = self.sock.shutdown(std::net::Shutdown::Both);
         let _ = self.child.kill();
         let _ = self.child.wait();
@@ -558,6 +574,7 @@ impl TcpPeer {
 
 impl Drop for TcpPeer {
     fn drop(&mut self) {
+        // Teardown: each fails only if the peer is gone already, which is the goal.
         let _ = self.sock.shutdown(std::net::Shutdown::Both);
         let _ = self.child.kill();
         let _ = self.child.wait();

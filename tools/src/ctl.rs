@@ -5,8 +5,8 @@ use std::io::{Read, Write};
 use std::path::Path;
 
 use maru::Error;
+use maru::format::{self, DevHeader, HeaderError};
 use maru::size::format_size;
-use maru_daemon::pool;
 use serde_json::{Value, json};
 
 /// Exit codes a script can rely on (also in `maructl --help` and doc/OPERATIONS.md).
@@ -333,7 +333,7 @@ fn open_device(path: &Path, write: bool) -> Result<std::fs::File, Failure> {
             };
             Failure::new(code, "io", format!("{}: {e}", path.display()))
         })?;
-    if write && !pool::lock_device(&f)? {
+    if write && !format::lock_device(&f)? {
         return Err(Failure::new(
             exit::BUSY,
             "busy",
@@ -343,26 +343,59 @@ fn open_device(path: &Path, write: bool) -> Result<std::fs::File, Failure> {
     Ok(f)
 }
 
-fn header_json(path: &Path, h: Option<pool::DevHeader>) -> Value {
+/// A header error of the device at `path`; `hint` ends the message of an unknown version.
+fn header_failure(path: &Path, e: HeaderError, hint: &str) -> Failure {
+    match &e {
+        HeaderError::UnknownVersion { .. } => Failure::new(
+            exit::FAILED,
+            "unsupported_version",
+            format!("{}: {e}{hint}", path.display()),
+        ),
+        HeaderError::Read(io) | HeaderError::Write(io) => {
+            Failure::new(exit::FAILED, "io", format!("{}: {e}: {io}", path.display()))
+        }
+    }
+}
+
+/// How init and clear refuse a header of an unknown version.
+const FORCE_HINT: &str = "; --force overwrites it and orphans whatever that pool holds";
+
+/// Reads the header; one of an unknown version is an error (its message ended by `hint`)
+/// unless `force` (then: `None`).
+fn read_header(
+    path: &Path,
+    f: &std::fs::File,
+    force: bool,
+    hint: &str,
+) -> Result<Option<DevHeader>, Failure> {
+    match format::read_header(f) {
+        Ok(h) => Ok(h),
+        Err(HeaderError::UnknownVersion { .. }) if force => Ok(None),
+        Err(e) => Err(header_failure(path, e, hint)),
+    }
+}
+
+fn header_json(path: &Path, h: Option<DevHeader>) -> Value {
     match h {
         Some(h) => {
-            json!({"device": path, "initialized": true, "magic": "MARUDEV", "version": h.version, "uuid": h.uuid_string()})
+            json!({"device": path, "initialized": true, "magic": "MARUDEV", "version": h.version(), "uuid": h.uuid_string()})
         }
         None => json!({"device": path, "initialized": false}),
     }
 }
 
-/// `maructl device init|show|clear PATH`.
+/// `maructl device init|show|clear PATH`. A header of a format version this maructl does not
+/// know is refused; `force` lets init and clear overwrite it.
 pub fn device(action: &str, path: &Path, force: bool) -> R {
     match action {
         "show" => {
             let f = open_device(path, false)?;
-            let h = pool::read_header(&f)?;
+            let h = read_header(path, &f, false, "")?;
             let text = match &h {
                 Some(h) => format!(
                     "{}: maru device, format version {}, uuid {}\n",
                     path.display(),
-                    h.version,
+                    h.version(),
                     h.uuid_string()
                 ),
                 None => format!("{}: no maru header\n", path.display()),
@@ -371,7 +404,7 @@ pub fn device(action: &str, path: &Path, force: bool) -> R {
         }
         "init" => {
             let f = open_device(path, true)?;
-            if let Some(old) = pool::read_header(&f)?
+            if let Some(old) = read_header(path, &f, force, FORCE_HINT)?
                 && !force
             {
                 return Err(Failure::new(
@@ -384,7 +417,7 @@ pub fn device(action: &str, path: &Path, force: bool) -> R {
                     ),
                 ));
             }
-            let h = pool::init_header(&f)?;
+            let h = format::init_header(&f).map_err(|e| header_failure(path, e, ""))?;
             out(
                 header_json(path, Some(h)),
                 format!(
@@ -396,7 +429,8 @@ pub fn device(action: &str, path: &Path, force: bool) -> R {
         }
         "clear" => {
             let f = open_device(path, true)?;
-            pool::clear_header(&f)?;
+            read_header(path, &f, force, FORCE_HINT)?;
+            format::clear_header(&f).map_err(|e| header_failure(path, e, ""))?;
             out(
                 header_json(path, None),
                 format!("cleared {}\n", path.display()),
@@ -407,5 +441,116 @@ pub fn device(action: &str, path: &Path, force: bool) -> R {
             "usage",
             format!("unknown device action `{other}`"),
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::FileExt;
+
+    use super::*;
+
+    fn dev(dir: &Path) -> std::path::PathBuf {
+        let p = dir.join("dev.img");
+        std::fs::File::create(&p).unwrap().set_len(4 << 20).unwrap();
+        p
+    }
+
+    fn fails(r: R, code: i32, kind: &str) -> Failure {
+        let f = r.err().expect("a failure");
+        assert_eq!((f.code, f.kind.as_str()), (code, kind), "{}", f.message);
+        f
+    }
+
+    #[test]
+    fn device_init_show_clear() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dev(dir.path());
+        let show = device("show", &p, false).unwrap();
+        assert_eq!(show.json["initialized"], false);
+        let init = device("init", &p, false).unwrap();
+        assert_eq!(init.json["version"], format::DEV_VERSION);
+        let show = device("show", &p, false).unwrap();
+        assert_eq!(show.json["uuid"], init.json["uuid"]);
+        fails(device("init", &p, false), exit::EXISTS, "exists");
+        let again = device("init", &p, true).unwrap();
+        assert_ne!(again.json["uuid"], init.json["uuid"]);
+        device("clear", &p, false).unwrap();
+        assert_eq!(
+            device("show", &p, false).unwrap().json["initialized"],
+            false
+        );
+        fails(
+            device("show", &dir.path().join("none"), false),
+            exit::NOT_FOUND,
+            "io",
+        );
+    }
+
+    #[test]
+    fn a_device_in_use_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dev(dir.path());
+        let held = std::fs::File::open(&p).unwrap();
+        assert!(format::lock_device(&held).unwrap());
+        fails(device("init", &p, true), exit::BUSY, "busy");
+        fails(device("clear", &p, true), exit::BUSY, "busy");
+        device("show", &p, false).unwrap();
+    }
+
+    #[test]
+    fn an_unknown_format_version_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dev(dir.path());
+        let mut b = DevHeader::fresh().encode();
+        b[8..12].copy_from_slice(&9u32.to_le_bytes());
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&p)
+            .unwrap()
+            .write_all_at(&b, 0)
+            .unwrap();
+        let f = fails(
+            device("show", &p, false),
+            exit::FAILED,
+            "unsupported_version",
+        );
+        assert_eq!(
+            f.message,
+            format!(
+                "{}: pool format version 9 is not supported (this build supports version 1)",
+                p.display()
+            )
+        );
+        let f = fails(
+            device("init", &p, false),
+            exit::FAILED,
+            "unsupported_version",
+        );
+        assert!(
+            f.message
+                .ends_with("--force overwrites it and orphans whatever that pool holds")
+        );
+        fails(
+            device("clear", &p, false),
+            exit::FAILED,
+            "unsupported_version",
+        );
+        // Untouched by the refusals.
+        assert_eq!(&std::fs::read(&p).unwrap()[..32], &b);
+        device("clear", &p, true).unwrap();
+        assert_eq!(
+            device("show", &p, false).unwrap().json["initialized"],
+            false
+        );
+        b[8..12].copy_from_slice(&9u32.to_le_bytes());
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&p)
+            .unwrap()
+            .write_all_at(&b, 0)
+            .unwrap();
+        let init = device("init", &p, true).unwrap();
+        assert_eq!(init.json["version"], format::DEV_VERSION);
     }
 }

@@ -43,13 +43,12 @@ fn mounted(dir: &Path) -> bool {
         .unwrap_or(false)
 }
 
+/// Detaches every mount stacked on `dir`; one that cannot be detached is reported and left.
 fn detach(dir: &Path) {
-    if let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()) {
-        while mounted(dir) {
-            // SAFETY: valid C string.
-            if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } != 0 {
-                break;
-            }
+    while mounted(dir) {
+        if let Err(e) = nix::mount::umount2(dir, nix::mount::MntFlags::MNT_DETACH) {
+            eprintln!("cannot unmount {}: {e}", dir.display());
+            break;
         }
     }
 }
@@ -141,18 +140,27 @@ impl PrivateDaemon {
 
 /// Stops a child of ours: SIGTERM, up to `grace` to exit, then SIGKILL; always reaped.
 pub fn stop_child(c: &mut Child, grace: Duration) {
+    use nix::sys::signal::{Signal, kill};
+    use nix::unistd::Pid;
     if let Ok(None) = c.try_wait() {
-        // SAFETY: signalling our own child by pid.
-        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-        let t = Instant::now();
-        while t.elapsed() < grace {
-            if let Ok(Some(_)) = c.try_wait() {
-                return;
+        let pid = i32::try_from(c.id()).map(Pid::from_raw);
+        // Not yet reaped, so the pid is still our child's. If SIGTERM cannot be sent,
+        // SIGKILL follows at once.
+        if let Ok(pid) = pid
+            && kill(pid, Signal::SIGTERM).is_ok()
+        {
+            let t = Instant::now();
+            while t.elapsed() < grace {
+                if let Ok(Some(_)) = c.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(10));
             }
-            std::thread::sleep(Duration::from_millis(10));
         }
+        // Fails only if the child has exited meanwhile: the wait below reaps it.
         let _ = c.kill();
     }
+    // Fails only if it was reaped already.
     let _ = c.wait();
 }
 

@@ -1,5 +1,6 @@
 //! A second process for end-to-end tests: stores or retrieves through libmaru
-//! or the mount and prints what it saw (bytes' checksum, physical frames).
+//! or the mount and prints what it saw (bytes' checksum, physical frames), or runs a
+//! list of operations on either door and prints each one's answer (permission tests).
 
 use std::io::Write;
 
@@ -90,7 +91,137 @@ fn main() -> anyhow::Result<()> {
                 out.flush()?;
             }
         }
-        _ => anyhow::bail!("usage: maru-probe store|retrieve|hold|mapfile|try|storeloop ..."),
+        // ops SOCKET MOUNT STEP... -> runs each step (`DOOR:OP:PATH[:ARG]`, DOOR `socket` or
+        // `mount`) as this process's user and prints one line per step: `STEP ok` or
+        // `STEP errno N MESSAGE`. A failed step does not stop the others.
+        Some(["ops", sock, mount, steps @ ..]) => {
+            let mut doors = Doors {
+                socket: sock,
+                mount: std::path::Path::new(mount),
+                handler: None,
+            };
+            for step in steps {
+                match doors.run(step) {
+                    Ok(()) => writeln!(out, "{step} ok")?,
+                    Err((errno, msg)) => writeln!(out, "{step} errno {errno} {msg}")?,
+                }
+            }
+        }
+        _ => anyhow::bail!("usage: maru-probe store|retrieve|hold|mapfile|try|storeloop|ops ..."),
+    }
+    Ok(())
+}
+
+/// The two doors to the store, for `ops`: the control socket (libmaru) and the mount.
+struct Doors<'a> {
+    socket: &'a str,
+    mount: &'a std::path::Path,
+    handler: Option<maru::Handler>,
+}
+
+/// A step's failure: the errno and a message.
+type StepError = (i32, String);
+
+fn io_err(e: std::io::Error) -> StepError {
+    (e.raw_os_error().unwrap_or(libc::EIO), e.to_string())
+}
+
+fn maru_err(e: maru::Error) -> StepError {
+    (e.errno(), e.to_string())
+}
+
+/// What `ops` writes into the entries it creates.
+const OPS_BYTES: &[u8] = b"written by maru-probe ops";
+
+impl Doors<'_> {
+    fn handler(&mut self) -> Result<&maru::Handler, StepError> {
+        if self.handler.is_none() {
+            self.handler = Some(maru::Handler::connect(cfg(self.socket)).map_err(maru_err)?);
+        }
+        Ok(self.handler.as_ref().expect("connected above"))
+    }
+
+    fn run(&mut self, step: &str) -> Result<(), StepError> {
+        let parts: Vec<&str> = step.splitn(4, ':').collect();
+        let (door, op, path, arg) = match parts[..] {
+            [door, op, path] => (door, op, path, None),
+            [door, op, path, arg] => (door, op, path, Some(arg)),
+            _ => return Err((libc::EINVAL, format!("bad step {step}"))),
+        };
+        let mode = || {
+            arg.and_then(|a| u32::from_str_radix(a, 8).ok())
+                .ok_or((libc::EINVAL, format!("{step}: no octal mode")))
+        };
+        match door {
+            "socket" => {
+                let h = self.handler()?;
+                let absent = || (libc::ENOENT, format!("{path} not found"));
+                match op {
+                    "mkdir" => h.mkdir(path, mode()?).map_err(maru_err),
+                    "lookup" => match h.exists(path).map_err(maru_err)? {
+                        true => Ok(()),
+                        false => Err(absent()),
+                    },
+                    "list" => h.list(path).map(drop).map_err(maru_err),
+                    "read" => match h.retrieve(path).map_err(maru_err)? {
+                        Some(_) => Ok(()),
+                        None => Err(absent()),
+                    },
+                    "create" => h.put(path, OPS_BYTES).map_err(maru_err),
+                    "delete" => h.delete(path).map_err(maru_err),
+                    "pin" => h.pin(path).map_err(maru_err),
+                    "quota" => h.set_quota(path, Some(1 << 30)).map_err(maru_err),
+                    _ => Err((libc::EINVAL, format!("no socket op {op}"))),
+                }
+            }
+            "mount" => {
+                use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+                let p = self.mount.join(path);
+                match op {
+                    "mkdir" => std::fs::create_dir(&p).map_err(io_err),
+                    "chmod" => {
+                        let perms = std::fs::Permissions::from_mode(mode()?);
+                        std::fs::set_permissions(&p, perms).map_err(io_err)
+                    }
+                    "lookup" => std::fs::metadata(&p).map(drop).map_err(io_err),
+                    "list" => std::fs::read_dir(&p)
+                        .and_then(|d| d.collect::<std::io::Result<Vec<_>>>())
+                        .map(drop)
+                        .map_err(io_err),
+                    "read" => std::fs::read(&p).map(drop).map_err(io_err),
+                    "create" => {
+                        let mut f = std::fs::OpenOptions::new()
+                            .write(true)
+                            .create_new(true)
+                            .mode(0o644)
+                            .open(&p)
+                            .map_err(io_err)?;
+                        f.write_all(OPS_BYTES).map_err(io_err)?;
+                        // close(2)'s answer is part of the store's: don't let drop ignore it.
+                        let fd = std::os::fd::IntoRawFd::into_raw_fd(f);
+                        // SAFETY: `fd` was just released by the File, closed exactly once.
+                        match unsafe { libc::close(fd) } {
+                            0 => Ok(()),
+                            _ => Err(io_err(std::io::Error::last_os_error())),
+                        }
+                    }
+                    "delete" => std::fs::remove_file(&p).map_err(io_err),
+                    "pin" => set_xattr(&p, "user.maru.pinned", b"1").map_err(io_err),
+                    _ => Err((libc::EINVAL, format!("no mount op {op}"))),
+                }
+            }
+            _ => Err((libc::EINVAL, format!("no door {door}"))),
+        }
+    }
+}
+
+fn set_xattr(p: &std::path::Path, name: &str, v: &[u8]) -> std::io::Result<()> {
+    let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes())?;
+    let n = std::ffi::CString::new(name)?;
+    // SAFETY: valid C strings, and a buffer of `v.len()` bytes.
+    let r = unsafe { libc::setxattr(c.as_ptr(), n.as_ptr(), v.as_ptr().cast(), v.len(), 0) };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
     }
     Ok(())
 }

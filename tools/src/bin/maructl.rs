@@ -116,7 +116,8 @@ enum Cmd {
         action: String,
         /// The device or file.
         path: PathBuf,
-        /// init: replace an existing header.
+        /// init: replace an existing header. init, clear: overwrite a header of a format
+        /// version this maructl does not know (refused otherwise).
         #[arg(long)]
         force: bool,
     },
@@ -217,6 +218,8 @@ fn run(cli: Cli) -> Result<Option<ctl::Output>, Failure> {
             print!("{text}");
             return Ok(None);
         }
+        // The benchmark's peers: they end with an error when the benchmark closes their
+        // socket, which is how they are meant to end.
         Cmd::Echo => {
             let _ = maru_tools::bench::echo_main();
             return Ok(None);

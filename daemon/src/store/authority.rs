@@ -1,0 +1,162 @@
+//! The metadata authority: the one place that decides who owns a name (so that publication
+//! stays write-once) and who owns each region of a raw pool. The store asks it before every
+//! publication, rename and region carved, and tells it of every removal; its own maps are
+//! then the local index of what the authority granted.
+//!
+//! This host alone is [`LocalAuthority`]. Several hosts sharing one pool plug in an authority
+//! shared by all of them (claims as transactions in a replicated store), without the store's
+//! decisions changing shape.
+
+use std::collections::{BTreeMap, HashMap};
+
+use maru::{Error, Result};
+use parking_lot::Mutex;
+
+/// A name's state at the authority.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claim {
+    /// Reserved by a writer whose publication is on its way (generation `0`).
+    Reserved(u64),
+    /// Published under this generation.
+    Published(u64),
+}
+
+/// Decides who owns each name.
+pub trait Authority: Send + Sync {
+    /// Reserves `ns/key` for the entry (allocation) `id`: the name then cannot be taken by
+    /// anyone else until [`Authority::publish`] or [`Authority::release`]. Fails with
+    /// [`Error::Exists`] when another entry holds it. Reserving a name one already holds is a
+    /// no-op.
+    fn reserve(&self, ns: &str, key: &str, id: u64) -> Result<()>;
+    /// Publishes `ns/key` as entry `id` (reserving it first if needed).
+    fn publish(&self, ns: &str, key: &str, id: u64) -> Result<()>;
+    /// Gives `ns/key` back, if `id` holds it.
+    fn release(&self, ns: &str, key: &str, id: u64);
+    /// Who holds `ns/key`.
+    fn holder(&self, ns: &str, key: &str) -> Option<Claim>;
+    /// Claims `[offset, offset + len)` of the raw pool `pool` (its UUID) for this host; fails
+    /// with [`Error::Busy`] when any of it is claimed already.
+    fn claim_region(&self, pool: &str, offset: u64, len: u64) -> Result<()>;
+    /// Gives back the region of `pool` that starts at `offset`.
+    fn release_region(&self, pool: &str, offset: u64);
+    /// The regions of `pool` claimed, as (offset, len), in order.
+    fn regions(&self, pool: &str) -> Vec<(u64, u64)>;
+}
+
+/// The authority of a single host: an in-memory map.
+#[derive(Debug, Default)]
+pub struct LocalAuthority {
+    names: Mutex<HashMap<(String, String), Claim>>,
+    regions: Mutex<HashMap<String, BTreeMap<u64, u64>>>,
+}
+
+impl Authority for LocalAuthority {
+    fn reserve(&self, ns: &str, key: &str, id: u64) -> Result<()> {
+        let mut m = self.names.lock();
+        match m.get(&(ns.to_owned(), key.to_owned())) {
+            Some(Claim::Reserved(h) | Claim::Published(h)) if *h == id => Ok(()),
+            Some(_) => Err(Error::Exists(format!("{ns}/{key}"))),
+            None => {
+                m.insert((ns.to_owned(), key.to_owned()), Claim::Reserved(id));
+                Ok(())
+            }
+        }
+    }
+
+    fn publish(&self, ns: &str, key: &str, id: u64) -> Result<()> {
+        let mut m = self.names.lock();
+        let k = (ns.to_owned(), key.to_owned());
+        match m.get(&k) {
+            Some(Claim::Reserved(h) | Claim::Published(h)) if *h != id => {
+                Err(Error::Exists(format!("{ns}/{key}")))
+            }
+            _ => {
+                m.insert(k, Claim::Published(id));
+                Ok(())
+            }
+        }
+    }
+
+    fn release(&self, ns: &str, key: &str, id: u64) {
+        let mut m = self.names.lock();
+        let k = (ns.to_owned(), key.to_owned());
+        if matches!(m.get(&k), Some(Claim::Reserved(h) | Claim::Published(h)) if *h == id) {
+            m.remove(&k);
+        }
+    }
+
+    fn holder(&self, ns: &str, key: &str) -> Option<Claim> {
+        self.names
+            .lock()
+            .get(&(ns.to_owned(), key.to_owned()))
+            .copied()
+    }
+
+    fn claim_region(&self, pool: &str, offset: u64, len: u64) -> Result<()> {
+        let mut m = self.regions.lock();
+        let r = m.entry(pool.to_owned()).or_default();
+        let end = offset + len;
+        let before = r.range(..end).next_back();
+        if before.is_some_and(|(o, l)| o + l > offset) {
+            return Err(Error::Busy(format!(
+                "region {offset:#x}+{len:#x} of pool {pool} is claimed already"
+            )));
+        }
+        r.insert(offset, len);
+        Ok(())
+    }
+
+    fn release_region(&self, pool: &str, offset: u64) {
+        if let Some(r) = self.regions.lock().get_mut(pool) {
+            r.remove(&offset);
+        }
+    }
+
+    fn regions(&self, pool: &str) -> Vec<(u64, u64)> {
+        self.regions
+            .lock()
+            .get(pool)
+            .map(|r| r.iter().map(|(o, l)| (*o, *l)).collect())
+            .unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_write_once() {
+        let a = LocalAuthority::default();
+        a.reserve("ns", "k", 7).unwrap();
+        a.reserve("ns", "k", 7).unwrap();
+        assert!(matches!(a.reserve("ns", "k", 8), Err(Error::Exists(_))));
+        assert!(matches!(a.publish("ns", "k", 8), Err(Error::Exists(_))));
+        a.publish("ns", "k", 7).unwrap();
+        assert_eq!(a.holder("ns", "k"), Some(Claim::Published(7)));
+        a.release("ns", "k", 8);
+        assert_eq!(a.holder("ns", "k"), Some(Claim::Published(7)));
+        a.release("ns", "k", 7);
+        assert_eq!(a.holder("ns", "k"), None);
+        a.publish("ns", "k", 9).unwrap();
+    }
+
+    #[test]
+    fn regions_are_claimed_once() {
+        let a = LocalAuthority::default();
+        a.claim_region("p", 4 << 20, 2 << 20).unwrap();
+        assert!(matches!(
+            a.claim_region("p", 5 << 20, 4 << 20),
+            Err(Error::Busy(_))
+        ));
+        assert!(matches!(
+            a.claim_region("p", 2 << 20, 4 << 20),
+            Err(Error::Busy(_))
+        ));
+        a.claim_region("p", 2 << 20, 2 << 20).unwrap();
+        a.claim_region("q", 4 << 20, 2 << 20).unwrap();
+        assert_eq!(a.regions("p"), [(2 << 20, 2 << 20), (4 << 20, 2 << 20)]);
+        a.release_region("p", 4 << 20);
+        a.claim_region("p", 4 << 20, 8 << 20).unwrap();
+    }
+}

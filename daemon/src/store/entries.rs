@@ -1,0 +1,164 @@
+//! Sealed entries: the only code that inserts, removes or renames an entry, with its index
+//! slot, its namespace's accounting, its pool's and the LRU order.
+
+use std::collections::HashMap;
+use std::time::SystemTime;
+
+use maru::Result;
+
+use super::authority::Authority;
+use super::namespaces::Namespace;
+use super::state::Invalidation;
+use super::state::{Entry, State};
+use super::stats::{Bytes, Counters};
+
+/// At most this many removed entries' attributes are kept for handles still open on them.
+const GONE: usize = 4096;
+
+impl State {
+    /// Files a sealed entry (its name already published at the authority): namespace, index
+    /// slot, accounting, LRU.
+    pub fn insert_entry(&mut self, mut e: Entry) {
+        e.lru = self.lru.file(e.ino);
+        let n = self.ns.get_mut(&e.ns).expect("the namespace exists");
+        if n.index.needs_rebuild() {
+            for (ino, slot) in rebuild_index(n, &self.entries) {
+                self.entries.get_mut(&ino).expect("indexed").slot = slot;
+            }
+        }
+        let n = self.ns.get_mut(&e.ns).expect("the namespace exists");
+        e.slot = n
+            .index
+            .insert(&e.key, e.slot_view())
+            .expect("the index has room after a rebuild");
+        n.entries.insert(e.key.clone(), e.ino);
+        n.bytes += e.size;
+        n.mtime = SystemTime::now();
+        let ps = &mut self.pools[e.pool as usize];
+        ps.sealed_bytes += e.asize;
+        ps.entries += 1;
+        self.entries.insert(e.ino, e);
+    }
+
+    /// Takes entry `ino` out of its namespace, index, pool accounting and the LRU order
+    /// (not out of its pool: see [`State::remove_entry`] and [`State::rename_entry`]).
+    fn unfile(&mut self, ino: u64) -> Option<Entry> {
+        let e = self.entries.remove(&ino)?;
+        self.lru.remove(&e.lru);
+        let n = self.ns.get_mut(&e.ns).expect("the namespace exists");
+        n.entries.remove(&e.key);
+        n.index.remove(e.slot);
+        n.bytes -= e.size;
+        n.mtime = SystemTime::now();
+        let ps = &mut self.pools[e.pool as usize];
+        ps.sealed_bytes -= e.asize;
+        ps.entries -= 1;
+        Some(e)
+    }
+
+    /// Removes a sealed entry (deleted or evicted): gives its name back to the authority,
+    /// drops it from its pool (its space is freed unless leased) and returns the name the
+    /// kernel must forget.
+    pub fn remove_entry(
+        &mut self,
+        auth: &dyn Authority,
+        counters: &Counters,
+        ino: u64,
+        evicted: bool,
+    ) -> Option<Invalidation> {
+        let e = self.unfile(ino)?;
+        auth.release(&e.ns, &e.key, e.ino);
+        if self.gone.len() > GONE {
+            self.gone.clear();
+        }
+        self.gone.insert(ino, e.attr());
+        if let Some(s) = e.owner.and_then(|o| self.sessions.get_mut(&o)) {
+            s.used = s.used.saturating_sub(e.size);
+        }
+        counters.add_bytes(
+            if evicted {
+                Bytes::Evicted
+            } else {
+                Bytes::Deleted
+            },
+            e.size,
+        );
+        let ps = &mut self.pools[e.pool as usize];
+        if evicted {
+            ps.evictions += 1;
+        }
+        let parent = self.ns.get(&e.ns).map_or(0, |n| n.ino);
+        if !ps.pool.delete(&e.loc(), e.leases > 0) {
+            self.zombies.insert(e.ino, e.clone());
+        }
+        Some(Invalidation {
+            parent,
+            name: e.key,
+            ino,
+            by_kernel: false,
+        })
+    }
+
+    /// Moves sealed entry `ino` to `ns/key` (never over an existing name: the authority
+    /// grants the new name first). Both namespaces' accounting and mtimes change.
+    pub fn rename_entry(
+        &mut self,
+        auth: &dyn Authority,
+        ino: u64,
+        ns: &str,
+        key: &str,
+    ) -> Result<()> {
+        let e = self.entries.get(&ino).expect("a sealed entry").clone();
+        auth.publish(ns, key, ino)?;
+        let pool = &mut self.pools[e.pool as usize].pool;
+        if let Err(err) = pool.rename(&e.loc(), ns, key) {
+            auth.release(ns, key, ino);
+            return Err(err);
+        }
+        auth.release(&e.ns, &e.key, ino);
+        let mut moved = self.unfile(ino).expect("present");
+        moved.ns = ns.to_owned();
+        moved.key = key.to_owned();
+        self.insert_entry(moved);
+        Ok(())
+    }
+
+    /// Gives back one lease on entry (or deleted entry) `ino`; the last lease on a deleted
+    /// entry frees its extent.
+    pub fn unlease(&mut self, ino: u64, n: u32) {
+        if let Some(e) = self.entries.get_mut(&ino) {
+            e.leases = e.leases.saturating_sub(n);
+        } else if let Some(z) = self.zombies.get_mut(&ino) {
+            z.leases = z.leases.saturating_sub(n);
+            if z.leases == 0 {
+                let z = self.zombies.remove(&ino).expect("present");
+                self.pools[z.pool as usize].pool.free_extent(z.offset);
+            }
+        }
+    }
+}
+
+/// Rebuilds a namespace's index into a fresh, larger table. Returns the new slot of every
+/// entry of the namespace.
+fn rebuild_index(n: &mut Namespace, entries: &HashMap<u64, Entry>) -> Vec<(u64, usize)> {
+    let want = (n.entries.len() + 1) * 4;
+    let mut ix = match crate::nsindex::NsIndex::new(want) {
+        Ok(ix) => ix,
+        Err(e) => {
+            tracing::error!("cannot grow a namespace index: {e}");
+            return Vec::new();
+        }
+    };
+    let mut slots = Vec::new();
+    for ino in n.entries.values() {
+        let e = &entries[ino];
+        let s = ix
+            .insert(&e.key, e.slot_view())
+            .expect("a fresh table has room");
+        slots.push((e.ino, s));
+    }
+    ix.set_pending(n.pending);
+    n.index.retire();
+    n.index = ix;
+    slots
+}

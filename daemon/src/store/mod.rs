@@ -1,0 +1,842 @@
+//! The store: namespaces, entries, allocations, sessions, eviction and persistence over a
+//! set of pools, behind one lock that guards the metadata (bytes never pass through it:
+//! clients map them). This file is the facade and the control socket's verbs; each job has
+//! its module:
+//!
+//! - [`state`]: the types the lock guards (allocations' origin and backing are enums);
+//! - [`namespaces`]: the tree, modes, quotas and their persistence;
+//! - [`entries`]: the only code that inserts, removes or renames a sealed entry;
+//! - [`lru`]: the least-recently-used order; [`placement`]: pools and eviction;
+//! - [`pools`]: the pool trait and its memfs and raw implementations;
+//! - [`sessions`]: client sessions and leases; [`stats`]: counters as atomics;
+//! - [`policy`]: the access policy both doors ask; [`authority`]: who owns a name and
+//!   each region of a raw pool;
+//! - [`fsview`]: the mount's view (the filesystem's `Backend`), including the publication
+//!   of entries written through the mount.
+
+pub mod authority;
+mod entries;
+pub mod fsview;
+pub mod lru;
+pub mod namespaces;
+mod placement;
+pub mod policy;
+pub mod pools;
+mod recovery;
+pub mod sessions;
+mod settings;
+pub mod state;
+pub mod stats;
+
+use std::fs::File;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use maru::index::FLAG_PINNED;
+use maru::name::{check_component, split_ns};
+use maru::proto::{ClientInfo, Grant, Located, NsInfo, PoolInfo, PoolKind, Stats};
+use maru::{Error, Result};
+use maru_fsd::Caller;
+use parking_lot::{Condvar, Mutex, MutexGuard};
+
+use crate::alloc::align_up;
+use crate::pool::{ENTRY_ALIGN, PoolSpec};
+use authority::{Authority, LocalAuthority};
+use namespaces::{join, parent};
+use policy::{Access, Perm};
+use pools::{Backing, Seams};
+pub use settings::{Eviction, StoreConfig};
+use state::{Alloc, Entry, Origin, State};
+pub use state::{Invalidation, MOUNT_SESSION};
+use stats::{Bytes, Counters};
+
+/// Per key of a retrieve: where the entry is and the descriptor to send (if any).
+pub type Retrieved = Vec<Option<(Located, Option<File>)>>;
+
+/// Hook for the mount: names the kernel must forget (from any thread, asynchronously).
+pub type InvalidateFn = Box<dyn Fn(Invalidation) + Send + Sync>;
+
+/// Decides whether a write into the entry being written `ino` fails, and with which errno
+/// (tests: a device error in the middle of a store).
+pub type DataFault = Box<dyn Fn(u64) -> Option<i32> + Send + Sync>;
+
+/// The store.
+pub struct Store {
+    cfg: StoreConfig,
+    st: Mutex<State>,
+    authority: Arc<dyn Authority>,
+    counters: Counters,
+    invalidate: Mutex<Option<Arc<InvalidateFn>>>,
+    started: Instant,
+    /// Signalled when an entry written through the mount is sealed or dropped.
+    sealed: Condvar,
+    /// The fault-injection seam of writes through the mount (tests).
+    data_fault: parking_lot::RwLock<Option<DataFault>>,
+}
+
+impl Store {
+    /// Opens every pool, recovers their entries and the namespaces.
+    pub fn open(cfg: StoreConfig, specs: &[PoolSpec]) -> anyhow::Result<Arc<Self>> {
+        Self::open_with(cfg, specs, Arc::new(LocalAuthority::default()))
+    }
+
+    /// [`Store::open`] with the metadata authority `authority`.
+    pub fn open_with(
+        cfg: StoreConfig,
+        specs: &[PoolSpec],
+        authority: Arc<dyn Authority>,
+    ) -> anyhow::Result<Arc<Self>> {
+        let st = recovery::open_state(&cfg, specs, &authority)?;
+        Ok(Arc::new(Store {
+            cfg,
+            st: Mutex::new(st),
+            authority,
+            counters: Counters::default(),
+            invalidate: Mutex::new(None),
+            started: Instant::now(),
+            sealed: Condvar::new(),
+            data_fault: parking_lot::RwLock::new(None),
+        }))
+    }
+
+    /// Replaces the log sink of raw pool `pool` (crash-injection tests).
+    pub fn set_log_sink(&self, pool: u32, sink: Box<dyn crate::wal::LogSink>) {
+        if let Seams::Raw(w) = self.st.lock().pools[pool as usize].pool.seams() {
+            *w = Some(crate::wal::Wal::new(sink));
+        }
+    }
+
+    /// Installs the crash-injection seam of a memfs pool's metadata steps (tests).
+    pub fn set_memfs_gate(&self, pool: u32, gate: Option<crate::pool::MetaGate>) {
+        if let Seams::Memfs(m) = self.st.lock().pools[pool as usize].pool.seams() {
+            m.set_gate(gate);
+        }
+    }
+
+    /// Installs the fault-injection seam of writes through the mount (tests).
+    pub fn set_data_fault(&self, f: Option<DataFault>) {
+        *self.data_fault.write() = f;
+    }
+
+    /// Registers the mount's invalidation hook.
+    pub fn set_invalidate(&self, f: Option<InvalidateFn>) {
+        *self.invalidate.lock() = f.map(Arc::new);
+    }
+
+    fn notify(&self, inv: Vec<Invalidation>) {
+        if inv.is_empty() {
+            return;
+        }
+        let f = self.invalidate.lock().clone();
+        if let Some(f) = f {
+            for i in inv {
+                f(i);
+            }
+        }
+    }
+
+    /// Counts one control request (shown in stats and metrics).
+    pub fn count(&self, op: &str) {
+        self.counters.count(op);
+    }
+
+    /// Records the latency of one control request.
+    pub fn record_latency(&self, op: &str, d: Duration) {
+        self.counters.record_latency(op, d);
+    }
+
+    /// Decides `access` by `c` in namespace `ns` (the policy, over `ns`'s path).
+    fn allow(st: &State, c: &Caller, ns: &str, access: Access<'_>) -> Result<()> {
+        policy::check(c, &st.ns.chain(ns), ns, access)
+    }
+
+    // ----- namespaces -----
+
+    /// Creates namespace `ns`.
+    pub fn mkdir(&self, c: &Caller, ns: &str, mode: u32) -> Result<u64> {
+        split_ns(ns)?;
+        let mut st = self.st.lock();
+        if st.ns.contains(ns) {
+            return Err(Error::Exists(format!("namespace `{ns}`")));
+        }
+        let (p, name) = parent(ns);
+        let pn = st.ns.get(p)?;
+        Self::allow(&st, c, p, Access::Create)?;
+        if pn.entries.contains_key(name) || pn.writing.contains_key(name) {
+            return Err(Error::Exists(format!("`{ns}` is an entry")));
+        }
+        let ino = st.alloc_ino();
+        let perm = Perm {
+            uid: c.uid,
+            gid: c.gid,
+            mode,
+        };
+        st.ns.insert(ns, ino, perm)?;
+        for p in &mut st.pools {
+            p.pool.ensure_ns(ns)?;
+        }
+        st.ns.save();
+        Ok(ino)
+    }
+
+    /// Removes the empty namespace `ns`.
+    pub fn rmdir(&self, c: &Caller, ns: &str) -> Result<()> {
+        split_ns(ns)?;
+        let mut st = self.st.lock();
+        let n = st.ns.get(ns)?;
+        let perm = n.perm;
+        let empty = n.is_empty();
+        Self::allow(&st, c, parent(ns).0, Access::Delete(&perm))?;
+        if !empty {
+            return Err(Error::NotEmpty(format!("namespace `{ns}`")));
+        }
+        st.ns.remove(ns);
+        for p in &mut st.pools {
+            p.pool.remove_ns(ns);
+        }
+        st.ns.save();
+        Ok(())
+    }
+
+    /// Sets or clears a namespace's quota (root only). Entries already stored stay; stores
+    /// that would go over it fail with [`Error::Quota`].
+    pub fn set_quota(&self, c: &Caller, ns: &str, bytes: Option<u64>) -> Result<()> {
+        split_ns(ns)?;
+        let mut st = self.st.lock();
+        Self::allow(&st, c, ns, Access::SetQuota)?;
+        st.ns.get_mut(ns)?.quota = bytes;
+        st.ns.save();
+        Ok(())
+    }
+
+    // ----- allocation and publication (libmaru) -----
+
+    /// Grants `count` allocations of `size` bytes to a session. memfs grants carry the file.
+    pub fn alloc(
+        &self,
+        session: u64,
+        size: u64,
+        count: u32,
+        pool: Option<&str>,
+    ) -> Result<Vec<(Grant, Option<Arc<File>>)>> {
+        if size == 0 {
+            return Err(Error::InvalidArgument("size must be > 0".into()));
+        }
+        if count == 0 || count as usize > maru::proto::MAX_FDS_PER_FRAME {
+            return Err(Error::InvalidArgument(format!(
+                "count must be 1..={}",
+                maru::proto::MAX_FDS_PER_FRAME
+            )));
+        }
+        let mut st = self.st.lock();
+        let hint = match pool {
+            Some(name) => Some(
+                st.pools
+                    .iter()
+                    .find(|p| p.name == name)
+                    .map(|p| p.id)
+                    .ok_or_else(|| Error::InvalidArgument(format!("no pool named `{name}`")))?,
+            ),
+            None => None,
+        };
+        let too_big = |p: &state::PoolSlot| size > p.pool.capacity();
+        if hint.is_some_and(|h| too_big(&st.pools[h as usize])) || st.pools.iter().all(too_big) {
+            return Err(Error::NoSpace(format!(
+                "{} exceed the capacity of {}",
+                maru::size::format_size(size),
+                if hint.is_some() {
+                    "the pool"
+                } else {
+                    "every pool"
+                }
+            )));
+        }
+        let caller = st.caller(session)?;
+        let mut out = Vec::with_capacity(count as usize);
+        let mut err = None;
+        for _ in 0..count {
+            let id = st.alloc_ino();
+            match self.place(&mut st, Some(session), id, size, hint) {
+                Ok((p, backing)) => {
+                    let acct = align_up(size, ENTRY_ALIGN);
+                    st.pools[p as usize].writing_bytes += acct;
+                    let (offset, file) = match &backing {
+                        Backing::File { file, .. } => (0, Some(file.clone())),
+                        Backing::Extent { offset } => (*offset, None),
+                        Backing::Buffer { .. } => (0, None),
+                    };
+                    st.allocs.insert(
+                        id,
+                        Alloc {
+                            pool: p,
+                            size,
+                            origin: Origin::Session(session),
+                            backing,
+                            perm: Perm {
+                                uid: caller.uid,
+                                gid: caller.gid,
+                                mode: 0o644,
+                            },
+                            mtime: SystemTime::now(),
+                            acct,
+                        },
+                    );
+                    st.sessions
+                        .get_mut(&session)
+                        .expect("checked")
+                        .allocs
+                        .insert(id);
+                    let grant = Grant {
+                        alloc: id,
+                        pool: p,
+                        offset,
+                        size,
+                        fd: file.is_some(),
+                    };
+                    out.push((grant, file));
+                }
+                Err(e) => {
+                    err = Some(e);
+                    break;
+                }
+            }
+        }
+        drop(st);
+        match (out.is_empty(), err) {
+            (true, Some(e)) => Err(e),
+            _ => Ok(out),
+        }
+    }
+
+    /// Gives allocations back.
+    pub fn free(&self, session: u64, ids: &[u64]) -> Result<()> {
+        let mut st = self.st.lock();
+        for id in ids {
+            if st.allocs.get(id).and_then(Alloc::session) != Some(session) {
+                return Err(Error::InvalidArgument(format!(
+                    "allocation {id} is not yours"
+                )));
+            }
+            if let Some(s) = st.sessions.get_mut(&session) {
+                s.allocs.remove(id);
+            }
+            self.drop_alloc(&mut st, *id);
+        }
+        Ok(())
+    }
+
+    /// Drops an allocation that will not be published (and its name's reservation).
+    fn drop_alloc(&self, st: &mut State, id: u64) {
+        let Some(a) = st.allocs.remove(&id) else {
+            return;
+        };
+        if let Some(m) = a.mount()
+            && let Some((ns, key)) = &m.target
+        {
+            if let Ok(n) = st.ns.get_mut(ns) {
+                if n.writing.get(key) == Some(&id) {
+                    n.writing.remove(key);
+                }
+                if m.committed {
+                    n.adjust_pending(-1);
+                    n.reserved -= m.reserved;
+                }
+            }
+            self.authority.release(ns, key, id);
+        }
+        let ps = &mut st.pools[a.pool as usize];
+        ps.writing_bytes -= a.acct;
+        ps.pool.abort(id, &a.backing);
+    }
+
+    /// Seals allocation `id` of `session` as `ns/key`: the first publication of a name wins.
+    pub fn publish(
+        &self,
+        session: u64,
+        id: u64,
+        ns: &str,
+        key: &str,
+        len: Option<u64>,
+    ) -> Result<u64> {
+        split_ns(ns)?;
+        check_component(key.as_bytes())?;
+        let mut st = self.st.lock();
+        let caller = st.caller(session)?;
+        let Some(a) = st.allocs.get(&id).filter(|a| a.session() == Some(session)) else {
+            return Err(Error::InvalidArgument(format!(
+                "allocation {id} is not yours (already published or freed?)"
+            )));
+        };
+        let size = match len {
+            Some(l) if l > a.size => Err(Error::InvalidArgument(format!(
+                "length {l} exceeds the allocation of {}",
+                a.size
+            ))),
+            Some(l) => Ok(l),
+            None => Ok(a.size),
+        };
+        let r = size.and_then(|size| {
+            Self::allow(&st, &caller, ns, Access::Create)?;
+            self.check_publishable(&st, ns, key, size)?;
+            self.authority.reserve(ns, key, id)?;
+            self.seal(&mut st, id, ns, key, size).inspect_err(|_| {
+                self.authority.release(ns, key, id);
+            })
+        });
+        if let Some(s) = st.sessions.get_mut(&session) {
+            s.allocs.remove(&id);
+            if let Ok(size) = &r {
+                s.used += size;
+            }
+        }
+        if r.is_err() {
+            // The loser's allocation is freed (write-once: first writer wins).
+            self.drop_alloc(&mut st, id);
+        }
+        r.map(|_| id)
+    }
+
+    /// Fails unless `ns/key` is free and `size` more bytes fit `ns`'s quota.
+    fn check_publishable(&self, st: &State, ns: &str, key: &str, size: u64) -> Result<()> {
+        let n = st.ns.get(ns)?;
+        if n.entries.contains_key(key) {
+            return Err(Error::Exists(format!("{ns}/{key}")));
+        }
+        if n.children.contains_key(key) {
+            return Err(Error::Exists(format!("{ns}/{key} is a namespace")));
+        }
+        st.ns.check_quota(ns, size)
+    }
+
+    /// Publishes allocation `id` (its name reserved at the authority) as `ns/key` of `size`
+    /// bytes; returns the size.
+    fn seal(&self, st: &mut State, id: u64, ns: &str, key: &str, size: u64) -> Result<u64> {
+        let a = st.allocs.get_mut(&id).expect("checked by the caller");
+        let asize = align_up(a.size.max(size).max(1), ENTRY_ALIGN);
+        let perm = Perm {
+            mode: a.perm.mode & policy::ENTRY_MODES,
+            ..a.perm
+        };
+        let mut e = Entry {
+            ino: id,
+            ns: ns.to_owned(),
+            key: key.to_owned(),
+            pool: a.pool,
+            offset: 0,
+            size,
+            asize,
+            pinned: false,
+            lru: Default::default(),
+            slot: 0,
+            owner: a.session(),
+            leases: 0,
+            perm,
+            mtime: SystemTime::now(),
+        };
+        let pool = &mut st.pools[a.pool as usize].pool;
+        e.offset = pool.publish(id, &mut a.backing, &e.loc())?;
+        self.authority.publish(ns, key, id)?;
+        let a = st.allocs.remove(&id).expect("present");
+        st.pools[a.pool as usize].writing_bytes -= a.acct;
+        if let Some(m) = a.mount() {
+            let n = st.ns.get_mut(ns)?;
+            n.writing.remove(key);
+            // Only now that the index shows the entry may lock-free readers stop asking.
+            if m.committed {
+                n.reserved -= m.reserved;
+                n.adjust_pending(-1);
+            }
+        }
+        let pool = e.pool;
+        st.insert_entry(e);
+        self.counters.add_bytes(Bytes::Stored, size);
+        let live: Vec<Entry> = st
+            .entries
+            .values()
+            .filter(|e| e.pool == pool)
+            .cloned()
+            .collect();
+        let locs: Vec<_> = live.iter().map(Entry::loc).collect();
+        st.pools[pool as usize].pool.maybe_checkpoint(&locs);
+        Ok(size)
+    }
+
+    // ----- retrieval and the other verbs -----
+
+    /// Looks entries up for a session; memfs items carry the entry's file, raw items take a
+    /// lease. `pool_fd_sent(pool)` says whether the session already holds the pool's
+    /// read-only descriptor.
+    pub fn retrieve(
+        &self,
+        session: u64,
+        ns: &str,
+        keys: &[String],
+        mut pool_fd_sent: impl FnMut(u32) -> bool,
+    ) -> Result<Retrieved> {
+        split_ns(ns)?;
+        let mut st = self.st.lock();
+        let c = st.caller(session)?;
+        self.wait_imminent(&mut st, ns, keys);
+        let chain = st.ns.chain(ns);
+        policy::check(&c, &chain, ns, Access::Lookup)?;
+        let n = st.ns.get(ns)?;
+        let inos: Vec<Option<u64>> = keys.iter().map(|k| n.entries.get(k).copied()).collect();
+        for ino in inos.iter().flatten() {
+            policy::check(&c, &chain, ns, Access::Read(&st.entries[ino].perm))?;
+        }
+        let mut out = Vec::with_capacity(keys.len());
+        for ino in inos {
+            let Some(ino) = ino else {
+                out.push(None);
+                continue;
+            };
+            st.touch(ino);
+            let e = &st.entries[&ino];
+            self.counters.add_bytes(Bytes::Retrieved, e.size);
+            let pool = &st.pools[e.pool as usize].pool;
+            let f = pool.retrieve_fd(&e.loc(), !pool_fd_sent(e.pool))?;
+            out.push(Some((e.located(f.is_some()), f)));
+            if pool.leases() {
+                st.entries.get_mut(&ino).expect("present").leases += 1;
+                *st.sessions
+                    .get_mut(&session)
+                    .expect("live")
+                    .leases
+                    .entry(ino)
+                    .or_insert(0) += 1;
+            }
+        }
+        Ok(out)
+    }
+
+    /// A descriptor of raw pool `pool` for a session's grants (`write`) or retrievals.
+    pub fn raw_pool_fd(&self, pool: u32, write: bool) -> Result<File> {
+        let st = self.st.lock();
+        let p = st
+            .pools
+            .get(pool as usize)
+            .ok_or_else(|| Error::InvalidArgument(format!("no pool {pool}")))?;
+        p.pool.device_fd(write)
+    }
+
+    /// Which keys exist.
+    pub fn exists(&self, c: &Caller, ns: &str, keys: &[String]) -> Result<Vec<bool>> {
+        split_ns(ns)?;
+        let mut st = self.st.lock();
+        self.wait_imminent(&mut st, ns, keys);
+        Self::allow(&st, c, ns, Access::Lookup)?;
+        let n = st.ns.get(ns)?;
+        Ok(keys.iter().map(|k| n.entries.contains_key(k)).collect())
+    }
+
+    /// Waits (at most a second) while any of `keys` is about to be published through the
+    /// mount (its writer's close committed it; the kernel's release is on its way).
+    fn wait_imminent(&self, st: &mut MutexGuard<'_, State>, ns: &str, keys: &[String]) {
+        let deadline = Instant::now() + Duration::from_secs(1);
+        while keys.iter().any(|k| publication_imminent(st, ns, k)) {
+            if self.sealed.wait_until(st, deadline).timed_out() {
+                break;
+            }
+        }
+    }
+
+    /// Deletes entries; one outcome per key.
+    pub fn delete(&self, c: &Caller, ns: &str, keys: &[String]) -> Result<Vec<Result<()>>> {
+        split_ns(ns)?;
+        let mut inv = Vec::new();
+        let mut st = self.st.lock();
+        st.ns.get(ns)?;
+        let mut out = Vec::with_capacity(keys.len());
+        for k in keys {
+            let ino = st.ns.get(ns)?.entries.get(k).copied();
+            out.push(match ino {
+                Some(ino) => {
+                    let perm = st.entries[&ino].perm;
+                    Self::allow(&st, c, ns, Access::Delete(&perm)).map(|()| {
+                        inv.extend(st.remove_entry(&*self.authority, &self.counters, ino, false));
+                    })
+                }
+                None => Self::allow(&st, c, ns, Access::Lookup)
+                    .and(Err(Error::NotFound(format!("{ns}/{k}")))),
+            });
+        }
+        drop(st);
+        self.notify(inv);
+        Ok(out)
+    }
+
+    /// Pins or unpins entry `ino` (the caller checked the policy).
+    fn set_pin(&self, st: &mut State, ino: u64, pinned: bool) -> Result<()> {
+        let e = st
+            .entries
+            .get_mut(&ino)
+            .ok_or_else(|| Error::NotFound("entry".into()))?;
+        if e.pinned == pinned {
+            return Ok(());
+        }
+        st.pools[e.pool as usize]
+            .pool
+            .set_pinned(&e.loc(), pinned)?;
+        e.pinned = pinned;
+        let (ns, slot) = (e.ns.clone(), e.slot);
+        st.ns
+            .get_mut(&ns)?
+            .index
+            .set_flags(slot, if pinned { FLAG_PINNED } else { 0 });
+        Ok(())
+    }
+
+    /// Pins or unpins entries; one outcome per key.
+    pub fn pin(
+        &self,
+        c: &Caller,
+        ns: &str,
+        keys: &[String],
+        pinned: bool,
+    ) -> Result<Vec<Result<()>>> {
+        split_ns(ns)?;
+        let mut st = self.st.lock();
+        st.ns.get(ns)?;
+        let mut out = Vec::with_capacity(keys.len());
+        for k in keys {
+            let ino = st.ns.get(ns)?.entries.get(k).copied();
+            out.push(match ino {
+                Some(ino) => {
+                    let perm = st.entries[&ino].perm;
+                    Self::allow(&st, c, ns, Access::Pin(&perm))
+                        .and_then(|()| self.set_pin(&mut st, ino, pinned))
+                }
+                None => Self::allow(&st, c, ns, Access::Lookup)
+                    .and(Err(Error::NotFound(format!("{ns}/{k}")))),
+            });
+        }
+        Ok(out)
+    }
+
+    /// A read-only descriptor of a namespace's index (it reveals the names: listing rights).
+    pub fn index_fd(&self, c: &Caller, ns: &str) -> Result<(File, u64)> {
+        split_ns(ns)?;
+        let st = self.st.lock();
+        Self::allow(&st, c, ns, Access::List)?;
+        let n = st.ns.get(ns)?;
+        Ok((n.index.ro_fd()?, n.index.nslots() as u64))
+    }
+
+    /// Lists a namespace: itself (not the root), its children, its entries.
+    pub fn list(
+        &self,
+        c: &Caller,
+        ns: &str,
+    ) -> Result<(Option<NsInfo>, Vec<NsInfo>, Vec<Located>)> {
+        if !ns.is_empty() {
+            split_ns(ns)?;
+        }
+        let st = self.st.lock();
+        let n = st.ns.get(ns)?;
+        Self::allow(&st, c, ns, Access::List)?;
+        let mut children: Vec<NsInfo> = n
+            .children
+            .keys()
+            .filter_map(|name| st.ns.info(&join(ns, name)))
+            .collect();
+        children.sort_by(|a, b| a.ns.cmp(&b.ns));
+        let mut entries: Vec<Located> = n
+            .entries
+            .values()
+            .map(|ino| st.entries[ino].located(false))
+            .collect();
+        entries.sort_by(|a, b| a.key.cmp(&b.key));
+        let me = (!ns.is_empty()).then(|| st.ns.info(ns)).flatten();
+        Ok((me, children, entries))
+    }
+
+    fn pool_infos(st: &State) -> Vec<PoolInfo> {
+        st.pools
+            .iter()
+            .map(|p| {
+                let used = p.pool.used();
+                PoolInfo {
+                    id: p.id,
+                    name: p.name.clone(),
+                    kind: p.kind,
+                    path: p.path.display().to_string(),
+                    capacity: p.pool.capacity(),
+                    used,
+                    sealed_bytes: p.sealed_bytes,
+                    entries: p.entries,
+                    writing_bytes: p.writing_bytes,
+                    huge_bytes: if p.kind == PoolKind::Memfs {
+                        shmem_huge_bytes().min(used)
+                    } else {
+                        0
+                    },
+                    evictions: p.evictions,
+                }
+            })
+            .collect()
+    }
+
+    /// Pool descriptions.
+    pub fn pools(&self) -> Vec<PoolInfo> {
+        Self::pool_infos(&self.st.lock())
+    }
+
+    /// Store-wide statistics.
+    pub fn stats(&self) -> Stats {
+        let st = self.st.lock();
+        let mut namespaces: Vec<NsInfo> = st.ns.iter().filter_map(|(k, _)| st.ns.info(k)).collect();
+        namespaces.sort_by(|a, b| a.ns.cmp(&b.ns));
+        let mut clients: Vec<ClientInfo> = st
+            .sessions
+            .iter()
+            .map(|(id, s)| {
+                let allocated = s
+                    .allocs
+                    .iter()
+                    .filter_map(|a| st.allocs.get(a))
+                    .map(|a| a.acct)
+                    .sum();
+                let c = s.caller.clone().unwrap_or_else(Caller::root);
+                ClientInfo {
+                    session: *id,
+                    name: s.name.clone(),
+                    pid: c.pid,
+                    uid: c.uid,
+                    allocated,
+                    used: s.used,
+                    slack: st.pools.iter().map(|p| p.pool.slack(*id)).sum(),
+                    leases: s.leases.values().map(|n| u64::from(*n)).sum(),
+                }
+            })
+            .collect();
+        clients.sort_by_key(|c| c.session);
+        let pools = Self::pool_infos(&st);
+        drop(st);
+        let (latency_us, latency_sum_us) = self.counters.latency();
+        Stats {
+            pools,
+            namespaces,
+            clients,
+            ops: self.counters.ops(),
+            eviction: match self.cfg.eviction {
+                Eviction::Lru => "lru".into(),
+                Eviction::Off => "off".into(),
+            },
+            bytes: self.counters.bytes(),
+            latency_us,
+            latency_sum_us,
+            uptime_s: self.started.elapsed().as_secs_f64(),
+        }
+    }
+
+    /// Evicts LRU entries until `bytes` are free in every pool (or nothing is left to
+    /// evict); root only. Returns (entries, bytes) evicted.
+    pub fn evict(&self, c: &Caller, bytes: u64) -> Result<(u64, u64)> {
+        let mut st = self.st.lock();
+        Self::allow(&st, c, "", Access::Evict)?;
+        let mut total = (0, 0);
+        for p in 0..st.pools.len() as u32 {
+            let free = st.pools[p as usize].pool.free_space();
+            if free < bytes {
+                let (n, b) = self.evict_lru(&mut st, Some(p), bytes - free);
+                total.0 += n;
+                total.1 += b;
+            }
+        }
+        Ok(total)
+    }
+
+    /// Checks every invariant the tests rely on; returns a description of the first violation.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        let st = self.st.lock();
+        for p in &st.pools {
+            let sealed: u64 = st
+                .entries
+                .values()
+                .filter(|e| e.pool == p.id)
+                .map(|e| e.asize)
+                .sum();
+            if sealed != p.sealed_bytes {
+                return Err(format!(
+                    "pool {}: sealed bytes {} != {}",
+                    p.name, p.sealed_bytes, sealed
+                ));
+            }
+            p.pool.check()?;
+        }
+        for (k, n) in st.ns.iter() {
+            for (key, ino) in &n.entries {
+                let e = st
+                    .entries
+                    .get(ino)
+                    .ok_or_else(|| format!("{k}/{key}: dangling"))?;
+                match n.index.lookup(key) {
+                    Some(v) if v.generation == e.ino => {}
+                    other => return Err(format!("{k}/{key}: index says {other:?}")),
+                }
+                match self.authority.holder(k, key) {
+                    Some(authority::Claim::Published(g)) if g == e.ino => {}
+                    other => return Err(format!("{k}/{key}: the authority says {other:?}")),
+                }
+            }
+        }
+        // Every entry is filed once in the LRU order, under a key no later than its last use.
+        if st.lru.len() != st.entries.len() {
+            return Err(format!(
+                "lru files {} entries, the store has {}",
+                st.lru.len(),
+                st.entries.len()
+            ));
+        }
+        for (ino, e) in &st.entries {
+            if st.lru.filed_under(e.lru.filed) != Some(*ino) || e.lru.used < e.lru.filed {
+                return Err(format!(
+                    "inode {ino}: filed under {} in lru ({:?}), last used at {}",
+                    e.lru.filed,
+                    st.lru.filed_under(e.lru.filed),
+                    e.lru.used
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Unmounts the memfs pools this daemon mounted (clean shutdown with `--unmount-pools`).
+    pub fn unmount_pools(&self) {
+        for p in &self.st.lock().pools {
+            p.pool.unmount();
+        }
+    }
+
+    /// Makes raw pool logs durable.
+    pub fn sync(&self) {
+        for p in &mut self.st.lock().pools {
+            p.pool.sync();
+        }
+    }
+}
+
+/// True if `ns/key` is being written through the mount and its writer's close committed it.
+fn publication_imminent(st: &State, ns: &str, key: &str) -> bool {
+    st.ns
+        .get(ns)
+        .ok()
+        .and_then(|n| n.writing.get(key))
+        .and_then(|id| st.allocs.get(id))
+        .and_then(Alloc::mount)
+        .is_some_and(|m| m.committed)
+}
+
+/// Bytes of shared memory held in 2 MiB pages (`ShmemHugePages`): all memfs pools and any
+/// other tmpfs together; reported per pool capped by its use.
+fn shmem_huge_bytes() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("ShmemHugePages:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
+        .unwrap_or(0)
+        * 1024
+}

@@ -1,0 +1,118 @@
+//! Placement across pools and eviction.
+//!
+//! An allocation tries the pools in command-line order (or the one the client names) without
+//! evicting; if none has room and eviction is `lru`, it evicts the least recently used sealed,
+//! unpinned, unleased entries of the first pool large enough and retries.
+
+use maru::{Error, Result};
+
+use super::Store;
+use super::pools::Backing;
+use super::settings::Eviction;
+use super::state::State;
+use crate::pool::ENTRY_ALIGN;
+
+impl Store {
+    /// Evicts LRU entries of `pool` (any pool when `None`) until `want` bytes were freed;
+    /// returns (entries, bytes) evicted. The mount is told of each at once (from inside the
+    /// lock: dropping an entry's passthrough backing is an ioctl that takes no store lock, and
+    /// the names go to their own thread), so that the pool's free space shows the eviction
+    /// before the next look at it.
+    pub(super) fn evict_lru(&self, st: &mut State, pool: Option<u32>, want: u64) -> (u64, u64) {
+        let (mut freed, mut count) = (0, 0);
+        st.lru.settle(&mut st.entries);
+        let candidates: Vec<u64> = st
+            .lru
+            .oldest_first()
+            .filter(|ino| {
+                let e = &st.entries[ino];
+                !e.pinned && e.leases == 0 && pool.is_none_or(|p| p == e.pool)
+            })
+            .collect();
+        for ino in candidates {
+            if freed >= want {
+                break;
+            }
+            let asize = st.entries[&ino].asize;
+            if let Some(i) = st.remove_entry(&*self.authority, &self.counters, ino, true) {
+                freed += asize;
+                count += 1;
+                self.notify(vec![i]);
+            }
+        }
+        (count, freed)
+    }
+
+    /// Evicts least recently used entries of `pool` until `want` bytes are free (with eviction
+    /// on; nothing otherwise). Returns whether that much is free.
+    pub(super) fn ensure_free(&self, st: &mut State, pool: u32, want: u64) -> bool {
+        let want = want.min(st.pools[pool as usize].pool.capacity());
+        for _round in 0..32 {
+            let free = st.pools[pool as usize].pool.free_space();
+            if free >= want {
+                return true;
+            }
+            if self.cfg.eviction != Eviction::Lru {
+                return false;
+            }
+            let (n, _) = self.evict_lru(st, Some(pool), want - free + ENTRY_ALIGN);
+            if n == 0 {
+                return false;
+            }
+        }
+        false
+    }
+
+    /// Reserves `size` bytes for allocation `id` of `session` in a pool (`hint`, or each in
+    /// order), evicting if allowed. Returns the pool and the backing.
+    pub(super) fn place(
+        &self,
+        st: &mut State,
+        session: Option<u64>,
+        id: u64,
+        size: u64,
+        hint: Option<u32>,
+    ) -> Result<(u32, Backing)> {
+        let order: Vec<u32> = match hint {
+            Some(p) => vec![p],
+            None => (0..st.pools.len() as u32).collect(),
+        };
+        let big_enough = order
+            .iter()
+            .copied()
+            .find(|p| size <= st.pools[*p as usize].pool.capacity());
+        if let Some(p) = big_enough {
+            // First pass: no eviction.
+            for &q in &order {
+                if let Ok(b) = st.pools[q as usize].pool.grant(id, size, session) {
+                    return Ok((q, b));
+                }
+            }
+            if self.cfg.eviction == Eviction::Lru {
+                // Evict what is missing plus some headroom: memory of evicted entries that a
+                // client still maps is freed only when it unmaps, so a round may free less
+                // than it evicted; keep going while there is something to evict.
+                let headroom = (st.pools[p as usize].pool.capacity() / 64).max(size);
+                for _round in 0..32 {
+                    let free = st.pools[p as usize].pool.free_space();
+                    let deficit = size.saturating_sub(free).max(ENTRY_ALIGN) + headroom;
+                    let (n, _) = self.evict_lru(st, Some(p), deficit);
+                    match st.pools[p as usize].pool.grant(id, size, session) {
+                        Ok(b) => return Ok((p, b)),
+                        Err(Error::NoSpace(_)) if n > 0 => continue,
+                        Err(e) => return Err(e),
+                    }
+                }
+            }
+        }
+        Err(Error::NoSpace(format!(
+            "no pool has {} free{}",
+            maru::size::format_size(size),
+            if self.cfg.eviction == Eviction::Off {
+                " (eviction is off)"
+            } else {
+                ""
+            }
+        )))
+    }
+}

@@ -1,0 +1,203 @@
+//! A memfs pool: each entry its own file of a memory filesystem (`w/<id>` while written,
+//! `n/<ns>/<key>` once sealed); the tree is the metadata.
+
+use std::fs::File;
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::sync::Arc;
+
+use maru::proto::PoolKind;
+use maru::{Error, Result};
+use nix::sys::stat::{Mode, fchmod};
+use nix::unistd::{Gid, Uid, fchown};
+
+use super::{Backing, Found, Loc, Pool, Seams};
+use crate::pool::MemfsPool;
+
+/// A memfs pool.
+pub struct Memfs(pub MemfsPool);
+
+fn errno(e: nix::Error) -> Error {
+    Error::Io(std::io::Error::from(e))
+}
+
+impl Pool for Memfs {
+    fn kind(&self) -> PoolKind {
+        PoolKind::Memfs
+    }
+
+    fn capacity(&self) -> u64 {
+        self.0.capacity
+    }
+
+    fn free_space(&self) -> u64 {
+        self.0.space().map(|x| x.1).unwrap_or(0)
+    }
+
+    fn passthrough(&self) -> bool {
+        true
+    }
+
+    fn leases(&self) -> bool {
+        false
+    }
+
+    fn grant(&mut self, id: u64, size: u64, _session: Option<u64>) -> Result<Backing> {
+        let f = self.0.create_writing(id, size, 0o444)?;
+        Ok(Backing::File {
+            file: Arc::new(f),
+            span: size,
+        })
+    }
+
+    fn create(&mut self, id: u64) -> Result<Backing> {
+        let f = self.0.create_writing(id, 0, 0o600)?;
+        Ok(Backing::File {
+            file: Arc::new(f),
+            span: 0,
+        })
+    }
+
+    fn abort(&mut self, id: u64, _backing: &Backing) {
+        self.0.abort(id);
+    }
+
+    fn commit(&mut self, _id: u64, backing: &mut Backing, size: u64) -> Result<()> {
+        // The bytes are in the pool already (every write succeeded or failed there); the file,
+        // grown ahead of its writer, takes its size.
+        if let Backing::File { file, span } = backing
+            && *span != size
+        {
+            file.set_len(size)?;
+            *span = size;
+        }
+        Ok(())
+    }
+
+    fn publish(&mut self, id: u64, backing: &mut Backing, e: &Loc<'_>) -> Result<u64> {
+        let Backing::File { file, span } = backing else {
+            return Err(Error::Protocol("a memfs allocation without a file".into()));
+        };
+        if *span != e.size {
+            file.set_len(e.size)?;
+            *span = e.size;
+        }
+        // The file was created by the daemon (root): give it the entry's owner and mode.
+        let md = file.metadata()?;
+        if md.uid() != e.uid || md.gid() != e.gid {
+            fchown(
+                &**file,
+                Some(Uid::from_raw(e.uid)),
+                Some(Gid::from_raw(e.gid)),
+            )
+            .map_err(errno)?;
+        }
+        if md.mode() & 0o7777 != e.mode {
+            fchmod(&**file, Mode::from_bits_truncate(e.mode)).map_err(errno)?;
+        }
+        self.0.publish(id, e.ns, e.key)?;
+        Ok(0)
+    }
+
+    fn delete(&mut self, e: &Loc<'_>, _leased: bool) -> bool {
+        // Mappings of the file stay valid until unmapped: the tmpfs frees it then.
+        if let Err(err) = self.0.delete(e.ns, e.key) {
+            tracing::warn!(ns = %e.ns, key = %e.key, "removing backing file: {err}");
+        }
+        true
+    }
+
+    fn free_extent(&mut self, _offset: u64) {}
+
+    fn rename(&mut self, e: &Loc<'_>, ns: &str, key: &str) -> Result<()> {
+        self.0.rename(e.ns, e.key, ns, key)
+    }
+
+    fn set_pinned(&mut self, e: &Loc<'_>, pinned: bool) -> Result<()> {
+        Ok(self.0.set_pinned(e.ns, e.key, pinned)?)
+    }
+
+    fn set_owner_mode(&mut self, e: &Loc<'_>) -> Result<()> {
+        let f = self.0.open_entry(e.ns, e.key)?;
+        fchmod(&f, Mode::from_bits_truncate(e.mode)).map_err(errno)?;
+        fchown(&f, Some(Uid::from_raw(e.uid)), Some(Gid::from_raw(e.gid))).map_err(errno)?;
+        Ok(())
+    }
+
+    fn retrieve_fd(&self, e: &Loc<'_>, _first: bool) -> Result<Option<File>> {
+        Ok(Some(self.0.open_entry(e.ns, e.key)?))
+    }
+
+    fn open_entry(&self, e: &Loc<'_>) -> Result<File> {
+        Ok(self.0.open_entry(e.ns, e.key)?)
+    }
+
+    fn read(&self, e: &Loc<'_>, offset: u64, buf: &mut [u8]) -> Result<()> {
+        Ok(self.0.open_entry(e.ns, e.key)?.read_exact_at(buf, offset)?)
+    }
+
+    fn device_fd(&self, _write: bool) -> Result<File> {
+        Err(Error::InvalidArgument("not a raw pool".into()))
+    }
+
+    fn location(&self, e: &Loc<'_>) -> String {
+        self.0.entry_path(e.ns, e.key).display().to_string()
+    }
+
+    fn ensure_ns(&mut self, ns: &str) -> Result<()> {
+        Ok(self.0.ensure_ns(ns)?)
+    }
+
+    fn remove_ns(&mut self, ns: &str) {
+        self.0.remove_ns(ns);
+    }
+
+    fn recover(&mut self) -> Result<(Vec<String>, Vec<Found>)> {
+        let (dirs, found) = self.0.scan()?;
+        let mut out = Vec::with_capacity(found.len());
+        for f in found {
+            let md = std::fs::metadata(self.0.entry_path(&f.ns, &f.key))?;
+            out.push(Found {
+                ns: f.ns,
+                key: f.key,
+                offset: 0,
+                size: f.size,
+                pinned: f.pinned,
+                uid: md.uid(),
+                gid: md.gid(),
+                mode: md.mode() & 0o7777,
+                mtime: md
+                    .modified()
+                    .unwrap_or_else(|_| std::time::SystemTime::now()),
+            });
+        }
+        Ok((dirs, out))
+    }
+
+    fn recovered(&mut self, _kept: &[Loc<'_>]) -> Result<()> {
+        Ok(())
+    }
+
+    fn maybe_checkpoint(&mut self, _live: &[Loc<'_>]) {}
+
+    fn detach(&mut self, _session: u64) {}
+
+    fn slack(&self, _session: u64) -> u64 {
+        0
+    }
+
+    fn sync(&mut self) {}
+
+    fn unmount(&self) {
+        if self.0.mounted_here {
+            self.0.unmount();
+        }
+    }
+
+    fn check(&self) -> std::result::Result<(), String> {
+        Ok(())
+    }
+
+    fn seams(&mut self) -> Seams<'_> {
+        Seams::Memfs(&self.0)
+    }
+}

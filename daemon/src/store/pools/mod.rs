@@ -1,0 +1,191 @@
+//! Pools behind one trait: where entry bytes live and how their metadata persists.
+//! [`memfs::Memfs`] keeps each entry in its own file of a memory filesystem (the tree is the
+//! metadata); [`raw::Raw`] carves a device (or a file standing in for one) into regions and
+//! keeps its metadata in a log.
+
+pub mod memfs;
+pub mod raw;
+
+use std::fs::File;
+use std::sync::Arc;
+
+use maru::Result;
+use maru::proto::PoolKind;
+
+/// Where an allocation's bytes are while it is written.
+#[derive(Debug)]
+pub enum Backing {
+    /// Its own file (memfs).
+    File {
+        /// The file, open read-write.
+        file: Arc<File>,
+        /// Bytes the file spans (it grows ahead of the writer, to 2 MiB boundaries, so that a
+        /// tmpfs with `huge=within_size` gives it 2 MiB pages).
+        span: u64,
+    },
+    /// An extent of a raw pool (socket grants: the client writes into the mapped device).
+    Extent {
+        /// Offset in the pool.
+        offset: u64,
+    },
+    /// Bytes buffered by the daemon (a raw pool written through the mount); copied into the
+    /// extent reserved at the writer's close.
+    Buffer {
+        /// The bytes.
+        data: Vec<u8>,
+        /// The extent reserved for them (offset, bytes it holds), and whether `data` changed
+        /// since it was copied there.
+        placed: Option<(u64, u64)>,
+        /// `data` changed since it was copied into the extent.
+        dirty: bool,
+    },
+}
+
+impl Backing {
+    /// The file a writer's mappings pass through to (memfs).
+    pub fn file(&self) -> Option<Arc<File>> {
+        match self {
+            Backing::File { file, .. } => Some(file.clone()),
+            _ => None,
+        }
+    }
+}
+
+/// What a pool needs to know of an entry it holds.
+#[derive(Debug, Clone, Copy)]
+pub struct Loc<'a> {
+    /// Namespace.
+    pub ns: &'a str,
+    /// Key.
+    pub key: &'a str,
+    /// Offset in the pool (raw pools).
+    pub offset: u64,
+    /// Bytes.
+    pub size: u64,
+    /// Bytes reserved.
+    pub asize: u64,
+    /// Pinned.
+    pub pinned: bool,
+    /// Owner.
+    pub uid: u32,
+    /// Group.
+    pub gid: u32,
+    /// Mode.
+    pub mode: u32,
+}
+
+/// A sealed entry found by a pool at start.
+#[derive(Debug)]
+pub struct Found {
+    /// Namespace.
+    pub ns: String,
+    /// Key.
+    pub key: String,
+    /// Offset in the pool.
+    pub offset: u64,
+    /// Bytes.
+    pub size: u64,
+    /// Pinned.
+    pub pinned: bool,
+    /// Owner.
+    pub uid: u32,
+    /// Group.
+    pub gid: u32,
+    /// Mode.
+    pub mode: u32,
+    /// Modification time.
+    pub mtime: std::time::SystemTime,
+}
+
+/// One pool.
+pub trait Pool: Send {
+    /// Kind.
+    fn kind(&self) -> PoolKind;
+    /// Bytes usable for entries (as reported to users).
+    fn capacity(&self) -> u64;
+    /// Bytes free for new entries.
+    fn free_space(&self) -> u64;
+    /// Bytes in use.
+    fn used(&self) -> u64 {
+        self.capacity().saturating_sub(self.free_space())
+    }
+    /// Whether the mount serves its entries by passthrough to their own file.
+    fn passthrough(&self) -> bool;
+    /// Whether a retrieval must hold a lease on the entry's extent (raw pools: the extent is
+    /// reused once free, even under a client's mapping).
+    fn leases(&self) -> bool;
+
+    /// Reserves `size` bytes for allocation `id` of client session `session` (raw pools pack a
+    /// session's allocations into its open region).
+    fn grant(&mut self, id: u64, size: u64, session: Option<u64>) -> Result<Backing>;
+    /// An empty allocation for a writer through the mount.
+    fn create(&mut self, id: u64) -> Result<Backing>;
+    /// Frees an allocation that will not be published.
+    fn abort(&mut self, id: u64, backing: &Backing);
+    /// Reserves room for a buffered allocation of `size` bytes at its writer's close (raw
+    /// pools through the mount) and copies the buffer there; nothing for other backings.
+    fn commit(&mut self, id: u64, backing: &mut Backing, size: u64) -> Result<()>;
+    /// Publishes allocation `id` as `e` (`e.offset` is ignored); returns the entry's offset.
+    fn publish(&mut self, id: u64, backing: &mut Backing, e: &Loc<'_>) -> Result<u64>;
+    /// Removes a sealed entry; false when its extent stays reserved (leased): free it with
+    /// [`Pool::free_extent`] when the last lease goes.
+    fn delete(&mut self, e: &Loc<'_>, leased: bool) -> bool;
+    /// Frees the extent of a deleted entry whose last lease went.
+    fn free_extent(&mut self, offset: u64);
+    /// Moves a sealed entry to `ns/key`.
+    fn rename(&mut self, e: &Loc<'_>, ns: &str, key: &str) -> Result<()>;
+    /// Records a pin change.
+    fn set_pinned(&mut self, e: &Loc<'_>, pinned: bool) -> Result<()>;
+    /// Records a change of owner or mode.
+    fn set_owner_mode(&mut self, e: &Loc<'_>) -> Result<()>;
+    /// A descriptor for a client's retrieval: memfs the entry's file; raw the pool's
+    /// read-only descriptor, when `first` (a connection gets it once).
+    fn retrieve_fd(&self, e: &Loc<'_>, first: bool) -> Result<Option<File>>;
+    /// The entry's own file, opened read-only (passthrough pools).
+    fn open_entry(&self, e: &Loc<'_>) -> Result<File>;
+    /// Reads `buf.len()` bytes of a sealed entry at `offset` within it.
+    fn read(&self, e: &Loc<'_>, offset: u64, buf: &mut [u8]) -> Result<()>;
+    /// A descriptor of the whole device for clients (raw pools).
+    fn device_fd(&self, write: bool) -> Result<File>;
+    /// Where the entry lives, for `user.maru.location`.
+    fn location(&self, e: &Loc<'_>) -> String;
+    /// Prepares the namespace `ns` (memfs: its directory).
+    fn ensure_ns(&mut self, ns: &str) -> Result<()>;
+    /// Removes the namespace `ns` (memfs: its empty directory).
+    fn remove_ns(&mut self, ns: &str);
+    /// The sealed entries and namespaces found at start; unsealed work is discarded.
+    fn recover(&mut self) -> Result<(Vec<String>, Vec<Found>)>;
+    /// After recovery: `kept` are the offsets (raw) of the found entries the store kept.
+    fn recovered(&mut self, kept: &[Loc<'_>]) -> Result<()>;
+    /// Rewrites the metadata log when it has grown (raw pools).
+    fn maybe_checkpoint(&mut self, live: &[Loc<'_>]);
+    /// A client session ended: its open region (raw) is detached.
+    fn detach(&mut self, session: u64);
+    /// Bytes of a session's open region not yet used (raw).
+    fn slack(&self, session: u64) -> u64;
+    /// Makes logged metadata durable.
+    fn sync(&mut self);
+    /// Unmounts what this daemon mounted for the pool (clean shutdown).
+    fn unmount(&self);
+    /// Checks the pool's own accounting.
+    fn check(&self) -> std::result::Result<(), String>;
+    /// Test seams: a memfs pool's metadata gate, a raw pool's log sink.
+    fn seams(&mut self) -> Seams<'_>;
+}
+
+/// The crash-injection seams of a pool (tests).
+pub enum Seams<'a> {
+    /// A memfs pool.
+    Memfs(&'a crate::pool::MemfsPool),
+    /// A raw pool's log.
+    Raw(&'a mut Option<crate::wal::Wal>),
+}
+
+/// The kind's name, as `user.maru.kind` shows it.
+pub fn kind_name(k: PoolKind) -> &'static str {
+    match k {
+        PoolKind::Memfs => "memfs",
+        PoolKind::Devdax => "devdax",
+        PoolKind::File => "file",
+    }
+}

@@ -1,0 +1,520 @@
+//! A raw pool: a device (or a regular file standing in for one) behind a 32-byte header,
+//! carved first-fit into 2 MiB-aligned regions; a client's allocations are packed into its
+//! open region at 4 KiB alignment. Metadata is a write-ahead log in the state directory.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use maru::proto::PoolKind;
+use maru::{Error, Result};
+
+use super::super::authority::Authority;
+use super::{Backing, Found, Loc, Pool, Seams};
+use crate::alloc::{ExtentAlloc, align_up};
+use crate::pool::{self, ENTRY_ALIGN, PoolSpec, REGION_ALIGN};
+use crate::wal::{self, FileSink, Wal};
+use maru::format::{self, Record};
+
+#[derive(Debug, Clone)]
+struct Region {
+    len: u64,
+    /// The session packing its allocations into it.
+    owner: Option<u64>,
+    /// Next free byte (relative) for the owner's bump allocation.
+    bump: u64,
+    /// Live entries and allocations inside.
+    live: u32,
+}
+
+/// A raw pool.
+pub struct Raw {
+    kind: PoolKind,
+    name: String,
+    path: PathBuf,
+    /// Bytes of the device used for the header and regions.
+    size: u64,
+    /// The daemon's own descriptor; it holds the device lock (`maructl device` checks it).
+    file: File,
+    /// Read-write descriptor handed to writers: a separate open file description, so that
+    /// clients' mappings never keep the daemon's lock alive after it exits.
+    rw: File,
+    /// Read-only descriptor (retrievals).
+    ro: File,
+    log_path: PathBuf,
+    wal_sync: bool,
+    wal: Option<Wal>,
+    extents: ExtentAlloc,
+    regions: BTreeMap<u64, Region>,
+    /// Each client session's open region.
+    open: HashMap<u64, u64>,
+    /// Entries sealed since the last checkpoint's count.
+    live_entries: u64,
+    /// Who may carve which region (the pool's UUID names it there).
+    authority: Arc<dyn Authority>,
+    uuid: String,
+}
+
+fn reopen(f: &File, write: bool) -> std::io::Result<File> {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(write)
+        .open(format!("/proc/self/fd/{}", f.as_raw_fd()))
+}
+
+impl Raw {
+    /// Opens (and locks) the device of `spec`, writing a header if it has none.
+    pub fn open(
+        spec: &PoolSpec,
+        state_dir: &std::path::Path,
+        wal_sync: bool,
+        authority: Arc<dyn Authority>,
+    ) -> anyhow::Result<Raw> {
+        let (file, size) = pool::open_raw(spec)?;
+        let header = match format::read_header(&file)? {
+            Some(h) => h,
+            None => {
+                let h = format::init_header(&file)?;
+                tracing::info!(pool = %spec.name, uuid = %h.uuid_string(), "initialized the device header");
+                h
+            }
+        };
+        let ro = reopen(&file, false)?;
+        let rw = reopen(&file, true)?;
+        let log_path = state_dir.join(format!("pool-{}.wal", header.uuid_string()));
+        Ok(Raw {
+            kind: spec.kind,
+            name: spec.name.clone(),
+            path: spec.path.clone(),
+            size,
+            file,
+            rw,
+            ro,
+            log_path,
+            wal_sync,
+            wal: None,
+            extents: ExtentAlloc::new(REGION_ALIGN, size),
+            regions: BTreeMap::new(),
+            open: HashMap::new(),
+            live_entries: 0,
+            authority,
+            uuid: header.uuid_string(),
+        })
+    }
+
+    fn log(&mut self, rec: &Record) -> Result<()> {
+        match self.wal.as_mut() {
+            Some(w) => Ok(w.append(rec)?),
+            None => Ok(()),
+        }
+    }
+
+    /// Frees the empty region at `roff` (its extent, and its claim at the authority).
+    fn free_region(&mut self, roff: u64) {
+        if let Some(r) = self.regions.remove(&roff) {
+            self.extents.free(roff, r.len);
+            self.authority.release_region(&self.uuid, roff);
+        }
+    }
+
+    /// One entry or allocation inside a region went away.
+    fn release(&mut self, offset: u64) {
+        let Some((&roff, r)) = self.regions.range_mut(..=offset).next_back() else {
+            return;
+        };
+        r.live = r.live.saturating_sub(1);
+        if r.live == 0 {
+            if r.owner.is_some() {
+                r.bump = 0;
+            } else {
+                self.free_region(roff);
+            }
+        }
+    }
+
+    /// Packs `size` bytes into `session`'s open region, or carves a new region.
+    fn place(&mut self, size: u64, session: Option<u64>) -> Result<u64> {
+        let asize = align_up(size.max(1), ENTRY_ALIGN);
+        if let Some(s) = session
+            && let Some(&roff) = self.open.get(&s)
+            && let Some(r) = self.regions.get_mut(&roff)
+            && r.bump + asize <= r.len
+        {
+            let off = roff + r.bump;
+            r.bump += asize;
+            r.live += 1;
+            return Ok(off);
+        }
+        let rlen = align_up(asize, REGION_ALIGN);
+        let roff = self
+            .extents
+            .alloc(rlen, REGION_ALIGN)
+            .ok_or_else(|| Error::NoSpace(format!("pool {} is full", self.name)))?;
+        if let Err(e) = self.authority.claim_region(&self.uuid, roff, rlen) {
+            self.extents.free(roff, rlen);
+            return Err(e);
+        }
+        self.regions.insert(
+            roff,
+            Region {
+                len: rlen,
+                owner: session,
+                bump: asize,
+                live: 1,
+            },
+        );
+        if let Some(s) = session
+            && let Some(old) = self.open.insert(s, roff)
+        {
+            self.detach_region(old);
+        }
+        Ok(roff)
+    }
+
+    /// The owner leaves a region: it is freed once empty.
+    fn detach_region(&mut self, roff: u64) {
+        if let Some(r) = self.regions.get_mut(&roff) {
+            r.owner = None;
+            r.bump = r.len;
+            if r.live == 0 {
+                self.free_region(roff);
+            }
+        }
+    }
+
+    fn seal_record(e: &Loc<'_>, offset: u64) -> Record {
+        Record::Seal {
+            ns: e.ns.to_owned(),
+            key: e.key.to_owned(),
+            off: offset,
+            size: e.size,
+            asize: e.asize,
+            pin: e.pinned,
+            uid: e.uid,
+            gid: e.gid,
+        }
+    }
+}
+
+impl Pool for Raw {
+    fn kind(&self) -> PoolKind {
+        self.kind
+    }
+
+    fn capacity(&self) -> u64 {
+        self.size - REGION_ALIGN
+    }
+
+    fn free_space(&self) -> u64 {
+        self.extents.free_bytes()
+    }
+
+    fn passthrough(&self) -> bool {
+        false
+    }
+
+    fn leases(&self) -> bool {
+        true
+    }
+
+    fn grant(&mut self, _id: u64, size: u64, session: Option<u64>) -> Result<Backing> {
+        Ok(Backing::Extent {
+            offset: self.place(size, session)?,
+        })
+    }
+
+    fn create(&mut self, _id: u64) -> Result<Backing> {
+        Ok(Backing::Buffer {
+            data: Vec::new(),
+            placed: None,
+            dirty: false,
+        })
+    }
+
+    fn abort(&mut self, _id: u64, backing: &Backing) {
+        match backing {
+            Backing::Extent { offset }
+            | Backing::Buffer {
+                placed: Some((offset, _)),
+                ..
+            } => self.release(*offset),
+            _ => {}
+        }
+    }
+
+    fn commit(&mut self, _id: u64, backing: &mut Backing, size: u64) -> Result<()> {
+        let Backing::Buffer {
+            data,
+            placed,
+            dirty,
+        } = backing
+        else {
+            return Ok(());
+        };
+        let asize = align_up(size.max(1), ENTRY_ALIGN);
+        let fits = placed.is_some_and(|(_, held)| held >= asize);
+        if !fits {
+            let offset = self.place(size, None)?;
+            if let Some((old, _)) = placed.replace((offset, asize)) {
+                self.release(old);
+            }
+            *dirty = true;
+        }
+        if *dirty {
+            let (offset, _) = placed.expect("placed above");
+            self.file.write_all_at(data, offset)?;
+            *dirty = false;
+        }
+        Ok(())
+    }
+
+    fn publish(&mut self, id: u64, backing: &mut Backing, e: &Loc<'_>) -> Result<u64> {
+        let offset = match backing {
+            Backing::Extent { offset } => *offset,
+            Backing::Buffer { .. } => {
+                self.commit(id, backing, e.size)?;
+                match backing {
+                    Backing::Buffer {
+                        placed: Some((o, _)),
+                        ..
+                    } => *o,
+                    _ => unreachable!("committed above"),
+                }
+            }
+            Backing::File { .. } => {
+                return Err(Error::Protocol("a raw allocation with a file".into()));
+            }
+        };
+        self.log(&Self::seal_record(e, offset))?;
+        self.live_entries += 1;
+        Ok(offset)
+    }
+
+    fn delete(&mut self, e: &Loc<'_>, leased: bool) -> bool {
+        if let Err(err) = self.log(&Record::Del { off: e.offset }) {
+            tracing::error!("pool log: {err}");
+        }
+        self.live_entries = self.live_entries.saturating_sub(1);
+        if leased {
+            return false;
+        }
+        self.release(e.offset);
+        true
+    }
+
+    fn free_extent(&mut self, offset: u64) {
+        self.release(offset);
+    }
+
+    fn rename(&mut self, e: &Loc<'_>, ns: &str, key: &str) -> Result<()> {
+        self.log(&Record::Rename {
+            off: e.offset,
+            ns: ns.to_owned(),
+            key: key.to_owned(),
+        })
+    }
+
+    fn set_pinned(&mut self, e: &Loc<'_>, pinned: bool) -> Result<()> {
+        self.log(&Record::Pin {
+            off: e.offset,
+            pin: pinned,
+        })
+    }
+
+    fn set_owner_mode(&mut self, _e: &Loc<'_>) -> Result<()> {
+        // The log keeps the owner of each entry as sealed; a change of mode lives in memory.
+        Ok(())
+    }
+
+    fn retrieve_fd(&self, _e: &Loc<'_>, first: bool) -> Result<Option<File>> {
+        Ok(if first {
+            Some(self.ro.try_clone()?)
+        } else {
+            None
+        })
+    }
+
+    fn open_entry(&self, _e: &Loc<'_>) -> Result<File> {
+        Err(Error::Unsupported(
+            "raw pool entries have no file of their own".into(),
+        ))
+    }
+
+    fn read(&self, e: &Loc<'_>, offset: u64, buf: &mut [u8]) -> Result<()> {
+        Ok(self.file.read_exact_at(buf, e.offset + offset)?)
+    }
+
+    fn device_fd(&self, write: bool) -> Result<File> {
+        Ok(if write {
+            self.rw.try_clone()?
+        } else {
+            self.ro.try_clone()?
+        })
+    }
+
+    fn location(&self, e: &Loc<'_>) -> String {
+        format!("{}@{:#x}", self.path.display(), e.offset)
+    }
+
+    fn ensure_ns(&mut self, _ns: &str) -> Result<()> {
+        Ok(())
+    }
+
+    fn remove_ns(&mut self, _ns: &str) {}
+
+    fn recover(&mut self) -> Result<(Vec<String>, Vec<Found>)> {
+        let live = format::replay(wal::read_log(&self.log_path)?);
+        let mut found = Vec::new();
+        for (_, rec) in live {
+            let Record::Seal {
+                ns,
+                key,
+                off,
+                size,
+                asize,
+                pin,
+                uid,
+                gid,
+            } = rec
+            else {
+                continue;
+            };
+            if off < REGION_ALIGN || off + asize > self.size {
+                tracing::warn!(off, "log entry outside the pool; dropped");
+                continue;
+            }
+            found.push(Found {
+                ns,
+                key,
+                offset: off,
+                size,
+                pinned: pin,
+                uid,
+                gid,
+                mode: 0o644,
+                mtime: std::time::SystemTime::now(),
+            });
+        }
+        Ok((Vec::new(), found))
+    }
+
+    fn recovered(&mut self, kept: &[Loc<'_>]) -> Result<()> {
+        // Regions: maximal runs of 2 MiB units covered by the entries kept.
+        let mut units: BTreeMap<u64, u32> = BTreeMap::new();
+        for e in kept {
+            let s = e.offset / REGION_ALIGN * REGION_ALIGN;
+            let end = align_up(e.offset + e.asize, REGION_ALIGN);
+            let mut u = s;
+            while u < end {
+                units.entry(u).or_insert(0);
+                u += REGION_ALIGN;
+            }
+            *units.get_mut(&s).expect("inserted") += 1;
+        }
+        let mut runs: Vec<(u64, u64, u32)> = Vec::new();
+        for (u, n) in units {
+            match runs.last_mut() {
+                Some((s, l, c)) if *s + *l == u => {
+                    *l += REGION_ALIGN;
+                    *c += n;
+                }
+                _ => runs.push((u, REGION_ALIGN, n)),
+            }
+        }
+        self.extents = ExtentAlloc::new(REGION_ALIGN, self.size);
+        self.regions.clear();
+        for (s, l, c) in runs {
+            self.extents.reserve(s, l);
+            self.authority.claim_region(&self.uuid, s, l)?;
+            self.regions.insert(
+                s,
+                Region {
+                    len: l,
+                    owner: None,
+                    bump: l,
+                    live: c,
+                },
+            );
+        }
+        self.live_entries = kept.len() as u64;
+        let recs: Vec<Record> = kept
+            .iter()
+            .map(|e| Self::seal_record(e, e.offset))
+            .collect();
+        let sink = FileSink::open(&self.log_path, self.wal_sync)?;
+        let mut w = Wal::new(Box::new(sink));
+        w.checkpoint(&recs)?;
+        self.wal = Some(w);
+        Ok(())
+    }
+
+    fn maybe_checkpoint(&mut self, live: &[Loc<'_>]) {
+        let Some(w) = self.wal.as_mut() else { return };
+        if w.since_checkpoint < 10_000 + 4 * self.live_entries {
+            return;
+        }
+        let mut recs: Vec<Record> = live
+            .iter()
+            .map(|e| Self::seal_record(e, e.offset))
+            .collect();
+        recs.sort_by_key(|r| match r {
+            Record::Seal { off, .. } => *off,
+            _ => 0,
+        });
+        if let Err(e) = w.checkpoint(&recs) {
+            tracing::error!("pool log checkpoint: {e}");
+        }
+    }
+
+    fn detach(&mut self, session: u64) {
+        if let Some(roff) = self.open.remove(&session) {
+            self.detach_region(roff);
+        }
+    }
+
+    fn slack(&self, session: u64) -> u64 {
+        self.open
+            .get(&session)
+            .and_then(|o| self.regions.get(o))
+            .map_or(0, |r| r.len - r.bump.min(r.len))
+    }
+
+    fn sync(&mut self) {
+        if let Some(w) = self.wal.as_mut()
+            && let Err(e) = w.sync()
+        {
+            tracing::error!(pool = %self.name, "syncing the pool log: {e}");
+        }
+    }
+
+    fn unmount(&self) {}
+
+    fn check(&self) -> std::result::Result<(), String> {
+        let held: Vec<(u64, u64)> = self.regions.iter().map(|(o, r)| (*o, r.len)).collect();
+        if held != self.authority.regions(&self.uuid) {
+            return Err(format!(
+                "pool {}: regions {held:?}, the authority's claims {:?}",
+                self.name,
+                self.authority.regions(&self.uuid)
+            ));
+        }
+        let regions: u64 = self.regions.values().map(|r| r.len).sum();
+        if regions + self.extents.free_bytes() != self.capacity() {
+            return Err(format!(
+                "pool {}: regions {} + free {} != capacity {}",
+                self.name,
+                regions,
+                self.extents.free_bytes(),
+                self.capacity()
+            ));
+        }
+        Ok(())
+    }
+
+    fn seams(&mut self) -> Seams<'_> {
+        Seams::Raw(&mut self.wal)
+    }
+}

@@ -1,0 +1,154 @@
+//! Opening the pools and recovering what they hold: namespaces from the state directory,
+//! sealed entries from each pool (a memfs pool's tree, a raw pool's log).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use maru::name::{check_component, split_ns};
+use maru::proto::PoolKind;
+
+use super::authority::Authority;
+use super::lru::Lru;
+use super::namespaces::Namespaces;
+use super::policy::Perm;
+use super::pools::memfs::Memfs;
+use super::pools::raw::Raw;
+use super::pools::{Loc, Pool};
+use super::settings::StoreConfig;
+use super::state::{Entry, MOUNT_SESSION, PoolSlot, Session, State};
+use crate::alloc::align_up;
+use crate::pool::{ENTRY_ALIGN, MemfsPool, PoolSpec};
+use maru_fsd::Caller;
+use maru_fsd::backend::ROOT_INO;
+
+/// Opens every pool of `specs` and recovers the namespaces and entries.
+pub fn open_state(
+    cfg: &StoreConfig,
+    specs: &[PoolSpec],
+    authority: &Arc<dyn Authority>,
+) -> anyhow::Result<State> {
+    use anyhow::Context;
+    std::fs::create_dir_all(&cfg.state_dir)
+        .with_context(|| format!("creating state dir {}", cfg.state_dir.display()))?;
+    let mut names = HashSet::new();
+    let mut pools = Vec::with_capacity(specs.len());
+    for (i, spec) in specs.iter().enumerate() {
+        if !names.insert(spec.name.clone()) {
+            anyhow::bail!("two pools are named `{}`", spec.name);
+        }
+        let pool: Box<dyn Pool> = match spec.kind {
+            PoolKind::Memfs => Box::new(Memfs(MemfsPool::open(spec)?)),
+            PoolKind::Devdax | PoolKind::File => Box::new(Raw::open(
+                spec,
+                &cfg.state_dir,
+                cfg.wal_sync,
+                authority.clone(),
+            )?),
+        };
+        pools.push(PoolSlot {
+            id: i as u32,
+            name: spec.name.clone(),
+            kind: spec.kind,
+            path: spec.path.clone(),
+            pool,
+            sealed_bytes: 0,
+            entries: 0,
+            writing_bytes: 0,
+            evictions: 0,
+        });
+    }
+    let mut st = State {
+        next_ino: ROOT_INO + 1,
+        ns: Namespaces::new(cfg.state_dir.join("namespaces.json"))?,
+        entries: HashMap::new(),
+        zombies: HashMap::new(),
+        allocs: HashMap::new(),
+        lru: Lru::default(),
+        sessions: HashMap::from([(
+            MOUNT_SESSION,
+            Session {
+                name: "mount".into(),
+                caller: Some(Caller::root()),
+                ..Default::default()
+            },
+        )]),
+        next_session: MOUNT_SESSION + 1,
+        pools,
+        gone: HashMap::new(),
+        fuse_leases: HashMap::new(),
+    };
+    let mut next = st.next_ino;
+    st.ns.load(|| {
+        next += 1;
+        next - 1
+    })?;
+    st.next_ino = next;
+    for p in 0..st.pools.len() {
+        recover_pool(&mut st, p, &**authority)?;
+    }
+    st.ns.save();
+    tracing::info!(
+        entries = st.entries.len(),
+        namespaces = st.ns.len(),
+        "store recovered"
+    );
+    Ok(st)
+}
+
+fn ensure_path(st: &mut State, ns: &str) -> maru::Result<()> {
+    let mut next = st.next_ino;
+    let r = st.ns.ensure_path(ns, || {
+        next += 1;
+        next - 1
+    });
+    st.next_ino = next;
+    r
+}
+
+/// Recovers pool `p`'s entries; a name taken already (by an earlier pool) is skipped.
+fn recover_pool(st: &mut State, p: usize, authority: &dyn Authority) -> anyhow::Result<()> {
+    let (dirs, found) = st.pools[p].pool.recover()?;
+    for d in dirs {
+        if split_ns(&d).is_ok() {
+            ensure_path(st, &d)?;
+        }
+    }
+    let mut kept = Vec::new();
+    for f in found {
+        if split_ns(&f.ns).is_err() || check_component(f.key.as_bytes()).is_err() {
+            continue;
+        }
+        ensure_path(st, &f.ns)?;
+        let ino = st.alloc_ino();
+        if authority.publish(&f.ns, &f.key, ino).is_err() {
+            tracing::warn!(ns = %f.ns, key = %f.key, "duplicate key across pools; keeping the first");
+            continue;
+        }
+        let e = Entry {
+            ino,
+            ns: f.ns,
+            key: f.key,
+            pool: p as u32,
+            offset: f.offset,
+            size: f.size,
+            asize: align_up(f.size.max(1), ENTRY_ALIGN),
+            pinned: f.pinned,
+            lru: Default::default(),
+            slot: 0,
+            owner: None,
+            leases: 0,
+            perm: Perm {
+                uid: f.uid,
+                gid: f.gid,
+                mode: f.mode,
+            },
+            mtime: f.mtime,
+        };
+        kept.push(ino);
+        st.insert_entry(e);
+    }
+    // The pool settles its own accounting (a raw pool's regions) from what was kept.
+    let locs: Vec<Loc<'_>> = kept.iter().map(|i| st.entries[i].loc()).collect();
+    st.pools[p].pool.recovered(&locs)?;
+    Ok(())
+}

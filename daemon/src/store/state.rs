@@ -1,0 +1,309 @@
+//! The metadata the store's lock guards, and its types.
+
+use std::collections::{HashMap, HashSet};
+use std::time::SystemTime;
+
+use maru::index::{FLAG_PINNED, SlotView};
+use maru::proto::{Located, PoolKind};
+use maru_fsd::{Attr, Caller, Kind};
+
+use super::lru::{Lru, Stamp};
+use super::namespaces::Namespaces;
+use super::policy::Perm;
+use super::pools::{Backing, Loc, Pool};
+
+/// A sealed entry.
+#[derive(Debug, Clone)]
+pub struct Entry {
+    /// Inode, also its generation: unique for the daemon's life.
+    pub ino: u64,
+    /// Namespace.
+    pub ns: String,
+    /// Key.
+    pub key: String,
+    /// Pool.
+    pub pool: u32,
+    /// Offset in the pool (raw pools).
+    pub offset: u64,
+    /// Bytes.
+    pub size: u64,
+    /// Bytes reserved in the pool.
+    pub asize: u64,
+    /// Protected from eviction.
+    pub pinned: bool,
+    /// Place in the LRU order.
+    pub lru: Stamp,
+    /// Slot in its namespace's index.
+    pub slot: usize,
+    /// The client session that stored it, while connected.
+    pub owner: Option<u64>,
+    /// Leases on its extent (raw pools): retrievals whose mappings are alive.
+    pub leases: u32,
+    /// Owner, group and mode.
+    pub perm: Perm,
+    /// Publication time.
+    pub mtime: SystemTime,
+}
+
+impl AsMut<Stamp> for Entry {
+    fn as_mut(&mut self) -> &mut Stamp {
+        &mut self.lru
+    }
+}
+
+impl Entry {
+    /// What its pool needs to know of it.
+    pub fn loc(&self) -> Loc<'_> {
+        Loc {
+            ns: &self.ns,
+            key: &self.key,
+            offset: self.offset,
+            size: self.size,
+            asize: self.asize,
+            pinned: self.pinned,
+            uid: self.perm.uid,
+            gid: self.perm.gid,
+            mode: self.perm.mode,
+        }
+    }
+
+    /// Its attributes, as the mount shows them.
+    pub fn attr(&self) -> Attr {
+        Attr {
+            ino: self.ino,
+            kind: Kind::File,
+            size: self.size,
+            mode: self.perm.mode,
+            uid: self.perm.uid,
+            gid: self.perm.gid,
+            mtime: self.mtime,
+            sealed: true,
+        }
+    }
+
+    /// Its slot in the shared index.
+    pub fn slot_view(&self) -> SlotView {
+        SlotView {
+            generation: self.ino,
+            size: self.size,
+            pool: self.pool,
+            flags: if self.pinned { FLAG_PINNED } else { 0 },
+            offset: self.offset,
+        }
+    }
+
+    /// Where it is, for a client.
+    pub fn located(&self, fd: bool) -> Located {
+        Located {
+            key: self.key.clone(),
+            generation: self.ino,
+            pool: self.pool,
+            offset: self.offset,
+            size: self.size,
+            pinned: self.pinned,
+            fd,
+        }
+    }
+}
+
+/// Who writes an allocation and how it gets published.
+#[derive(Debug)]
+pub enum Origin {
+    /// Granted to a client session (libmaru), published by its `publish`.
+    Session(u64),
+    /// Created through the mount, published at its writer's last release.
+    Mount(MountWrite),
+}
+
+/// An entry being written through the mount.
+#[derive(Debug)]
+pub struct MountWrite {
+    /// Where it will be published; `None` once unlinked or abandoned.
+    pub target: Option<(String, String)>,
+    /// The creating process: the only one that sees it before publication.
+    pub tgid: i32,
+    /// Bytes written (the entry's size).
+    pub len: u64,
+    /// A close passed the publication's checks: the name and `reserved` bytes of quota are
+    /// held for it, and its publication is on its way (other processes wait for it).
+    pub committed: bool,
+    /// Quota bytes reserved in the target namespace.
+    pub reserved: u64,
+    /// The first failure (a write, a commit): it will never be published.
+    pub failed: Option<i32>,
+}
+
+/// An allocation: an entry being written.
+#[derive(Debug)]
+pub struct Alloc {
+    /// Pool.
+    pub pool: u32,
+    /// Bytes granted (socket) or 0 (mount: see [`MountWrite::len`]).
+    pub size: u64,
+    /// Who writes it.
+    pub origin: Origin,
+    /// Where its bytes are.
+    pub backing: Backing,
+    /// Owner, group and mode it will have.
+    pub perm: Perm,
+    /// Last change.
+    pub mtime: SystemTime,
+    /// Bytes counted in the pool's `writing_bytes`.
+    pub acct: u64,
+}
+
+impl Alloc {
+    /// The mount's view of it, when written through the mount.
+    pub fn mount(&self) -> Option<&MountWrite> {
+        match &self.origin {
+            Origin::Mount(m) => Some(m),
+            Origin::Session(_) => None,
+        }
+    }
+
+    /// The mount's view of it, to change.
+    pub fn mount_mut(&mut self) -> Option<&mut MountWrite> {
+        match &mut self.origin {
+            Origin::Mount(m) => Some(m),
+            Origin::Session(_) => None,
+        }
+    }
+
+    /// The client session it was granted to.
+    pub fn session(&self) -> Option<u64> {
+        match self.origin {
+            Origin::Session(s) => Some(s),
+            Origin::Mount(_) => None,
+        }
+    }
+
+    /// Its current size.
+    pub fn size_now(&self) -> u64 {
+        match &self.origin {
+            Origin::Mount(m) => m.len,
+            Origin::Session(_) => self.size,
+        }
+    }
+
+    /// Its attributes, as its writer sees them through the mount.
+    pub fn attr(&self, ino: u64) -> Attr {
+        Attr {
+            ino,
+            kind: Kind::File,
+            size: self.size_now(),
+            mode: self.perm.mode,
+            uid: self.perm.uid,
+            gid: self.perm.gid,
+            mtime: self.mtime,
+            sealed: false,
+        }
+    }
+}
+
+/// Session of the mount's own allocations (never closed).
+pub const MOUNT_SESSION: u64 = 0;
+
+/// A name removed behind the kernel's back.
+#[derive(Debug, Clone)]
+pub struct Invalidation {
+    /// Parent directory inode.
+    pub parent: u64,
+    /// Name in it.
+    pub name: String,
+    /// The removed node.
+    pub ino: u64,
+    /// The kernel removed the name itself (unlink through the mount): only the node's
+    /// passthrough backing is to be dropped, the name needs no invalidation.
+    pub by_kernel: bool,
+}
+
+/// A client connection.
+#[derive(Default)]
+pub struct Session {
+    /// The client's name.
+    pub name: String,
+    /// Who it is.
+    pub caller: Option<Caller>,
+    /// Its unpublished allocations.
+    pub allocs: HashSet<u64>,
+    /// Leases it holds: inode → count.
+    pub leases: HashMap<u64, u32>,
+    /// Bytes of entries it stored.
+    pub used: u64,
+}
+
+/// A pool with its accounting.
+pub struct PoolSlot {
+    /// Index in the store's list.
+    pub id: u32,
+    /// Name.
+    pub name: String,
+    /// Kind.
+    pub kind: PoolKind,
+    /// Path.
+    pub path: std::path::PathBuf,
+    /// The pool.
+    pub pool: Box<dyn Pool>,
+    /// Bytes reserved by sealed entries.
+    pub sealed_bytes: u64,
+    /// Sealed entries.
+    pub entries: u64,
+    /// Bytes of allocations being written.
+    pub writing_bytes: u64,
+    /// Entries evicted.
+    pub evictions: u64,
+}
+
+/// Everything the store's lock guards.
+pub struct State {
+    /// The next inode (entries, allocations and namespaces share the space).
+    pub next_ino: u64,
+    /// Namespaces.
+    pub ns: Namespaces,
+    /// Sealed entries by inode.
+    pub entries: HashMap<u64, Entry>,
+    /// Deleted raw-pool entries whose extent is still leased.
+    pub zombies: HashMap<u64, Entry>,
+    /// Allocations by id (an inode too).
+    pub allocs: HashMap<u64, Alloc>,
+    /// LRU order of `entries`.
+    pub lru: Lru,
+    /// Client sessions.
+    pub sessions: HashMap<u64, Session>,
+    /// The next session id.
+    pub next_session: u64,
+    /// The pools.
+    pub pools: Vec<PoolSlot>,
+    /// Attributes of recently removed entries (for handles still open on them).
+    pub gone: HashMap<u64, Attr>,
+    /// Leases held by handles of the mount (raw pools).
+    pub fuse_leases: HashMap<u64, u32>,
+}
+
+impl State {
+    /// A fresh inode number.
+    pub fn alloc_ino(&mut self) -> u64 {
+        let i = self.next_ino;
+        self.next_ino += 1;
+        i
+    }
+
+    /// The caller of client session `session`.
+    pub fn caller(&self, session: u64) -> maru::Result<Caller> {
+        self.sessions
+            .get(&session)
+            .and_then(|s| s.caller.clone())
+            .ok_or_else(|| maru::Error::Protocol("no such session".into()))
+    }
+
+    /// Marks a use of entry `ino`; false when there is no such entry.
+    pub fn touch(&mut self, ino: u64) -> bool {
+        match self.entries.get_mut(&ino) {
+            Some(e) => {
+                self.lru.touch(&mut e.lru);
+                true
+            }
+            None => false,
+        }
+    }
+}

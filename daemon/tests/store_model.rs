@@ -1,0 +1,548 @@
+//! In-process tests of the store (no root, no mount): its two doors — the control socket's
+//! verbs and the filesystem's `Backend` — over `file:` pools, against an in-memory model.
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::FileExt;
+use std::sync::Arc;
+
+use maru::Error;
+use maru_daemon::pool::PoolSpec;
+use maru_daemon::store::fsview::StoreFs;
+use maru_daemon::store::{Eviction, Store, StoreConfig};
+use maru_fsd::backend::ROOT_INO;
+use maru_fsd::{Backend, Caller};
+use proptest::prelude::*;
+
+struct Fixture {
+    store: Arc<Store>,
+    _dir: tempfile::TempDir,
+}
+
+impl Fixture {
+    fn new(size_mib: u64, eviction: Eviction, max_copy_entry: u64) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = StoreConfig {
+            eviction,
+            state_dir: dir.path().join("state"),
+            wal_sync: false,
+            max_copy_entry,
+        };
+        let spec = PoolSpec::parse(&format!(
+            "file:{}/dev.img,size={size_mib}M,name=emu",
+            dir.path().display()
+        ))
+        .unwrap();
+        Fixture {
+            store: Store::open(cfg, &[spec]).unwrap(),
+            _dir: dir,
+        }
+    }
+
+    fn fs(&self) -> StoreFs {
+        StoreFs(self.store.clone())
+    }
+
+    /// Stores `data` as `ns/key` over the socket, as `c`.
+    fn put(&self, c: &Caller, ns: &str, key: &str, data: &[u8]) -> maru::Result<()> {
+        let s = self.store.open_session("t", c.clone());
+        let r = (|| {
+            let (g, _) = self
+                .store
+                .alloc(s, data.len() as u64, 1, None)?
+                .pop()
+                .unwrap();
+            let dev = self.store.raw_pool_fd(g.pool, true)?;
+            dev.write_all_at(data, g.offset)?;
+            self.store.publish(s, g.alloc, ns, key, None).map(drop)
+        })();
+        self.store.close_session(s);
+        r
+    }
+
+    /// The bytes of `ns/key` over the socket (None when absent).
+    fn get(&self, ns: &str, key: &str) -> Option<Vec<u8>> {
+        let s = self.store.open_session("t", Caller::root());
+        let it = self
+            .store
+            .retrieve(s, ns, &[key.to_owned()], |_| false)
+            .unwrap()
+            .pop()
+            .unwrap();
+        let out = it.map(|(loc, _)| {
+            let dev = self.store.raw_pool_fd(loc.pool, false).unwrap();
+            let mut b = vec![0; loc.size as usize];
+            dev.read_exact_at(&mut b, loc.offset).unwrap();
+            b
+        });
+        self.store.close_session(s);
+        out
+    }
+
+    fn ino(&self, c: &Caller, path: &str) -> u64 {
+        let mut ino = ROOT_INO;
+        for part in path.split('/') {
+            ino = self.fs().lookup(c, ino, part).unwrap().ino;
+        }
+        ino
+    }
+
+    /// Writes `data` through the mount's door as a writer would: create, writes in 1 MiB
+    /// pieces, close (commit), release (seal). Returns the first error and where it came.
+    fn write_through_mount(&self, c: &Caller, ns: &str, key: &str, data: &[u8]) -> Written {
+        let fs = self.fs();
+        let parent = self.ino(c, ns);
+        let ino = match fs.create(c, parent, key, 0o644) {
+            Ok((a, _)) => a.ino,
+            Err(e) => return Written::Create(e),
+        };
+        let mut out = Written::Ok;
+        for (i, chunk) in data.chunks(1 << 20).enumerate() {
+            if let Err(e) = fs.write(ino, (i << 20) as u64, chunk) {
+                out = Written::Write(e);
+                break;
+            }
+        }
+        if let Err(e) = fs.commit(c, ino, false)
+            && matches!(out, Written::Ok)
+        {
+            out = Written::Close(e);
+        }
+        let _ = fs.seal(ino);
+        out
+    }
+}
+
+#[derive(Debug)]
+enum Written {
+    Ok,
+    Create(Error),
+    Write(Error),
+    Close(Error),
+}
+
+impl Written {
+    fn errno(&self) -> Option<i32> {
+        match self {
+            Written::Ok => None,
+            Written::Create(e) | Written::Write(e) | Written::Close(e) => Some(e.errno()),
+        }
+    }
+}
+
+fn me(uid: u32, gid: u32) -> Caller {
+    Caller::new(uid, gid, std::process::id() as i32)
+}
+
+#[test]
+fn a_failed_write_is_never_published_whatever_the_writer_does_next() {
+    // EIO from the device, EFBIG past the largest entry: the writer learns it from `write`,
+    // again from `close`, and the entry is not published however the writer ends.
+    let f = Fixture::new(64, Eviction::Off, 4 << 20);
+    let root = me(0, 0);
+    f.store.mkdir(&root, "ns", 0o755).unwrap();
+    let fs = f.fs();
+    let parent = f.ino(&root, "ns");
+    let failing = Arc::new(std::sync::Mutex::new(None::<u64>));
+    let fl = failing.clone();
+    f.store.set_data_fault(Some(Box::new(move |ino| {
+        (*fl.lock().unwrap() == Some(ino)).then_some(libc::EIO)
+    })));
+    for ending in ["close", "exit", "killed"] {
+        let key = format!("eio-{ending}");
+        let (a, _) = fs.create(&root, parent, &key, 0o644).unwrap();
+        fs.write(a.ino, 0, &[1; 4096]).unwrap();
+        *failing.lock().unwrap() = Some(a.ino);
+        assert_eq!(
+            fs.write(a.ino, 4096, &[2; 4096]).unwrap_err().errno(),
+            libc::EIO
+        );
+        *failing.lock().unwrap() = None;
+        // Later writes fail too: the entry is failed.
+        assert_eq!(
+            fs.write(a.ino, 8192, &[3; 10]).unwrap_err().errno(),
+            libc::EIO
+        );
+        match ending {
+            // close(2) reports the failure again; exit closes the descriptors the same way.
+            "close" | "exit" => {
+                assert_eq!(
+                    fs.commit(&root, a.ino, false).unwrap_err().errno(),
+                    libc::EIO
+                )
+            }
+            _ => fs.commit(&root, a.ino, true).unwrap(),
+        }
+        fs.seal(a.ino).unwrap();
+        assert_eq!(f.get("ns", &key), None, "{ending}");
+        assert!(fs.lookup(&root, parent, &key).is_err());
+    }
+    let big = vec![7u8; 5 << 20];
+    let w = f.write_through_mount(&root, "ns", "too-big", &big);
+    assert!(matches!(w, Written::Write(_)), "{w:?}");
+    assert_eq!(w.errno(), Some(libc::EFBIG));
+    assert_eq!(f.get("ns", "too-big"), None);
+    // Nothing leaked; the pool is whole.
+    assert_eq!(f.store.pools()[0].used, 0);
+    f.store.check_invariants().unwrap();
+}
+
+#[test]
+fn a_refused_publication_is_reported_by_close() {
+    let f = Fixture::new(64, Eviction::Off, 16 << 20);
+    let root = me(0, 0);
+    f.store.mkdir(&root, "q", 0o755).unwrap();
+    f.store.set_quota(&root, "q", Some(10 << 20)).unwrap();
+    // Quota: four 4 MiB entries in 10 MiB; each writer learns at close (or write).
+    let mut published = Vec::new();
+    for i in 0..4 {
+        let key = format!("k{i}");
+        let w = f.write_through_mount(&root, "q", &key, &vec![i as u8; 4 << 20]);
+        match w.errno() {
+            None => published.push(key.clone()),
+            Some(e) => assert_eq!(e, libc::EDQUOT, "{key}: {w:?}"),
+        }
+        assert_eq!(f.get("q", &key).is_some(), w.errno().is_none(), "{key}");
+    }
+    assert_eq!(published, ["k0", "k1"]);
+    // A name taken meanwhile over the socket: the writer's close says EEXIST.
+    f.store.mkdir(&root, "n", 0o755).unwrap();
+    let fs = f.fs();
+    let parent = f.ino(&root, "n");
+    let (a, _) = fs.create(&root, parent, "k", 0o644).unwrap();
+    fs.write(a.ino, 0, b"through the mount").unwrap();
+    f.put(&root, "n", "k", b"over the socket").unwrap();
+    assert_eq!(
+        fs.commit(&root, a.ino, false).unwrap_err().errno(),
+        libc::EEXIST
+    );
+    fs.seal(a.ino).unwrap();
+    assert_eq!(f.get("n", "k").unwrap(), b"over the socket");
+    // Once a close committed a name, the socket cannot take it.
+    let (b, _) = fs.create(&root, parent, "j", 0o644).unwrap();
+    fs.write(b.ino, 0, b"first").unwrap();
+    fs.commit(&root, b.ino, false).unwrap();
+    assert!(matches!(
+        f.put(&root, "n", "j", b"second"),
+        Err(Error::Exists(_))
+    ));
+    fs.seal(b.ino).unwrap();
+    assert_eq!(f.get("n", "j").unwrap(), b"first");
+    // A name another writer is still writing cannot be created again.
+    let (c, _) = fs.create(&root, parent, "w", 0o644).unwrap();
+    assert!(matches!(
+        fs.create(&root, parent, "w", 0o644),
+        Err(Error::Exists(_))
+    ));
+    fs.commit(&root, c.ino, false).unwrap();
+    fs.seal(c.ino).unwrap();
+    // No room in the pool: the close of a raw-pool entry reports ENOSPC.
+    let w = f.write_through_mount(&root, "n", "huge", &vec![1; 15 << 20]);
+    assert!(w.errno().is_none(), "{w:?}");
+    let mut last = None;
+    for i in 0..8 {
+        let w = f.write_through_mount(&root, "n", &format!("fill{i}"), &vec![1; 15 << 20]);
+        if let Some(e) = w.errno() {
+            assert!(matches!(w, Written::Close(_)), "{w:?}");
+            last = Some(e);
+            assert!(f.get("n", &format!("fill{i}")).is_none());
+            break;
+        }
+    }
+    assert_eq!(last, Some(libc::ENOSPC));
+    f.store.check_invariants().unwrap();
+}
+
+// ----- one access policy, both doors -----
+
+const OWNER: u32 = 61001;
+const MEMBER: u32 = 61002;
+const OTHER: u32 = 61003;
+
+fn caller(uid: u32) -> Caller {
+    let groups = if uid == MEMBER { vec![OWNER] } else { vec![] };
+    Caller::with_group_list(uid, uid, std::process::id() as i32, groups)
+}
+
+/// What POSIX says (the kernel's rules for `default_permissions`), written out plainly.
+fn posix(c: &Caller, mode: u32, owner: u32, op: &str, target_owner: u32) -> bool {
+    if c.uid == 0 {
+        return true;
+    }
+    let bits = |m: u32, uid: u32, gid: u32| {
+        if c.uid == uid {
+            (m >> 6) & 7
+        } else if c.in_group(gid) {
+            (m >> 3) & 7
+        } else {
+            m & 7
+        }
+    };
+    let ns = bits(mode, OWNER, OWNER);
+    let entry = bits(0o644, target_owner, target_owner);
+    let sticky_ok = mode & 0o1000 == 0 || c.uid == target_owner || c.uid == owner;
+    match op {
+        "lookup" => ns & 1 != 0,
+        "list" => ns & 4 != 0,
+        "read" => ns & 1 != 0 && entry & 4 != 0,
+        "create" => ns & 3 == 3,
+        "delete-own" | "delete-owners" => ns & 3 == 3 && sticky_ok,
+        "pin-own" | "pin-owners" => ns & 1 != 0 && entry & 2 != 0,
+        _ => unreachable!(),
+    }
+}
+
+fn allowed(r: maru::Result<()>) -> bool {
+    match r {
+        Ok(()) => true,
+        Err(e) if matches!(e.errno(), libc::EACCES | libc::EPERM) => false,
+        Err(e) => panic!("neither allowed nor denied: {e}"),
+    }
+}
+
+#[test]
+fn both_doors_apply_one_access_policy() {
+    let ops = [
+        "lookup",
+        "list",
+        "read",
+        "pin-own",
+        "pin-owners",
+        "create",
+        "delete-owners",
+        "delete-own",
+    ];
+    for mode in [0o1777, 0o755, 0o750, 0o700, 0o770, 0o711] {
+        for uid in [OWNER, MEMBER, OTHER, 0] {
+            let c = caller(uid);
+            let f = Fixture::new(16, Eviction::Off, 1 << 20);
+            let owner = caller(OWNER);
+            f.store.mkdir(&owner, "ns", 0o777).unwrap();
+            // Each door's fixtures: the caller's own entries and the owner's.
+            for door in ["socket", "mount"] {
+                for who in [&c, &owner] {
+                    let key = format!("{door}-{}", who.uid);
+                    if f.get("ns", &key).is_none() {
+                        f.put(who, "ns", &key, b"x").unwrap();
+                    }
+                }
+            }
+            let nsino = f.ino(&owner, "ns");
+            let fs = f.fs();
+            fs.chmod_chown(&owner, nsino, Some(mode), None, None)
+                .unwrap();
+            for op in ops {
+                let target = if op.ends_with("owners") { OWNER } else { uid };
+                if target == uid && op.ends_with("owners") {
+                    continue; // the namespace's owner: the same as its own
+                }
+                let expected = posix(&c, mode, OWNER, op, target);
+                let key = |door: &str| format!("{door}-{target}");
+                let socket = {
+                    let s = f.store.open_session("p", c.clone());
+                    let r = match op {
+                        "lookup" => f.store.exists(&c, "ns", &[key("socket")]).map(drop),
+                        "list" => f.store.list(&c, "ns").map(drop),
+                        "read" => f
+                            .store
+                            .retrieve(s, "ns", &[key("socket")], |_| false)
+                            .map(drop),
+                        "create" => f.put(&c, "ns", &format!("new-{uid}"), b"y"),
+                        "delete-own" | "delete-owners" => f
+                            .store
+                            .delete(&c, "ns", &[key("socket")])
+                            .and_then(|mut v| v.pop().unwrap()),
+                        _ => f
+                            .store
+                            .pin(&c, "ns", &[key("socket")], true)
+                            .and_then(|mut v| v.pop().unwrap()),
+                    };
+                    f.store.close_session(s);
+                    allowed(r)
+                };
+                let mount = {
+                    let entry = || f.ino(&caller(0), &format!("ns/{}", key("mount")));
+                    let r = match op {
+                        "lookup" => fs.lookup(&c, nsino, &key("mount")).map(drop),
+                        "list" => fs.readdir(&c, nsino).map(drop),
+                        "read" => fs.open(&c, entry(), false).map(drop),
+                        "create" => {
+                            fs.create(&c, nsino, &format!("m-new-{uid}"), 0o644)
+                                .map(|(a, _)| {
+                                    fs.abort(a.ino);
+                                })
+                        }
+                        "delete-own" | "delete-owners" => fs.unlink(&c, nsino, &key("mount")),
+                        _ => fs.set_pinned(&c, entry(), true),
+                    };
+                    allowed(r)
+                };
+                let at = format!("mode {mode:o}, uid {uid}, {op}");
+                assert_eq!(socket, mount, "{at}: the doors disagree");
+                assert_eq!(socket, expected, "{at}: not what POSIX says");
+            }
+        }
+    }
+}
+
+// ----- reference model -----
+
+#[derive(Debug, Clone)]
+enum Op {
+    Mkdir(u8),
+    PutSocket(u8, u8, u16),
+    PutMount(u8, u8, u16),
+    DeleteSocket(u8, u8),
+    Unlink(u8, u8),
+    Rename(u8, u8, u8, u8),
+    Pin(u8, u8, bool),
+    Get(u8, u8),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let ns = 0u8..3;
+    let key = 0u8..6;
+    prop_oneof![
+        ns.clone().prop_map(Op::Mkdir),
+        (ns.clone(), key.clone(), 1u16..9000).prop_map(|(n, k, l)| Op::PutSocket(n, k, l)),
+        (ns.clone(), key.clone(), 0u16..9000).prop_map(|(n, k, l)| Op::PutMount(n, k, l)),
+        (ns.clone(), key.clone()).prop_map(|(n, k)| Op::DeleteSocket(n, k)),
+        (ns.clone(), key.clone()).prop_map(|(n, k)| Op::Unlink(n, k)),
+        (ns.clone(), key.clone(), ns.clone(), key.clone())
+            .prop_map(|(a, b, c, d)| Op::Rename(a, b, c, d)),
+        (ns.clone(), key.clone(), any::<bool>()).prop_map(|(n, k, p)| Op::Pin(n, k, p)),
+        (ns, key).prop_map(|(n, k)| Op::Get(n, k)),
+    ]
+}
+
+fn bytes(seed: u64, len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i as u64 * 31 + seed) as u8).collect()
+}
+
+/// Random sequences of namespace creation, stores and deletes through both doors, renames,
+/// pins and reads agree with a map of names to bytes; the store's invariants hold after each
+/// step.
+#[test]
+fn both_doors_agree_with_a_model() {
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
+        cases: 24,
+        ..ProptestConfig::default()
+    });
+    let ops = proptest::collection::vec(op(), 1..60);
+    if let Err(e) = runner.run(&ops, |ops| run_model(&ops)) {
+        panic!("{e}");
+    }
+}
+
+fn run_model(ops: &[Op]) -> Result<(), TestCaseError> {
+    {
+        let f = Fixture::new(64, Eviction::Off, 1 << 20);
+        let root = me(0, 0);
+        let fs = f.fs();
+        let mut model: BTreeMap<(String, String), Vec<u8>> = BTreeMap::new();
+        let mut nss: Vec<String> = Vec::new();
+        let name = |n: u8| format!("ns{n}");
+        let k = |k: u8| format!("k{k}");
+        for (i, o) in ops.iter().enumerate() {
+            match o {
+                Op::Mkdir(n) => {
+                    let r = f.store.mkdir(&root, &name(*n), 0o755);
+                    prop_assert_eq!(r.is_ok(), !nss.contains(&name(*n)));
+                    if r.is_ok() {
+                        nss.push(name(*n));
+                    }
+                }
+                Op::PutSocket(n, key, len) | Op::PutMount(n, key, len) => {
+                    let data = bytes(i as u64, *len as usize);
+                    let exists = nss.contains(&name(*n));
+                    let taken = model.contains_key(&(name(*n), k(*key)));
+                    let ok = if matches!(o, Op::PutSocket(..)) {
+                        if !exists {
+                            continue;
+                        }
+                        f.put(&root, &name(*n), &k(*key), &data).is_ok()
+                    } else {
+                        if !exists {
+                            continue;
+                        }
+                        matches!(
+                            f.write_through_mount(&root, &name(*n), &k(*key), &data),
+                            Written::Ok
+                        )
+                    };
+                    prop_assert_eq!(ok, !taken, "{:?}", o);
+                    if ok {
+                        model.insert((name(*n), k(*key)), data);
+                    }
+                }
+                Op::DeleteSocket(n, key) => {
+                    if !nss.contains(&name(*n)) {
+                        continue;
+                    }
+                    let r = f
+                        .store
+                        .delete(&root, &name(*n), &[k(*key)])
+                        .unwrap()
+                        .pop()
+                        .unwrap();
+                    prop_assert_eq!(r.is_ok(), model.remove(&(name(*n), k(*key))).is_some());
+                }
+                Op::Unlink(n, key) => {
+                    if !nss.contains(&name(*n)) {
+                        continue;
+                    }
+                    let r = fs.unlink(&root, f.ino(&root, &name(*n)), &k(*key));
+                    prop_assert_eq!(r.is_ok(), model.remove(&(name(*n), k(*key))).is_some());
+                }
+                Op::Rename(a, ka, b, kb) => {
+                    if !nss.contains(&name(*a)) || !nss.contains(&name(*b)) {
+                        continue;
+                    }
+                    let r = fs.rename(
+                        &root,
+                        f.ino(&root, &name(*a)),
+                        &k(*ka),
+                        f.ino(&root, &name(*b)),
+                        &k(*kb),
+                    );
+                    let from = (name(*a), k(*ka));
+                    let to = (name(*b), k(*kb));
+                    let expect =
+                        model.contains_key(&from) && (from == to || !model.contains_key(&to));
+                    prop_assert_eq!(r.is_ok(), expect, "{:?}: {:?}", o, r);
+                    if expect && from != to {
+                        let v = model.remove(&from).unwrap();
+                        model.insert(to, v);
+                    }
+                }
+                Op::Pin(n, key, p) => {
+                    if !nss.contains(&name(*n)) {
+                        continue;
+                    }
+                    let r = f
+                        .store
+                        .pin(&root, &name(*n), &[k(*key)], *p)
+                        .unwrap()
+                        .pop()
+                        .unwrap();
+                    prop_assert_eq!(r.is_ok(), model.contains_key(&(name(*n), k(*key))));
+                }
+                Op::Get(n, key) => {
+                    if !nss.contains(&name(*n)) {
+                        continue;
+                    }
+                    prop_assert_eq!(
+                        f.get(&name(*n), &k(*key)),
+                        model.get(&(name(*n), k(*key))).cloned()
+                    );
+                }
+            }
+            if let Err(e) = f.store.check_invariants() {
+                prop_assert!(false, "after {:?}: {}", o, e);
+            }
+        }
+        for ((n, key), v) in &model {
+            prop_assert_eq!(f.get(n, key), Some(v.clone()));
+        }
+    }
+    Ok(())
+}

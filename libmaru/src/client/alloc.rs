@@ -1,0 +1,169 @@
+//! Allocations: spare grants taken in batches, and the writable mapping of a grant.
+
+use std::fs::File;
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::proto::{Body, Grant, MAX_FDS_PER_FRAME, Op, PoolKind};
+
+use super::state::{Inner, Pending, Spare, unexpected};
+use super::{AllocHandle, page_size};
+
+impl Inner {
+    /// How many allocations of `size` one request asks for.
+    pub(super) fn batch_count(&mut self, size: u64) -> u32 {
+        // Batch only sizes that repeat (KV chunks of one model do), within a byte budget.
+        if self.sizes_seen.len() > 4096 {
+            self.sizes_seen.clear();
+        }
+        let seen = self.sizes_seen.entry(size).or_insert(0);
+        *seen = seen.saturating_add(1);
+        let repeats = *seen >= 2;
+        // The byte budget covers every spare this handler holds, of all sizes.
+        let held: u64 = self.spares.iter().map(|(sz, v)| sz * v.len() as u64).sum();
+        let budget = self.cfg.batch_alloc_bytes.saturating_sub(held);
+        if repeats && size <= self.cfg.batch_alloc_max && budget / size >= 2 {
+            let by_bytes = (budget / size).max(1) as u32;
+            self.cfg
+                .batch_alloc_count
+                .min(by_bytes)
+                .clamp(1, MAX_FDS_PER_FRAME as u32)
+        } else {
+            1
+        }
+    }
+
+    pub(super) fn alloc(&mut self, size: u64) -> Result<AllocHandle> {
+        if size == 0 {
+            return Err(Error::InvalidArgument("allocation of 0 bytes".into()));
+        }
+        // A refill requested earlier may be on its way: take it rather than asking again.
+        while self.spares.get(&size).is_none_or(Vec::is_empty) && self.refilling.contains(&size) {
+            self.recv_one()?;
+        }
+        if let Some(s) = self.spares.get_mut(&size).and_then(Vec::pop) {
+            let left = self.spares.get(&size).map_or(0, Vec::len);
+            let batch = self.cfg.batch_alloc_count as usize;
+            if left < batch / 2 && !self.refilling.contains(&size) && batch > 1 {
+                // Ask for the next batch now; the daemon creates it while we keep storing.
+                let count = self.batch_count(size);
+                if count > 1 {
+                    let op = Op::Alloc {
+                        size,
+                        count,
+                        pool: self.cfg.pool.clone(),
+                    };
+                    let id = self.send(op, &[])?;
+                    self.pending.insert(id, Pending::Alloc(size));
+                    self.refilling.insert(size);
+                }
+            }
+            return self.map_grant(s);
+        }
+        let count = self.batch_count(size);
+        let op = Op::Alloc {
+            size,
+            count,
+            pool: self.cfg.pool.clone(),
+        };
+        let (body, fds) = match self.call(op.clone()) {
+            // Spares of other sizes hold pool memory: give them back and try once more.
+            Err(Error::NoSpace(_)) if self.spares.values().any(|v| !v.is_empty()) => {
+                self.free_spares()?;
+                self.call(op)?
+            }
+            r => r?,
+        };
+        let grants = match body {
+            Body::Allocated { grants } => grants,
+            other => return Err(unexpected(&other)),
+        };
+        let mut spares = self.spares_from(grants, fds)?;
+        let first = spares
+            .pop()
+            .ok_or_else(|| Error::Protocol("empty grant".into()))?;
+        self.spares.entry(size).or_default().extend(spares);
+        self.map_grant(first)
+    }
+
+    /// Gives every spare allocation back to the daemon.
+    pub(super) fn free_spares(&mut self) -> Result<()> {
+        let ids: Vec<u64> = self
+            .spares
+            .drain()
+            .flat_map(|(_, v)| v.into_iter().map(|s| s.grant.alloc))
+            .collect();
+        if !ids.is_empty() {
+            self.call(Op::Free { allocs: ids })?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn spares_from(
+        &mut self,
+        grants: Vec<Grant>,
+        fds: Vec<OwnedFd>,
+    ) -> Result<Vec<Spare>> {
+        let mut fds = fds.into_iter();
+        let mut spares = Vec::with_capacity(grants.len());
+        for g in grants {
+            let fd = if g.fd {
+                Some(
+                    fds.next()
+                        .ok_or_else(|| Error::Protocol("missing descriptor".into()))?,
+                )
+            } else {
+                None
+            };
+            let file = match self.pool_kind(g.pool)? {
+                PoolKind::Memfs => {
+                    Some(File::from(fd.ok_or_else(|| {
+                        Error::Protocol("memfs grant without a file".into())
+                    })?))
+                }
+                _ => {
+                    if let Some(fd) = fd {
+                        self.pool_rw.insert(g.pool, Arc::new(File::from(fd)));
+                    }
+                    None
+                }
+            };
+            spares.push(Spare { grant: g, file });
+        }
+        Ok(spares)
+    }
+
+    pub(super) fn map_grant(&mut self, s: Spare) -> Result<AllocHandle> {
+        let size = s.grant.size as usize;
+        let (map, start) = match s.file {
+            // SAFETY: the file is a WRITING entry only this client holds; nobody else maps it.
+            Some(f) => (
+                unsafe { memmap2::MmapOptions::new().len(size).map_mut(&f)? },
+                0,
+            ),
+            None => {
+                let f = self
+                    .pool_rw
+                    .get(&s.grant.pool)
+                    .ok_or_else(|| Error::Protocol("no descriptor for the pool".into()))?;
+                let page = page_size() as u64;
+                let base = s.grant.offset / page * page;
+                let start = (s.grant.offset - base) as usize;
+                // SAFETY: the range was granted to this client alone until it publishes or frees it.
+                let m = unsafe {
+                    memmap2::MmapOptions::new()
+                        .offset(base)
+                        .len(start + size)
+                        .map_mut(&**f)?
+                };
+                (m, start)
+            }
+        };
+        Ok(AllocHandle {
+            grant: s.grant,
+            map,
+            start,
+        })
+    }
+}

@@ -1,0 +1,246 @@
+//! Lookups and retrievals: the shared index of each namespace, and the mappings a handler
+//! keeps of what it retrieved.
+
+use std::fs::File;
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::index::SlotView;
+use crate::mapping::{MapInner, Mapping};
+use crate::proto::{Body, Located, MAX_FDS_PER_FRAME, Op, PoolKind};
+
+use super::page_size;
+use super::state::{Cached, Inner, NsIndex, unexpected};
+
+impl Inner {
+    /// The shared index of `ns`; `None` when marud refuses it (it reveals every name: it
+    /// takes the right to list the namespace, while a lookup only takes the right to search it).
+    pub(super) fn index(&mut self, ns: &str) -> Result<Option<&NsIndex>> {
+        if self.unlisted.contains(ns) {
+            return Ok(None);
+        }
+        let stale = match self.indexes.get(ns) {
+            None => true,
+            Some(ix) => ix.table().is_none_or(|t| t.retired()),
+        };
+        if stale {
+            let (body, mut fds) = match self.call(Op::Index { ns: ns.to_owned() }) {
+                Ok(r) => r,
+                Err(Error::PermissionDenied(_)) => {
+                    self.indexes.remove(ns);
+                    self.unlisted.insert(ns.to_owned());
+                    return Ok(None);
+                }
+                Err(e) => return Err(e),
+            };
+            if !matches!(body, Body::Index { .. }) || fds.len() != 1 {
+                return Err(Error::Protocol("index reply without a descriptor".into()));
+            }
+            let f = File::from(fds.pop().expect("one fd"));
+            // SAFETY: a read-only shared mapping of the daemon's index memfd; accessed only
+            // through atomics by crate::index.
+            let map = unsafe { memmap2::Mmap::map(&f)? };
+            let ix = NsIndex {
+                map,
+                removals_seen: 0,
+            };
+            if ix.table().is_none() {
+                return Err(Error::Protocol("malformed index table".into()));
+            }
+            self.indexes.insert(ns.to_owned(), ix);
+        }
+        Ok(self.indexes.get(ns))
+    }
+
+    pub(super) fn lookup(&mut self, ns: &str, key: &str) -> Result<Option<SlotView>> {
+        Ok(self
+            .index(ns)?
+            .and_then(|ix| ix.table())
+            .and_then(|t| t.lookup(key.as_bytes())))
+    }
+
+    /// True if a miss in the index must ask marud: publications through the mount are
+    /// imminent in `ns`, or there is no index to ask.
+    pub(super) fn pending(&mut self, ns: &str) -> Result<bool> {
+        Ok(match self.index(ns)? {
+            Some(ix) => ix.table().is_some_and(|t| t.pending() > 0),
+            None => true,
+        })
+    }
+
+    pub(super) fn exists(&mut self, ns: &str, key: &str) -> Result<bool> {
+        if self.lookup(ns, key)?.is_some() {
+            return Ok(true);
+        }
+        if !self.pending(ns)? {
+            return Ok(false);
+        }
+        match self.call(Op::Exists {
+            ns: ns.to_owned(),
+            keys: vec![key.to_owned()],
+        })? {
+            (Body::Exists { found }, _) => Ok(found.first().copied().unwrap_or(false)),
+            (other, _) => Err(unexpected(&other)),
+        }
+    }
+
+    pub(super) fn retrieve_many(
+        &mut self,
+        ns: &str,
+        keys: &[String],
+    ) -> Result<Vec<Option<Mapping>>> {
+        self.sweep_cache(ns);
+        let mut out: Vec<Option<Mapping>> = vec![None; keys.len()];
+        let mut miss: Vec<usize> = Vec::new();
+        for (i, k) in keys.iter().enumerate() {
+            let Some(v) = self.lookup(ns, k)? else {
+                // Not in the index: absent, unless a publication is imminent (ask marud).
+                if self.pending(ns)? {
+                    miss.push(i);
+                }
+                continue;
+            };
+            self.clock += 1;
+            let clock = self.clock;
+            match self.cache.get_mut(&(ns.to_owned(), k.clone())) {
+                Some(c) if c.generation == v.generation => {
+                    c.used = clock;
+                    out[i] = Some(c.map.clone());
+                }
+                _ => miss.push(i),
+            }
+        }
+        for chunk in miss.chunks(MAX_FDS_PER_FRAME) {
+            let ks: Vec<String> = chunk.iter().map(|&i| keys[i].clone()).collect();
+            let (body, fds) = self.call(Op::Retrieve {
+                ns: ns.to_owned(),
+                keys: ks,
+            })?;
+            let items = match body {
+                Body::Retrieved { items } => items,
+                other => return Err(unexpected(&other)),
+            };
+            if items.len() != chunk.len() {
+                return Err(Error::Protocol("retrieve reply of the wrong length".into()));
+            }
+            let mut fds = fds.into_iter();
+            for (&i, item) in chunk.iter().zip(items) {
+                let Some(loc) = item else { continue };
+                let fd = if loc.fd { fds.next() } else { None };
+                let m = self.map_located(&loc, fd)?;
+                self.cache_insert(ns, &keys[i], &m);
+                out[i] = Some(m);
+            }
+        }
+        Ok(out)
+    }
+
+    pub(super) fn map_located(&mut self, loc: &Located, fd: Option<OwnedFd>) -> Result<Mapping> {
+        let kind = self.pool_kind(loc.pool)?;
+        let inner = if kind == PoolKind::Memfs {
+            let f = File::from(fd.ok_or_else(|| Error::Protocol("memfs entry without fd".into()))?);
+            let mut o = memmap2::MmapOptions::new();
+            o.len(loc.size.max(1) as usize);
+            if self.cfg.populate {
+                o.populate();
+            }
+            // SAFETY: a read-only shared mapping of a sealed entry's file; sealed entries are
+            // never written again (see Mapping::as_slice).
+            let map = unsafe { o.map(&f)? };
+            MapInner {
+                map,
+                start: 0,
+                len: loc.size as usize,
+                generation: loc.generation,
+                release: None,
+            }
+        } else {
+            if let Some(fd) = fd {
+                self.pool_ro.insert(loc.pool, Arc::new(File::from(fd)));
+            }
+            let f = self
+                .pool_ro
+                .get(&loc.pool)
+                .ok_or_else(|| Error::Protocol("no descriptor for the pool".into()))?;
+            let page = page_size() as u64;
+            let base = loc.offset / page * page;
+            let start = (loc.offset - base) as usize;
+            // SAFETY: the extent holds a sealed entry under a lease this mapping owns until
+            // MapInner::drop queues its release; the daemon does not reuse it meanwhile.
+            let map = unsafe {
+                memmap2::MmapOptions::new()
+                    .offset(base)
+                    .len((start + loc.size as usize).max(1))
+                    .map(&**f)?
+            };
+            MapInner {
+                map,
+                start,
+                len: loc.size as usize,
+                generation: loc.generation,
+                release: Some(self.releases.clone()),
+            }
+        };
+        Ok(Mapping {
+            inner: Arc::new(inner),
+        })
+    }
+
+    pub(super) fn cache_insert(&mut self, ns: &str, key: &str, m: &Mapping) {
+        if self.cfg.cache_entries == 0 || m.len() as u64 > self.cfg.cache_bytes {
+            return;
+        }
+        self.clock += 1;
+        let c = Cached {
+            generation: m.generation(),
+            map: m.clone(),
+            used: self.clock,
+        };
+        if let Some(old) = self.cache.insert((ns.to_owned(), key.to_owned()), c) {
+            self.cache_bytes -= old.map.len() as u64;
+        }
+        self.cache_bytes += m.len() as u64;
+        while self.cache.len() > self.cfg.cache_entries || self.cache_bytes > self.cfg.cache_bytes {
+            let victim = self
+                .cache
+                .iter()
+                .min_by_key(|(_, c)| c.used)
+                .map(|(k, _)| k.clone())
+                .expect("non-empty");
+            let c = self.cache.remove(&victim).expect("present");
+            self.cache_bytes -= c.map.len() as u64;
+        }
+    }
+
+    /// Drops cached mappings of entries removed since the last look, so this client
+    /// does not keep deleted or evicted entries' memory alive.
+    pub(super) fn sweep_cache(&mut self, ns: &str) {
+        let Some(ix) = self.indexes.get(ns) else {
+            return;
+        };
+        let Some(t) = ix.table() else { return };
+        let removals = t.removals();
+        if removals == ix.removals_seen {
+            return;
+        }
+        let stale: Vec<(String, String)> = self
+            .cache
+            .iter()
+            .filter(|((cns, k), c)| {
+                cns == ns
+                    && t.lookup(k.as_bytes())
+                        .is_none_or(|v| v.generation != c.generation)
+            })
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in stale {
+            if let Some(c) = self.cache.remove(&k) {
+                self.cache_bytes -= c.map.len() as u64;
+            }
+        }
+        if let Some(ix) = self.indexes.get_mut(ns) {
+            ix.removals_seen = removals;
+        }
+    }
+}

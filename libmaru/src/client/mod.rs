@@ -1,0 +1,510 @@
+//! The client: [`Handler`] talks to marud over its control socket and maps
+//! pool memory directly.
+//!
+//! Fast paths that take no round trip:
+//! - `exists` reads the namespace's shared index (mapped read-only);
+//! - `retrieve` of a key this handler retrieved before checks the index for the
+//!   same generation and returns the mapping it already holds;
+//! - `alloc` of small sizes takes a spare from a batch granted earlier;
+//! - `store_async` queues the publication; `flush` waits for all of them.
+
+mod alloc;
+mod lookup;
+mod state;
+
+use std::collections::HashMap;
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use crate::error::{Error, Result};
+use crate::index::FLAG_PINNED;
+use crate::mapping::Mapping;
+use crate::name::EntryPath;
+use crate::proto::{
+    self, Body, Grant, Located, NsInfo, Op, PROTOCOL_VERSION, PoolInfo, PoolKind, Stats,
+};
+
+pub use state::{Config, DEFAULT_SOCKET};
+use state::{Inner, Pending, unexpected};
+
+/// A writable allocation, published with [`Handler::store`].
+pub struct AllocHandle {
+    grant: Grant,
+    map: memmap2::MmapMut,
+    start: usize,
+}
+
+impl AllocHandle {
+    /// The writable bytes.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        let n = self.grant.size as usize;
+        &mut self.map[self.start..self.start + n]
+    }
+
+    /// The bytes written so far.
+    pub fn as_slice(&self) -> &[u8] {
+        &self.map[self.start..self.start + self.grant.size as usize]
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.grant.size as usize
+    }
+
+    /// True for a zero-sized allocation (never handed out).
+    pub fn is_empty(&self) -> bool {
+        self.grant.size == 0
+    }
+
+    /// Pool id of the allocation.
+    pub fn pool(&self) -> u32 {
+        self.grant.pool
+    }
+}
+
+impl std::fmt::Debug for AllocHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AllocHandle")
+            .field("grant", &self.grant)
+            .finish()
+    }
+}
+
+/// A connection to marud with the store's verbs.
+pub struct Handler {
+    inner: Mutex<Inner>,
+}
+
+impl std::fmt::Debug for Handler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Handler").finish_non_exhaustive()
+    }
+}
+
+/// A sealed entry's description (see [`Handler::stat`]).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct EntryInfo {
+    /// `ns/key`.
+    pub path: String,
+    /// Unique id of this sealed entry.
+    pub generation: u64,
+    /// Size in bytes.
+    pub size: u64,
+    /// Pool name.
+    pub pool: String,
+    /// Pool kind.
+    pub kind: PoolKind,
+    /// Offset in the pool (raw pools).
+    pub offset: u64,
+    /// Pinned against eviction.
+    pub pinned: bool,
+}
+
+/// What `batch_store` reports per key.
+pub type BatchResult = Vec<Result<()>>;
+
+impl Handler {
+    /// Connects and performs the handshake.
+    pub fn connect(cfg: Config) -> Result<Self> {
+        let sock = UnixStream::connect(&cfg.socket).map_err(|e| {
+            Error::Io(std::io::Error::new(
+                e.kind(),
+                format!("cannot connect to marud at {}: {e}", cfg.socket.display()),
+            ))
+        })?;
+        sock.set_read_timeout(Some(cfg.timeout))?;
+        sock.set_write_timeout(Some(cfg.timeout))?;
+        let mut inner = Inner {
+            cfg,
+            sock,
+            reader: proto::FrameReader::new(),
+            next_id: 1,
+            session: 0,
+            server: String::new(),
+            pools: Vec::new(),
+            pool_ro: HashMap::new(),
+            pool_rw: HashMap::new(),
+            spares: HashMap::new(),
+            sizes_seen: HashMap::new(),
+            refilling: std::collections::HashSet::new(),
+            pending: HashMap::new(),
+            async_errors: Vec::new(),
+            indexes: HashMap::new(),
+            unlisted: std::collections::HashSet::new(),
+            cache: HashMap::new(),
+            cache_bytes: 0,
+            clock: 0,
+            releases: Arc::new(Mutex::new(Vec::new())),
+        };
+        let name = inner.cfg.client_name.clone();
+        let (body, _) = inner.call(Op::Hello {
+            version: PROTOCOL_VERSION,
+            client: name,
+        })?;
+        match body {
+            Body::Hello {
+                version,
+                session,
+                pools,
+                server,
+            } => {
+                inner.server = server;
+                if version != PROTOCOL_VERSION {
+                    return Err(Error::Protocol(format!(
+                        "daemon speaks protocol {version}, this client {PROTOCOL_VERSION}"
+                    )));
+                }
+                inner.session = session;
+                // Held mappings keep deleted and evicted entries' memory alive until this
+                // client's next call: never let them take more than an eighth of the pools.
+                let capacity: u64 = pools.iter().map(|p| p.capacity).sum();
+                inner.cfg.cache_bytes = inner.cfg.cache_bytes.min(capacity / 8);
+                inner.pools = pools;
+            }
+            other => return Err(unexpected(&other)),
+        }
+        Ok(Handler {
+            inner: Mutex::new(inner),
+        })
+    }
+
+    /// Connects with the default configuration.
+    pub fn connect_default() -> Result<Self> {
+        Self::connect(Config::default())
+    }
+
+    /// This connection's session id.
+    pub fn session(&self) -> u64 {
+        self.inner.lock().session
+    }
+
+    /// The daemon's pools as of the handshake.
+    pub fn pools(&self) -> Vec<PoolInfo> {
+        self.inner.lock().pools.clone()
+    }
+
+    /// Creates a namespace (parents must exist).
+    pub fn mkdir(&self, ns: &str, mode: u32) -> Result<()> {
+        self.inner
+            .lock()
+            .call(Op::Mkdir {
+                ns: ns.to_owned(),
+                mode,
+            })
+            .map(drop)
+    }
+
+    /// Sets (or clears, with `None`) the quota of namespace `ns`: the most bytes of sealed
+    /// entries it and the namespaces under it may hold. Root only; stores that would go over
+    /// it fail with [`Error::Quota`] (`EDQUOT`).
+    pub fn set_quota(&self, ns: &str, bytes: Option<u64>) -> Result<()> {
+        self.inner
+            .lock()
+            .call(Op::SetQuota {
+                ns: ns.to_owned(),
+                bytes,
+            })
+            .map(drop)
+    }
+
+    /// Removes an empty namespace.
+    pub fn rmdir(&self, ns: &str) -> Result<()> {
+        self.inner
+            .lock()
+            .call(Op::Rmdir { ns: ns.to_owned() })
+            .map(drop)
+    }
+
+    /// Allocates `size` writable bytes in the pool.
+    pub fn alloc(&self, size: u64) -> Result<AllocHandle> {
+        self.inner.lock().alloc(size)
+    }
+
+    /// Gives an allocation back without publishing it.
+    pub fn free(&self, handle: AllocHandle) -> Result<()> {
+        let id = handle.grant.alloc;
+        drop(handle);
+        self.inner
+            .lock()
+            .call(Op::Free { allocs: vec![id] })
+            .map(drop)
+    }
+
+    /// Publishes `handle` under `path` (`ns/key`) and waits for the daemon.
+    /// Fails with [`Error::Exists`] if the key is taken (the allocation is then freed).
+    pub fn store(&self, path: &str, handle: AllocHandle) -> Result<()> {
+        self.store_len(path, handle, None)
+    }
+
+    /// Like [`store`](Self::store), publishing only the first `len` bytes.
+    pub fn store_len(&self, path: &str, handle: AllocHandle, len: Option<u64>) -> Result<()> {
+        let p = EntryPath::parse(path)?;
+        let op = publish_op(&p, handle, len)?;
+        self.inner.lock().call(op).map(drop)
+    }
+
+    /// Queues the publication of `handle` under `path` without waiting.
+    /// Errors surface at the next [`flush`](Self::flush). A crash before the daemon
+    /// handles it publishes nothing (the allocation is reclaimed).
+    pub fn store_async(&self, path: &str, handle: AllocHandle) -> Result<()> {
+        let p = EntryPath::parse(path)?;
+        let op = publish_op(&p, handle, None)?;
+        let mut g = self.inner.lock();
+        let id = g.send(op, &[])?;
+        g.pending.insert(id, Pending::Publish(p.to_string()));
+        Ok(())
+    }
+
+    /// Waits until every queued publication is done; returns the failed ones.
+    pub fn flush(&self) -> Result<Vec<(String, Error)>> {
+        let mut g = self.inner.lock();
+        while !g.pending.is_empty() {
+            g.recv_one()?;
+        }
+        Ok(std::mem::take(&mut g.async_errors))
+    }
+
+    /// Stores a copy of `data` under `path` (alloc + copy + store).
+    pub fn put(&self, path: &str, data: &[u8]) -> Result<()> {
+        let mut h = self.alloc(data.len().max(1) as u64)?;
+        h.as_mut_slice()[..data.len()].copy_from_slice(data);
+        self.store_len(path, h, Some(data.len() as u64))
+    }
+
+    /// Publishes many handles; one outcome per item, in order.
+    pub fn batch_store(&self, items: Vec<(String, AllocHandle)>) -> Result<BatchResult> {
+        let mut g = self.inner.lock();
+        let mut ids = Vec::with_capacity(items.len());
+        for (path, h) in items {
+            let p = match EntryPath::parse(&path) {
+                Ok(p) => p,
+                Err(e) => {
+                    ids.push(Err(e));
+                    continue;
+                }
+            };
+            let op = publish_op(&p, h, None)?;
+            ids.push(Ok(g.send(op, &[])?));
+        }
+        let mut out = Vec::with_capacity(ids.len());
+        for id in ids {
+            out.push(match id {
+                Ok(id) => g.wait(id).map(drop),
+                Err(e) => Err(e),
+            });
+        }
+        Ok(out)
+    }
+
+    /// Maps a sealed entry read-only: the pool's own pages. `None` if absent.
+    pub fn retrieve(&self, path: &str) -> Result<Option<Mapping>> {
+        let p = EntryPath::parse(path)?;
+        let mut g = self.inner.lock();
+        let mut out = g.retrieve_many(p.ns(), &[p.key().to_owned()])?;
+        Ok(out.pop().flatten())
+    }
+
+    /// Retrieves many entries; one item per path, in order.
+    pub fn batch_retrieve(&self, paths: &[&str]) -> Result<Vec<Option<Mapping>>> {
+        let mut g = self.inner.lock();
+        let mut out: Vec<Option<Mapping>> = vec![None; paths.len()];
+        // Group by namespace, keep positions.
+        let mut groups: Vec<(String, Vec<(usize, String)>)> = Vec::new();
+        for (i, path) in paths.iter().enumerate() {
+            let p = EntryPath::parse(path)?;
+            match groups.iter_mut().find(|(ns, _)| ns == p.ns()) {
+                Some((_, v)) => v.push((i, p.key().to_owned())),
+                None => groups.push((p.ns().to_owned(), vec![(i, p.key().to_owned())])),
+            }
+        }
+        for (ns, items) in groups {
+            let keys: Vec<String> = items.iter().map(|(_, k)| k.clone()).collect();
+            let maps = g.retrieve_many(&ns, &keys)?;
+            for ((i, _), m) in items.into_iter().zip(maps) {
+                out[i] = m;
+            }
+        }
+        Ok(out)
+    }
+
+    /// True if a sealed entry exists at `path`.
+    pub fn exists(&self, path: &str) -> Result<bool> {
+        let p = EntryPath::parse(path)?;
+        let mut g = self.inner.lock();
+        g.exists(p.ns(), p.key())
+    }
+
+    /// `exists` for many paths.
+    pub fn batch_exists(&self, paths: &[&str]) -> Result<Vec<bool>> {
+        let mut g = self.inner.lock();
+        let mut out = Vec::with_capacity(paths.len());
+        for path in paths {
+            let p = EntryPath::parse(path)?;
+            out.push(g.exists(p.ns(), p.key())?);
+        }
+        Ok(out)
+    }
+
+    /// Deletes a sealed entry. Mappings held elsewhere stay valid until dropped.
+    pub fn delete(&self, path: &str) -> Result<()> {
+        self.batch_op(&[path], |ns, keys| Op::Delete { ns, keys })?
+            .pop()
+            .expect("one result")
+    }
+
+    /// Deletes many entries; one outcome per path.
+    pub fn batch_delete(&self, paths: &[&str]) -> Result<BatchResult> {
+        self.batch_op(paths, |ns, keys| Op::Delete { ns, keys })
+    }
+
+    /// Pins an entry (never evicted while pinned).
+    pub fn pin(&self, path: &str) -> Result<()> {
+        self.batch_pin(&[path], true)?.pop().expect("one result")
+    }
+
+    /// Unpins an entry.
+    pub fn unpin(&self, path: &str) -> Result<()> {
+        self.batch_pin(&[path], false)?.pop().expect("one result")
+    }
+
+    /// Pins or unpins many entries.
+    pub fn batch_pin(&self, paths: &[&str], pinned: bool) -> Result<BatchResult> {
+        self.batch_op(paths, |ns, keys| Op::Pin { ns, keys, pinned })
+    }
+
+    /// Describes a sealed entry without mapping it (from the shared index). `None` if absent.
+    pub fn stat(&self, path: &str) -> Result<Option<EntryInfo>> {
+        let p = EntryPath::parse(path)?;
+        let mut g = self.inner.lock();
+        if !g.exists(p.ns(), p.key())? {
+            return Ok(None);
+        }
+        let Some(v) = g.lookup(p.ns(), p.key())? else {
+            return Ok(None);
+        };
+        let pool = g.pools.iter().find(|x| x.id == v.pool);
+        Ok(Some(EntryInfo {
+            path: p.to_string(),
+            generation: v.generation,
+            size: v.size,
+            pool: pool.map(|x| x.name.clone()).unwrap_or_default(),
+            kind: pool.map(|x| x.kind).unwrap_or(PoolKind::Memfs),
+            offset: v.offset,
+            pinned: v.flags & FLAG_PINNED != 0,
+        }))
+    }
+
+    /// The daemon's name and version, from the handshake.
+    pub fn server(&self) -> String {
+        self.inner.lock().server.clone()
+    }
+
+    /// True if the entry is pinned (from the shared index).
+    pub fn is_pinned(&self, path: &str) -> Result<bool> {
+        let p = EntryPath::parse(path)?;
+        let mut g = self.inner.lock();
+        Ok(g.lookup(p.ns(), p.key())?
+            .is_some_and(|v| v.flags & FLAG_PINNED != 0))
+    }
+
+    /// Lists a namespace ("" for the root).
+    pub fn list(&self, ns: &str) -> Result<(Option<NsInfo>, Vec<NsInfo>, Vec<Located>)> {
+        match self.inner.lock().call(Op::List { ns: ns.to_owned() })?.0 {
+            Body::Listing {
+                ns,
+                children,
+                entries,
+            } => Ok((ns, children, entries)),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Store-wide statistics.
+    pub fn stats(&self) -> Result<Stats> {
+        match self.inner.lock().call(Op::Stats)?.0 {
+            Body::Stats(s) => Ok(s),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Asks the daemon to evict LRU entries until `bytes` are free.
+    pub fn evict(&self, bytes: u64) -> Result<(u64, u64)> {
+        match self.inner.lock().call(Op::Evict { bytes })?.0 {
+            Body::Evicted { entries, bytes } => Ok((entries, bytes)),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Drops cached mappings (they keep deleted entries' memory alive).
+    pub fn trim(&self) {
+        let mut g = self.inner.lock();
+        g.cache.clear();
+        g.cache_bytes = 0;
+    }
+
+    fn batch_op(
+        &self,
+        paths: &[&str],
+        mk: impl Fn(String, Vec<String>) -> Op,
+    ) -> Result<BatchResult> {
+        let mut g = self.inner.lock();
+        let mut out = Vec::with_capacity(paths.len());
+        for path in paths {
+            let p = match EntryPath::parse(path) {
+                Ok(p) => p,
+                Err(e) => {
+                    out.push(Err(e));
+                    continue;
+                }
+            };
+            let r = match g.call(mk(p.ns().to_owned(), vec![p.key().to_owned()])) {
+                Ok((Body::Batch { mut results }, _)) => match results.pop().flatten() {
+                    None => Ok(()),
+                    Some(w) => Err(Error::from(w)),
+                },
+                Ok((other, _)) => Err(unexpected(&other)),
+                Err(e) => Err(e),
+            };
+            out.push(r);
+        }
+        Ok(out)
+    }
+}
+
+fn publish_op(p: &EntryPath, handle: AllocHandle, len: Option<u64>) -> Result<Op> {
+    if let Some(l) = len
+        && l > handle.grant.size
+    {
+        return Err(Error::InvalidArgument(format!(
+            "length {l} exceeds the allocation of {}",
+            handle.grant.size
+        )));
+    }
+    let alloc = handle.grant.alloc;
+    // Unmap before publishing: this process keeps no writable view of a sealed entry.
+    drop(handle);
+    Ok(Op::Publish {
+        alloc,
+        ns: p.ns().to_owned(),
+        key: p.key().to_owned(),
+        len,
+    })
+}
+
+/// The system page size.
+pub fn page_size() -> usize {
+    nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
+        .ok()
+        .flatten()
+        .map_or(4096, |n| n as usize)
+}
+
+/// Measures a closure (used by the benchmark harness).
+pub fn time<T>(f: impl FnOnce() -> T) -> (T, Duration) {
+    let t = Instant::now();
+    let v = f();
+    (v, t.elapsed())
+}

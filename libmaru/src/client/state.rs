@@ -1,0 +1,216 @@
+//! The connection's state: the socket, the session, what the handler keeps (spare grants,
+//! indexes, cached mappings), and the request/response plumbing.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+use crate::error::{Error, Result};
+use crate::index::Table;
+use crate::mapping::Mapping;
+use crate::proto::{self, Body, Grant, Op, Outcome, PoolInfo, PoolKind, Request, Response};
+
+/// Where marud listens by default.
+pub const DEFAULT_SOCKET: &str = "/run/maru/marud.sock";
+
+/// Client settings.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The daemon's control socket (`MARU_SOCKET` overrides the default).
+    pub socket: PathBuf,
+    /// A name shown in the daemon's per-client statistics.
+    pub client_name: String,
+    /// How long to wait for a reply.
+    pub timeout: Duration,
+    /// Allocations of at most this many bytes are requested in batches once a size repeats.
+    pub batch_alloc_max: u64,
+    /// Most allocations one batch requests.
+    pub batch_alloc_count: u32,
+    /// Most bytes one batch requests (spares count against the pool until used or freed).
+    pub batch_alloc_bytes: u64,
+    /// Most mappings kept for fast repeated retrieval.
+    pub cache_entries: usize,
+    /// Most bytes of mappings kept for fast repeated retrieval.
+    pub cache_bytes: u64,
+    /// Pool to allocate from (by name); the daemon's placement policy when `None`.
+    pub pool: Option<String>,
+    /// Map retrieved entries with `MAP_POPULATE` (page tables built at once, no faults later).
+    pub populate: bool,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            socket: std::env::var_os("MARU_SOCKET")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| PathBuf::from(DEFAULT_SOCKET)),
+            client_name: format!("pid-{}", std::process::id()),
+            timeout: Duration::from_secs(30),
+            batch_alloc_max: 1 << 20,
+            batch_alloc_count: 64,
+            batch_alloc_bytes: 1 << 20,
+            cache_entries: 4096,
+            cache_bytes: 1 << 30,
+            pool: None,
+            populate: true,
+        }
+    }
+}
+
+pub(super) struct Spare {
+    pub(super) grant: Grant,
+    pub(super) file: Option<File>,
+}
+
+pub(super) struct NsIndex {
+    pub(super) map: memmap2::Mmap,
+    pub(super) removals_seen: u64,
+}
+
+impl NsIndex {
+    pub(super) fn table(&self) -> Option<Table<'_>> {
+        // SAFETY: the mapping is page aligned, lives as long as self, and the daemon only
+        // writes it through atomics (see crate::index).
+        unsafe { Table::from_raw(self.map.as_ptr(), self.map.len()) }
+    }
+}
+
+pub(super) struct Cached {
+    pub(super) generation: u64,
+    pub(super) map: Mapping,
+    pub(super) used: u64,
+}
+
+pub(super) enum Pending {
+    Publish(String),
+    Release,
+    Alloc(u64),
+}
+
+pub(super) struct Inner {
+    pub(super) cfg: Config,
+    pub(super) sock: UnixStream,
+    pub(super) reader: proto::FrameReader,
+    pub(super) next_id: u64,
+    pub(super) session: u64,
+    pub(super) server: String,
+    pub(super) pools: Vec<PoolInfo>,
+    pub(super) pool_ro: HashMap<u32, Arc<File>>,
+    pub(super) pool_rw: HashMap<u32, Arc<File>>,
+    pub(super) spares: HashMap<u64, Vec<Spare>>,
+    pub(super) sizes_seen: HashMap<u64, u32>,
+    pub(super) refilling: std::collections::HashSet<u64>,
+    pub(super) pending: HashMap<u64, Pending>,
+    pub(super) async_errors: Vec<(String, Error)>,
+    pub(super) indexes: HashMap<String, NsIndex>,
+    /// Namespaces whose index marud refused (the caller may look entries up but not list
+    /// them): their lookups go to marud.
+    pub(super) unlisted: std::collections::HashSet<String>,
+    pub(super) cache: HashMap<(String, String), Cached>,
+    pub(super) cache_bytes: u64,
+    pub(super) clock: u64,
+    pub(super) releases: Arc<Mutex<Vec<u64>>>,
+}
+
+pub(super) fn unexpected(b: &Body) -> Error {
+    Error::Protocol(format!("unexpected reply {b:?}"))
+}
+
+impl Inner {
+    pub(super) fn send(&mut self, op: Op, fds: &[std::os::fd::BorrowedFd<'_>]) -> Result<u64> {
+        let id = self.next_id;
+        self.next_id += 1;
+        let frame = proto::encode(&Request { id, op });
+        proto::send_all(self.sock.as_fd(), &frame, fds).map_err(io_err)?;
+        Ok(id)
+    }
+
+    /// Reads one response; async ones are settled here, others returned.
+    pub(super) fn recv_one(&mut self) -> Result<Option<(Response, Vec<OwnedFd>)>> {
+        let body = loop {
+            if let Some(b) = self.reader.next_frame()? {
+                break b;
+            }
+            let n = self.reader.read_from(self.sock.as_fd()).map_err(io_err)?;
+            if n == 0 {
+                return Err(Error::Disconnected);
+            }
+        };
+        let resp: Response = proto::decode(&body)?;
+        let fds = self.reader.take_fds(resp.fds as usize)?;
+        if let Some(p) = self.pending.remove(&resp.id) {
+            match (p, resp.result) {
+                (Pending::Publish(path), Outcome::Err(w)) => {
+                    self.async_errors.push((path, Error::from(w)));
+                }
+                (Pending::Alloc(size), Outcome::Ok(Body::Allocated { grants })) => {
+                    self.refilling.remove(&size);
+                    let spares = self.spares_from(grants, fds)?;
+                    self.spares.entry(size).or_default().extend(spares);
+                }
+                (Pending::Alloc(size), _) => {
+                    // A failed refill (full pool...) surfaces at the next synchronous alloc.
+                    self.refilling.remove(&size);
+                }
+                _ => {}
+            }
+            return Ok(None);
+        }
+        Ok(Some((resp, fds)))
+    }
+
+    pub(super) fn wait(&mut self, id: u64) -> Result<(Body, Vec<OwnedFd>)> {
+        loop {
+            if let Some((resp, fds)) = self.recv_one()? {
+                if resp.id != id {
+                    return Err(Error::Protocol(format!(
+                        "reply to request {} while waiting for {id}",
+                        resp.id
+                    )));
+                }
+                return match resp.result {
+                    Outcome::Ok(b) => Ok((b, fds)),
+                    Outcome::Err(w) => Err(Error::from(w)),
+                };
+            }
+        }
+    }
+
+    pub(super) fn call(&mut self, op: Op) -> Result<(Body, Vec<OwnedFd>)> {
+        self.flush_releases()?;
+        let id = self.send(op, &[])?;
+        self.wait(id)
+    }
+
+    pub(super) fn flush_releases(&mut self) -> Result<()> {
+        let gens = std::mem::take(&mut *self.releases.lock());
+        if !gens.is_empty() {
+            let id = self.send(Op::Release { gens }, &[])?;
+            self.pending.insert(id, Pending::Release);
+        }
+        Ok(())
+    }
+
+    pub(super) fn pool_kind(&self, id: u32) -> Result<PoolKind> {
+        self.pools
+            .iter()
+            .find(|p| p.id == id)
+            .map(|p| p.kind)
+            .ok_or_else(|| Error::Protocol(format!("unknown pool {id}")))
+    }
+}
+
+fn io_err(e: std::io::Error) -> Error {
+    match e.kind() {
+        std::io::ErrorKind::BrokenPipe
+        | std::io::ErrorKind::ConnectionReset
+        | std::io::ErrorKind::UnexpectedEof => Error::Disconnected,
+        _ => Error::Io(e),
+    }
+}
