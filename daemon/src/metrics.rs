@@ -23,6 +23,7 @@ fn esc(v: &str) -> String {
 }
 
 fn head(out: &mut String, name: &str, kind: &str, help: &str) {
+    // Writing into a String cannot fail (here and below).
     let _ = writeln!(out, "# HELP {name} {help}");
     let _ = writeln!(out, "# TYPE {name} {kind}");
 }

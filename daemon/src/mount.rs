@@ -150,6 +150,8 @@ pub fn mount(
         .name("maru-inval".into())
         .spawn(move || {
             for inv in rx {
+                // Best effort: a name the kernel no longer caches (ENOENT) needs nothing, and a
+                // connection being torn down (the unmount) ends this thread anyway.
                 let _ = notifier.delete(
                     fuser::INodeNo(inv.parent),
                     fuser::INodeNo(inv.ino),
@@ -166,6 +168,7 @@ pub fn mount(
     store.set_invalidate(Some(Box::new(move |inv| {
         backings.forget(inv.ino);
         if !inv.by_kernel {
+            // Fails only once the thread above has ended (the mount is going away).
             let _ = tx.lock().send(inv);
         }
     })));

@@ -393,7 +393,11 @@ impl MemfsPool {
     /// Removes an (empty) namespace directory from this pool.
     pub fn remove_ns(&self, ns: &str) {
         self.ns_dirs.lock().remove(ns);
-        let _ = std::fs::remove_dir(self.root.join("n").join(ns));
+        // The store removes only empty namespaces; a directory left behind (its removal
+        // failed) is an empty namespace again at the next start.
+        if let Err(e) = std::fs::remove_dir(self.root.join("n").join(ns)) {
+            tracing::warn!(ns, "removing a namespace directory: {e}");
+        }
     }
 
     /// Publishes writing file `id` as `ns/key`; fails if the name is taken.
@@ -457,7 +461,10 @@ impl MemfsPool {
         if !self.pass(MetaStep::Abort { id }) {
             return;
         }
-        let _ = std::fs::remove_file(self.writing_path(id));
+        // A writing file left behind is deleted by the next start's scan.
+        if let Err(e) = std::fs::remove_file(self.writing_path(id)) {
+            tracing::warn!(id, "removing an abandoned allocation's file: {e}");
+        }
     }
 
     /// Records the pin state on the backing file.
@@ -483,7 +490,10 @@ impl MemfsPool {
         for e in std::fs::read_dir(self.root.join("w"))? {
             let e = e?;
             tracing::info!(file = %e.path().display(), "discarding an entry left unsealed by a crash");
-            let _ = std::fs::remove_file(e.path());
+            // Not recovered either way; the next start tries again.
+            if let Err(err) = std::fs::remove_file(e.path()) {
+                tracing::warn!(file = %e.path().display(), "{err}");
+            }
         }
         let mut dirs = Vec::new();
         let mut found = Vec::new();

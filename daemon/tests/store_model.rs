@@ -252,6 +252,33 @@ fn a_refused_publication_is_reported_by_close() {
     f.store.check_invariants().unwrap();
 }
 
+#[test]
+fn a_rename_changes_both_namespaces() {
+    let f = Fixture::new(16, Eviction::Off, 1 << 20);
+    let root = me(0, 0);
+    f.store.mkdir(&root, "a", 0o755).unwrap();
+    f.store.mkdir(&root, "b", 0o755).unwrap();
+    f.put(&root, "a", "k", b"moved").unwrap();
+    let fs = f.fs();
+    let (a, b) = (f.ino(&root, "a"), f.ino(&root, "b"));
+    let before = (fs.getattr(a).unwrap(), fs.getattr(b).unwrap());
+    std::thread::sleep(std::time::Duration::from_millis(5));
+    fs.rename(&root, a, "k", b, "k2").unwrap();
+    let after = (fs.getattr(a).unwrap(), fs.getattr(b).unwrap());
+    assert!(
+        after.0.mtime > before.0.mtime,
+        "the source namespace's mtime"
+    );
+    assert!(
+        after.1.mtime > before.1.mtime,
+        "the target namespace's mtime"
+    );
+    assert_eq!((after.0.size, after.1.size), (0, 1));
+    assert_eq!(f.get("b", "k2").unwrap(), b"moved");
+    assert_eq!(f.get("a", "k"), None);
+    f.store.check_invariants().unwrap();
+}
+
 // ----- one access policy, both doors -----
 
 const OWNER: u32 = 61001;

@@ -58,6 +58,7 @@ pub fn read_proc_bounded(path: String) -> Option<String> {
                 .spawn(move || {
                     pin_thread(cpu);
                     for (path, reply) in rx {
+                        // The asker may have given up (timed out): nobody wants the answer.
                         let _ = reply.send(std::fs::read_to_string(path).ok());
                     }
                 })

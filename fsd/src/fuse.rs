@@ -127,6 +127,7 @@ impl<B: Backend> Filesystem for Server<B> {
         let t = self.transport();
         match config.add_capabilities(InitFlags::FUSE_PASSTHROUGH) {
             Ok(()) => {
+                // Refused only above the kernel's limit (2): 1 always fits.
                 let _ = config.set_max_stack_depth(1);
                 t.passthrough.store(true, Ordering::Relaxed);
                 tracing::info!("FUSE passthrough enabled: mmap of memfs entries is zero-copy");
@@ -135,6 +136,7 @@ impl<B: Backend> Filesystem for Server<B> {
                 "the kernel lacks FUSE passthrough; memfs entries are served by copying"
             ),
         }
+        // Optional speed-ups below: a kernel without them serves the mount the same way.
         let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
         // Entries never carry set-user-ID/set-group-ID bits nor file capabilities (the store
         // masks them), so there is never anything to kill on a write, truncate or chown:
@@ -142,8 +144,9 @@ impl<B: Backend> Filesystem for Server<B> {
         // `write(2)` (it then checks once per inode and attribute refresh).
         let _ = config.add_capabilities(InitFlags::FUSE_HANDLE_KILLPRIV_V2);
         // Entries being written are served without the page cache (FOPEN_DIRECT_IO) so that
-        // the store sees every write; a writer may still map one, and the kernel then writes
-        // its dirty pages back through WRITE requests (Linux 6.6+).
+        // the store sees every write. memfs ones pass their mappings through to the pool;
+        // a raw-pool one may still be mapped, the kernel then writing its dirty pages back
+        // through WRITE requests (Linux 6.6+).
         if config
             .add_capabilities(InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP)
             .is_err()
@@ -155,6 +158,7 @@ impl<B: Backend> Filesystem for Server<B> {
         if t.want_uring.load(Ordering::Acquire) {
             // Every ring entry's payload buffer must hold the largest request or reply:
             // max(max_write, max_pages pages), so both are bounded to RING_PAYLOAD.
+            // Refused only above fuser's own maximum (16 MiB), far above 1 MiB.
             let _ = config.set_max_write(RING_PAYLOAD as u32);
             if let Err(nearest) = config.set_max_readahead(RING_PAYLOAD as u32) {
                 let _ = config.set_max_readahead(nearest);

@@ -129,6 +129,8 @@ impl Rings {
                     .spawn(move || {
                         crate::backend::pin_thread(qid);
                         batch_policy();
+                        // `ready` fails only when `prepare` gave up (another thread failed):
+                        // this one then ends too.
                         let ring = match new_ring() {
                             Ok(r) => {
                                 let _ = ready.send(Ok(()));
@@ -170,12 +172,14 @@ impl Rings {
         if !fs.transport().uring.load(Ordering::Acquire) {
             drop(self.go);
             for t in self.threads {
+                // A queue thread that panicked has nothing left to clean up.
                 let _ = t.join();
             }
             return Ok(None);
         }
         let dev = Arc::new(dev);
         for _ in &self.threads {
+            // A thread that already ended (its ring failed, logged there) takes no descriptor.
             let _ = self.go.send(dev.clone());
         }
         Ok(Some(self))
@@ -189,6 +193,7 @@ impl Rings {
                 std::thread::sleep(Duration::from_millis(2));
             }
             if t.is_finished() {
+                // A queue thread that panicked has nothing left to clean up.
                 let _ = t.join();
             }
         }

@@ -830,6 +830,46 @@ pub fn fs(rounds: usize, json: Option<&Path>, extra: &[String]) -> anyhow::Resul
         n_create,
         st.elapsed(),
     ));
+    // Stores of 16 MiB through the mount: with write(2) (each write goes through marud, which
+    // sees whether it succeeded) and through a mapping (ftruncate reserves the pages; the
+    // mapping is the pool's). Each entry is removed afterwards, untimed.
+    let big = vec![0x3cu8; 16 << 20];
+    let (mut by_write, mut by_map) = (Vec::new(), Vec::new());
+    for i in 0..20 {
+        let p = mnt.join(format!("bench/w{i}"));
+        let t = Instant::now();
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&p)?;
+        f.write_all(&big)?;
+        drop(f);
+        by_write.push(t.elapsed());
+        std::fs::remove_file(&p)?;
+        let p = mnt.join(format!("bench/m{i}"));
+        let t = Instant::now();
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&p)?;
+        f.set_len(big.len() as u64)?;
+        // SAFETY: a shared mapping of a file only this loop uses, dropped before its close.
+        let mut m = unsafe { memmap2::MmapMut::map_mut(&f)? };
+        m.copy_from_slice(&big);
+        drop(m);
+        drop(f);
+        by_map.push(t.elapsed());
+        std::fs::remove_file(&p)?;
+    }
+    rows.push(timed(
+        "store 16 MiB via /maru: create+write+close",
+        by_write,
+    ));
+    rows.push(timed(
+        "store 16 MiB via /maru: create+ftruncate+mmap+copy+close",
+        by_map,
+    ));
     let opens = 20_000u64;
     let st = Instant::now();
     for _ in 0..opens {

@@ -141,16 +141,22 @@ impl Store {
                     m.len = m.len.max(end);
                     return Ok(data.len() as u32);
                 }
-                Backing::File { file, span } => {
+                Backing::File { file, span, .. } => {
                     if end > cap {
                         drop(st);
                         return self.fail(ino, Error::from_errno(libc::EFBIG));
                     }
                     if end > *span {
-                        let grown = align_up(end, GROW).min(cap).max(end);
+                        // Large writes (the kernel splits a big write(2) into pieces of
+                        // max_write) grow the file to the next 2 MiB boundary, so that its
+                        // pages are 2 MiB ones; a small entry keeps its size (a 2 MiB page
+                        // for a few KiB would cost far more than it saves).
+                        let grown = if data.len() as u64 >= GROW / 4 {
+                            align_up(end, GROW).min(cap).max(end)
+                        } else {
+                            end
+                        };
                         if let Err(e) = file.set_len(grown) {
-                            let f = file.clone();
-                            drop(f);
                             drop(st);
                             return self.fail(ino, e.into());
                         }

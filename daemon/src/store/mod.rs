@@ -450,14 +450,16 @@ impl Store {
         let pool = e.pool;
         st.insert_entry(e);
         self.counters.add_bytes(Bytes::Stored, size);
-        let live: Vec<Entry> = st
-            .entries
-            .values()
-            .filter(|e| e.pool == pool)
-            .cloned()
-            .collect();
-        let locs: Vec<_> = live.iter().map(Entry::loc).collect();
-        st.pools[pool as usize].pool.maybe_checkpoint(&locs);
+        if st.pools[pool as usize].pool.checkpoint_due() {
+            let live: Vec<Entry> = st
+                .entries
+                .values()
+                .filter(|e| e.pool == pool)
+                .cloned()
+                .collect();
+            let locs: Vec<_> = live.iter().map(Entry::loc).collect();
+            st.pools[pool as usize].pool.checkpoint(&locs);
+        }
         Ok(size)
     }
 
@@ -540,29 +542,53 @@ impl Store {
         }
     }
 
+    /// For each key of `ns`: the policy's answer to `access` on its entry, then `act` on it.
+    /// A missing key is not found (for a caller who may look it up). One outcome per key.
+    fn each_entry(
+        st: &mut State,
+        c: &Caller,
+        ns: &str,
+        keys: &[String],
+        access: for<'a> fn(&'a Perm) -> Access<'a>,
+        mut act: impl FnMut(&mut State, u64) -> Result<()>,
+    ) -> Result<Vec<Result<()>>> {
+        st.ns.get(ns)?;
+        let chain = st.ns.chain(ns);
+        Ok(keys
+            .iter()
+            .map(|k| match st.ns.get(ns)?.entries.get(k).copied() {
+                Some(ino) => {
+                    let perm = st.entries[&ino].perm;
+                    policy::check(c, &chain, ns, access(&perm))?;
+                    act(st, ino)
+                }
+                None => {
+                    policy::check(c, &chain, ns, Access::Lookup)?;
+                    Err(Error::NotFound(format!("{ns}/{k}")))
+                }
+            })
+            .collect())
+    }
+
     /// Deletes entries; one outcome per key.
     pub fn delete(&self, c: &Caller, ns: &str, keys: &[String]) -> Result<Vec<Result<()>>> {
         split_ns(ns)?;
         let mut inv = Vec::new();
         let mut st = self.st.lock();
-        st.ns.get(ns)?;
-        let mut out = Vec::with_capacity(keys.len());
-        for k in keys {
-            let ino = st.ns.get(ns)?.entries.get(k).copied();
-            out.push(match ino {
-                Some(ino) => {
-                    let perm = st.entries[&ino].perm;
-                    Self::allow(&st, c, ns, Access::Delete(&perm)).map(|()| {
-                        inv.extend(st.remove_entry(&*self.authority, &self.counters, ino, false));
-                    })
-                }
-                None => Self::allow(&st, c, ns, Access::Lookup)
-                    .and(Err(Error::NotFound(format!("{ns}/{k}")))),
-            });
-        }
+        let out = Self::each_entry(
+            &mut st,
+            c,
+            ns,
+            keys,
+            |p| Access::Delete(p),
+            |st, ino| {
+                inv.extend(st.remove_entry(&*self.authority, &self.counters, ino, false));
+                Ok(())
+            },
+        );
         drop(st);
         self.notify(inv);
-        Ok(out)
+        out
     }
 
     /// Pins or unpins entry `ino` (the caller checked the policy).
@@ -596,21 +622,14 @@ impl Store {
     ) -> Result<Vec<Result<()>>> {
         split_ns(ns)?;
         let mut st = self.st.lock();
-        st.ns.get(ns)?;
-        let mut out = Vec::with_capacity(keys.len());
-        for k in keys {
-            let ino = st.ns.get(ns)?.entries.get(k).copied();
-            out.push(match ino {
-                Some(ino) => {
-                    let perm = st.entries[&ino].perm;
-                    Self::allow(&st, c, ns, Access::Pin(&perm))
-                        .and_then(|()| self.set_pin(&mut st, ino, pinned))
-                }
-                None => Self::allow(&st, c, ns, Access::Lookup)
-                    .and(Err(Error::NotFound(format!("{ns}/{k}")))),
-            });
-        }
-        Ok(out)
+        Self::each_entry(
+            &mut st,
+            c,
+            ns,
+            keys,
+            |p| Access::Pin(p),
+            |st, ino| self.set_pin(st, ino, pinned),
+        )
     }
 
     /// A read-only descriptor of a namespace's index (it reveals the names: listing rights).

@@ -13,6 +13,11 @@ use nix::unistd::{Gid, Uid, fchown};
 use super::{Backing, Found, Loc, Pool, Seams};
 use crate::pool::MemfsPool;
 
+/// The mode of the file of a client's allocation: that of the entries clients store.
+const GRANT_MODE: u32 = 0o644;
+/// The mode of the file of an entry created through the mount, until it is published.
+const CREATE_MODE: u32 = 0o600;
+
 /// A memfs pool.
 pub struct Memfs(pub MemfsPool);
 
@@ -42,18 +47,20 @@ impl Pool for Memfs {
     }
 
     fn grant(&mut self, id: u64, size: u64, _session: Option<u64>) -> Result<Backing> {
-        let f = self.0.create_writing(id, size, 0o444)?;
+        let f = self.0.create_writing(id, size, GRANT_MODE)?;
         Ok(Backing::File {
             file: Arc::new(f),
             span: size,
+            mode: GRANT_MODE,
         })
     }
 
     fn create(&mut self, id: u64) -> Result<Backing> {
-        let f = self.0.create_writing(id, 0, 0o600)?;
+        let f = self.0.create_writing(id, 0, CREATE_MODE)?;
         Ok(Backing::File {
             file: Arc::new(f),
             span: 0,
+            mode: CREATE_MODE,
         })
     }
 
@@ -64,7 +71,7 @@ impl Pool for Memfs {
     fn commit(&mut self, _id: u64, backing: &mut Backing, size: u64) -> Result<()> {
         // The bytes are in the pool already (every write succeeded or failed there); the file,
         // grown ahead of its writer, takes its size.
-        if let Backing::File { file, span } = backing
+        if let Backing::File { file, span, .. } = backing
             && *span != size
         {
             file.set_len(size)?;
@@ -74,7 +81,7 @@ impl Pool for Memfs {
     }
 
     fn publish(&mut self, id: u64, backing: &mut Backing, e: &Loc<'_>) -> Result<u64> {
-        let Backing::File { file, span } = backing else {
+        let Backing::File { file, span, mode } = backing else {
             return Err(Error::Protocol("a memfs allocation without a file".into()));
         };
         if *span != e.size {
@@ -82,8 +89,7 @@ impl Pool for Memfs {
             *span = e.size;
         }
         // The file was created by the daemon (root): give it the entry's owner and mode.
-        let md = file.metadata()?;
-        if md.uid() != e.uid || md.gid() != e.gid {
+        if e.uid != 0 || e.gid != 0 {
             fchown(
                 &**file,
                 Some(Uid::from_raw(e.uid)),
@@ -91,8 +97,9 @@ impl Pool for Memfs {
             )
             .map_err(errno)?;
         }
-        if md.mode() & 0o7777 != e.mode {
+        if *mode != e.mode {
             fchmod(&**file, Mode::from_bits_truncate(e.mode)).map_err(errno)?;
+            *mode = e.mode;
         }
         self.0.publish(id, e.ns, e.key)?;
         Ok(0)
@@ -177,7 +184,11 @@ impl Pool for Memfs {
         Ok(())
     }
 
-    fn maybe_checkpoint(&mut self, _live: &[Loc<'_>]) {}
+    fn checkpoint_due(&self) -> bool {
+        false
+    }
+
+    fn checkpoint(&mut self, _live: &[Loc<'_>]) {}
 
     fn detach(&mut self, _session: u64) {}
 

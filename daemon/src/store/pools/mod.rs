@@ -22,6 +22,9 @@ pub enum Backing {
         /// Bytes the file spans (it grows ahead of the writer, to 2 MiB boundaries, so that a
         /// tmpfs with `huge=within_size` gives it 2 MiB pages).
         span: u64,
+        /// The mode the daemon created it with (owned by root): publication changes only what
+        /// differs, sparing a system call or two per store.
+        mode: u32,
     },
     /// An extent of a raw pool (socket grants: the client writes into the mapped device).
     Extent {
@@ -157,8 +160,10 @@ pub trait Pool: Send {
     fn recover(&mut self) -> Result<(Vec<String>, Vec<Found>)>;
     /// After recovery: `kept` are the offsets (raw) of the found entries the store kept.
     fn recovered(&mut self, kept: &[Loc<'_>]) -> Result<()>;
-    /// Rewrites the metadata log when it has grown (raw pools).
-    fn maybe_checkpoint(&mut self, live: &[Loc<'_>]);
+    /// Whether the metadata log has grown enough to be rewritten (raw pools).
+    fn checkpoint_due(&self) -> bool;
+    /// Rewrites the metadata log as the entries `live` (raw pools).
+    fn checkpoint(&mut self, live: &[Loc<'_>]);
     /// A client session ended: its open region (raw) is detached.
     fn detach(&mut self, session: u64);
     /// Bytes of a session's open region not yet used (raw).

@@ -451,11 +451,14 @@ impl Pool for Raw {
         Ok(())
     }
 
-    fn maybe_checkpoint(&mut self, live: &[Loc<'_>]) {
+    fn checkpoint_due(&self) -> bool {
+        self.wal
+            .as_ref()
+            .is_some_and(|w| w.since_checkpoint >= 10_000 + 4 * self.live_entries)
+    }
+
+    fn checkpoint(&mut self, live: &[Loc<'_>]) {
         let Some(w) = self.wal.as_mut() else { return };
-        if w.since_checkpoint < 10_000 + 4 * self.live_entries {
-            return;
-        }
         let mut recs: Vec<Record> = live
             .iter()
             .map(|e| Self::seal_record(e, e.offset))
