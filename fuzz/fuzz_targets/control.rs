@@ -38,12 +38,12 @@ fuzz_target!(|data: &[u8]| {
     // Half the inputs start with a valid handshake so the fuzzer reaches the operations.
     let mut d = Dispatcher::new(
         store.clone(),
-        Caller {
-            uid: data.first().map_or(0, |b| u32::from(*b & 1) * 1000),
-            gid: 0,
-            groups: Vec::new(),
-            pid: 1,
-        },
+        Caller::with_group_list(
+            data.first().map_or(0, |b| u32::from(*b & 1) * 1000),
+            0,
+            1,
+            Vec::new(),
+        ),
     );
     let mut r = FrameReader::new();
     if data.len() > 1 && data[1] & 1 == 1 {
