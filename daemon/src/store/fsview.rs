@@ -29,13 +29,9 @@ const GROW: u64 = 2 << 20;
 /// The store seen through the filesystem's [`Backend`] trait.
 pub struct StoreFs(pub Arc<Store>);
 
-fn errno_of(e: &Error) -> i32 {
-    e.errno()
-}
-
 impl Store {
     /// The entry being written through the mount `ino`.
-    fn writing(st: &mut State, ino: u64) -> Result<(&mut Alloc, bool)> {
+    fn writing(st: &mut State, ino: u64) -> Result<&mut Alloc> {
         let a = st
             .allocs
             .get_mut(&ino)
@@ -43,7 +39,7 @@ impl Store {
         if a.mount().is_none() {
             return Err(Error::ReadOnly("not an entry being written".into()));
         }
-        Ok((a, true))
+        Ok(a)
     }
 
     /// Gives up on publishing `ino`: its name and reservations go; with `failed`, it is
@@ -106,100 +102,9 @@ impl Store {
         Ok(())
     }
 
-    /// Writes `data` at `offset` of the entry being written `ino`: all of it or an error,
-    /// which marks the entry failed. The copy runs outside the store's lock.
-    fn mount_write(&self, ino: u64, offset: u64, data: &[u8]) -> Result<u32> {
-        let end = offset
-            .checked_add(data.len() as u64)
-            .ok_or_else(|| Error::from_errno(libc::EFBIG))?;
-        let (file, pool) = {
-            let mut st = self.st.lock();
-            let max = self.cfg.max_copy_entry;
-            let (a, _) = Self::writing(&mut st, ino)?;
-            let pool = a.pool;
-            let failed = a.mount().and_then(|m| m.failed);
-            if let Some(e) = failed {
-                return Err(Error::from_errno(e));
-            }
-            let cap = st.pools[pool as usize].pool.capacity();
-            let a = st.allocs.get_mut(&ino).expect("present");
-            a.mtime = SystemTime::now();
-            match &mut a.backing {
-                Backing::Buffer { data: b, dirty, .. } => {
-                    let fault = self.data_fault.read().as_ref().and_then(|f| f(ino));
-                    if end > max || fault.is_some() {
-                        drop(st);
-                        let errno = fault.unwrap_or(libc::EFBIG);
-                        return self.fail(ino, Error::from_errno(errno));
-                    }
-                    if (b.len() as u64) < end {
-                        b.resize(end as usize, 0);
-                    }
-                    b[offset as usize..end as usize].copy_from_slice(data);
-                    *dirty = true;
-                    let m = a.mount_mut().expect("a mount write");
-                    m.len = m.len.max(end);
-                    return Ok(data.len() as u32);
-                }
-                Backing::File { file, span, .. } => {
-                    if end > cap {
-                        drop(st);
-                        return self.fail(ino, Error::from_errno(libc::EFBIG));
-                    }
-                    if end > *span {
-                        // Large writes (the kernel splits a big write(2) into pieces of
-                        // max_write) grow the file to the next 2 MiB boundary, so that its
-                        // pages are 2 MiB ones; a small entry keeps its size (a 2 MiB page
-                        // for a few KiB would cost far more than it saves).
-                        let grown = if data.len() as u64 >= GROW / 4 {
-                            align_up(end, GROW).min(cap).max(end)
-                        } else {
-                            end
-                        };
-                        if let Err(e) = file.set_len(grown) {
-                            drop(st);
-                            return self.fail(ino, e.into());
-                        }
-                        *span = grown;
-                    }
-                    (file.clone(), pool)
-                }
-                Backing::Extent { .. } => {
-                    return Err(Error::ReadOnly("a client's allocation".into()));
-                }
-            }
-        };
-        let mut evicted = false;
-        loop {
-            use std::os::unix::fs::FileExt;
-            let fault = self.data_fault.read().as_ref().and_then(|f| f(ino));
-            let r = match fault {
-                Some(errno) => Err(std::io::Error::from_raw_os_error(errno)),
-                None => file.write_all_at(data, offset),
-            };
-            match r {
-                Ok(()) => break,
-                Err(e) if e.raw_os_error() == Some(libc::ENOSPC) && !evicted => {
-                    // The pool is full: make room as a store would (with eviction on), once.
-                    evicted = true;
-                    let want = (data.len() as u64).saturating_add(GROW);
-                    if !self.ensure_free(&mut self.st.lock(), pool, want) {
-                        return self.fail(ino, e.into());
-                    }
-                }
-                Err(e) => return self.fail(ino, e.into()),
-            }
-        }
-        let mut st = self.st.lock();
-        if let Some(m) = st.allocs.get_mut(&ino).and_then(Alloc::mount_mut) {
-            m.len = m.len.max(end);
-        }
-        Ok(data.len() as u32)
-    }
-
     /// Marks `ino` failed with `e` (it will not be published) and returns `e`.
     fn fail<T>(&self, ino: u64, e: Error) -> Result<T> {
-        let errno = errno_of(&e);
+        let errno = e.errno();
         tracing::info!(
             ino,
             errno,
@@ -208,51 +113,6 @@ impl Store {
         let mut st = self.st.lock();
         self.abandon(&mut st, ino, Some(errno));
         Err(e)
-    }
-
-    /// Publishes the entry being written `ino` at its writer's last release.
-    fn mount_seal(&self, ino: u64) -> Result<()> {
-        let mut st = self.st.lock();
-        let Some(m) = st.allocs.get(&ino).and_then(Alloc::mount) else {
-            return Ok(());
-        };
-        let r = match (m.failed, m.target.clone()) {
-            (None, Some((ns, key))) => {
-                let len = m.len;
-                tracing::debug!(ino, ns = %ns, key = %key, size = len, "publishing an entry written through the mount");
-                // Normally committed by its writer's last close; a size that changed since
-                // (or no close at all) is checked here, where a refusal can only be logged.
-                let recheck = !m.committed || len != m.reserved;
-                let r = if recheck {
-                    self.try_commit(&mut st, ino)
-                } else {
-                    let st = &mut *st;
-                    let a = st.allocs.get_mut(&ino).expect("present");
-                    st.pools[a.pool as usize]
-                        .pool
-                        .commit(ino, &mut a.backing, len)
-                };
-                r.and_then(|()| self.seal(&mut st, ino, &ns, &key, len).map(drop))
-            }
-            _ => Ok(()), // failed, unlinked or abandoned: dropped below
-        };
-        let dropped = st.allocs.contains_key(&ino);
-        if dropped {
-            if let Err(e) = &r {
-                tracing::warn!(
-                    ino,
-                    "an entry written through the mount was not published: {e}"
-                );
-            }
-            self.abandon(&mut st, ino, None);
-            self.drop_alloc(&mut st, ino);
-        }
-        drop(st);
-        self.sealed.notify_all();
-        if dropped {
-            self.forget_backing(ino);
-        }
-        r
     }
 
     /// The mount drops the passthrough backing of `ino` (an entry being written that will
@@ -264,191 +124,6 @@ impl Store {
             ino,
             by_kernel: true,
         }]);
-    }
-
-    /// Looks `name` up in namespace `parent`. Entries being written are visible only to the
-    /// process writing them; a committed one makes others wait (up to 1 s) for its release.
-    fn mount_lookup(&self, c: &Caller, parent: u64, name: &str) -> Result<Attr> {
-        let mut st = self.st.lock();
-        let deadline = Instant::now() + Duration::from_secs(1);
-        let mut tgid = None;
-        loop {
-            let p = st.ns.path_of(parent)?.to_owned();
-            Self::allow(&st, c, &p, Access::Lookup)?;
-            let n = st.ns.get(&p)?;
-            if let Some(ino) = n.entries.get(name) {
-                return Ok(st.entries[ino].attr());
-            }
-            if n.children.contains_key(name) {
-                return Ok(st.ns.get(&join(&p, name))?.attr());
-            }
-            let Some((id, a)) = n
-                .writing
-                .get(name)
-                .and_then(|id| st.allocs.get(id).map(|a| (*id, a)))
-            else {
-                return Err(Error::NotFound(join(&p, name)));
-            };
-            let m = a.mount().expect("a mount write");
-            let me = *tgid.get_or_insert_with(|| c.tgid());
-            if m.tgid == me {
-                return Ok(a.attr(id));
-            }
-            if !m.committed || self.sealed.wait_until(&mut st, deadline).timed_out() {
-                return Err(Error::NotFound(join(&p, name)));
-            }
-        }
-    }
-
-    fn mount_create(
-        &self,
-        c: &Caller,
-        parent: u64,
-        name: &str,
-        mode: u32,
-    ) -> Result<(Attr, OpenedFile)> {
-        let mut st = self.st.lock();
-        let p = st.ns.path_of(parent)?.to_owned();
-        if p.is_empty() {
-            return Err(Error::PermissionDenied(
-                "entries live in namespaces: create a directory first".into(),
-            ));
-        }
-        Self::allow(&st, c, &p, Access::Create)?;
-        let n = st.ns.get(&p)?;
-        if n.entries.contains_key(name)
-            || n.children.contains_key(name)
-            || n.writing.contains_key(name)
-            || self.authority.holder(&p, name).is_some()
-        {
-            return Err(Error::Exists(join(&p, name)));
-        }
-        // A namespace already at its quota takes no new entry.
-        st.ns.check_quota(&p, 1)?;
-        let id = st.alloc_ino();
-        // Entries go to the first memfs pool (passed through to readers), else the first.
-        let pool = st
-            .pools
-            .iter()
-            .find(|s| s.pool.passthrough())
-            .or(st.pools.first())
-            .map(|s| s.id)
-            .ok_or_else(|| Error::NoSpace("no pools".into()))?;
-        let backing = st.pools[pool as usize].pool.create(id)?;
-        let a = Alloc {
-            pool,
-            size: 0,
-            origin: Origin::Mount(MountWrite {
-                target: Some((p.clone(), name.to_owned())),
-                tgid: c.tgid(),
-                len: 0,
-                committed: false,
-                reserved: 0,
-                failed: None,
-            }),
-            backing,
-            perm: Perm {
-                uid: c.uid,
-                gid: c.gid,
-                mode: mode & ENTRY_MODES,
-            },
-            mtime: SystemTime::now(),
-            acct: 0,
-        };
-        let (attr, file) = (a.attr(id), a.backing.file());
-        st.allocs.insert(id, a);
-        st.ns.get_mut(&p)?.writing.insert(name.to_owned(), id);
-        Ok((attr, OpenedFile::Writing(file)))
-    }
-
-    fn mount_open(&self, c: &Caller, ino: u64, write: bool) -> Result<OpenedFile> {
-        let mut st = self.st.lock();
-        if let Some(e) = st.entries.get(&ino) {
-            if write {
-                return Err(Error::ReadOnly("sealed entries are immutable".into()));
-            }
-            let (ns, perm, pool) = (e.ns.clone(), e.perm, e.pool);
-            Self::allow(&st, c, &ns, Access::Read(&perm))?;
-            st.touch(ino);
-            let e = &st.entries[&ino];
-            let p = &st.pools[pool as usize].pool;
-            if p.passthrough() {
-                return Ok(OpenedFile::Passthrough(Arc::new(p.open_entry(&e.loc())?)));
-            }
-            st.entries.get_mut(&ino).expect("present").leases += 1;
-            *st.fuse_leases.entry(ino).or_insert(0) += 1;
-            return Ok(OpenedFile::Copy);
-        }
-        if let Some(a) = st.allocs.get(&ino) {
-            return match (a.mount(), &a.backing) {
-                // Its writer reading it back after its close committed it (the kernel's
-                // release is on its way): the file it will be, passed through like the
-                // sealed entry it is about to become.
-                (Some(m), Backing::File { file, .. })
-                    if !write && m.committed && m.tgid == c.tgid() =>
-                {
-                    Ok(OpenedFile::Passthrough(file.clone()))
-                }
-                (Some(m), b) if m.target.is_some() && m.tgid == c.tgid() => {
-                    Ok(OpenedFile::Writing(b.file()))
-                }
-                _ => Err(Error::NotFound(format!("inode {ino} is being written"))),
-            };
-        }
-        if st.ns.is_ns(ino) {
-            return Err(Error::from_errno(libc::EISDIR));
-        }
-        Err(Error::NotFound(format!("inode {ino}")))
-    }
-
-    fn mount_truncate(&self, ino: u64, size: u64) -> Result<Attr> {
-        let mut st = self.st.lock();
-        if let Some(e) = st.entries.get(&ino) {
-            if e.size == size {
-                return Ok(e.attr());
-            }
-            return Err(Error::ReadOnly("sealed entries are immutable".into()));
-        }
-        let max = self.cfg.max_copy_entry;
-        let (a, _) = Self::writing(&mut st, ino)?;
-        let pool = a.pool;
-        if let Some(e) = a.mount().and_then(|m| m.failed) {
-            return Err(Error::from_errno(e));
-        }
-        let cap = st.pools[pool as usize].pool.capacity();
-        let a = st.allocs.get_mut(&ino).expect("present");
-        match &mut a.backing {
-            Backing::File { file, .. } => {
-                if size > cap {
-                    return Err(Error::from_errno(libc::EFBIG));
-                }
-                let (file, old) = (file.clone(), a.size_now());
-                if size > old {
-                    // A writer that sizes its entry is about to fill it, often through a
-                    // mapping, where a page the pool cannot give is a SIGBUS: reserve them now.
-                    self.reserve(&mut st, pool, &file, old, size)?;
-                }
-                file.set_len(size)?;
-                let a = st.allocs.get_mut(&ino).expect("present");
-                if let Backing::File { span, .. } = &mut a.backing {
-                    *span = size;
-                }
-                a.mtime = SystemTime::now();
-                a.mount_mut().expect("a mount write").len = size;
-                return Ok(a.attr(ino));
-            }
-            Backing::Buffer { data, dirty, .. } => {
-                if size > max {
-                    return Err(Error::from_errno(libc::EFBIG));
-                }
-                data.resize(size as usize, 0);
-                *dirty = true;
-            }
-            Backing::Extent { .. } => {}
-        }
-        a.mtime = SystemTime::now();
-        a.mount_mut().expect("a mount write").len = size;
-        Ok(a.attr(ino))
     }
 
     /// Reserves `[offset, end)` of the file of an entry being written in `pool` (growing the
@@ -491,289 +166,41 @@ impl Store {
             Error::Io(e.into())
         })
     }
-
-    fn mount_fallocate(&self, ino: u64, offset: u64, len: u64) -> Result<()> {
-        let end = offset
-            .checked_add(len)
-            .ok_or_else(|| Error::InvalidArgument("range overflows".into()))?;
-        let mut st = self.st.lock();
-        let max = self.cfg.max_copy_entry;
-        let pool = Self::writing(&mut st, ino)?.0.pool;
-        let cap = st.pools[pool as usize].pool.capacity();
-        let a = &st.allocs[&ino];
-        if end
-            > cap.min(if matches!(a.backing, Backing::Buffer { .. }) {
-                max
-            } else {
-                cap
-            })
-        {
-            return Err(Error::from_errno(libc::EFBIG));
-        }
-        let file = match &a.backing {
-            Backing::File { file, .. } => Some(file.clone()),
-            _ => None,
-        };
-        if let Some(f) = file {
-            self.reserve(&mut st, pool, &f, offset, end)?;
-        }
-        let a = st.allocs.get_mut(&ino).expect("present");
-        match &mut a.backing {
-            Backing::File { span, .. } => *span = (*span).max(end),
-            Backing::Buffer { data, dirty, .. } => {
-                if (data.len() as u64) < end {
-                    data.resize(end as usize, 0);
-                    *dirty = true;
-                }
-            }
-            Backing::Extent { .. } => {}
-        }
-        let m = a.mount_mut().expect("a mount write");
-        m.len = m.len.max(end);
-        Ok(())
-    }
-
-    fn mount_read(&self, ino: u64, offset: u64, len: u32) -> Result<Vec<u8>> {
-        let st = self.st.lock();
-        if let Some(e) = st.entries.get(&ino).or_else(|| st.zombies.get(&ino)) {
-            if offset >= e.size {
-                return Ok(Vec::new());
-            }
-            let n = u64::from(len).min(e.size - offset) as usize;
-            let mut buf = vec![0u8; n];
-            st.pools[e.pool as usize]
-                .pool
-                .read(&e.loc(), offset, &mut buf)?;
-            return Ok(buf);
-        }
-        let a = st
-            .allocs
-            .get(&ino)
-            .ok_or_else(|| Error::NotFound(format!("inode {ino}")))?;
-        let size = a.size_now();
-        if offset >= size {
-            return Ok(Vec::new());
-        }
-        let n = u64::from(len).min(size - offset) as usize;
-        match &a.backing {
-            Backing::File { file, .. } => {
-                use std::os::unix::fs::FileExt;
-                let mut buf = vec![0u8; n];
-                file.read_exact_at(&mut buf, offset)?;
-                Ok(buf)
-            }
-            Backing::Buffer { data, .. } => {
-                let s = (offset as usize).min(data.len());
-                Ok(data[s..(s + n).min(data.len())].to_vec())
-            }
-            Backing::Extent { .. } => Ok(Vec::new()),
-        }
-    }
-
-    fn mount_unlink(&self, c: &Caller, parent: u64, name: &str) -> Result<()> {
-        let mut st = self.st.lock();
-        let p = st.ns.path_of(parent)?.to_owned();
-        let n = st.ns.get(&p)?;
-        if n.children.contains_key(name) {
-            return Err(Error::from_errno(libc::EISDIR));
-        }
-        if let Some(&ino) = n.entries.get(name) {
-            let perm = st.entries[&ino].perm;
-            Self::allow(&st, c, &p, Access::Delete(&perm))?;
-            let inv = st.remove_entry(&*self.authority, &self.counters, ino, false);
-            drop(st);
-            // The kernel drops the name; the backing is freed once the mount lets go of it.
-            self.notify(
-                inv.map(|i| Invalidation {
-                    by_kernel: true,
-                    ..i
-                })
-                .into_iter()
-                .collect(),
-            );
-            return Ok(());
-        }
-        // A name being written: its writer (or root) may drop it; its release then frees it.
-        if let Some(id) = n.writing.get(name).copied() {
-            let perm = st.allocs[&id].perm;
-            Self::allow(&st, c, &p, Access::Delete(&perm))?;
-            self.abandon(&mut st, id, None);
-            return Ok(());
-        }
-        Err(Error::NotFound(join(&p, name)))
-    }
-
-    fn mount_rename(
-        &self,
-        c: &Caller,
-        parent: u64,
-        name: &str,
-        newparent: u64,
-        newname: &str,
-    ) -> Result<()> {
-        let mut st = self.st.lock();
-        let p = st.ns.path_of(parent)?.to_owned();
-        let np = st.ns.path_of(newparent)?.to_owned();
-        if st.ns.get(&p)?.children.contains_key(name) {
-            return Err(Error::from_errno(libc::EXDEV));
-        }
-        if np.is_empty() {
-            return Err(Error::PermissionDenied("entries live in namespaces".into()));
-        }
-        let src = st.ns.get(&p)?;
-        let (sealed, writing) = (
-            src.entries.get(name).copied(),
-            src.writing.get(name).copied(),
-        );
-        let perm = match (sealed, writing) {
-            (Some(i), _) => st.entries[&i].perm,
-            (None, Some(i)) => st.allocs[&i].perm,
-            (None, None) => return Err(Error::NotFound(join(&p, name))),
-        };
-        Self::allow(&st, c, &p, Access::Delete(&perm))?;
-        Self::allow(&st, c, &np, Access::Create)?;
-        let target = st.ns.get(&np)?;
-        if target.entries.contains_key(newname)
-            || target.children.contains_key(newname)
-            || target.writing.contains_key(newname)
-        {
-            if p == np && name == newname {
-                return Ok(());
-            }
-            return Err(Error::Exists(format!(
-                "{}: entries are write-once",
-                join(&np, newname)
-            )));
-        }
-        if let Some(ino) = sealed {
-            return st.rename_entry(&*self.authority, ino, &np, newname);
-        }
-        let id = writing.expect("checked");
-        let m = st.allocs[&id].mount().expect("a mount write");
-        let (committed, reserved) = (m.committed, m.reserved);
-        if committed {
-            // Its publication was reserved under the old name: reserve the new one first.
-            st.ns.check_quota(&np, if np == p { 0 } else { reserved })?;
-            self.authority.reserve(&np, newname, id)?;
-            self.authority.release(&p, name, id);
-            let src = st.ns.get_mut(&p)?;
-            src.reserved -= reserved;
-            src.adjust_pending(-1);
-            let dst = st.ns.get_mut(&np)?;
-            dst.reserved += reserved;
-            dst.adjust_pending(1);
-        }
-        st.ns.get_mut(&p)?.writing.remove(name);
-        st.ns.get_mut(&np)?.writing.insert(newname.to_owned(), id);
-        if let Some(m) = st.allocs.get_mut(&id).and_then(Alloc::mount_mut) {
-            m.target = Some((np, newname.to_owned()));
-        }
-        Ok(())
-    }
-
-    fn mount_chmod_chown(
-        &self,
-        c: &Caller,
-        ino: u64,
-        mode: Option<u32>,
-        uid: Option<u32>,
-        gid: Option<u32>,
-    ) -> Result<Attr> {
-        let mut guard = self.st.lock();
-        let st = &mut *guard;
-        let apply = |p: &mut Perm, mask: u32| {
-            if let Some(m) = mode {
-                p.mode = m & mask;
-            }
-            if let Some(u) = uid {
-                p.uid = u;
-            }
-            if let Some(g) = gid {
-                p.gid = g;
-            }
-        };
-        let denied = || Error::from_errno(libc::EPERM);
-        if st.ns.is_ns(ino) {
-            let path = st.ns.path_of(ino)?.to_owned();
-            let n = st.ns.get_mut(&path)?;
-            if !policy::may_chown(c, &n.perm, uid, gid) {
-                return Err(denied());
-            }
-            apply(&mut n.perm, 0o7777);
-            n.mtime = SystemTime::now();
-            let a = n.attr();
-            st.ns.save();
-            return Ok(a);
-        }
-        if let Some(a) = st.allocs.get_mut(&ino) {
-            if !policy::may_chown(c, &a.perm, uid, gid) {
-                return Err(denied());
-            }
-            apply(&mut a.perm, ENTRY_MODES);
-            return Ok(a.attr(ino));
-        }
-        let e = st
-            .entries
-            .get_mut(&ino)
-            .ok_or_else(|| Error::NotFound(format!("inode {ino}")))?;
-        if !policy::may_chown(c, &e.perm, uid, gid) {
-            return Err(denied());
-        }
-        apply(&mut e.perm, ENTRY_MODES);
-        st.pools[e.pool as usize].pool.set_owner_mode(&e.loc())?;
-        Ok(e.attr())
-    }
-
-    fn mount_xattrs(&self, ino: u64) -> Result<Vec<Xattr>> {
-        let st = self.st.lock();
-        let x = |name: &'static str, value: String| Xattr { name, value };
-        if st.ns.is_ns(ino) {
-            let n = st.ns.get(st.ns.path_of(ino)?)?;
-            return Ok(vec![
-                x("entries", n.entries.len().to_string()),
-                x("bytes", n.bytes.to_string()),
-            ]);
-        }
-        if let Some(a) = st.allocs.get(&ino) {
-            let p = &st.pools[a.pool as usize];
-            return Ok(vec![
-                x("state", "writing".into()),
-                x("pool", p.name.clone()),
-                x("kind", kind_name(p.kind).into()),
-                x("size", a.size_now().to_string()),
-                x("access", "daemon".into()),
-            ]);
-        }
-        let e = st
-            .entries
-            .get(&ino)
-            .ok_or_else(|| Error::NotFound(format!("inode {ino}")))?;
-        let p = &st.pools[e.pool as usize];
-        Ok(vec![
-            x("state", "sealed".into()),
-            x("pool", p.name.clone()),
-            x("kind", kind_name(p.kind).into()),
-            x("location", p.pool.location(&e.loc())),
-            x("offset", e.offset.to_string()),
-            x("size", e.size.to_string()),
-            x("pinned", if e.pinned { "1" } else { "0" }.into()),
-            x("generation", e.ino.to_string()),
-            x(
-                "access",
-                if p.pool.passthrough() {
-                    "passthrough"
-                } else {
-                    "copy"
-                }
-                .into(),
-            ),
-        ])
-    }
 }
 
 impl Backend for StoreFs {
+    /// Looks `name` up in namespace `parent`. Entries being written are visible only to the
+    /// process writing them; a committed one makes others wait (up to 1 s) for its release.
     fn lookup(&self, c: &Caller, parent: u64, name: &str) -> Result<Attr> {
-        self.0.mount_lookup(c, parent, name)
+        let mut st = self.0.st.lock();
+        let deadline = Instant::now() + Duration::from_secs(1);
+        let mut tgid = None;
+        loop {
+            let p = st.ns.path_of(parent)?.to_owned();
+            Store::allow(&st, c, &p, Access::Lookup)?;
+            let n = st.ns.get(&p)?;
+            if let Some(ino) = n.entries.get(name) {
+                return Ok(st.entries[ino].attr());
+            }
+            if n.children.contains_key(name) {
+                return Ok(st.ns.get(&join(&p, name))?.attr());
+            }
+            let Some((id, a)) = n
+                .writing
+                .get(name)
+                .and_then(|id| st.allocs.get(id).map(|a| (*id, a)))
+            else {
+                return Err(Error::NotFound(join(&p, name)));
+            };
+            let m = a.mount().expect("a mount write");
+            let me = *tgid.get_or_insert_with(|| c.tgid());
+            if m.tgid == me {
+                return Ok(a.attr(id));
+            }
+            if !m.committed || self.0.sealed.wait_until(&mut st, deadline).timed_out() {
+                return Err(Error::NotFound(join(&p, name)));
+            }
+        }
     }
 
     fn getattr(&self, ino: u64) -> Result<Attr> {
@@ -835,11 +262,98 @@ impl Backend for StoreFs {
     }
 
     fn create(&self, c: &Caller, parent: u64, name: &str, mode: u32) -> Result<(Attr, OpenedFile)> {
-        self.0.mount_create(c, parent, name, mode)
+        let mut st = self.0.st.lock();
+        let p = st.ns.path_of(parent)?.to_owned();
+        if p.is_empty() {
+            return Err(Error::PermissionDenied(
+                "entries live in namespaces: create a directory first".into(),
+            ));
+        }
+        Store::allow(&st, c, &p, Access::Create)?;
+        let n = st.ns.get(&p)?;
+        if n.entries.contains_key(name)
+            || n.children.contains_key(name)
+            || n.writing.contains_key(name)
+            || self.0.authority.holder(&p, name).is_some()
+        {
+            return Err(Error::Exists(join(&p, name)));
+        }
+        // A namespace already at its quota takes no new entry.
+        st.ns.check_quota(&p, 1)?;
+        let id = st.alloc_ino();
+        // Entries go to the first memfs pool (passed through to readers), else the first.
+        let pool = st
+            .pools
+            .iter()
+            .find(|s| s.pool.passthrough())
+            .or(st.pools.first())
+            .map(|s| s.id)
+            .ok_or_else(|| Error::NoSpace("no pools".into()))?;
+        let backing = st.pools[pool as usize].pool.create(id)?;
+        let a = Alloc {
+            pool,
+            size: 0,
+            origin: Origin::Mount(MountWrite {
+                target: Some((p.clone(), name.to_owned())),
+                tgid: c.tgid(),
+                len: 0,
+                committed: false,
+                reserved: 0,
+                failed: None,
+            }),
+            backing,
+            perm: Perm {
+                uid: c.uid,
+                gid: c.gid,
+                mode: mode & ENTRY_MODES,
+            },
+            mtime: SystemTime::now(),
+            acct: 0,
+        };
+        let (attr, file) = (a.attr(id), a.backing.file());
+        st.allocs.insert(id, a);
+        st.ns.get_mut(&p)?.writing.insert(name.to_owned(), id);
+        Ok((attr, OpenedFile::Writing(file)))
     }
 
     fn open(&self, c: &Caller, ino: u64, write: bool) -> Result<OpenedFile> {
-        self.0.mount_open(c, ino, write)
+        let mut st = self.0.st.lock();
+        if let Some(e) = st.entries.get(&ino) {
+            if write {
+                return Err(Error::ReadOnly("sealed entries are immutable".into()));
+            }
+            let (ns, perm, pool) = (e.ns.clone(), e.perm, e.pool);
+            Store::allow(&st, c, &ns, Access::Read(&perm))?;
+            st.touch(ino);
+            let e = &st.entries[&ino];
+            let p = &st.pools[pool as usize].pool;
+            if p.passthrough() {
+                return Ok(OpenedFile::Passthrough(Arc::new(p.open_entry(&e.loc())?)));
+            }
+            st.entries.get_mut(&ino).expect("present").leases += 1;
+            *st.fuse_leases.entry(ino).or_insert(0) += 1;
+            return Ok(OpenedFile::Copy);
+        }
+        if let Some(a) = st.allocs.get(&ino) {
+            return match (a.mount(), &a.backing) {
+                // Its writer reading it back after its close committed it (the kernel's
+                // release is on its way): the file it will be, passed through like the
+                // sealed entry it is about to become.
+                (Some(m), Backing::File { file, .. })
+                    if !write && m.committed && m.tgid == c.tgid() =>
+                {
+                    Ok(OpenedFile::Passthrough(file.clone()))
+                }
+                (Some(m), b) if m.target.is_some() && m.tgid == c.tgid() => {
+                    Ok(OpenedFile::Writing(b.file()))
+                }
+                _ => Err(Error::NotFound(format!("inode {ino} is being written"))),
+            };
+        }
+        if st.ns.is_ns(ino) {
+            return Err(Error::from_errno(libc::EISDIR));
+        }
+        Err(Error::NotFound(format!("inode {ino}")))
     }
 
     fn reopen(&self, _c: &Caller, ino: u64) -> Result<()> {
@@ -889,11 +403,89 @@ impl Backend for StoreFs {
     }
 
     fn fallocate(&self, ino: u64, offset: u64, len: u64) -> Result<()> {
-        self.0.mount_fallocate(ino, offset, len)
+        let end = offset
+            .checked_add(len)
+            .ok_or_else(|| Error::InvalidArgument("range overflows".into()))?;
+        let mut st = self.0.st.lock();
+        let max = self.0.cfg.max_copy_entry;
+        let pool = Store::writing(&mut st, ino)?.pool;
+        let cap = st.pools[pool as usize].pool.capacity();
+        let a = &st.allocs[&ino];
+        if end
+            > cap.min(if matches!(a.backing, Backing::Buffer { .. }) {
+                max
+            } else {
+                cap
+            })
+        {
+            return Err(Error::from_errno(libc::EFBIG));
+        }
+        let file = match &a.backing {
+            Backing::File { file, .. } => Some(file.clone()),
+            _ => None,
+        };
+        if let Some(f) = file {
+            self.0.reserve(&mut st, pool, &f, offset, end)?;
+        }
+        let a = st.allocs.get_mut(&ino).expect("present");
+        match &mut a.backing {
+            Backing::File { span, .. } => *span = (*span).max(end),
+            Backing::Buffer { data, dirty, .. } => {
+                if (data.len() as u64) < end {
+                    data.resize(end as usize, 0);
+                    *dirty = true;
+                }
+            }
+            Backing::Extent { .. } => {}
+        }
+        let m = a.mount_mut().expect("a mount write");
+        m.len = m.len.max(end);
+        Ok(())
     }
 
+    /// Publishes the entry being written `ino` at its writer's last release.
     fn seal(&self, ino: u64) -> Result<()> {
-        self.0.mount_seal(ino)
+        let mut st = self.0.st.lock();
+        let Some(m) = st.allocs.get(&ino).and_then(Alloc::mount) else {
+            return Ok(());
+        };
+        let r = match (m.failed, m.target.clone()) {
+            (None, Some((ns, key))) => {
+                let len = m.len;
+                tracing::debug!(ino, ns = %ns, key = %key, size = len, "publishing an entry written through the mount");
+                // Normally committed by its writer's last close; a size that changed since
+                // (or no close at all) is checked here, where a refusal can only be logged.
+                let recheck = !m.committed || len != m.reserved;
+                let r = if recheck {
+                    self.0.try_commit(&mut st, ino)
+                } else {
+                    let st = &mut *st;
+                    let a = st.allocs.get_mut(&ino).expect("present");
+                    st.pools[a.pool as usize]
+                        .pool
+                        .commit(ino, &mut a.backing, len)
+                };
+                r.and_then(|()| self.0.seal(&mut st, ino, &ns, &key, len).map(drop))
+            }
+            _ => Ok(()), // failed, unlinked or abandoned: dropped below
+        };
+        let dropped = st.allocs.contains_key(&ino);
+        if dropped {
+            if let Err(e) = &r {
+                tracing::warn!(
+                    ino,
+                    "an entry written through the mount was not published: {e}"
+                );
+            }
+            self.0.abandon(&mut st, ino, None);
+            self.0.drop_alloc(&mut st, ino);
+        }
+        drop(st);
+        self.0.sealed.notify_all();
+        if dropped {
+            self.0.forget_backing(ino);
+        }
+        r
     }
 
     fn abort(&self, ino: u64) {
@@ -905,7 +497,53 @@ impl Backend for StoreFs {
     }
 
     fn truncate(&self, ino: u64, size: u64) -> Result<Attr> {
-        self.0.mount_truncate(ino, size)
+        let mut st = self.0.st.lock();
+        if let Some(e) = st.entries.get(&ino) {
+            if e.size == size {
+                return Ok(e.attr());
+            }
+            return Err(Error::ReadOnly("sealed entries are immutable".into()));
+        }
+        let max = self.0.cfg.max_copy_entry;
+        let a = Store::writing(&mut st, ino)?;
+        let pool = a.pool;
+        if let Some(e) = a.mount().and_then(|m| m.failed) {
+            return Err(Error::from_errno(e));
+        }
+        let cap = st.pools[pool as usize].pool.capacity();
+        let a = st.allocs.get_mut(&ino).expect("present");
+        match &mut a.backing {
+            Backing::File { file, .. } => {
+                if size > cap {
+                    return Err(Error::from_errno(libc::EFBIG));
+                }
+                let (file, old) = (file.clone(), a.size_now());
+                if size > old {
+                    // A writer that sizes its entry is about to fill it, often through a
+                    // mapping, where a page the pool cannot give is a SIGBUS: reserve them now.
+                    self.0.reserve(&mut st, pool, &file, old, size)?;
+                }
+                file.set_len(size)?;
+                let a = st.allocs.get_mut(&ino).expect("present");
+                if let Backing::File { span, .. } = &mut a.backing {
+                    *span = size;
+                }
+                a.mtime = SystemTime::now();
+                a.mount_mut().expect("a mount write").len = size;
+                return Ok(a.attr(ino));
+            }
+            Backing::Buffer { data, dirty, .. } => {
+                if size > max {
+                    return Err(Error::from_errno(libc::EFBIG));
+                }
+                data.resize(size as usize, 0);
+                *dirty = true;
+            }
+            Backing::Extent { .. } => {}
+        }
+        a.mtime = SystemTime::now();
+        a.mount_mut().expect("a mount write").len = size;
+        Ok(a.attr(ino))
     }
 
     fn chmod_chown(
@@ -916,19 +554,210 @@ impl Backend for StoreFs {
         uid: Option<u32>,
         gid: Option<u32>,
     ) -> Result<Attr> {
-        self.0.mount_chmod_chown(c, ino, mode, uid, gid)
+        let mut guard = self.0.st.lock();
+        let st = &mut *guard;
+        let apply = |p: &mut Perm, mask: u32| {
+            if let Some(m) = mode {
+                p.mode = m & mask;
+            }
+            if let Some(u) = uid {
+                p.uid = u;
+            }
+            if let Some(g) = gid {
+                p.gid = g;
+            }
+        };
+        let denied = || Error::from_errno(libc::EPERM);
+        if st.ns.is_ns(ino) {
+            let path = st.ns.path_of(ino)?.to_owned();
+            let n = st.ns.get_mut(&path)?;
+            if !policy::may_chown(c, &n.perm, uid, gid) {
+                return Err(denied());
+            }
+            apply(&mut n.perm, 0o7777);
+            n.mtime = SystemTime::now();
+            let a = n.attr();
+            st.ns.save();
+            return Ok(a);
+        }
+        if let Some(a) = st.allocs.get_mut(&ino) {
+            if !policy::may_chown(c, &a.perm, uid, gid) {
+                return Err(denied());
+            }
+            apply(&mut a.perm, ENTRY_MODES);
+            return Ok(a.attr(ino));
+        }
+        let e = st
+            .entries
+            .get_mut(&ino)
+            .ok_or_else(|| Error::NotFound(format!("inode {ino}")))?;
+        if !policy::may_chown(c, &e.perm, uid, gid) {
+            return Err(denied());
+        }
+        apply(&mut e.perm, ENTRY_MODES);
+        st.pools[e.pool as usize].pool.set_owner_mode(&e.loc())?;
+        Ok(e.attr())
     }
 
     fn read(&self, ino: u64, offset: u64, len: u32) -> Result<Vec<u8>> {
-        self.0.mount_read(ino, offset, len)
+        let st = self.0.st.lock();
+        if let Some(e) = st.entries.get(&ino).or_else(|| st.zombies.get(&ino)) {
+            if offset >= e.size {
+                return Ok(Vec::new());
+            }
+            let n = u64::from(len).min(e.size - offset) as usize;
+            let mut buf = vec![0u8; n];
+            st.pools[e.pool as usize]
+                .pool
+                .read(&e.loc(), offset, &mut buf)?;
+            return Ok(buf);
+        }
+        let a = st
+            .allocs
+            .get(&ino)
+            .ok_or_else(|| Error::NotFound(format!("inode {ino}")))?;
+        let size = a.size_now();
+        if offset >= size {
+            return Ok(Vec::new());
+        }
+        let n = u64::from(len).min(size - offset) as usize;
+        match &a.backing {
+            Backing::File { file, .. } => {
+                use std::os::unix::fs::FileExt;
+                let mut buf = vec![0u8; n];
+                file.read_exact_at(&mut buf, offset)?;
+                Ok(buf)
+            }
+            Backing::Buffer { data, .. } => {
+                let s = (offset as usize).min(data.len());
+                Ok(data[s..(s + n).min(data.len())].to_vec())
+            }
+            Backing::Extent { .. } => Ok(Vec::new()),
+        }
     }
 
+    /// Writes `data` at `offset` of the entry being written `ino`: all of it or an error,
+    /// which marks the entry failed. The copy runs outside the store's lock.
     fn write(&self, ino: u64, offset: u64, data: &[u8]) -> Result<u32> {
-        self.0.mount_write(ino, offset, data)
+        let end = offset
+            .checked_add(data.len() as u64)
+            .ok_or_else(|| Error::from_errno(libc::EFBIG))?;
+        // The fault-injection seam (tests): this write fails with that errno.
+        let fault = self.0.data_fault.read().as_ref().and_then(|f| f(ino));
+        let (file, pool) = {
+            let mut st = self.0.st.lock();
+            let max = self.0.cfg.max_copy_entry;
+            let a = Store::writing(&mut st, ino)?;
+            let pool = a.pool;
+            let failed = a.mount().and_then(|m| m.failed);
+            if let Some(e) = failed {
+                return Err(Error::from_errno(e));
+            }
+            let cap = st.pools[pool as usize].pool.capacity();
+            let a = st.allocs.get_mut(&ino).expect("present");
+            a.mtime = SystemTime::now();
+            match &mut a.backing {
+                Backing::Buffer { data: b, dirty, .. } => {
+                    if end > max || fault.is_some() {
+                        drop(st);
+                        let errno = fault.unwrap_or(libc::EFBIG);
+                        return self.0.fail(ino, Error::from_errno(errno));
+                    }
+                    if (b.len() as u64) < end {
+                        b.resize(end as usize, 0);
+                    }
+                    b[offset as usize..end as usize].copy_from_slice(data);
+                    *dirty = true;
+                    let m = a.mount_mut().expect("a mount write");
+                    m.len = m.len.max(end);
+                    return Ok(data.len() as u32);
+                }
+                Backing::File { file, span, .. } => {
+                    if end > cap {
+                        drop(st);
+                        return self.0.fail(ino, Error::from_errno(libc::EFBIG));
+                    }
+                    if end > *span {
+                        // Large writes (the kernel splits a big write(2) into pieces of
+                        // max_write) grow the file to the next 2 MiB boundary, so that its
+                        // pages are 2 MiB ones; a small entry keeps its size (a 2 MiB page
+                        // for a few KiB would cost far more than it saves).
+                        let grown = if data.len() as u64 >= GROW / 4 {
+                            align_up(end, GROW).min(cap).max(end)
+                        } else {
+                            end
+                        };
+                        if let Err(e) = file.set_len(grown) {
+                            drop(st);
+                            return self.0.fail(ino, e.into());
+                        }
+                        *span = grown;
+                    }
+                    (file.clone(), pool)
+                }
+                Backing::Extent { .. } => {
+                    return Err(Error::ReadOnly("a client's allocation".into()));
+                }
+            }
+        };
+        let mut evicted = false;
+        loop {
+            use std::os::unix::fs::FileExt;
+            let r = match fault {
+                Some(errno) => Err(std::io::Error::from_raw_os_error(errno)),
+                None => file.write_all_at(data, offset),
+            };
+            match r {
+                Ok(()) => break,
+                Err(e) if e.raw_os_error() == Some(libc::ENOSPC) && !evicted => {
+                    // The pool is full: make room as a store would (with eviction on), once.
+                    evicted = true;
+                    let want = (data.len() as u64).saturating_add(GROW);
+                    if !self.0.ensure_free(&mut self.0.st.lock(), pool, want) {
+                        return self.0.fail(ino, e.into());
+                    }
+                }
+                Err(e) => return self.0.fail(ino, e.into()),
+            }
+        }
+        let mut st = self.0.st.lock();
+        if let Some(m) = st.allocs.get_mut(&ino).and_then(Alloc::mount_mut) {
+            m.len = m.len.max(end);
+        }
+        Ok(data.len() as u32)
     }
 
     fn unlink(&self, c: &Caller, parent: u64, name: &str) -> Result<()> {
-        self.0.mount_unlink(c, parent, name)
+        let mut st = self.0.st.lock();
+        let p = st.ns.path_of(parent)?.to_owned();
+        let n = st.ns.get(&p)?;
+        if n.children.contains_key(name) {
+            return Err(Error::from_errno(libc::EISDIR));
+        }
+        if let Some(&ino) = n.entries.get(name) {
+            let perm = st.entries[&ino].perm;
+            Store::allow(&st, c, &p, Access::Delete(&perm))?;
+            let inv = st.remove_entry(&*self.0.authority, &self.0.counters, ino, false);
+            drop(st);
+            // The kernel drops the name; the backing is freed once the mount lets go of it.
+            self.0.notify(
+                inv.map(|i| Invalidation {
+                    by_kernel: true,
+                    ..i
+                })
+                .into_iter()
+                .collect(),
+            );
+            return Ok(());
+        }
+        // A name being written: its writer (or root) may drop it; its release then frees it.
+        if let Some(id) = n.writing.get(name).copied() {
+            let perm = st.allocs[&id].perm;
+            Store::allow(&st, c, &p, Access::Delete(&perm))?;
+            self.0.abandon(&mut st, id, None);
+            return Ok(());
+        }
+        Err(Error::NotFound(join(&p, name)))
     }
 
     fn rename(
@@ -939,7 +768,64 @@ impl Backend for StoreFs {
         newparent: u64,
         newname: &str,
     ) -> Result<()> {
-        self.0.mount_rename(c, parent, name, newparent, newname)
+        let mut st = self.0.st.lock();
+        let p = st.ns.path_of(parent)?.to_owned();
+        let np = st.ns.path_of(newparent)?.to_owned();
+        if st.ns.get(&p)?.children.contains_key(name) {
+            return Err(Error::from_errno(libc::EXDEV));
+        }
+        if np.is_empty() {
+            return Err(Error::PermissionDenied("entries live in namespaces".into()));
+        }
+        let src = st.ns.get(&p)?;
+        let (sealed, writing) = (
+            src.entries.get(name).copied(),
+            src.writing.get(name).copied(),
+        );
+        let perm = match (sealed, writing) {
+            (Some(i), _) => st.entries[&i].perm,
+            (None, Some(i)) => st.allocs[&i].perm,
+            (None, None) => return Err(Error::NotFound(join(&p, name))),
+        };
+        Store::allow(&st, c, &p, Access::Delete(&perm))?;
+        Store::allow(&st, c, &np, Access::Create)?;
+        let target = st.ns.get(&np)?;
+        if target.entries.contains_key(newname)
+            || target.children.contains_key(newname)
+            || target.writing.contains_key(newname)
+        {
+            if p == np && name == newname {
+                return Ok(());
+            }
+            return Err(Error::Exists(format!(
+                "{}: entries are write-once",
+                join(&np, newname)
+            )));
+        }
+        if let Some(ino) = sealed {
+            return st.rename_entry(&*self.0.authority, ino, &np, newname);
+        }
+        let id = writing.expect("checked");
+        let m = st.allocs[&id].mount().expect("a mount write");
+        let (committed, reserved) = (m.committed, m.reserved);
+        if committed {
+            // Its publication was reserved under the old name: reserve the new one first.
+            st.ns.check_quota(&np, if np == p { 0 } else { reserved })?;
+            self.0.authority.reserve(&np, newname, id)?;
+            self.0.authority.release(&p, name, id);
+            let src = st.ns.get_mut(&p)?;
+            src.reserved -= reserved;
+            src.adjust_pending(-1);
+            let dst = st.ns.get_mut(&np)?;
+            dst.reserved += reserved;
+            dst.adjust_pending(1);
+        }
+        st.ns.get_mut(&p)?.writing.remove(name);
+        st.ns.get_mut(&np)?.writing.insert(newname.to_owned(), id);
+        if let Some(m) = st.allocs.get_mut(&id).and_then(Alloc::mount_mut) {
+            m.target = Some((np, newname.to_owned()));
+        }
+        Ok(())
     }
 
     fn statfs(&self) -> (u64, u64, u64) {
@@ -951,7 +837,49 @@ impl Backend for StoreFs {
     }
 
     fn xattrs(&self, ino: u64) -> Result<Vec<Xattr>> {
-        self.0.mount_xattrs(ino)
+        let st = self.0.st.lock();
+        let x = |name: &'static str, value: String| Xattr { name, value };
+        if st.ns.is_ns(ino) {
+            let n = st.ns.get(st.ns.path_of(ino)?)?;
+            return Ok(vec![
+                x("entries", n.entries.len().to_string()),
+                x("bytes", n.bytes.to_string()),
+            ]);
+        }
+        if let Some(a) = st.allocs.get(&ino) {
+            let p = &st.pools[a.pool as usize];
+            return Ok(vec![
+                x("state", "writing".into()),
+                x("pool", p.name.clone()),
+                x("kind", kind_name(p.kind).into()),
+                x("size", a.size_now().to_string()),
+                x("access", "daemon".into()),
+            ]);
+        }
+        let e = st
+            .entries
+            .get(&ino)
+            .ok_or_else(|| Error::NotFound(format!("inode {ino}")))?;
+        let p = &st.pools[e.pool as usize];
+        Ok(vec![
+            x("state", "sealed".into()),
+            x("pool", p.name.clone()),
+            x("kind", kind_name(p.kind).into()),
+            x("location", p.pool.location(&e.loc())),
+            x("offset", e.offset.to_string()),
+            x("size", e.size.to_string()),
+            x("pinned", if e.pinned { "1" } else { "0" }.into()),
+            x("generation", e.ino.to_string()),
+            x(
+                "access",
+                if p.pool.passthrough() {
+                    "passthrough"
+                } else {
+                    "copy"
+                }
+                .into(),
+            ),
+        ])
     }
 
     fn set_pinned(&self, c: &Caller, ino: u64, pinned: bool) -> Result<()> {
