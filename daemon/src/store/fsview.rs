@@ -836,8 +836,21 @@ impl Backend for StoreFs {
         (total, free, st.entries.len() as u64)
     }
 
+    /// An entry whose writer's close committed it is reported once sealed (the kernel's
+    /// release follows the close asynchronously; it is waited for up to a second).
     fn xattrs(&self, ino: u64) -> Result<Vec<Xattr>> {
-        let st = self.0.st.lock();
+        let mut st = self.0.st.lock();
+        let deadline = Instant::now() + Duration::from_secs(1);
+        while st
+            .allocs
+            .get(&ino)
+            .and_then(Alloc::mount)
+            .is_some_and(|m| m.committed)
+        {
+            if self.0.sealed.wait_until(&mut st, deadline).timed_out() {
+                break;
+            }
+        }
         let x = |name: &'static str, value: String| Xattr { name, value };
         if st.ns.is_ns(ino) {
             let n = st.ns.get(st.ns.path_of(ino)?)?;
