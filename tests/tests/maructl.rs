@@ -197,6 +197,84 @@ fn device_header_init_show_clear() {
     fails(&d, &["device", "show", "/nonexistent/dev"], 3, "io");
 }
 
+/// `marutop device` (the original design's spelling) is `maructl device`: for every case, the
+/// same exit code, the same stdout and the same stderr but for the program's name.
+#[test]
+fn marutop_device_is_maructl_device() {
+    let mut d = Daemon::start(Opts {
+        pools: vec!["file:{dir}/dev.img,size=16M".into()],
+        mount: false,
+        extra: vec![],
+    });
+    let dev = d.dir.join("dev.img");
+    let dev = dev.to_str().unwrap();
+    let socket = d.socket.clone();
+    let run = |prog: &str, args: &[&str]| {
+        Command::new(bin(prog))
+            .arg("--socket")
+            .arg(&socket)
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| panic!("running {prog}: {e}"))
+    };
+    // Runs both and returns marutop's exit code and stdout once they are checked equal.
+    let both = |args: &[&str]| {
+        let ctl = run("maructl", args);
+        let top = run("marutop", args);
+        let text = |o: &Output| String::from_utf8_lossy(&o.stdout).into_owned();
+        assert_eq!(
+            (top.status.code(), text(&top)),
+            (ctl.status.code(), text(&ctl)),
+            "marutop vs maructl {args:?}"
+        );
+        let err = |o: &Output, prog: &str| String::from_utf8_lossy(&o.stderr).replace(prog, "PROG");
+        assert_eq!(err(&top, "marutop"), err(&ctl, "maructl"), "{args:?}");
+        (top.status.code(), text(&top))
+    };
+    let show = both(&["device", "show", dev]);
+    assert_eq!(show.0, Some(0));
+    assert!(
+        show.1.contains("maru device, format version 1"),
+        "{}",
+        show.1
+    );
+    let uuid: Value = serde_json::from_str(&both(&["device", "show", dev, "--json"]).1).unwrap();
+    // Refused while the daemon holds the device.
+    assert_eq!(both(&["device", "clear", dev]).0, Some(9));
+    assert_eq!(
+        both(&["device", "init", dev, "--force", "--json"]).0,
+        Some(9)
+    );
+    d.stop();
+    // A header is there: init without --force is refused, by both, the same way.
+    let (code, out) = both(&["device", "init", dev, "--json"]);
+    assert_eq!(code, Some(6));
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["error"]["kind"], "exists");
+    assert_eq!(both(&["device", "init", dev]).0, Some(6));
+    // What marutop writes, both read back.
+    let top = |args: &[&str]| {
+        let o = run("marutop", args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let init: Value =
+        serde_json::from_str(&top(&["device", "init", dev, "--force", "--json"])).unwrap();
+    assert_ne!(init["uuid"], uuid["uuid"]);
+    let show: Value = serde_json::from_str(&both(&["device", "show", dev, "--json"]).1).unwrap();
+    assert_eq!(show, init);
+    assert_eq!(top(&["device", "clear", dev]), format!("cleared {dev}\n"));
+    assert_eq!(
+        both(&["device", "show", dev]).1,
+        format!("{dev}: no maru header\n")
+    );
+    assert!(std::fs::read(dev).unwrap()[..32].iter().all(|b| *b == 0));
+    top(&["device", "init", dev]);
+    assert_eq!(&std::fs::read(dev).unwrap()[..8], b"MARUDEV\0");
+    assert_eq!(both(&["device", "show", "/nonexistent/dev"]).0, Some(3));
+    assert_eq!(both(&["device", "frobnicate", dev]).0, Some(2));
+}
+
 #[test]
 fn marutop_csv_snapshots_from_a_live_daemon() {
     maru_tests::require_root!();

@@ -1,13 +1,34 @@
 //! maructl's commands: each talks to marud through libmaru (or, for `device`, to the device
 //! header directly) and prints for people or, with `--json`, one JSON document for scripts.
+//! `marutop device` runs the same `device` command through the same [`DeviceArgs`] and
+//! [`finish`].
 
 use std::io::{Read, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
 
 use maru::Error;
 use maru::format::{self, DevHeader, HeaderError};
 use maru::size::format_size;
 use serde_json::{Value, json};
+
+/// The exit codes and the `--json` error form, as `maructl --help` and `marutop device --help`
+/// show them (and doc/OPERATIONS.md).
+pub const EXIT_CODES: &str = "\
+Exit codes:
+  0  success
+  1  the operation failed (I/O or a daemon error not listed here)
+  2  bad command line
+  3  no such entry or namespace
+  4  marud is not reachable on the socket (not running?)
+  5  permission denied
+  6  the name is taken (entries are write-once) / the device already has a header
+  7  no space in the pools
+  8  invalid name or argument
+  9  the device is in use by a running marud
+
+With --json every command prints one JSON document on stdout, errors included:
+  {\"error\": {\"kind\": \"not_found\", \"exit\": 3, \"message\": \"...\"}}";
 
 /// Exit codes a script can rely on (also in `maructl --help` and doc/OPERATIONS.md).
 pub mod exit {
@@ -92,6 +113,34 @@ pub struct Output {
 }
 
 type R = Result<Output, Failure>;
+
+/// Prints a command's result as maructl does and returns its exit code: the output's JSON
+/// document (`json`) or text on stdout; a failure as its JSON document on stdout (`json`) or
+/// as `PROG: message` on stderr, exiting with its code. `Ok(None)`: the command printed its own.
+pub fn finish(prog: &str, json: bool, r: Result<Option<Output>, Failure>) -> ExitCode {
+    match r {
+        Ok(Some(o)) => {
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&o.json).expect("serializable")
+                );
+            } else {
+                print!("{}", o.text);
+            }
+            ExitCode::SUCCESS
+        }
+        Ok(None) => ExitCode::SUCCESS,
+        Err(f) => {
+            if json {
+                println!("{}", f.to_json());
+            } else {
+                eprintln!("{prog}: {}", f.message);
+            }
+            ExitCode::from(u8::try_from(f.code).unwrap_or(1))
+        }
+    }
+}
 
 fn out(json: Value, text: impl Into<String>) -> R {
     Ok(Output {
@@ -384,8 +433,29 @@ fn header_json(path: &Path, h: Option<DevHeader>) -> Value {
     }
 }
 
-/// `maructl device init|show|clear PATH`. A header of a format version this maructl does not
-/// know is refused; `force` lets init and clear overwrite it.
+/// The arguments of `maructl device` and `marutop device` (one definition for both).
+#[derive(clap::Args)]
+pub struct DeviceArgs {
+    /// init | show | clear
+    #[arg(value_parser = ["init", "show", "clear"])]
+    pub action: String,
+    /// The device or file.
+    pub path: PathBuf,
+    /// init: replace an existing header. init, clear: overwrite a header of a format
+    /// version this build does not know (refused otherwise).
+    #[arg(long)]
+    pub force: bool,
+}
+
+impl DeviceArgs {
+    /// Runs [`device`] with these arguments.
+    pub fn run(&self) -> R {
+        device(&self.action, &self.path, self.force)
+    }
+}
+
+/// `maructl device init|show|clear PATH` (also `marutop device`). A header of a format
+/// version this build does not know is refused; `force` lets init and clear overwrite it.
 pub fn device(action: &str, path: &Path, force: bool) -> R {
     match action {
         "show" => {

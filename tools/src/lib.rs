@@ -1,4 +1,4 @@
-//! maructl's library: the commands and the benchmark harness.
+//! The library of maructl and marutop: the commands, the live view and the benchmark harness.
 
 pub mod bench;
 pub mod ctl;

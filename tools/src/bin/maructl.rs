@@ -1,25 +1,10 @@
 //! maructl: administer, script and benchmark maru.
 
 use std::path::PathBuf;
+use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use maru_tools::ctl::{self, Failure, exit};
-
-const EXIT_CODES: &str = "\
-Exit codes:
-  0  success
-  1  the operation failed (I/O or a daemon error not listed here)
-  2  bad command line
-  3  no such entry or namespace
-  4  marud is not reachable on the socket (not running?)
-  5  permission denied
-  6  the name is taken (entries are write-once) / the device already has a header
-  7  no space in the pools
-  8  invalid name or argument
-  9  the device is in use by a running marud
-
-With --json every command prints one JSON document on stdout, errors included:
-  {\"error\": {\"kind\": \"not_found\", \"exit\": 3, \"message\": \"...\"}}";
+use maru_tools::ctl::{self, EXIT_CODES, Failure, exit};
 
 /// maructl: talk to marud (the maru KV-cache store daemon), and benchmark maru.
 #[derive(Parser)]
@@ -110,17 +95,7 @@ enum Cmd {
         bytes: String,
     },
     /// The header of a devdax or file: pool (no daemon needed; refused while marud uses it).
-    Device {
-        /// init | show | clear
-        #[arg(value_parser = ["init", "show", "clear"])]
-        action: String,
-        /// The device or file.
-        path: PathBuf,
-        /// init: replace an existing header. init, clear: overwrite a header of a format
-        /// version this maructl does not know (refused otherwise).
-        #[arg(long)]
-        force: bool,
-    },
+    Device(ctl::DeviceArgs),
     /// Benchmarks measured side by side in one run (starts its own daemon).
     Bench {
         #[command(subcommand)]
@@ -194,11 +169,7 @@ fn run(cli: Cli) -> Result<Option<ctl::Output>, Failure> {
             let b = maru::size::parse_size(&bytes).map_err(|e| bad(e.to_string()))?;
             ctl::evict(&h()?, b)
         }
-        Cmd::Device {
-            action,
-            path,
-            force,
-        } => ctl::device(&action, &path, force),
+        Cmd::Device(args) => args.run(),
         Cmd::Bench { which } => {
             let text = match which {
                 BenchCmd::Core { rounds, out_json } => {
@@ -232,28 +203,8 @@ fn run(cli: Cli) -> Result<Option<ctl::Output>, Failure> {
     r.map(Some)
 }
 
-fn main() {
+fn main() -> ExitCode {
     let cli = Cli::parse();
     let json = cli.json;
-    match run(cli) {
-        Ok(Some(o)) => {
-            if json {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&o.json).expect("serializable")
-                );
-            } else {
-                print!("{}", o.text);
-            }
-        }
-        Ok(None) => {}
-        Err(f) => {
-            if json {
-                println!("{}", f.to_json());
-            } else {
-                eprintln!("maructl: {}", f.message);
-            }
-            std::process::exit(f.code);
-        }
-    }
+    ctl::finish("maructl", json, run(cli))
 }

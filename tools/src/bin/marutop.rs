@@ -1,40 +1,63 @@
-//! marutop: a live view of marud, like top — pools, usage, operations.
+//! marutop: a live view of marud, like top — pools, usage, operations — and, as in
+//! `maructl device`, the header of a devdax or file: pool (`marutop device init|show|clear`).
 
 use std::path::PathBuf;
+use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use clap::{Parser, ValueEnum};
+use clap::{Parser, Subcommand};
+use maru_tools::ctl;
 use maru_tools::top::{self, Model, View};
 use ratatui::crossterm::event::{self, Event, KeyCode, KeyModifiers};
 
-#[derive(Clone, Copy, ValueEnum)]
-enum Which {
+/// The options of the views (`marutop device` takes them and ignores them).
+const VIEW: &str = "View options";
+
+/// marutop: watch marud live (a terminal UI), or print CSV snapshots (`--csv`); all views
+/// when no command is given.
+#[derive(Parser)]
+#[command(name = "marutop", version)]
+struct Cli {
+    /// marud's control socket.
+    #[arg(
+        long,
+        global = true,
+        env = "MARU_SOCKET",
+        default_value = maru::DEFAULT_SOCKET,
+        help_heading = VIEW
+    )]
+    socket: PathBuf,
+    /// Seconds between snapshots.
+    #[arg(long, short = 'd', global = true, default_value_t = 1.0, help_heading = VIEW)]
+    interval: f64,
+    /// Print CSV lines instead of the terminal UI (also when stdout is not a terminal).
+    #[arg(long, global = true, help_heading = VIEW)]
+    csv: bool,
+    /// Stop after this many snapshots.
+    #[arg(long, short = 'n', global = true, help_heading = VIEW)]
+    count: Option<u64>,
+    #[command(subcommand)]
+    cmd: Option<Cmd>,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
     /// Pool gauges: capacity, used, free, huge-page share, evictions.
     Pool,
     /// Per-namespace and per-client usage (allocated, used, slack).
     Usage,
     /// Operation rates and latency percentiles.
     Stats,
-}
-
-/// marutop: watch marud live (a terminal UI), or print CSV snapshots (`--csv`).
-#[derive(Parser)]
-#[command(name = "marutop", version)]
-struct Cli {
-    /// Show one view only.
-    view: Option<Which>,
-    /// marud's control socket.
-    #[arg(long, env = "MARU_SOCKET", default_value = maru::DEFAULT_SOCKET)]
-    socket: PathBuf,
-    /// Seconds between snapshots.
-    #[arg(long, short = 'd', default_value_t = 1.0)]
-    interval: f64,
-    /// Print CSV lines instead of the terminal UI (also when stdout is not a terminal).
-    #[arg(long)]
-    csv: bool,
-    /// Stop after this many snapshots.
-    #[arg(long, short = 'n')]
-    count: Option<u64>,
+    /// The header of a devdax or file: pool, as `maructl device` (no daemon needed; refused
+    /// while marud uses it).
+    #[command(after_help = ctl::EXIT_CODES)]
+    Device {
+        #[command(flatten)]
+        args: ctl::DeviceArgs,
+        /// Print one JSON document (for scripts).
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn connect(socket: &std::path::Path) -> anyhow::Result<maru::Handler> {
@@ -47,13 +70,16 @@ fn connect(socket: &std::path::Path) -> anyhow::Result<maru::Handler> {
     .map_err(|e| anyhow::anyhow!("cannot reach marud at {}: {e}", socket.display()))
 }
 
-fn main() {
+fn main() -> ExitCode {
     let cli = Cli::parse();
-    let view = match cli.view {
+    let view = match &cli.cmd {
         None => View::All,
-        Some(Which::Pool) => View::Pool,
-        Some(Which::Usage) => View::Usage,
-        Some(Which::Stats) => View::Stats,
+        Some(Cmd::Pool) => View::Pool,
+        Some(Cmd::Usage) => View::Usage,
+        Some(Cmd::Stats) => View::Stats,
+        Some(Cmd::Device { args, json }) => {
+            return ctl::finish("marutop", *json, args.run().map(Some));
+        }
     };
     let interval = Duration::from_secs_f64(cli.interval.max(0.05));
     let r = if cli.csv || !std::io::IsTerminal::is_terminal(&std::io::stdout()) {
@@ -63,8 +89,9 @@ fn main() {
     };
     if let Err(e) = r {
         eprintln!("marutop: {e:#}");
-        std::process::exit(1);
+        return ExitCode::FAILURE;
     }
+    ExitCode::SUCCESS
 }
 
 fn csv(cli: &Cli, view: View, interval: Duration) -> anyhow::Result<()> {
