@@ -403,6 +403,12 @@ impl Dispatcher {
                     results: batch(store.pin(&c, &ns, &keys, pinned)?),
                 }
             }
+            Op::Hold { ns, keys, hold } => {
+                check_batch(keys.len())?;
+                Body::Batch {
+                    results: batch(store.hold(session, &ns, &keys, hold)?),
+                }
+            }
             Op::Index { ns } => {
                 let (f, slots) = store.index_fd(&c, &ns)?;
                 fds.push(f);

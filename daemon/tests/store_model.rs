@@ -573,3 +573,183 @@ fn run_model(ops: &[Op]) -> Result<(), TestCaseError> {
     }
     Ok(())
 }
+
+// ----- holds: counted pins of client sessions -----
+
+/// A store with eviction on and namespace `h` holding entries `a` and `b`.
+fn held_fixture() -> Fixture {
+    let f = Fixture::new(16, Eviction::Lru, 1 << 20);
+    let root = me(0, 0);
+    f.store.mkdir(&root, "h", 0o755).unwrap();
+    for k in ["a", "b"] {
+        f.put(&root, "h", k, k.as_bytes()).unwrap();
+    }
+    f
+}
+
+/// Takes (`hold`) or gives back one hold of session `s` per key of `h`.
+fn hold(f: &Fixture, s: u64, keys: &[&str], hold: bool) -> Vec<maru::Result<()>> {
+    let keys: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
+    let r = f.store.hold(s, "h", &keys, hold).unwrap();
+    f.store.check_invariants().unwrap();
+    r
+}
+
+/// Holds on `h/key` and whether it is pinned, as the listing says (None when absent).
+fn hold_state(f: &Fixture, key: &str) -> Option<(u32, bool)> {
+    let (_, _, entries) = f.store.list(&me(0, 0), "h").unwrap();
+    entries
+        .iter()
+        .find(|e| e.key == key)
+        .map(|e| (e.holds, e.pinned))
+}
+
+/// Evicts every entry eviction may take; returns how many it took.
+fn evict_all(f: &Fixture) -> u64 {
+    let n = f.store.evict(&me(0, 0), u64::MAX).unwrap().0;
+    f.store.check_invariants().unwrap();
+    n
+}
+
+#[test]
+fn two_sessions_hold_one_entry_and_one_giving_back_keeps_it_held() {
+    let f = held_fixture();
+    let (s1, s2) = (
+        f.store.open_session("one", me(0, 0)),
+        f.store.open_session("two", me(0, 0)),
+    );
+    assert!(hold(&f, s1, &["a"], true)[0].is_ok());
+    assert!(hold(&f, s1, &["a"], true)[0].is_ok());
+    assert!(hold(&f, s2, &["a"], true)[0].is_ok());
+    assert_eq!(hold_state(&f, "a"), Some((3, false)));
+    // Counted: s1's two holds need two releases, and neither touches s2's.
+    assert!(hold(&f, s1, &["a"], false)[0].is_ok());
+    assert!(hold(&f, s1, &["a"], false)[0].is_ok());
+    assert_eq!(hold_state(&f, "a"), Some((1, false)));
+    assert_eq!(evict_all(&f), 1, "only the unheld entry goes");
+    assert_eq!(f.get("h", "a").unwrap(), b"a");
+    assert_eq!(f.get("h", "b"), None);
+    assert!(hold(&f, s2, &["a"], false)[0].is_ok());
+    assert_eq!(evict_all(&f), 1);
+    assert_eq!(f.get("h", "a"), None);
+    f.store.close_session(s1);
+    f.store.close_session(s2);
+}
+
+#[test]
+fn holds_go_with_their_session() {
+    let f = held_fixture();
+    let root = me(0, 0);
+    let (s1, s2) = (
+        f.store.open_session("one", root.clone()),
+        f.store.open_session("two", root.clone()),
+    );
+    hold(&f, s1, &["a", "a", "b"], true);
+    hold(&f, s2, &["a"], true);
+    // A held entry can still be deleted; its holds go with it.
+    assert!(f.store.delete(&root, "h", &["b".into()]).unwrap()[0].is_ok());
+    f.store.check_invariants().unwrap();
+    // The connection of s1 closes (or its process dies).
+    f.store.close_session(s1);
+    f.store.check_invariants().unwrap();
+    assert_eq!(hold_state(&f, "a"), Some((1, false)));
+    assert_eq!(evict_all(&f), 0);
+    f.store.close_session(s2);
+    f.store.check_invariants().unwrap();
+    assert_eq!(hold_state(&f, "a"), Some((0, false)));
+    assert_eq!(evict_all(&f), 1);
+    assert_eq!(f.get("h", "a"), None);
+}
+
+#[test]
+fn giving_back_a_hold_not_taken_fails_for_that_key_only() {
+    let f = held_fixture();
+    let (s1, s2) = (
+        f.store.open_session("one", me(0, 0)),
+        f.store.open_session("two", me(0, 0)),
+    );
+    hold(&f, s1, &["a"], true);
+    hold(&f, s2, &["b"], true);
+    // s2 holds b, not a; `none` does not exist.
+    let r = hold(&f, s2, &["a", "b", "none"], false);
+    assert!(
+        matches!(&r[0], Err(Error::NotFound(m)) if m.contains("not held")),
+        "{r:?}"
+    );
+    assert!(r[1].is_ok(), "{r:?}");
+    assert!(matches!(r[2], Err(Error::NotFound(_))), "{r:?}");
+    assert_eq!(hold_state(&f, "a"), Some((1, false)), "s1's hold is intact");
+    assert_eq!(hold_state(&f, "b"), Some((0, false)));
+    let r = hold(&f, s1, &["a", "a"], false);
+    assert!(
+        r[0].is_ok() && matches!(r[1], Err(Error::NotFound(_))),
+        "{r:?}"
+    );
+    f.store.close_session(s1);
+    f.store.close_session(s2);
+}
+
+#[test]
+fn a_hold_needs_what_a_retrieval_needs() {
+    let f = Fixture::new(16, Eviction::Lru, 1 << 20);
+    let owner = caller(OWNER);
+    f.store.mkdir(&owner, "h", 0o750).unwrap();
+    f.put(&owner, "h", "a", b"a").unwrap();
+    let member = f.store.open_session("member", caller(MEMBER));
+    let other = f.store.open_session("other", caller(OTHER));
+    assert!(hold(&f, member, &["a"], true)[0].is_ok());
+    let r = f.store.hold(other, "h", &["a".into()], true).unwrap();
+    assert!(matches!(r[0], Err(Error::PermissionDenied(_))), "{r:?}");
+    assert_eq!(hold_state(&f, "a"), Some((1, false)));
+    f.store.close_session(member);
+    f.store.close_session(other);
+    f.store.check_invariants().unwrap();
+}
+
+#[test]
+fn a_held_entry_survives_eviction() {
+    let f = held_fixture();
+    let s = f.store.open_session("one", me(0, 0));
+    hold(&f, s, &["a"], true);
+    assert_eq!(evict_all(&f), 1);
+    // Stores that fill the 16 MiB pool many times over evict around it.
+    let mib = vec![7u8; 1 << 20];
+    for i in 0..48 {
+        f.put(&me(0, 0), "h", &format!("k{i}"), &mib).unwrap();
+    }
+    f.store.check_invariants().unwrap();
+    assert_eq!(f.get("h", "k0"), None, "the pool was filled over and over");
+    assert_eq!(f.get("h", "a").unwrap(), b"a");
+    assert_eq!(hold_state(&f, "a"), Some((1, false)));
+    f.store.close_session(s);
+}
+
+#[test]
+fn the_pin_and_holds_are_independent() {
+    let f = held_fixture();
+    let root = me(0, 0);
+    let pin = |p: bool| {
+        assert!(f.store.pin(&root, "h", &["a".into()], p).unwrap()[0].is_ok());
+        f.store.check_invariants().unwrap();
+    };
+    let s = f.store.open_session("one", root.clone());
+    pin(true);
+    hold(&f, s, &["a"], true);
+    assert_eq!(hold_state(&f, "a"), Some((1, true)));
+    // Unpinning leaves the hold.
+    pin(false);
+    assert_eq!(hold_state(&f, "a"), Some((1, false)));
+    assert_eq!(evict_all(&f), 1);
+    // Giving the hold back leaves the pin.
+    pin(true);
+    hold(&f, s, &["a"], false);
+    assert_eq!(hold_state(&f, "a"), Some((0, true)));
+    assert_eq!(evict_all(&f), 0);
+    // A pin does not stand for a hold, nor the end of a session for an unpin.
+    assert!(hold(&f, s, &["a"], false)[0].is_err());
+    f.store.close_session(s);
+    assert_eq!(hold_state(&f, "a"), Some((0, true)));
+    assert_eq!(evict_all(&f), 0);
+    pin(false);
+    assert_eq!(evict_all(&f), 1);
+}

@@ -47,7 +47,7 @@ fuzz_target!(|data: &[u8]| {
     );
     let mut r = FrameReader::new();
     if data.len() > 1 && data[1] & 1 == 1 {
-        let hello = br#"{"id":0,"op":"hello","args":{"version":1,"client":"fuzz"}}"#;
+        let hello = br#"{"id":0,"op":"hello","args":{"version":2,"client":"fuzz"}}"#;
         r.push(&(hello.len() as u32).to_le_bytes());
         r.push(hello);
     }

@@ -35,8 +35,10 @@ pub const SLOT_WORDS: usize = 40;
 const KEY_WORDS: usize = 32;
 /// Generation value of a deleted slot.
 pub const TOMBSTONE: u64 = u64::MAX;
-/// Flag bit: entry is pinned.
+/// Flag bit: entry is pinned (the operator's persistent pin).
 pub const FLAG_PINNED: u32 = 1;
+/// Flag bit: some client connection holds the entry (`Op::Hold`; not persistent).
+pub const FLAG_HELD: u32 = 2;
 
 /// Bytes needed for a table of `nslots` slots.
 pub fn table_bytes(nslots: usize) -> usize {
@@ -63,7 +65,7 @@ pub struct SlotView {
     pub size: u64,
     /// Pool id.
     pub pool: u32,
-    /// Flags (`FLAG_PINNED`).
+    /// Flags (`FLAG_PINNED`, `FLAG_HELD`).
     pub flags: u32,
     /// Offset in the pool.
     pub offset: u64,

@@ -19,6 +19,7 @@ pub mod client;
 pub mod error;
 pub mod format;
 pub mod index;
+pub mod key;
 pub mod mapping;
 pub mod name;
 pub mod proto;

@@ -19,6 +19,9 @@ pub(crate) struct MapInner {
     pub(crate) start: usize,
     pub(crate) len: usize,
     pub(crate) generation: u64,
+    /// The pool it lives in and its offset there (raw pools; 0 for memfs entries).
+    pub(crate) pool: u32,
+    pub(crate) offset: u64,
     /// Raw pools: where to queue the lease release when the last user drops.
     pub(crate) release: Option<Arc<Mutex<Vec<u64>>>>,
 }
@@ -61,6 +64,16 @@ impl Mapping {
     /// The entry's generation (unique per sealed entry).
     pub fn generation(&self) -> u64 {
         self.inner.generation
+    }
+
+    /// Id of the pool the entry lives in.
+    pub fn pool(&self) -> u32 {
+        self.inner.pool
+    }
+
+    /// Offset of the entry in its pool (raw pools; 0 for memfs entries, files of their own).
+    pub fn offset(&self) -> u64 {
+        self.inner.offset
     }
 }
 

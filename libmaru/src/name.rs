@@ -14,9 +14,10 @@ use crate::error::{Error, Result};
 /// Longest component, in bytes (Linux `NAME_MAX`).
 pub const MAX_NAME_LEN: usize = 255;
 /// Most components in one path (namespaces plus the key).
-pub const MAX_DEPTH: usize = 16;
-/// Longest whole path, in bytes.
-pub const MAX_PATH_LEN: usize = 1024;
+pub const MAX_DEPTH: usize = 32;
+/// Longest whole path, in bytes (Linux `PATH_MAX` less its NUL): long keys nest
+/// (see [`crate::key`]).
+pub const MAX_PATH_LEN: usize = 4095;
 
 /// Checks one path component.
 pub fn check_component(name: &[u8]) -> Result<()> {

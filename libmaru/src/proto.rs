@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, WireError};
 
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 /// The largest frame body accepted, in bytes.
 pub const MAX_FRAME: usize = 4 << 20;
 /// The most descriptors one frame may carry (the kernel's `SCM_MAX_FD` is 253).
@@ -126,6 +126,17 @@ pub enum Op {
         /// true = pin, false = unpin.
         pinned: bool,
     },
+    /// Take (or give back) one hold per key for this connection: an entry with holds is never
+    /// evicted. Holds are counted per connection and dropped when it closes.
+    Hold {
+        /// Namespace.
+        ns: String,
+        /// Keys.
+        keys: Vec<String>,
+        /// true = take a hold, false = give one back (`not_found` if this connection holds
+        /// none on the key).
+        hold: bool,
+    },
     /// Get a read-only descriptor of the namespace's shared index.
     Index {
         /// Namespace.
@@ -161,6 +172,7 @@ impl Op {
             Op::Exists { .. } => "exists",
             Op::Delete { .. } => "delete",
             Op::Pin { .. } => "pin",
+            Op::Hold { .. } => "hold",
             Op::Index { .. } => "index",
             Op::List { .. } => "list",
             Op::Stats => "stats",
@@ -254,6 +266,9 @@ pub struct Located {
     pub size: u64,
     /// Pinned against eviction.
     pub pinned: bool,
+    /// Holds on it, of every connection (see [`Op::Hold`]).
+    #[serde(default)]
+    pub holds: u32,
     /// A descriptor travels with this item (memfs: the entry's file; raw: the pool, first time only).
     pub fd: bool,
 }
@@ -385,7 +400,7 @@ pub enum Body {
         /// One flag per key.
         found: Vec<bool>,
     },
-    /// Per-key outcome of a batch (`Delete`, `Pin`): `None` = success.
+    /// Per-key outcome of a batch (`Delete`, `Pin`, `Hold`): `None` = success.
     Batch {
         /// One outcome per key.
         results: Vec<Option<WireError>>,

@@ -33,6 +33,7 @@ fn op_name() -> impl Strategy<Value = String> {
         Just("exists"),
         Just("delete"),
         Just("pin"),
+        Just("hold"),
         Just("index"),
         Just("list"),
         Just("stats"),
@@ -66,7 +67,8 @@ fn json_value() -> impl Strategy<Value = serde_json::Value> {
                     Just("client"),
                     Just("bytes"),
                     Just("gens"),
-                    Just("pinned")
+                    Just("pinned"),
+                    Just("hold")
                 ]
                 .prop_map(str::to_owned),
                 inner,
@@ -124,7 +126,7 @@ fn random_frame_sequences_never_hurt_the_daemon() {
     // Random `evict` requests (sent as root) may empty the pool; a pinned entry must survive.
     h.pin("keep/k").unwrap();
     let hello =
-        serde_json::json!({"id": 0, "op": "hello", "args": {"version": 1, "client": "fuzz"}})
+        serde_json::json!({"id": 0, "op": "hello", "args": {"version": maru::proto::PROTOCOL_VERSION, "client": "fuzz"}})
             .to_string();
     let mut runner = TestRunner::new(Config {
         cases: 64,

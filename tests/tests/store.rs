@@ -290,6 +290,57 @@ fn client_crash_is_reclaimed() {
     }
 }
 
+/// Waits until the daemon serves `n` client connections.
+fn wait_for_clients(h: &maru::Handler, n: usize) {
+    let t = std::time::Instant::now();
+    while h.stats().unwrap().clients.len() != n {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "still not {n} clients"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn holds_of_two_connections_are_counted_apart() {
+    maru_tests::require_root!();
+    let d = Daemon::start(no_mount(&[MEMFS]));
+    let (h1, h2) = (d.handler(), d.handler());
+    h1.mkdir("h", 0o755).unwrap();
+    h1.mkdir("g", 0o755).unwrap();
+    for p in ["h/k", "h/other", "g/k"] {
+        h1.put(p, p.as_bytes()).unwrap();
+    }
+    // One request per namespace, one outcome per path.
+    let before = h1.stats().unwrap().ops.get("hold").copied().unwrap_or(0);
+    let r = h1
+        .batch_hold(&["h/k", "g/k", "h/none", "h/k"], true)
+        .unwrap();
+    assert!(r[0].is_ok() && r[1].is_ok() && r[3].is_ok(), "{r:?}");
+    assert!(matches!(r[2], Err(Error::NotFound(_))), "{r:?}");
+    assert_eq!(h1.stats().unwrap().ops["hold"], before + 2);
+    h2.hold("h/k").unwrap();
+    assert!(h2.stat("h/k").unwrap().unwrap().held);
+    assert!(matches!(h2.unhold("g/k"), Err(Error::NotFound(_))));
+    // h1 goes away with its three holds; h2's still protects the entry.
+    let clients = h2.stats().unwrap().clients.len();
+    drop(h1);
+    wait_for_clients(&h2, clients - 1);
+    let (_, _, entries) = h2.list("h").unwrap();
+    assert_eq!(entries.iter().find(|e| e.key == "k").unwrap().holds, 1);
+    h2.evict(u64::MAX).unwrap();
+    assert!(!h2.exists("h/other").unwrap() && !h2.exists("g/k").unwrap());
+    assert_eq!(h2.retrieve("h/k").unwrap().unwrap().as_slice(), b"h/k");
+    // Both gone: nothing holds it, eviction takes it.
+    let h3 = d.handler();
+    drop(h2);
+    wait_for_clients(&h3, clients - 1);
+    assert!(!h3.stat("h/k").unwrap().unwrap().held);
+    h3.evict(u64::MAX).unwrap();
+    assert!(!h3.exists("h/k").unwrap());
+}
+
 fn frame(body: &[u8]) -> Vec<u8> {
     let mut v = (body.len() as u32).to_le_bytes().to_vec();
     v.extend_from_slice(body);
@@ -325,7 +376,7 @@ fn malformed_frames_get_errors_and_change_nothing() {
     // Garbage after hello: error reply, connection keeps working.
     let mut s = connect();
     s.write_all(&frame(
-        br#"{"id":1,"op":"hello","args":{"version":1,"client":"t"}}"#,
+        br#"{"id":1,"op":"hello","args":{"version":2,"client":"t"}}"#,
     ))
     .unwrap();
     assert!(read_reply(&mut s).unwrap().get("ok").is_some());
@@ -334,7 +385,7 @@ fn malformed_frames_get_errors_and_change_nothing() {
         br#"{"id":2,"op":"no_such_op"}"#,
         br#"{"id":3,"op":"delete","args":{"ns":"f"}}"#,
         br#"{"id":4,"op":"publish","args":{"alloc":999999,"ns":"f","key":"x"}}"#,
-        br#"{"id":5,"op":"hello","args":{"version":1,"client":"again"}}"#,
+        br#"{"id":5,"op":"hello","args":{"version":2,"client":"again"}}"#,
         br#"{"id":6,"op":"alloc","args":{"size":0,"count":1}}"#,
         br#"{"id":7,"op":"exists","args":{"ns":"../etc","keys":["x"]}}"#,
     ] {

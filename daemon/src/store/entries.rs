@@ -68,6 +68,13 @@ impl State {
     ) -> Option<Invalidation> {
         let e = self.unfile(ino)?;
         auth.release(&e.ns, &e.key, e.ino);
+        if e.holds > 0 {
+            // Deleting (or evicting, by hand) a held entry is allowed, as for a pinned one;
+            // the holds go with it.
+            for s in self.sessions.values_mut() {
+                s.holds.remove(&ino);
+            }
+        }
         if self.gone.len() > GONE {
             self.gone.clear();
         }
@@ -121,6 +128,16 @@ impl State {
         moved.key = key.to_owned();
         self.insert_entry(moved);
         Ok(())
+    }
+
+    /// Writes entry `ino`'s flags (pinned, held) to its index slot.
+    pub fn index_flags(&mut self, ino: u64) {
+        let Some(e) = self.entries.get(&ino) else {
+            return;
+        };
+        if let Ok(n) = self.ns.get_mut(&e.ns) {
+            n.index.set_flags(e.slot, e.flags());
+        }
     }
 
     /// Gives back one lease on entry (or deleted entry) `ino`; the last lease on a deleted

@@ -882,6 +882,7 @@ impl Backend for StoreFs {
             x("offset", e.offset.to_string()),
             x("size", e.size.to_string()),
             x("pinned", if e.pinned { "1" } else { "0" }.into()),
+            x("holds", e.holds.to_string()),
             x("generation", e.ino.to_string()),
             x(
                 "access",

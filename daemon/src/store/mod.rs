@@ -32,7 +32,6 @@ use std::fs::File;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
-use maru::index::FLAG_PINNED;
 use maru::name::{check_component, split_ns};
 use maru::proto::{ClientInfo, Grant, Located, NsInfo, PoolInfo, PoolKind, Stats};
 use maru::{Error, Result};
@@ -426,6 +425,7 @@ impl Store {
             size,
             asize,
             pinned: false,
+            holds: 0,
             lru: Default::default(),
             slot: 0,
             owner: a.session(),
@@ -604,11 +604,7 @@ impl Store {
             .pool
             .set_pinned(&e.loc(), pinned)?;
         e.pinned = pinned;
-        let (ns, slot) = (e.ns.clone(), e.slot);
-        st.ns
-            .get_mut(&ns)?
-            .index
-            .set_flags(slot, if pinned { FLAG_PINNED } else { 0 });
+        st.index_flags(ino);
         Ok(())
     }
 
@@ -629,6 +625,37 @@ impl Store {
             keys,
             |p| Access::Pin(p),
             |st, ino| self.set_pin(st, ino, pinned),
+        )
+    }
+
+    /// Takes (`hold`) or gives back one hold of `session` per key; one outcome per key. A hold
+    /// needs what a retrieval needs (whoever may read an entry may keep it from eviction while
+    /// its session lives); giving one back needs only to find the entry, and fails with
+    /// [`Error::NotFound`] when the session holds none on it.
+    pub fn hold(
+        &self,
+        session: u64,
+        ns: &str,
+        keys: &[String],
+        hold: bool,
+    ) -> Result<Vec<Result<()>>> {
+        split_ns(ns)?;
+        let mut st = self.st.lock();
+        let c = st.caller(session)?;
+        if hold {
+            self.wait_imminent(&mut st, ns, keys);
+        }
+        Self::each_entry(
+            &mut st,
+            &c,
+            ns,
+            keys,
+            if hold {
+                |p| Access::Read(p)
+            } else {
+                |_| Access::Lookup
+            },
+            |st, ino| st.hold(session, ino, hold),
         )
     }
 
@@ -790,7 +817,7 @@ impl Store {
                     .get(ino)
                     .ok_or_else(|| format!("{k}/{key}: dangling"))?;
                 match n.index.lookup(key) {
-                    Some(v) if v.generation == e.ino => {}
+                    Some(v) if v.generation == e.ino && v.flags == e.flags() => {}
                     other => return Err(format!("{k}/{key}: index says {other:?}")),
                 }
                 match self.authority.holder(k, key) {
@@ -798,6 +825,34 @@ impl Store {
                     other => return Err(format!("{k}/{key}: the authority says {other:?}")),
                 }
             }
+        }
+        // An entry's holds are its sessions' holds on it, and sessions hold live entries only.
+        let mut holds: std::collections::HashMap<u64, u32> = Default::default();
+        for s in st.sessions.values() {
+            for (ino, n) in &s.holds {
+                *holds.entry(*ino).or_insert(0) += n;
+            }
+        }
+        for (ino, n) in &holds {
+            match st.entries.get(ino) {
+                Some(e) if e.holds == *n => {}
+                other => {
+                    return Err(format!(
+                        "inode {ino}: sessions hold it {n} times, the entry says {:?}",
+                        other.map(|e| e.holds)
+                    ));
+                }
+            }
+        }
+        if let Some(e) = st
+            .entries
+            .values()
+            .find(|e| e.holds > 0 && !holds.contains_key(&e.ino))
+        {
+            return Err(format!(
+                "{}/{}: held {} times by no session",
+                e.ns, e.key, e.holds
+            ));
         }
         // Every entry is filed once in the LRU order, under a key no later than its last use.
         if st.lru.len() != st.entries.len() {

@@ -2,7 +2,7 @@
 //!
 //! An allocation tries the pools in command-line order (or the one the client names) without
 //! evicting; if none has room and eviction is `lru`, it evicts the least recently used sealed,
-//! unpinned, unleased entries of the first pool large enough and retries.
+//! unpinned, unheld, unleased entries of the first pool large enough and retries.
 
 use maru::{Error, Result};
 
@@ -26,7 +26,7 @@ impl Store {
             .oldest_first()
             .filter(|ino| {
                 let e = &st.entries[ino];
-                !e.pinned && e.leases == 0 && pool.is_none_or(|p| p == e.pool)
+                !e.protected() && pool.is_none_or(|p| p == e.pool)
             })
             .collect();
         for ino in candidates {

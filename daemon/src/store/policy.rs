@@ -9,6 +9,7 @@
 //! | look an entry up (`exists`, `stat`) | search (`x`) on every namespace of its path |
 //! | list a namespace (`list`, the shared index, `readdir`) | search on its parents, read (`r`) on it |
 //! | read an entry (`retrieve`, `open(O_RDONLY)`) | search on its path, read on the entry |
+//! | hold an entry (`hold`; giving the hold back is a look up) | as read |
 //! | create an entry or namespace (`store`, `mkdir`, `create`) | search on its path, write (`w`) on the namespace |
 //! | delete an entry or namespace (`delete`, `unlink`, `rmdir`) | as create; in a sticky namespace (`1xxx`) the caller must also own the entry or the namespace |
 //! | pin an entry (`pin`, `setfattr user.maru.pinned`) | search on its path, write on the entry (sealed entries stay immutable whatever their mode) |

@@ -133,6 +133,7 @@ fn recover_pool(st: &mut State, p: usize, authority: &dyn Authority) -> anyhow::
             size: f.size,
             asize: align_up(f.size.max(1), ENTRY_ALIGN),
             pinned: f.pinned,
+            holds: 0,
             lru: Default::default(),
             slot: 0,
             owner: None,

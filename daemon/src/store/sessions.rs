@@ -1,9 +1,10 @@
-//! Client sessions (one per control connection) and their leases.
+//! Client sessions (one per control connection), their leases and their holds.
 
+use maru::{Error, Result};
 use maru_fsd::Caller;
 
 use super::Store;
-use super::state::{MOUNT_SESSION, Session};
+use super::state::{MOUNT_SESSION, Session, State};
 
 impl Store {
     /// Registers a client connection.
@@ -23,7 +24,7 @@ impl Store {
     }
 
     /// A client went away (closed its connection or crashed): its unpublished allocations
-    /// are freed, its leases dropped and its open regions detached.
+    /// are freed, its leases and holds dropped and its open regions detached.
     pub fn close_session(&self, id: u64) {
         if id == MOUNT_SESSION {
             return;
@@ -37,6 +38,9 @@ impl Store {
         }
         for (ino, n) in s.leases {
             st.unlease(ino, n);
+        }
+        for (ino, n) in s.holds {
+            st.unhold(ino, n);
         }
         for p in &mut st.pools {
             p.pool.detach(id);
@@ -64,6 +68,55 @@ impl Store {
             });
             if held {
                 st.unlease(*g, 1);
+            }
+        }
+    }
+}
+
+impl State {
+    /// Takes (`hold`) or gives back one hold of session `session` on entry `ino`.
+    pub fn hold(&mut self, session: u64, ino: u64, hold: bool) -> Result<()> {
+        let s = self
+            .sessions
+            .get_mut(&session)
+            .ok_or_else(|| Error::Protocol("no such session".into()))?;
+        let e = self
+            .entries
+            .get_mut(&ino)
+            .ok_or_else(|| Error::NotFound("entry".into()))?;
+        if hold {
+            // The entry's count is the sum of the sessions': it overflows first.
+            let all = e.holds.checked_add(1).ok_or_else(|| {
+                Error::InvalidArgument(format!("{}/{}: too many holds", e.ns, e.key))
+            })?;
+            e.holds = all;
+            *s.holds.entry(ino).or_insert(0) += 1;
+        } else {
+            let Some(mine) = s.holds.get_mut(&ino) else {
+                return Err(Error::NotFound(format!(
+                    "{}/{}: not held by this client",
+                    e.ns, e.key
+                )));
+            };
+            *mine -= 1;
+            if *mine == 0 {
+                s.holds.remove(&ino);
+            }
+            e.holds -= 1;
+        }
+        if e.holds == u32::from(hold) {
+            // 0 -> 1 or 1 -> 0: the index's held bit changes.
+            self.index_flags(ino);
+        }
+        Ok(())
+    }
+
+    /// Gives back `n` holds on entry `ino` (gone entries took their holds with them).
+    pub fn unhold(&mut self, ino: u64, n: u32) {
+        if let Some(e) = self.entries.get_mut(&ino) {
+            e.holds = e.holds.saturating_sub(n);
+            if e.holds == 0 {
+                self.index_flags(ino);
             }
         }
     }

@@ -3,7 +3,7 @@
 use std::collections::{HashMap, HashSet};
 use std::time::SystemTime;
 
-use maru::index::{FLAG_PINNED, SlotView};
+use maru::index::{FLAG_HELD, FLAG_PINNED, SlotView};
 use maru::proto::{Located, PoolKind};
 use maru_fsd::{Attr, Caller, Kind};
 
@@ -29,8 +29,11 @@ pub struct Entry {
     pub size: u64,
     /// Bytes reserved in the pool.
     pub asize: u64,
-    /// Protected from eviction.
+    /// Protected from eviction by the operator (persistent).
     pub pinned: bool,
+    /// Holds of client sessions (`Op::Hold`, every session's together): protected from
+    /// eviction while > 0. Not persistent: sessions do not outlive the daemon.
+    pub holds: u32,
     /// Place in the LRU order.
     pub lru: Stamp,
     /// Slot in its namespace's index.
@@ -87,9 +90,26 @@ impl Entry {
             generation: self.ino,
             size: self.size,
             pool: self.pool,
-            flags: if self.pinned { FLAG_PINNED } else { 0 },
+            flags: self.flags(),
             offset: self.offset,
         }
+    }
+
+    /// Its flags in the shared index: pinned, held.
+    pub fn flags(&self) -> u32 {
+        let mut f = 0;
+        if self.pinned {
+            f |= FLAG_PINNED;
+        }
+        if self.holds > 0 {
+            f |= FLAG_HELD;
+        }
+        f
+    }
+
+    /// Whether eviction must pass it by: pinned, held or leased.
+    pub fn protected(&self) -> bool {
+        self.pinned || self.holds > 0 || self.leases > 0
     }
 
     /// Where it is, for a client.
@@ -101,6 +121,7 @@ impl Entry {
             offset: self.offset,
             size: self.size,
             pinned: self.pinned,
+            holds: self.holds,
             fd,
         }
     }
@@ -228,6 +249,8 @@ pub struct Session {
     pub allocs: HashSet<u64>,
     /// Leases it holds: inode → count.
     pub leases: HashMap<u64, u32>,
+    /// Holds it has on entries (`Op::Hold`): inode → count.
+    pub holds: HashMap<u64, u32>,
     /// Bytes of entries it stored.
     pub used: u64,
 }

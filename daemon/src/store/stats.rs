@@ -8,7 +8,7 @@ use maru::proto::LATENCY_BUCKETS_US;
 use maru_fsd::Upcall;
 
 /// The control operations counted by name (`maru::proto::Op::name`), plus `errors`.
-pub const OPS: [&str; 17] = [
+pub const OPS: [&str; 18] = [
     "hello",
     "mkdir",
     "rmdir",
@@ -21,6 +21,7 @@ pub const OPS: [&str; 17] = [
     "exists",
     "delete",
     "pin",
+    "hold",
     "index",
     "list",
     "stats",

@@ -136,10 +136,12 @@ impl Inner {
 
     pub(super) fn map_grant(&mut self, s: Spare) -> Result<AllocHandle> {
         let size = s.grant.size as usize;
-        let (map, start) = match s.file {
-            // SAFETY: the file is a WRITING entry only this client holds; nobody else maps it.
+        let (map, start, file, base) = match s.file {
             Some(f) => (
+                // SAFETY: the file is a WRITING entry only this client holds; nobody else maps it.
                 unsafe { memmap2::MmapOptions::new().len(size).map_mut(&f)? },
+                0,
+                Arc::new(f),
                 0,
             ),
             None => {
@@ -157,13 +159,16 @@ impl Inner {
                         .len(start + size)
                         .map_mut(&**f)?
                 };
-                (m, start)
+                (m, start, f.clone(), base)
             }
         };
         Ok(AllocHandle {
             grant: s.grant,
             map,
             start,
+            file,
+            base,
+            done: false,
         })
     }
 }

@@ -153,6 +153,8 @@ impl Inner {
                 start: 0,
                 len: loc.size as usize,
                 generation: loc.generation,
+                pool: loc.pool,
+                offset: 0,
                 release: None,
             }
         } else {
@@ -179,12 +181,45 @@ impl Inner {
                 start,
                 len: loc.size as usize,
                 generation: loc.generation,
+                pool: loc.pool,
+                offset: loc.offset,
                 release: Some(self.releases.clone()),
             }
         };
         Ok(Mapping {
             inner: Arc::new(inner),
         })
+    }
+
+    /// A read-only mapping of all of raw pool `pool`, if this client holds its descriptor
+    /// (it gets it with its first allocation or retrieval there).
+    pub(super) fn map_pool(&mut self, pool: u32) -> Result<Option<Mapping>> {
+        let Some(f) = self.pool_ro.get(&pool).or_else(|| self.pool_rw.get(&pool)) else {
+            return Ok(None);
+        };
+        let len = self
+            .pools
+            .iter()
+            .find(|p| p.id == pool)
+            .map_or(0, |p| p.capacity) as usize;
+        if len == 0 {
+            return Ok(None);
+        }
+        // SAFETY: a read-only shared view of the pool; marud only writes extents nobody
+        // holds, and this view is documented as racing with the pool's own reuse of freed
+        // extents (as the original design's region views did).
+        let map = unsafe { memmap2::MmapOptions::new().len(len).map(&**f)? };
+        Ok(Some(Mapping {
+            inner: Arc::new(MapInner {
+                map,
+                start: 0,
+                len,
+                generation: 0,
+                pool,
+                offset: 0,
+                release: None,
+            }),
+        }))
     }
 
     pub(super) fn cache_insert(&mut self, ns: &str, key: &str, m: &Mapping) {

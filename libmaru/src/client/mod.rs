@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
-use crate::index::FLAG_PINNED;
+use crate::index::{FLAG_HELD, FLAG_PINNED};
 use crate::mapping::Mapping;
 use crate::name::EntryPath;
 use crate::proto::{
@@ -35,9 +35,67 @@ pub struct AllocHandle {
     grant: Grant,
     map: memmap2::MmapMut,
     start: usize,
+    /// The file `map` maps (the entry's for memfs pools, the pool's for raw ones) from `base`.
+    file: Arc<std::fs::File>,
+    base: u64,
+    /// Published or freed: the grant is no longer this handle's.
+    done: bool,
 }
 
 impl AllocHandle {
+    /// Address of the first writable byte (stays valid while the handle lives).
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.as_mut_slice().as_mut_ptr()
+    }
+
+    /// The allocation's id at marud.
+    pub fn id(&self) -> u64 {
+        self.grant.alloc
+    }
+
+    /// Offset of the allocation in its pool (raw pools; 0 for memfs pools, whose every
+    /// allocation is a file of its own).
+    pub fn offset(&self) -> u64 {
+        self.grant.offset
+    }
+
+    /// True once the allocation was published or freed through
+    /// [`Handler::publish`] / [`Handler::free_in_place`]: its bytes are then this
+    /// process's private copy.
+    pub fn is_done(&self) -> bool {
+        self.done
+    }
+
+    /// Gives up the grant's shared pages but keeps the address range valid: the range
+    /// becomes a private copy-on-write mapping of the same bytes (reads see what was
+    /// written, later writes stay in this process and never reach the pool). Where the
+    /// pool refuses private mappings (device DAX), the range becomes read-only instead.
+    fn detach(&mut self) -> Result<()> {
+        use nix::sys::mman::{MapFlags, ProtFlags, mmap, mprotect};
+        let len = std::num::NonZeroUsize::new(self.map.len()).expect("never empty");
+        let addr = std::ptr::NonNull::new(self.map.as_mut_ptr().cast()).expect("mapped");
+        // SAFETY: the range is this handle's own mapping, replaced by one of the same length
+        // at the same address (MAP_FIXED); `map` still unmaps it on drop. Nothing else in
+        // this process owns that range.
+        let remapped = unsafe {
+            mmap(
+                Some(addr.addr()),
+                len,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_PRIVATE | MapFlags::MAP_FIXED,
+                &*self.file,
+                self.base as i64,
+            )
+        };
+        if remapped.is_err() {
+            // SAFETY: same range as above, made read-only; writes through it now fault.
+            unsafe { mprotect(addr, len.get(), ProtFlags::PROT_READ) }
+                .map_err(|e| Error::Io(e.into()))?;
+        }
+        self.done = true;
+        Ok(())
+    }
+
     /// The writable bytes.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         let n = self.grant.size as usize;
@@ -101,6 +159,8 @@ pub struct EntryInfo {
     pub offset: u64,
     /// Pinned against eviction.
     pub pinned: bool,
+    /// Held by some connection ([`Handler::hold`]).
+    pub held: bool,
 }
 
 /// What `batch_store` reports per key.
@@ -224,13 +284,73 @@ impl Handler {
     }
 
     /// Gives an allocation back without publishing it.
-    pub fn free(&self, handle: AllocHandle) -> Result<()> {
-        let id = handle.grant.alloc;
-        drop(handle);
+    pub fn free(&self, mut handle: AllocHandle) -> Result<()> {
+        self.free_in_place(&mut handle)
+    }
+
+    /// Gives an allocation back, keeping `handle`'s bytes readable as this process's
+    /// private copy (for callers that cannot prove nobody still looks at them).
+    pub fn free_in_place(&self, handle: &mut AllocHandle) -> Result<()> {
+        if handle.done {
+            return Err(already_done());
+        }
+        handle.detach()?;
         self.inner
             .lock()
-            .call(Op::Free { allocs: vec![id] })
+            .call(Op::Free {
+                allocs: vec![handle.grant.alloc],
+            })
             .map(drop)
+    }
+
+    /// Publishes `handle` under `path` like [`store_len`](Self::store_len), keeping its
+    /// bytes readable as this process's private copy (writes to them after this call never
+    /// reach the pool). Whatever the outcome the grant is gone: marud frees a refused one.
+    pub fn publish(&self, path: &str, handle: &mut AllocHandle, len: Option<u64>) -> Result<()> {
+        let p = EntryPath::parse(path)?;
+        self.make_segments(&p)?;
+        let op = publish_op(&p, handle, len)?;
+        self.inner.lock().call(op).map(drop)
+    }
+
+    /// [`publish`](Self::publish) for many handles in one exchange (requests pipelined);
+    /// one outcome per item, in order.
+    pub fn publish_many(&self, items: &mut [(&str, &mut AllocHandle)]) -> Result<BatchResult> {
+        let mut ops = Vec::with_capacity(items.len());
+        for (path, h) in items.iter_mut() {
+            ops.push(
+                EntryPath::parse(path)
+                    .and_then(|p| self.make_segments(&p).map(|()| p))
+                    .and_then(|p| publish_op(&p, h, None)),
+            );
+        }
+        let mut g = self.inner.lock();
+        let mut ids = Vec::with_capacity(ops.len());
+        for op in ops {
+            ids.push(match op {
+                Ok(op) => Ok(g.send(op, &[])?),
+                Err(e) => Err(e),
+            });
+        }
+        Ok(ids
+            .into_iter()
+            .map(|id| id.and_then(|id| g.wait(id).map(drop)))
+            .collect())
+    }
+
+    /// Creates the namespaces a long key's path nests in (see [`crate::key`]).
+    fn make_segments(&self, p: &EntryPath) -> Result<()> {
+        if !p.ns().ends_with(crate::key::CONTINUED) {
+            return Ok(());
+        }
+        let full = p.to_string();
+        for ns in crate::key::segment_namespaces(&full) {
+            match self.mkdir(ns, 0o755) {
+                Ok(()) | Err(Error::Exists(_)) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
     }
 
     /// Publishes `handle` under `path` (`ns/key`) and waits for the daemon.
@@ -240,18 +360,18 @@ impl Handler {
     }
 
     /// Like [`store`](Self::store), publishing only the first `len` bytes.
-    pub fn store_len(&self, path: &str, handle: AllocHandle, len: Option<u64>) -> Result<()> {
-        let p = EntryPath::parse(path)?;
-        let op = publish_op(&p, handle, len)?;
-        self.inner.lock().call(op).map(drop)
+    pub fn store_len(&self, path: &str, mut handle: AllocHandle, len: Option<u64>) -> Result<()> {
+        self.publish(path, &mut handle, len)
     }
 
     /// Queues the publication of `handle` under `path` without waiting.
     /// Errors surface at the next [`flush`](Self::flush). A crash before the daemon
     /// handles it publishes nothing (the allocation is reclaimed).
-    pub fn store_async(&self, path: &str, handle: AllocHandle) -> Result<()> {
+    pub fn store_async(&self, path: &str, mut handle: AllocHandle) -> Result<()> {
         let p = EntryPath::parse(path)?;
-        let op = publish_op(&p, handle, None)?;
+        self.make_segments(&p)?;
+        let op = publish_op(&p, &mut handle, None)?;
+        drop(handle);
         let mut g = self.inner.lock();
         let id = g.send(op, &[])?;
         g.pending.insert(id, Pending::Publish(p.to_string()));
@@ -275,28 +395,10 @@ impl Handler {
     }
 
     /// Publishes many handles; one outcome per item, in order.
-    pub fn batch_store(&self, items: Vec<(String, AllocHandle)>) -> Result<BatchResult> {
-        let mut g = self.inner.lock();
-        let mut ids = Vec::with_capacity(items.len());
-        for (path, h) in items {
-            let p = match EntryPath::parse(&path) {
-                Ok(p) => p,
-                Err(e) => {
-                    ids.push(Err(e));
-                    continue;
-                }
-            };
-            let op = publish_op(&p, h, None)?;
-            ids.push(Ok(g.send(op, &[])?));
-        }
-        let mut out = Vec::with_capacity(ids.len());
-        for id in ids {
-            out.push(match id {
-                Ok(id) => g.wait(id).map(drop),
-                Err(e) => Err(e),
-            });
-        }
-        Ok(out)
+    pub fn batch_store(&self, mut items: Vec<(String, AllocHandle)>) -> Result<BatchResult> {
+        let mut refs: Vec<(&str, &mut AllocHandle)> =
+            items.iter_mut().map(|(p, h)| (p.as_str(), h)).collect();
+        self.publish_many(&mut refs)
     }
 
     /// Maps a sealed entry read-only: the pool's own pages. `None` if absent.
@@ -375,6 +477,74 @@ impl Handler {
         self.batch_op(paths, |ns, keys| Op::Pin { ns, keys, pinned })
     }
 
+    /// Takes a hold on an entry for this connection: it is not evicted while held. Holds are
+    /// counted (each `hold` needs its `unhold`), other connections' holds are their own, and
+    /// all of this connection's are dropped when it closes. The persistent pin is apart.
+    pub fn hold(&self, path: &str) -> Result<()> {
+        self.batch_hold(&[path], true)?.pop().expect("one result")
+    }
+
+    /// Gives back one hold of this connection (`NotFound` if it holds none on the entry).
+    pub fn unhold(&self, path: &str) -> Result<()> {
+        self.batch_hold(&[path], false)?.pop().expect("one result")
+    }
+
+    /// Takes or gives back one hold per path, in one request per namespace; one outcome per
+    /// path.
+    pub fn batch_hold(&self, paths: &[&str], hold: bool) -> Result<BatchResult> {
+        let mut out: Vec<Option<Result<()>>> = paths.iter().map(|_| None).collect();
+        // Namespaces in order of first appearance, each with its keys and their places.
+        let mut groups: Vec<(String, Vec<(usize, String)>)> = Vec::new();
+        for (i, path) in paths.iter().enumerate() {
+            let p = match EntryPath::parse(path) {
+                Ok(p) => p,
+                Err(e) => {
+                    out[i] = Some(Err(e));
+                    continue;
+                }
+            };
+            let item = (i, p.key().to_owned());
+            match groups.iter_mut().find(|(ns, _)| ns == p.ns()) {
+                Some((_, items)) => items.push(item),
+                None => groups.push((p.ns().to_owned(), vec![item])),
+            }
+        }
+        let mut g = self.inner.lock();
+        for (ns, items) in groups {
+            for chunk in items.chunks(proto::MAX_BATCH) {
+                let keys = chunk.iter().map(|(_, k)| k.clone()).collect();
+                let r = match g.call(Op::Hold {
+                    ns: ns.clone(),
+                    keys,
+                    hold,
+                }) {
+                    Ok((Body::Batch { results }, _)) if results.len() == chunk.len() => Ok(results),
+                    Ok((other, _)) => Err(unexpected(&other)),
+                    Err(e) => Err(e),
+                };
+                match r {
+                    Ok(results) => {
+                        for ((i, _), w) in chunk.iter().zip(results) {
+                            out[*i] = Some(w.map_or(Ok(()), |w| Err(Error::from(w))));
+                        }
+                    }
+                    // The request as a whole failed (the namespace, the connection): so did
+                    // each of its keys.
+                    Err(e) => {
+                        let w = e.to_wire();
+                        for (i, _) in chunk {
+                            out[*i] = Some(Err(Error::from(w.clone())));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(out
+            .into_iter()
+            .map(|r| r.expect("every path has an outcome"))
+            .collect())
+    }
+
     /// Describes a sealed entry without mapping it (from the shared index). `None` if absent.
     pub fn stat(&self, path: &str) -> Result<Option<EntryInfo>> {
         let p = EntryPath::parse(path)?;
@@ -394,6 +564,7 @@ impl Handler {
             kind: pool.map(|x| x.kind).unwrap_or(PoolKind::Memfs),
             offset: v.offset,
             pinned: v.flags & FLAG_PINNED != 0,
+            held: v.flags & FLAG_HELD != 0,
         }))
     }
 
@@ -445,6 +616,13 @@ impl Handler {
         g.cache_bytes = 0;
     }
 
+    /// A read-only view of all of raw pool `pool` (the original design's region view), once
+    /// this client holds the pool's descriptor (after its first allocation or retrieval
+    /// there); `None` before, and for memfs pools (their entries are files of their own).
+    pub fn map_pool(&self, pool: u32) -> Result<Option<Mapping>> {
+        self.inner.lock().map_pool(pool)
+    }
+
     fn batch_op(
         &self,
         paths: &[&str],
@@ -474,7 +652,14 @@ impl Handler {
     }
 }
 
-fn publish_op(p: &EntryPath, handle: AllocHandle, len: Option<u64>) -> Result<Op> {
+fn already_done() -> Error {
+    Error::InvalidArgument("the allocation was already stored or freed".into())
+}
+
+fn publish_op(p: &EntryPath, handle: &mut AllocHandle, len: Option<u64>) -> Result<Op> {
+    if handle.done {
+        return Err(already_done());
+    }
     if let Some(l) = len
         && l > handle.grant.size
     {
@@ -484,8 +669,8 @@ fn publish_op(p: &EntryPath, handle: AllocHandle, len: Option<u64>) -> Result<Op
         )));
     }
     let alloc = handle.grant.alloc;
-    // Unmap before publishing: this process keeps no writable view of a sealed entry.
-    drop(handle);
+    // Detach before publishing: this process keeps no shared writable view of a sealed entry.
+    handle.detach()?;
     Ok(Op::Publish {
         alloc,
         ns: p.ns().to_owned(),
