@@ -1,65 +1,164 @@
-"""Configuration of a :class:`maru.MaruHandler`."""
+"""Configuration of a :class:`maru.MaruHandler`: the original design's ``MaruConfig``.
+
+Every field of the original keeps its name, default and environment variable
+(``MARU_EAGER_MAP``, ``MARU_STAT``), so code written for it runs unchanged. maru adds
+where its daemon listens (``socket_path``), the namespace the keys live in, and the mount
+that shows entries as files (for :meth:`~maru.MaruHandler.path_of`).
+"""
 
 from __future__ import annotations
 
 import os
-import socket
+import uuid
 from dataclasses import dataclass, field
 from typing import Optional
+from urllib.parse import urlsplit
 
 #: Where marud mounts the store unless told otherwise (``marud --mount``).
 DEFAULT_MOUNT = "/maru"
+#: Where marud listens unless told otherwise (``marud --socket``).
+DEFAULT_SOCKET = "/run/maru/marud.sock"
+
+_LOCAL_HOSTS = {"", "localhost", "127.0.0.1", "::1", "0.0.0.0", "ip6-localhost"}
 
 
 def _default_mount() -> str:
     return os.environ.get("MARU_MOUNT", DEFAULT_MOUNT)
 
 
-def _default_instance_id() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}"
+def _default_socket() -> str:
+    return os.environ.get("MARU_SOCKET", DEFAULT_SOCKET)
 
 
-@dataclass(frozen=True)
+def _parse_env_bool(name: str) -> Optional[bool]:
+    raw = os.environ.get(name)
+    if raw is None:
+        return None
+    value = raw.strip().lower()
+    if value in {"1", "true", "yes", "on"}:
+        return True
+    if value in {"0", "false", "no", "off"}:
+        return False
+    raise ValueError(f"{name} must be one of: 1/0, true/false, yes/no, on/off (got {raw!r})")
+
+
+def _this_host_names() -> set:
+    import socket
+
+    names = set(_LOCAL_HOSTS)
+    try:
+        names.add(socket.gethostname())
+        names.add(socket.getfqdn())
+    except OSError:
+        pass
+    return names
+
+
+def resolve_server_url(server_url: str, socket_path: Optional[str]) -> str:
+    """The control socket a ``server_url`` means.
+
+    ``tcp://localhost:5555`` (the original's default), ``maru://127.0.0.1:…``, or any URL
+    naming this host means the local marud, at ``socket_path`` (default ``$MARU_SOCKET`` or
+    ``/run/maru/marud.sock``); ``unix:///path/marud.sock`` names the socket itself. A URL
+    naming another host is refused until maru's cluster mode exists.
+
+    Raises:
+        ValueError: a URL of another host, or one this client cannot read.
+    """
+    url = urlsplit(server_url if "://" in server_url else f"tcp://{server_url}")
+    if url.scheme == "unix":
+        path = url.path or url.netloc
+        if not path:
+            raise ValueError(f"server_url {server_url!r}: unix:// needs a socket path")
+        return path
+    if url.scheme not in ("tcp", "maru", "ipc"):
+        raise ValueError(f"server_url {server_url!r}: the scheme must be tcp://, maru:// or unix://")
+    host = url.hostname or ""
+    if host not in _this_host_names():
+        raise ValueError(
+            f"server_url {server_url!r} names another host ({host}): this maru serves the pools "
+            "of this host only (cluster mode is not there yet); use tcp://localhost or unix://"
+        )
+    return socket_path or _default_socket()
+
+
+@dataclass
 class MaruConfig:
-    """Where and how a :class:`maru.MaruHandler` works.
-
-    The original design's client spoke to a metadata server
-    (``server_url``); here the store *is* the mount, so the handler needs its
-    path and the namespace (a directory under it) that holds its keys.
+    """How a :class:`maru.MaruHandler` connects, with the original design's fields.
 
     Attributes:
-        mount_path: the maru mount (``marud --mount``); default ``$MARU_MOUNT``
-            or ``/maru``.
-        namespace: the namespace the keys live in, relative to the mount
-            (``"llama3-70b"``, nested ``"team/llama3-70b"``).
-        instance_id: a name for this client in statistics; default
-            ``<hostname>-<pid>``.
-        pool_size: a capacity hint in bytes: :meth:`~maru.MaruHandler.connect`
-            fails with ``ENOSPC`` when the pools behind the mount are smaller.
-            ``None``: no check. (In the original design the client reserved a
-            region of this size; marud sizes the pools, so here it is a check.)
-        timeout_ms: how long :meth:`~maru.MaruHandler.connect` waits for the
-            mount to be served (marud starting up), in milliseconds.
-        auto_connect: connect when the handler is constructed.
-        create_namespace: create the namespace directory (and its parents) if
-            it does not exist.
-        namespace_mode: permission bits of namespace directories it creates.
-        entry_mode: permission bits of the entries it stores (marud clears the
-            write bits when it seals them).
+        server_url: the store to use. A URL naming this host (``tcp://localhost:5555``, the
+            original's default, ``maru://127.0.0.1``) means the local marud at
+            ``socket_path``; ``unix:///path/to/marud.sock`` names the socket.
+        instance_id: this client's name in marud's statistics (default: a new UUID).
+        pool_size: the original reserved a region of this size at connect; marud sizes the
+            pools itself, so here it is a check: ``connect()`` fails when the pools are smaller.
+        chunk_size_bytes: the largest ``alloc`` (as the original); also the page size of
+            ``page_index`` and the region accessors.
+        auto_connect: the context manager connects on ``__enter__``.
+        timeout_ms: how long a call waits for marud.
+        use_async_rpc, max_inflight: accepted for compatibility; libmaru pipelines batch
+            requests on one connection and never has more than one batch in flight.
+        eager_map: accepted (``MARU_EAGER_MAP``); libmaru maps each entry at its first
+            retrieval and reuses the mapping.
+        auto_expand, expand_size: accepted; marud places allocations in its pools, there are
+            no per-client regions to grow.
+        rm_address: accepted; marud is the resource manager.
+        enable_stats: accepted (``MARU_STAT``); marud counts every operation anyway
+            (``maructl stats``, ``marutop``).
+        socket_path: marud's control socket (default ``$MARU_SOCKET`` or
+            ``/run/maru/marud.sock``).
+        namespace: the namespace (directory under the mount) the keys live in; created at
+            connect (with its parents) when missing.
+        mount_path: the maru mount, for :meth:`~maru.MaruHandler.path_of` (default
+            ``$MARU_MOUNT`` or ``/maru``).
+        namespace_mode: permission bits of namespaces the handler creates.
     """
 
-    mount_path: str = field(default_factory=_default_mount)
-    namespace: str = "default"
-    instance_id: str = field(default_factory=_default_instance_id)
-    pool_size: Optional[int] = None
-    timeout_ms: int = 2000
+    server_url: str = "tcp://localhost:5555"
+    instance_id: Optional[str] = None
+    pool_size: int = 1024 * 1024 * 100
+    chunk_size_bytes: int = 1024 * 1024
     auto_connect: bool = True
-    create_namespace: bool = True
+    timeout_ms: int = 2000
+    use_async_rpc: bool = True
+    max_inflight: int = 64
+    eager_map: bool = True
+    auto_expand: bool = True
+    expand_size: Optional[int] = None
+    rm_address: str = "127.0.0.1:9850"
+    enable_stats: bool = False
+    socket_path: Optional[str] = None
+    namespace: str = "default"
+    mount_path: str = field(default_factory=_default_mount)
     namespace_mode: int = 0o755
-    entry_mode: int = 0o644
 
     def __post_init__(self) -> None:
+        if self.instance_id is None:
+            self.instance_id = str(uuid.uuid4())
+        eager = _parse_env_bool("MARU_EAGER_MAP")
+        if eager is not None:
+            self.eager_map = eager
+        stats = _parse_env_bool("MARU_STAT")
+        if stats is not None:
+            self.enable_stats = stats
+        if self.chunk_size_bytes <= 0:
+            raise ValueError(f"chunk_size_bytes must be positive, got {self.chunk_size_bytes}")
+        if self.pool_size < self.chunk_size_bytes:
+            raise ValueError(
+                f"pool_size ({self.pool_size}) must be >= chunk_size_bytes ({self.chunk_size_bytes})"
+            )
+        if self.expand_size is not None:
+            if not self.auto_expand:
+                raise ValueError("expand_size requires auto_expand=True")
+            if self.expand_size < self.chunk_size_bytes:
+                raise ValueError(
+                    f"expand_size ({self.expand_size}) must be >= chunk_size_bytes ({self.chunk_size_bytes})"
+                )
         if self.timeout_ms < 0:
             raise ValueError("timeout_ms must be >= 0")
-        if self.pool_size is not None and self.pool_size < 0:
-            raise ValueError("pool_size must be >= 0")
+
+    @property
+    def socket(self) -> str:
+        """The control socket this configuration means (see :func:`resolve_server_url`)."""
+        return resolve_server_url(self.server_url, self.socket_path)

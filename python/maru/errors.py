@@ -102,3 +102,9 @@ def from_oserror(err: OSError, what: str, path: Optional[str] = None) -> MaruErr
     cls = _BY_ERRNO.get(code, MaruError)
     message = f"{what}: {os.strerror(code)}"
     return cls(code, message, path if path is not None else err.filename)
+
+
+def from_native(code: int, message: str) -> MaruError:
+    """The exception for an error of the native core (libmaru's errno and message)."""
+    cls = _BY_ERRNO.get(code, MaruError)
+    return cls(code, message)

@@ -1,820 +1,359 @@
-"""The client: :class:`MaruHandler`, with the verbs of the original design, over the mount.
+"""MaruHandler: the original design's client API over libmaru (the native core).
 
-How each verb maps onto the file system (see doc/PYTHON.md):
+``MaruHandler(config)`` talks to the local marud through libmaru (``maru._native``):
 
-- ``alloc(size)`` creates a hidden temporary entry in the namespace
-  (``.maru-alloc-<uuid>``), reserves ``size`` bytes of pool memory for it
-  (``fallocate``: a full pool is an ``ENOSPC`` here, never a ``SIGBUS`` later)
-  and maps it writable: ``handle.buf`` is the pool's own memory.
-- ``store(key, handle)`` unmaps, renames the temporary name onto the key and
-  closes the descriptor: marud publishes (seals) the entry when its last
-  writable handle is released. Keys are write-once: if the key exists the
-  allocation is discarded and ``store`` returns ``False``.
-- ``retrieve(key)`` opens the entry read-only and maps it: ``info.view`` is the
-  pool's own memory (the same physical pages every reader maps).
-- ``exists``, ``delete``, ``pin``, ``unpin`` are ``stat``, ``unlink`` and the
-  ``user.maru.pinned`` extended attribute.
+- ``exists`` and a repeated ``retrieve`` are answered from the namespace's shared index
+  without a round trip to marud;
+- ``alloc`` hands out pool memory (``AllocHandle.buf``) and ``store`` publishes it without a
+  copy; ``retrieve`` returns the pool's own pages (``MemoryInfo.view``), on every pool kind;
+- every ``batch_*`` verb is one exchange with marud;
+- the GIL is released while a call waits for marud.
+
+Keys are ``str``, ``bytes`` or ``int``; :func:`maru.keys.encode_key` maps each to an
+entry name (any key works: ``/``, NUL, unicode, long keys), the one encoding the Rust
+client and the LMCache plugin use too. :meth:`MaruHandler.path_of` gives the entry's file
+under the mount, for programs in other languages.
 """
 
 from __future__ import annotations
 
-import errno
-import mmap
+import json
+import logging
 import os
-import sys
 import threading
-import time
-import uuid
-import warnings
-import weakref
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
 
+from . import _native, plugins
+from ._native import AllocHandle, MemoryInfo
 from .config import MaruConfig
-from .errors import (
-    MaruError,
-    MountError,
-    NoSpaceError,
-    NotFoundError,
-    from_oserror,
-)
-from .names import TEMP_PREFIX, Key, key_bytes, namespace_path
 
-_XATTR_PINNED = "user.maru.pinned"
-_XATTR_ENTRIES = "user.maru.entries"
-_XATTR_BYTES = "user.maru.bytes"
-_XATTR_PREFIX = "user.maru."
-_TEMP_PREFIX_B = os.fsencode(TEMP_PREFIX)
-# Python >= 3.13 can map without keeping a duplicate descriptor per mapping.
-_NO_FD_COPY: Dict[str, Any] = {"trackfd": False} if sys.version_info >= (3, 13) else {}
+logger = logging.getLogger(__name__)
 
-# Errors that mean "the mount is not (yet) served": keep waiting in connect().
-_NOT_SERVED = (
-    errno.ENOTCONN,
-    errno.ENOENT,
-    errno.ENODATA,
-    errno.EOPNOTSUPP,
-    errno.ENODEV,
-    errno.ECONNABORTED,
-    errno.ECANCELED,
-)
+Key = Any  # str | bytes | int
 
-
-def _drop_temp(path: bytes, fd: int) -> None:
-    """Finalizer of an allocation that was neither stored nor freed: unlink, then close.
-
-    Unlinking before the last close means marud publishes nothing.
-    """
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-    try:
-        os.close(fd)
-    except OSError:
-        pass
-
-
-def _unmap(view: memoryview, mm: mmap.mmap) -> bool:
-    """Release ``view`` and unmap ``mm``; False (nothing unmapped) if either is still exported.
-
-    ``view`` is released in any case; the caller makes a new one on failure.
-    """
-    try:
-        view.release()
-        mm.close()
-    except BufferError:
-        return False
-    return True
-
-
-class AllocHandle:
-    """Pool memory allocated by :meth:`MaruHandler.alloc`, not stored under a key yet.
-
-    Write the value into :attr:`buf`, then pass the handle to
-    :meth:`MaruHandler.store` (or :meth:`MaruHandler.free` to give the memory
-    back). Used as a context manager, a handle that was not stored is freed on
-    exit.
-
-    Attributes:
-        buf: a writable memoryview of exactly :attr:`size` bytes of pool
-            memory. ``numpy.frombuffer(handle.buf, ...)`` and
-            ``torch.frombuffer(handle.buf, ...)`` wrap it without a copy; drop
-            such arrays before ``store`` (a mapping cannot be unmapped while
-            something still exports it).
-        size: the size of the allocation in bytes.
-        name: the temporary name of the allocation in the namespace.
-    """
-
-    def __init__(self, handler: "MaruHandler", name: bytes, path: bytes, fd: int, mm: mmap.mmap, size: int) -> None:
-        self._handler = handler
-        self._name = name
-        self._path = path
-        self._fd = fd
-        self._mmap: Optional[mmap.mmap] = mm
-        self.buf: memoryview = memoryview(mm)
-        self.size = size
-        self._done = False
-        self._finalizer = weakref.finalize(self, _drop_temp, path, fd)
-
-    @property
-    def name(self) -> str:
-        """The temporary name of this allocation in the namespace."""
-        return os.fsdecode(self._name)
-
-    @property
-    def path(self) -> str:
-        """The temporary path of this allocation under the mount."""
-        return os.fsdecode(self._path)
-
-    @property
-    def done(self) -> bool:
-        """True once the handle was stored or freed; it is unusable then."""
-        return self._done
-
-    def _unmap(self) -> None:
-        """Release :attr:`buf` and unmap; raises ``BufferError`` if still exported."""
-        if self._mmap is None:
-            return
-        if not _unmap(self.buf, self._mmap):
-            self.buf = memoryview(self._mmap)
-            raise BufferError(
-                f"{self.name}: handle.buf is still in use (a numpy array, tensor or "
-                "memoryview made from it is alive); drop it before store() or free()"
-            )
-        self._mmap = None
-
-    def _finish(self) -> None:
-        self._done = True
-        self._finalizer.detach()
-
-    def __enter__(self) -> "AllocHandle":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if not self._done:
-            self._handler.free(self)
-
-    def __repr__(self) -> str:
-        state = "done" if self._done else "open"
-        return f"AllocHandle(name={self.name!r}, size={self.size}, {state})"
-
-
-class MemoryInfo:
-    """A retrieved entry: a mapping of the pool's own pages.
-
-    Attributes:
-        view: a memoryview of the entry's bytes, read-only (mapped
-            ``MAP_SHARED``, ``PROT_READ``: the very pages the writer filled),
-            or writable copy-on-write when retrieved with
-            ``copy_on_write=True`` (reads share the pool's pages, a write
-            copies the page it touches into private memory). Wrap it without
-            a copy: ``numpy.frombuffer(info.view, dtype=...)``,
-            ``torch.frombuffer(info.view, dtype=...)``.
-        key: the key it was retrieved under.
-        size: its size in bytes.
-
-    Release the mapping with :meth:`close` (or use the object as a context
-    manager). ``close`` raises ``BufferError`` while arrays made from
-    :attr:`view` are alive; drop them first. An entry deleted or evicted while
-    mapped keeps its bytes until it is unmapped.
-    """
-
-    def __init__(self, handler: "MaruHandler", key: str, path: bytes, mm: Optional[mmap.mmap], size: int) -> None:
-        self._handler = handler
-        self.key = key
-        self._path = path
-        self._mmap = mm
-        self.size = size
-        self.view: memoryview = memoryview(mm) if mm is not None else memoryview(b"")
-        self._closed = False
-
-    @property
-    def path(self) -> str:
-        """The entry's path under the mount."""
-        return os.fsdecode(self._path)
-
-    @property
-    def closed(self) -> bool:
-        """True once :meth:`close` (or :meth:`detach`) ran."""
-        return self._closed
-
-    def close(self) -> None:
-        """Unmap the entry now.
-
-        Raises:
-            BufferError: something made from :attr:`view` (a numpy array, a
-                tensor, a memoryview slice) is still alive; the mapping stays
-                valid and ``close`` can be called again once it is gone.
-        """
-        if self._closed:
-            return
-        if self._mmap is not None:
-            if not _unmap(self.view, self._mmap):
-                self.view = memoryview(self._mmap)
-                raise BufferError(
-                    f"{self.key}: the mapping is still in use (a numpy array, tensor or "
-                    "memoryview made from info.view is alive); drop it before close()"
-                )
-            self._mmap = None
-        self._closed = True
-        self._handler._forget_mapping(self)
-
-    def detach(self) -> None:
-        """Stop owning the mapping without unmapping it now.
-
-        Drops this object's references; the pages are unmapped when the last
-        array or tensor made from :attr:`view` is freed (by Python's reference
-        counting). For owners that hand the bytes to code whose lifetime they
-        do not control.
-        """
-        if self._closed:
-            return
-        try:
-            self.close()
-            return
-        except BufferError:
-            pass
-        self._mmap = None
-        self.view = memoryview(b"")
-        self._closed = True
-        self._handler._forget_mapping(self)
-
-    def __enter__(self) -> "MemoryInfo":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else "mapped"
-        return f"MemoryInfo(key={self.key!r}, size={self.size}, {state})"
+#: Region ids from here on name memfs entries and allocations (files of their own).
+MEMFS_REGION_BASE: int = _native.MEMFS_REGION_BASE
 
 
 class MaruHandler:
-    """A client of the maru store, working through the mount.
+    """A client of the local marud with the original design's verbs.
 
-    Usage::
-
-        from maru import MaruConfig, MaruHandler
-
-        with MaruHandler(MaruConfig(namespace="llama3-8b")) as h:
-            a = h.alloc(4096)
-            a.buf[:5] = b"hello"
-            h.store("greeting", a)              # sealed: immutable, visible to all
-            with h.retrieve("greeting") as kv:  # the pool's own pages
-                assert bytes(kv.view[:5]) == b"hello"
-
-    All methods are thread-safe. Keys are file names in the namespace
-    (:mod:`maru.names`); ``str`` keys are UTF-8.
+    The constructor does not connect: call :meth:`connect` (``False`` on failure) or use
+    the handler as a context manager (``__enter__`` connects when ``config.auto_connect``).
+    Thread-safe: any thread may call any verb; calls that wait for marud release the GIL.
     """
 
     def __init__(self, config: Optional[MaruConfig] = None) -> None:
-        self.config = config if config is not None else MaruConfig()
-        self._ns = namespace_path(self.config.namespace)
-        self._mount = os.fsencode(os.path.abspath(self.config.mount_path))
-        self._dir = os.path.join(self._mount, os.fsencode(self._ns))
+        self._config = config or MaruConfig()
+        self._core: Optional[_native.Core] = None
+        self._plugins: List[Any] = []
         self._lock = threading.Lock()
-        self._connected = False
-        # Weak: a handle dropped without store/free is reclaimed by its finalizer.
-        self._allocs: "weakref.WeakValueDictionary[bytes, AllocHandle]" = weakref.WeakValueDictionary()
-        self._mappings: "weakref.WeakSet[MemoryInfo]" = weakref.WeakSet()
-        self._ops: Dict[str, int] = {
-            name: 0
-            for name in (
-                "alloc", "free", "store", "store_exists", "retrieve", "retrieve_miss",
-                "exists", "delete", "pin", "unpin",
-            )
-        }
-        self._stored_entries = 0
-        self._stored_bytes = 0
-        if self.config.auto_connect:
-            self.connect()
+        self._on_region_added: Optional[Callable[[int, int], None]] = None
+        self._regions_seen: Dict[int, int] = {}
+        self._pools: List[Dict[str, Any]] = []
+        self._closing = False
 
-    # -- lifecycle -----------------------------------------------------------
+    # -- connection ---------------------------------------------------------------------
 
     def connect(self) -> bool:
-        """Wait for the mount to be served, check the capacity hint, open the namespace.
-
-        Returns:
-            True (failures raise).
+        """Connect to marud. True on success (or if connected already), False on failure
+        (logged), as the original.
 
         Raises:
-            MountError: the mount is not served by marud within ``timeout_ms``.
-            NoSpaceError: the pools are smaller than ``config.pool_size``.
-            NotFoundError: the namespace does not exist and
-                ``create_namespace`` is off.
-            PermissionDeniedError: the namespace cannot be created or entered.
-        """
-        if self._connected:
-            return True
-        deadline = time.monotonic() + self.config.timeout_ms / 1000.0
-        while True:
-            try:
-                os.getxattr(self._mount, _XATTR_ENTRIES)
-                st = os.statvfs(self._mount)
-                break
-            except OSError as e:
-                if e.errno in _NOT_SERVED and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                    continue
-                mount = os.fsdecode(self._mount)
-                if e.errno in (errno.ENODATA, errno.EOPNOTSUPP):
-                    raise MountError(e.errno, "connect: not a maru mount (no user.maru.* attributes)", mount) from e
-                raise MountError(e.errno or errno.EIO, f"connect: the mount is not served ({os.strerror(e.errno or errno.EIO)})", mount) from e
-        total = st.f_blocks * st.f_frsize
-        if self.config.pool_size is not None and total < self.config.pool_size:
-            raise NoSpaceError(
-                errno.ENOSPC,
-                f"connect: the pools hold {total} bytes, less than pool_size={self.config.pool_size}",
-                os.fsdecode(self._mount),
-            )
-        try:
-            if self.config.create_namespace:
-                os.makedirs(self._dir, mode=self.config.namespace_mode, exist_ok=True)
-            elif not os.path.isdir(self._dir):
-                raise NotFoundError(errno.ENOENT, "connect: no such namespace", os.fsdecode(self._dir))
-        except MaruError:
-            raise
-        except OSError as e:
-            raise from_oserror(e, "connect: namespace", os.fsdecode(self._dir)) from e
-        self._connected = True
-        return True
-
-    @property
-    def connected(self) -> bool:
-        """True between :meth:`connect` and :meth:`close`."""
-        return self._connected
-
-    def close(self) -> None:
-        """Free the allocations that were not stored and release the mappings.
-
-        Mappings still used by arrays made from their view are detached
-        instead (unmapped when those arrays are freed); a ``ResourceWarning``
-        says how many.
+            ValueError: ``server_url`` names another host (cluster mode does not exist yet).
         """
         with self._lock:
-            allocs = list(self._allocs.values())
-            mappings = list(self._mappings)
-        for handle in allocs:
+            if self._core is not None:
+                return True
+            socket = self._config.socket  # raises ValueError for another host
             try:
-                self.free(handle)
-            except BufferError:
-                handle._finalizer()  # unlink the temporary name; the mapping dies with its users
-                handle._finish()
-                with self._lock:
-                    self._allocs.pop(handle._name, None)
-        busy = 0
-        for info in mappings:
-            try:
-                info.close()
-            except BufferError:
-                busy += 1
-                info.detach()
-        if busy:
-            warnings.warn(
-                f"MaruHandler.close: {busy} mapping(s) still used by arrays were detached; "
-                "they are unmapped when those arrays are freed",
-                ResourceWarning,
-                stacklevel=2,
-            )
-        self._connected = False
+                core = _native.Core(
+                    socket,
+                    self._config.namespace,
+                    str(self._config.instance_id),
+                    int(self._config.timeout_ms),
+                    int(self._config.chunk_size_bytes),
+                    True,
+                    int(self._config.namespace_mode),
+                )
+            except Exception as e:
+                logger.error("maru: cannot connect to marud at %s: %s", socket, e)
+                return False
+            pools = json.loads(core.pools_json())
+            capacity = sum(int(p["capacity"]) for p in pools)
+            if capacity < self._config.pool_size:
+                logger.error(
+                    "maru: the pools hold %d bytes, less than pool_size=%d", capacity, self._config.pool_size
+                )
+                core.close()
+                return False
+            self._pools = pools
+            self._core = core
+            self._closing = False
+        self._plugins = plugins.load()
+        plugins.call(self._plugins, "on_init", self)
+        return True
+
+    def close(self) -> None:
+        """Close the connection: marud frees what was allocated but not stored and drops
+        this handler's pins. Views already handed out stay valid while referenced."""
+        with self._lock:
+            core = self._core
+            if core is None:
+                return
+            self._closing = True
+        plugins.call(self._plugins, "on_close", self)
+        with self._lock:
+            self._core = None
+            self._regions_seen.clear()
+        core.close()
 
     def __enter__(self) -> "MaruHandler":
-        self.connect()
+        if self._config.auto_connect:
+            self.connect()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def healthcheck(self) -> bool:
-        """Return True if the mount is served and the namespace is reachable."""
-        try:
-            os.getxattr(self._mount, _XATTR_ENTRIES)
-            return os.path.isdir(self._dir)
-        except OSError:
-            return False
-
-    # -- paths ---------------------------------------------------------------
+    def __del__(self) -> None:
+        core = getattr(self, "_core", None)
+        if core is not None:
+            core.close()
 
     @property
-    def namespace_dir(self) -> str:
-        """The namespace directory under the mount."""
-        return os.fsdecode(self._dir)
+    def connected(self) -> bool:
+        return self._core is not None
+
+    @property
+    def instance_id(self) -> str:
+        return str(self._config.instance_id)
+
+    @property
+    def config(self) -> MaruConfig:
+        return self._config
+
+    def healthcheck(self) -> bool:
+        """True if connected and marud answers."""
+        core = self._core
+        return core is not None and not self._closing and core.healthcheck()
+
+    def _c(self) -> _native.Core:
+        core = self._core
+        if core is None:
+            raise RuntimeError("Not connected. Call connect() first.")
+        if self._closing:
+            raise RuntimeError("Handler is closing")
+        return core
+
+    # -- keys and paths -----------------------------------------------------------------
 
     def path_of(self, key: Key) -> str:
-        """The path of a key's entry under the mount (for tools and other languages)."""
-        return os.fsdecode(os.path.join(self._dir, key_bytes(key)))
+        """The file of ``key``'s entry under the mount (``config.mount_path``), for programs
+        that read entries by path (``mmap`` it read-only)."""
+        return os.path.join(self._config.mount_path, self._c().entry_path(key))
 
-    def _require_connected(self) -> None:
-        if not self._connected:
-            raise MountError(errno.ENOTCONN, "the handler is not connected (call connect())", os.fsdecode(self._mount))
+    def list_keys(self) -> Iterator[bytes]:
+        """The keys of this handler's namespace, as bytes (decoded entry names)."""
+        return iter(self._c().list_keys())
 
-    def _count(self, op: str, n: int = 1) -> None:
-        with self._lock:
-            self._ops[op] += n
-
-    # -- alloc / free / store --------------------------------------------------
+    # -- KV verbs -----------------------------------------------------------------------
 
     def alloc(self, size: int) -> AllocHandle:
-        """Allocate ``size`` bytes of pool memory, mapped writable.
-
-        Args:
-            size: bytes, more than 0.
-
-        Returns:
-            A handle whose ``buf`` is the pool memory; store it with
-            :meth:`store` or give it back with :meth:`free`.
+        """Allocate ``size`` bytes of pool memory (at most ``chunk_size_bytes``, as the
+        original); write them through ``handle.buf``, then :meth:`store` the handle.
 
         Raises:
-            NoSpaceError: the pools cannot hold ``size`` more bytes.
-            ValueError: ``size`` is not positive.
+            ValueError: ``size`` is not positive or exceeds ``chunk_size_bytes``.
+            NoSpaceError: the pools are full even after eviction.
         """
-        self._require_connected()
-        if size <= 0:
-            raise ValueError(f"alloc: size must be > 0, not {size}")
-        name = os.fsencode(TEMP_PREFIX + uuid.uuid4().hex)
-        path = os.path.join(self._dir, name)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self.config.entry_mode)
-        except OSError as e:
-            raise from_oserror(e, "alloc", os.fsdecode(path)) from e
-        try:
-            # Reserve the pages now: writing through a mapping of a sparse file
-            # in a full pool would kill the process with SIGBUS.
-            os.posix_fallocate(fd, 0, size)
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as e:
-            _drop_temp(path, fd)
-            raise from_oserror(e, f"alloc({size})", os.fsdecode(path)) from e
-        except BaseException:
-            _drop_temp(path, fd)
-            raise
-        handle = AllocHandle(self, name, path, fd, mm, size)
-        with self._lock:
-            self._allocs[name] = handle
-            self._ops["alloc"] += 1
+        handle = self._c().alloc(size)
+        if self._on_region_added is not None:
+            self._note_region(handle.region_id)
         return handle
 
-    def _own(self, handle: AllocHandle) -> None:
-        if handle._handler is not self:
-            raise ValueError("this handle belongs to another MaruHandler")
-        if handle._done:
-            raise ValueError(f"{handle!r} was already stored or freed")
-
     def free(self, handle: AllocHandle) -> None:
-        """Give an allocation that will not be stored back to the pool.
+        """Give back an allocation that was not stored.
 
         Raises:
-            BufferError: ``handle.buf`` is still exported (drop arrays made from it).
-            ValueError: the handle was already stored or freed, or is another handler's.
+            ValueError: the handle was already stored or freed, or is not an allocation.
         """
-        self._own(handle)
-        handle._unmap()
-        handle._finish()
-        _drop_temp(handle._path, handle._fd)
-        with self._lock:
-            self._allocs.pop(handle._name, None)
-            self._ops["free"] += 1
+        self._c().free(handle)
 
     def store(self, key: Key, handle: AllocHandle) -> bool:
-        """Publish an allocation under ``key``: sealed, immutable, visible to every process.
+        """Publish ``handle`` under ``key`` without copying.
 
-        The handle is consumed either way (``handle.buf`` is released).
-
-        Args:
-            key: the entry's name in the namespace.
-            handle: an allocation of this handler.
-
-        Returns:
-            True if stored; False if the key already exists (write-once: the
-            first writer wins, this allocation is discarded).
-
-        Raises:
-            BufferError: ``handle.buf`` is still exported (drop arrays made from
-                it); the handle stays usable.
-            InvalidKeyError: the key breaks the naming rules; the handle stays usable.
+        Returns True when stored, and when ``key`` already exists (entries are write-once;
+        the handle is then freed, as the original); False when no pool or the namespace's
+        quota has room. ``handle.buf`` stays readable afterwards as this process's private
+        copy (writes to it no longer reach the pool).
         """
-        self._own(handle)
-        raw = key_bytes(key)
-        dest = os.path.join(self._dir, raw)
-        handle._unmap()
-        handle._finish()
-        with self._lock:
-            self._allocs.pop(handle._name, None)
-        try:
-            os.rename(handle._path, dest)
-        except OSError as e:
-            _drop_temp(handle._path, handle._fd)
-            if e.errno == errno.EEXIST:
-                self._count("store_exists")
-                return False
-            raise from_oserror(e, "store", os.fsdecode(dest)) from e
-        # The last close of the writable descriptor publishes the entry.
-        try:
-            os.close(handle._fd)
-        except OSError as e:
-            raise from_oserror(e, "store: close", os.fsdecode(dest)) from e
-        with self._lock:
-            self._ops["store"] += 1
-            self._stored_entries += 1
-            self._stored_bytes += handle.size
-        return True
+        return self._c().store(key, handle)
 
     def put(self, key: Key, *buffers: Any) -> bool:
-        """Store bytes the caller already has, written with ``writev`` (one kernel copy).
-
-        The same as ``alloc`` + filling ``buf`` + ``store`` when the value already
-        sits in memory, and cheaper: the pages are filled as they are
-        allocated (``alloc`` reserves them zeroed, then they are written again).
-        Written under a temporary name and renamed, so a failure publishes nothing.
-
-        Args:
-            key: the entry's name in the namespace.
-            buffers: the value, in one or more pieces (bytes-like objects:
-                bytes, memoryview, numpy arrays...), concatenated in order.
-
-        Returns:
-            True if stored; False if the key already exists (write-once).
-
-        Raises:
-            NoSpaceError: the pools cannot hold the value.
-            InvalidKeyError: the key breaks the naming rules.
-        """
-        self._require_connected()
-        raw = key_bytes(key)
-        dest = os.path.join(self._dir, raw)
+        """Store a copy of ``buffers`` (concatenated) under ``key``: alloc + copy + store,
+        with no ``chunk_size_bytes`` limit. Returns as :meth:`store`."""
         views = [memoryview(b).cast("B") for b in buffers]
-        size = sum(len(v) for v in views)
-        name = os.fsencode(TEMP_PREFIX + uuid.uuid4().hex)
-        path = os.path.join(self._dir, name)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self.config.entry_mode)
-        except OSError as e:
-            raise from_oserror(e, "put", os.fsdecode(path)) from e
-        try:
-            pending = [v for v in views if len(v)]
-            while pending:
-                n = os.writev(fd, pending)
-                if n == 0:
-                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-                while n and pending:  # drop what was written (writev may write less)
-                    if n >= len(pending[0]):
-                        n -= len(pending.pop(0))
-                    else:
-                        pending[0] = pending[0][n:]
-                        n = 0
-            os.rename(path, dest)
-        except OSError as e:
-            _drop_temp(path, fd)
-            if e.errno == errno.EEXIST:
-                self._count("store_exists")
-                return False
-            raise from_oserror(e, f"put({size} bytes)", os.fsdecode(dest)) from e
-        except BaseException:
-            _drop_temp(path, fd)
-            raise
-        finally:
-            for v in views:
-                v.release()
-        try:
-            os.close(fd)  # publishes the entry
-        except OSError as e:
-            raise from_oserror(e, "put: close", os.fsdecode(dest)) from e
-        with self._lock:
-            self._ops["store"] += 1
-            self._stored_entries += 1
-            self._stored_bytes += size
-        return True
+        size = sum(v.nbytes for v in views)
+        core = self._c()
+        handle = core.alloc(max(size, 1), False)
+        buf, at = handle.buf, 0
+        for v in views:
+            buf[at : at + v.nbytes] = v
+            at += v.nbytes
+        return core.store(key, handle, size)
 
-    # -- retrieve / exists / delete / pin -------------------------------------
-
-    def retrieve(self, key: Key, copy_on_write: bool = False) -> Optional[MemoryInfo]:
-        """Map an entry: the returned ``view`` is the pool's own memory.
-
-        Args:
-            key: the entry's name.
-            copy_on_write: map privately and writable: reads share the pool's
-                pages, writes copy the touched pages into private memory (for
-                libraries that want writable buffers). Default: read-only.
-
-        Returns:
-            A :class:`MemoryInfo` (close it, or use it as a context manager),
-            or None if the key does not exist.
-        """
-        self._require_connected()
-        raw = key_bytes(key)
-        path = os.path.join(self._dir, raw)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as e:
-            if e.errno == errno.ENOENT:
-                self._count("retrieve_miss")
-                return None
-            raise from_oserror(e, "retrieve", os.fsdecode(path)) from e
-        try:
-            access = mmap.ACCESS_COPY if copy_on_write else mmap.ACCESS_READ
-            try:
-                mm: Optional[mmap.mmap] = mmap.mmap(fd, 0, access=access, **_NO_FD_COPY)
-                size = len(mm)  # type: ignore[arg-type]
-            except ValueError:  # "cannot mmap an empty file"
-                mm, size = None, 0
-        except OSError as e:
-            raise from_oserror(e, "retrieve: mmap", os.fsdecode(path)) from e
-        finally:
-            os.close(fd)  # the mapping keeps its own reference to the file
-        info = MemoryInfo(self, os.fsdecode(raw), path, mm, size)
-        with self._lock:
-            self._mappings.add(info)
-            self._ops["retrieve"] += 1
-        return info
-
-    def _forget_mapping(self, info: MemoryInfo) -> None:
-        with self._lock:
-            self._mappings.discard(info)
+    def retrieve(self, key: Key) -> Optional[MemoryInfo]:
+        """The entry of ``key`` (``MemoryInfo.view``: a read-only memoryview of the pool's own
+        pages, valid while referenced), or None."""
+        return self._c().retrieve(key)
 
     def exists(self, key: Key) -> bool:
-        """Return True if ``key`` names a published entry (a ``stat``, served
-        from the kernel's cache for sealed entries)."""
-        self._require_connected()
-        path = os.path.join(self._dir, key_bytes(key))
-        self._count("exists")
-        try:
-            os.stat(path)
-            return True
-        except OSError as e:
-            if e.errno == errno.ENOENT:
-                return False
-            raise from_oserror(e, "exists", os.fsdecode(path)) from e
+        return self._c().exists(key)
 
     def delete(self, key: Key) -> bool:
-        """Delete an entry. Processes that map it keep valid bytes until they unmap.
-
-        Returns:
-            True if it was deleted, False if it did not exist.
-        """
-        self._require_connected()
-        path = os.path.join(self._dir, key_bytes(key))
-        try:
-            os.unlink(path)
-        except OSError as e:
-            if e.errno == errno.ENOENT:
-                return False
-            raise from_oserror(e, "delete", os.fsdecode(path)) from e
-        self._count("delete")
-        return True
-
-    def _set_pinned(self, key: Key, value: bytes, op: str) -> bool:
-        self._require_connected()
-        path = os.path.join(self._dir, key_bytes(key))
-        try:
-            os.setxattr(path, _XATTR_PINNED, value)
-        except OSError as e:
-            if e.errno == errno.ENOENT:
-                return False
-            raise from_oserror(e, op, os.fsdecode(path)) from e
-        self._count(op)
-        return True
+        """Delete ``key``'s entry; False if there was none. Views held elsewhere stay valid."""
+        return self._c().delete(key)
 
     def pin(self, key: Key) -> bool:
-        """Protect an entry from eviction (``user.maru.pinned=1``).
-
-        A pin is a flag on the entry shared by every process (not a count):
-        one ``unpin`` clears it.
-
-        Returns:
-            True if pinned, False if the key does not exist.
-        """
-        return self._set_pinned(key, b"1", "pin")
+        """Take one of this handler's pins on ``key`` (a count; marud never evicts a pinned
+        entry). True if the key exists. Pins end with :meth:`unpin` or when this handler's
+        connection does; they are apart from an operator's persistent pin."""
+        return self._c().hold(key, True)
 
     def unpin(self, key: Key) -> bool:
-        """Let an entry be evicted again (``user.maru.pinned=0``).
+        """Give back one of this handler's pins on ``key``; False if it held none."""
+        return self._c().hold(key, False)
 
-        Returns:
-            True if unpinned, False if the key does not exist.
-        """
-        return self._set_pinned(key, b"0", "unpin")
+    # -- batch verbs (one exchange with marud each) ---------------------------------------
 
-    def is_pinned(self, key: Key) -> Optional[bool]:
-        """Return whether an entry is pinned, or None if it does not exist."""
-        info = self.entry_info(key)
-        return None if info is None else info.get("pinned") == "1"
-
-    def entry_info(self, key: Key) -> Optional[Dict[str, str]]:
-        """Return an entry's ``user.maru.*`` attributes without the prefix
-        (``state``, ``pool``, ``kind``, ``location``, ``offset``, ``size``,
-        ``pinned``, ``generation``, ``access``), or None if it does not exist."""
-        self._require_connected()
-        path = os.path.join(self._dir, key_bytes(key))
-        out: Dict[str, str] = {}
-        try:
-            for name in os.listxattr(path):
-                if name.startswith(_XATTR_PREFIX):
-                    out[name[len(_XATTR_PREFIX):]] = os.fsdecode(os.getxattr(path, name))
-        except OSError as e:
-            if e.errno == errno.ENOENT:
-                return None
-            raise from_oserror(e, "entry_info", os.fsdecode(path)) from e
-        return out
-
-    def list_keys(self) -> Iterator[str]:
-        """Iterate over the keys of the published entries in the namespace
-        (temporary allocations and nested namespaces are left out)."""
-        self._require_connected()
-        try:
-            with os.scandir(self._dir) as it:
-                for entry in it:
-                    if entry.name.startswith(_TEMP_PREFIX_B):
-                        continue
-                    if entry.is_file(follow_symlinks=False):
-                        yield os.fsdecode(entry.name)
-        except OSError as e:
-            raise from_oserror(e, "list_keys", os.fsdecode(self._dir)) from e
-
-    # -- batches ---------------------------------------------------------------
+    def batch_retrieve(self, keys: Sequence[Key]) -> List[Optional[MemoryInfo]]:
+        results = self._c().batch_retrieve(keys)
+        if self._plugins:
+            plugins.call(self._plugins, "on_batch_retrieve", self, keys, results)
+        return results
 
     def batch_store(self, keys: Sequence[Key], handles: Sequence[AllocHandle]) -> List[bool]:
-        """:meth:`store` for each pair; returns one result per key.
-
-        Raises what :meth:`store` raises; handles after the failing one are
-        left untouched (free them).
-        """
         if len(keys) != len(handles):
-            raise ValueError(f"batch_store: {len(keys)} keys for {len(handles)} handles")
-        return [self.store(k, h) for k, h in zip(keys, handles)]
+            raise ValueError("keys and handles must have the same length")
+        return self._c().batch_store(keys, handles)
 
-    def batch_retrieve(self, keys: Iterable[Key], copy_on_write: bool = False) -> List[Optional[MemoryInfo]]:
-        """:meth:`retrieve` for each key (None where missing)."""
-        return [self.retrieve(k, copy_on_write=copy_on_write) for k in keys]
-
-    def batch_exists(self, keys: Iterable[Key]) -> List[bool]:
-        """:meth:`exists` for each key."""
-        return [self.exists(k) for k in keys]
+    def batch_exists(self, keys: Sequence[Key]) -> List[bool]:
+        return self._c().batch_exists(keys)
 
     def batch_delete(self, keys: Iterable[Key]) -> List[bool]:
-        """:meth:`delete` for each key."""
-        return [self.delete(k) for k in keys]
+        return self._c().batch_delete(list(keys))
 
-    def batch_pin(self, keys: Iterable[Key]) -> List[bool]:
-        """:meth:`pin` for each key."""
-        return [self.pin(k) for k in keys]
+    def batch_pin(self, keys: Sequence[Key]) -> List[bool]:
+        return self._c().batch_hold(keys, True)
 
-    def batch_unpin(self, keys: Iterable[Key]) -> List[bool]:
-        """:meth:`unpin` for each key."""
-        return [self.unpin(k) for k in keys]
+    def batch_unpin(self, keys: Sequence[Key]) -> List[bool]:
+        return self._c().batch_hold(keys, False)
 
-    # -- statistics ------------------------------------------------------------
+    # -- regions (the original's accessors) -------------------------------------------------
+    #
+    # A raw pool (devdax:, file:) is a region: its id is the pool's id and page_index counts
+    # chunk_size_bytes pages from the pool's start. A memfs entry or allocation is a file of
+    # its own, a region of its own: MEMFS_REGION_BASE + its id, page 0.
+
+    def get_chunk_size(self) -> int:
+        return int(self._config.chunk_size_bytes)
+
+    def _pool(self, region_id: int) -> Optional[Dict[str, Any]]:
+        for p in self._pools:
+            if int(p["id"]) == region_id and p["kind"] != "memfs":
+                return p
+        return None
+
+    def get_buffer_view(self, region_id: int, offset: int, size: int) -> Optional[memoryview]:
+        """A read-only view of ``size`` bytes at ``offset`` of a raw-pool region this handler
+        has used (None otherwise, or out of range)."""
+        if self._pool(region_id) is None or offset < 0 or size < 0:
+            return None
+        view = self._c().pool_view(region_id)
+        if view is None or offset + size > len(view):
+            return None
+        return view[offset : offset + size]
+
+    def get_region_page_count(self, region_id: int) -> Optional[int]:
+        p = self._pool(region_id)
+        if p is None:
+            return None
+        return int(p["capacity"]) // self.get_chunk_size()
+
+    def is_region_mapped(self, region_id: int) -> bool:
+        return self._pool(region_id) is not None and self._c().pool_view(region_id) is not None
+
+    def get_region_dax_path(self, region_id: int) -> Optional[str]:
+        """The device or file of a raw-pool region (None for others)."""
+        p = self._pool(region_id)
+        return None if p is None else str(p["path"])
+
+    def get_owned_region_ids(self) -> List[int]:
+        """The raw-pool regions this handler has allocated in."""
+        return sorted(r for r in self._regions_seen if r < MEMFS_REGION_BASE)
+
+    def set_on_region_added(self, callback: Optional[Callable[[int, int], None]]) -> None:
+        """Call ``callback(region_id, page_count)`` when this handler first allocates in a
+        region; replayed at once for the regions it already uses (as the original)."""
+        self._on_region_added = callback
+        if callback is not None:
+            for rid, pages in list(self._regions_seen.items()):
+                callback(rid, pages)
+
+    def _note_region(self, region_id: int) -> None:
+        if region_id in self._regions_seen or region_id >= MEMFS_REGION_BASE:
+            return
+        pages = self.get_region_page_count(region_id) or 0
+        self._regions_seen[region_id] = pages
+        cb = self._on_region_added
+        if cb is not None:
+            cb(region_id, pages)
+
+    # -- statistics -----------------------------------------------------------------------
 
     def get_stats(self) -> Dict[str, Any]:
-        """Return pool, namespace and client statistics.
-
-        Returns:
-            ``{"instance_id", "mount_path", "namespace",
-            "pool": {"total_bytes", "free_bytes", "used_bytes"},
-            "namespace_usage": {"entries", "bytes"},
-            "instance": {"allocations", "allocated_bytes", "mappings",
-            "mapped_bytes", "stored_entries", "stored_bytes"},
-            "ops": {name: count}}``. ``pool`` covers every pool behind the
-            mount (``df``); ``namespace_usage`` is the namespace's entries
-            (marud's ``user.maru.entries``/``user.maru.bytes``); ``instance`` is
-            this handler's.
-        """
-        self._require_connected()
-        try:
-            st = os.statvfs(self._mount)
-            entries = int(os.getxattr(self._dir, _XATTR_ENTRIES))
-            used = int(os.getxattr(self._dir, _XATTR_BYTES))
-        except OSError as e:
-            raise from_oserror(e, "get_stats", os.fsdecode(self._dir)) from e
-        total = st.f_blocks * st.f_frsize
-        free = st.f_bavail * st.f_frsize
-        with self._lock:
-            allocs = list(self._allocs.values())
-            mappings = [m for m in self._mappings if not m.closed]
-            ops = dict(self._ops)
-            stored_entries, stored_bytes = self._stored_entries, self._stored_bytes
-        return {
-            "instance_id": self.config.instance_id,
-            "mount_path": os.fsdecode(self._mount),
-            "namespace": self._ns,
-            "pool": {"total_bytes": total, "free_bytes": free, "used_bytes": total - free},
-            "namespace_usage": {"entries": entries, "bytes": used},
-            "instance": {
-                "allocations": len(allocs),
-                "allocated_bytes": sum(h.size for h in allocs),
-                "mappings": len(mappings),
-                "mapped_bytes": sum(m.size for m in mappings),
-                "stored_entries": stored_entries,
-                "stored_bytes": stored_bytes,
+        """The original's keys (``kv_manager``, ``allocation_manager``, ``store_regions``,
+        ``allocator``, ``plugins``) from marud's statistics, plus maru's own under ``maru``."""
+        raw = json.loads(self._c().stats_json())
+        pools = raw.get("pools", [])
+        entries = sum(int(p.get("entries", 0)) for p in pools)
+        sealed = sum(int(p.get("sealed_bytes", 0)) for p in pools)
+        clients = raw.get("clients", [])
+        me = [c for c in clients if c.get("name") == self.instance_id]
+        regions = [
+            {
+                "region_id": int(p["id"]) if p["kind"] != "memfs" else None,
+                "pool": p["name"],
+                "kind": p["kind"],
+                "total_size": int(p["capacity"]),
+                "used_size": int(p["used"]),
+                "free_size": int(p["capacity"]) - int(p["used"]),
+                "num_pages": int(p["capacity"]) // self.get_chunk_size(),
+            }
+            for p in pools
+        ]
+        out: Dict[str, Any] = {
+            "kv_manager": {"total_entries": entries, "total_size": sealed},
+            "allocation_manager": {
+                "num_allocations": sum(int(c.get("allocated", 0)) > 0 for c in clients),
+                "total_allocated": sum(int(c.get("allocated", 0)) for c in clients),
+                "active_clients": len(clients),
             },
-            "ops": ops,
+            "store_regions": {"num_regions": len(regions), "regions": regions},
+            "allocator": regions[0] if regions else {},
+            "plugins": plugins.stats(self._plugins, self),
+            "maru": {
+                "namespace": self._config.namespace,
+                "this_client": me[0] if me else {},
+                "ops": raw.get("ops", {}),
+                "eviction": raw.get("eviction"),
+                "uptime_s": raw.get("uptime_s"),
+            },
         }
+        return out
 
     def __repr__(self) -> str:
-        state = "connected" if self._connected else "closed"
-        return f"MaruHandler(mount={os.fsdecode(self._mount)!r}, namespace={self._ns!r}, {state})"
+        state = "connected" if self._core is not None else "not connected"
+        return f"MaruHandler({self._config.namespace!r}, {state})"
 
-
-__all__ = ["AllocHandle", "MemoryInfo", "MaruHandler"]

@@ -125,8 +125,9 @@ class PrivateMarud:
         shutil.rmtree(self.root, ignore_errors=True)
 
     def config(self, namespace: str, **kw: Any) -> MaruConfig:
-        """A :class:`MaruConfig` for a namespace of this mount."""
-        return MaruConfig(mount_path=str(self.mount), namespace=namespace, **kw)
+        """A :class:`MaruConfig` for a namespace of this daemon (its socket and mount)."""
+        kw.setdefault("pool_size", 1 << 20)
+        return MaruConfig(socket_path=str(self.socket), mount_path=str(self.mount), namespace=namespace, **kw)
 
     def free_bytes(self) -> int:
         """Free bytes in the pool (``df``)."""

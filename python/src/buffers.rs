@@ -1,0 +1,99 @@
+//! Pool memory exported through the buffer protocol, kept alive by the exporter.
+
+use std::ffi::{c_int, c_void};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use pyo3::exceptions::PyBufferError;
+use pyo3::ffi;
+use pyo3::prelude::*;
+
+/// What keeps an exported range mapped: a [`maru::Mapping`] (a sealed entry, or a raw pool,
+/// read-only) or an allocation (its mapping lives as long as the handle).
+type Keep = Box<dyn std::any::Any + Send + Sync>;
+
+/// A range of pool memory; `memoryview(b)` (or `numpy.frombuffer`, `torch.frombuffer`) sees
+/// it without a copy, and keeps it mapped while any view of it lives.
+#[pyclass(module = "maru._native", frozen)]
+pub struct PoolBuffer {
+    addr: usize,
+    len: usize,
+    readonly: bool,
+    _keep: Keep,
+}
+
+impl PoolBuffer {
+    /// A read-only buffer over `m`'s bytes.
+    pub fn of_mapping(m: maru::Mapping) -> Self {
+        PoolBuffer {
+            addr: m.as_ptr() as usize,
+            len: m.len(),
+            readonly: true,
+            _keep: Box::new(m),
+        }
+    }
+
+    /// A writable buffer over an allocation's bytes.
+    pub fn of_alloc(h: &Arc<Mutex<maru::AllocHandle>>) -> Self {
+        let mut g = h.lock();
+        PoolBuffer {
+            addr: g.as_mut_ptr() as usize,
+            len: g.len(),
+            readonly: false,
+            _keep: Box::new(h.clone()),
+        }
+    }
+
+    /// A `memoryview` of this buffer.
+    pub fn view(self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let me = Bound::new(py, self)?;
+        // SAFETY: `me` is a live object implementing the buffer protocol; the call returns a
+        // new reference or NULL with an exception set.
+        unsafe {
+            Bound::from_owned_ptr_or_err(py, ffi::PyMemoryView_FromObject(me.as_ptr()))
+                .map(Bound::unbind)
+        }
+    }
+}
+
+#[pymethods]
+impl PoolBuffer {
+    fn __len__(&self) -> usize {
+        self.len
+    }
+
+    /// # Safety
+    ///
+    /// Called by Python with a valid `Py_buffer` to fill.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        let me = slf.get();
+        if view.is_null() {
+            return Err(PyBufferError::new_err("no Py_buffer to fill"));
+        }
+        if flags & ffi::PyBUF_WRITABLE != 0 && me.readonly {
+            return Err(PyBufferError::new_err(
+                "a sealed maru entry is read-only (copy it to change it)",
+            ));
+        }
+        // SAFETY: `view` is valid (checked above); the range stays mapped while the exporter,
+        // which PyBuffer_FillInfo references from the view, lives.
+        let rc = unsafe {
+            ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                me.addr as *mut c_void,
+                me.len as ffi::Py_ssize_t,
+                c_int::from(me.readonly),
+                flags,
+            )
+        };
+        if rc != 0 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+}
