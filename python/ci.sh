@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# CI for the Python package (python/): builds or reuses the test environment, installs the
-# package, runs its tests against a private marud.
+# CI for the Python package (python/): builds or reuses the test environment, builds and
+# installs the package (its native core with cargo, through maturin), runs its tests against a
+# private marud.
 #
 #   bash python/ci.sh            # as root; marud from $MARUD or target/debug/marud
 #
@@ -57,8 +58,12 @@ else
 fi
 t1=$(date +%s)
 
+# The package's build backend is maturin (it builds the native core, python/src, with cargo).
+"$venv/bin/pip" install "${pip_flags[@]}" "maturin>=1.5,<2"
 "$venv/bin/pip" install "${pip_flags[@]}" --no-deps --no-build-isolation --force-reinstall ./python
-rm -rf python/build python/*.egg-info
+# The handler-plugin tests' plugin (entry points in maru.handler_plugins).
+"$venv/bin/pip" install "${pip_flags[@]}" --no-deps --no-build-isolation --force-reinstall ./python/tests/plugin_pkg
+rm -rf python/build python/*.egg-info python/tests/plugin_pkg/build python/tests/plugin_pkg/*.egg-info
 t2=$(date +%s)
 
 log=$(mktemp)

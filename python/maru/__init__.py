@@ -1,19 +1,23 @@
-"""maru: KV-cache entries in shared memory, through the /maru mount.
+"""maru: KV-cache entries in shared memory, with the original design's client API.
 
-The client API of the original design, over the file system that marud serves:
+- :class:`MaruConfig`: the original's fields (``server_url``, ``pool_size``,
+  ``chunk_size_bytes``...) plus marud's socket, the namespace and the mount.
+- :class:`MaruHandler`: ``alloc`` / ``store`` / ``retrieve`` / ``exists`` / ``delete`` /
+  ``pin`` / ``unpin``, their batch forms, the region accessors, ``get_stats``; over libmaru
+  (the native core ``maru._native``), zero-copy on every pool kind.
+- :class:`AllocHandle` (``buf``: writable pool memory) and :class:`MemoryInfo` (``view``:
+  the pool's own pages).
+- Any ``str``, ``bytes`` or ``int`` key: :func:`encode_key` / :func:`decode_key` give its
+  entry name (the encoding every maru client shares); ``MaruHandler.path_of`` its file
+  under the mount.
+- Handler plugins: entry points in ``maru.handler_plugins`` (:mod:`maru.plugins`).
 
-- :class:`MaruConfig`: mount path, namespace, capacity hint, timeouts.
-- :class:`MaruHandler`: ``alloc`` / ``store`` / ``retrieve`` / ``exists`` /
-  ``delete`` / ``pin`` / ``unpin``, their batch forms, ``get_stats``.
-- :class:`AllocHandle` (``buf``: writable pool memory) and
-  :class:`MemoryInfo` (``view``: the pool's own pages, zero-copy).
-
-The LMCache storage plugin lives in :mod:`maru.lmcache_plugin` (it needs
-LMCache and torch; this package itself needs nothing but Python).
+The LMCache storage plugin lives in :mod:`maru.lmcache_plugin` (it needs LMCache and torch).
 """
 
 from .buffers import address_of
-from .config import DEFAULT_MOUNT, MaruConfig
+from ._native import decode_key, encode_key
+from .config import DEFAULT_MOUNT, DEFAULT_SOCKET, MaruConfig
 from .errors import (
     EntryFormatError,
     InvalidKeyError,
@@ -31,6 +35,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AllocHandle",
     "DEFAULT_MOUNT",
+    "DEFAULT_SOCKET",
     "EntryFormatError",
     "InvalidKeyError",
     "MaruConfig",
@@ -45,4 +50,6 @@ __all__ = [
     "TEMP_PREFIX",
     "__version__",
     "address_of",
+    "decode_key",
+    "encode_key",
 ]
