@@ -226,7 +226,7 @@ def main() -> int:
             plugin_extra = {
                 "storage_plugin.maru.module_path": "maru.lmcache_plugin",
                 "storage_plugin.maru.class_name": "MaruStoragePlugin",
-                "maru.mount_path": str(mnt),
+                "maru.socket": str(d.socket),
             }
             runs: List[Tuple[str, LMCacheEngineConfig, str]] = [
                 ("maru plugin, map (zero-copy)",

@@ -28,7 +28,6 @@ from .errors import (
     PermissionDeniedError,
 )
 from .handler import AllocHandle, MaruHandler, MemoryInfo
-from .names import NAME_MAX, TEMP_PREFIX
 
 __version__ = "0.1.0"
 
@@ -43,11 +42,9 @@ __all__ = [
     "MaruHandler",
     "MemoryInfo",
     "MountError",
-    "NAME_MAX",
     "NoSpaceError",
     "NotFoundError",
     "PermissionDeniedError",
-    "TEMP_PREFIX",
     "__version__",
     "address_of",
     "decode_key",

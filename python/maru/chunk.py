@@ -20,8 +20,8 @@ offset  size  field
 hs      ps    the payload: the chunk's bytes exactly as the writer had them
 ======  ====  ==============================================================
 
-The metadata object has the keys ``key`` (the writer's full key string, so a
-name shortened by hashing can be checked), ``fmt`` (e.g. ``"KV_2LTD"``),
+The metadata object has the keys ``key`` (the writer's full key string, which
+readers check against the key they asked for), ``fmt`` (e.g. ``"KV_2LTD"``),
 ``shapes`` (list of shapes, one per tensor group), ``dtypes`` (``"bfloat16"``...,
 one per group), and ``cached_positions`` (list of ints, or null). Readers
 ignore keys they do not know; a new incompatible layout changes the version.

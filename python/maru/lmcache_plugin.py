@@ -9,34 +9,37 @@ Configure it in LMCache's YAML (see doc/LMCACHE.md)::
     extra_config:
       storage_plugin.maru.module_path: maru.lmcache_plugin
       storage_plugin.maru.class_name: MaruStoragePlugin
-      maru.mount_path: /maru
+      maru.socket: /run/maru/marud.sock
       maru.namespace: lmcache
 
 What it does beyond LMCache's LocalDiskBackend on /maru:
 
 - A chunk is written once into pool memory (one copy from LMCache's CPU
-  buffer into the entry, then sealed) and read back by mapping the entry: the
-  MemoryObj handed to LMCache wraps the pool's own pages (no read, no copy),
-  mapped copy-on-write so LMCache may even write to it without touching the
-  pool.
+  buffer into the entry, then sealed) and read back by retrieving the entry:
+  the MemoryObj handed to LMCache wraps the pool's own pages (no read, no
+  copy). Those pages are mapped read-only: the MemoryObj must not be written
+  (``maru.retrieve_mode: copy`` gives a private, writable copy).
 - Shape, dtype, format and cached positions travel in a header inside the
-  entry (:mod:`maru.chunk`), and the entry's name is derived from the key, so
-  the index *is* the mount: any LMCache instance, in any process, that points
-  at the same namespace finds and loads the chunks the others stored.
+  entry (:mod:`maru.chunk`), and the key is LMCache's key string (stored under
+  maru's shared key encoding, the one the Rust client uses too), so the index
+  *is* the namespace: any LMCache instance, in any process, that points at the
+  same namespace finds and loads the chunks the others stored.
   (LocalDiskBackend's index lives in one process's memory: another process
   cannot find its files.)
-- Pins are holds: ``contains(key, pin=True)`` and ``pin(key)`` map the entry,
-  so its bytes stay valid until ``unpin`` even if the pool evicts or another
-  instance deletes it; ``get_blocking`` then reuses that mapping.
+- Pins are holds: ``contains(key, pin=True)`` and ``pin(key)`` retrieve the
+  entry and keep its view, so its bytes stay valid until ``unpin`` even if the
+  pool evicts or another instance deletes it; ``get_blocking`` then reuses
+  that view.
 
 Options (``extra_config``):
 
-- ``maru.mount_path``: the maru mount (default ``$MARU_MOUNT`` or ``/maru``).
+- ``maru.socket``: marud's control socket (default ``$MARU_SOCKET`` or
+  ``/run/maru/marud.sock``).
 - ``maru.namespace``: the namespace shared by the instances (default ``lmcache``).
 - ``maru.retrieve_mode``: ``map`` (default: zero-copy) or ``copy`` (copy into
   a buffer of the LocalCPUBackend, which is pinned memory on GPU hosts).
 - ``maru.put_workers``: threads that write chunks (default 2).
-- ``maru.timeout_ms``: how long to wait for the mount at start (default 2000).
+- ``maru.timeout_ms``: how long a call waits for marud (default 2000).
 """
 
 from __future__ import annotations
@@ -44,7 +47,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
-import hashlib
 import threading
 import time
 import warnings
@@ -66,31 +68,17 @@ from lmcache.v1.memory_management import (
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from .chunk import ChunkHeader, ChunkMeta, decode_header, encode_header
-from .config import MaruConfig, _default_mount
+from .config import MaruConfig, _default_socket
 from .errors import EntryFormatError, MaruError, NoSpaceError
 from .handler import MaruHandler, MemoryInfo
-from .names import NAME_MAX
 
 logger = init_logger(__name__)
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)
 
-
-def entry_name(key_str: str) -> str:
-    """The name of a chunk entry for an LMCache key string.
-
-    ``%`` and ``/`` are percent-encoded (``%25``, ``%2F``) and a leading ``.``
-    becomes ``%2E`` (hidden names are the client's temporary allocations), so
-    distinct keys get distinct names. A name longer than 255 bytes becomes
-    ``sha256-<hex of the key>``; the header keeps the full key, which readers
-    check.
-    """
-    name = key_str.replace("%", "%25").replace("/", "%2F")
-    if name.startswith("."):
-        name = "%2E" + name[1:]
-    if len(name.encode()) > NAME_MAX:
-        name = "sha256-" + hashlib.sha256(key_str.encode()).hexdigest()
-    return name
+# A mapped chunk's tensor wraps the read-only view of the pool's pages (zero copy);
+# torch.frombuffer warns about every such buffer.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
 def _dtype_name(dtype: Optional[torch.dtype]) -> str:
@@ -105,14 +93,16 @@ def _dtype_from_name(name: str) -> torch.dtype:
 
 
 class _MappedChunk:
-    """A mapped chunk entry and its parsed header, shared by the users of one mapping.
+    """A retrieved chunk entry and its parsed header, shared by the users of one view.
 
-    The mapping is released when the last reference (a hold, a MemoryObj)
-    goes; arrays LMCache still keeps then keep it alive until they die.
+    The chunk drops its reference to the view when the last user (a hold, a
+    MemoryObj) goes; the mapping is released once nothing references the view
+    (tensors LMCache still keeps keep it alive until they die).
     """
 
     def __init__(self, info: MemoryInfo, header: ChunkHeader) -> None:
-        self.info = info
+        self.info: Optional[MemoryInfo] = info
+        self.view: Optional[memoryview] = info.view
         self.header = header
         self._refs = 0
         self._lock = threading.Lock()
@@ -126,7 +116,8 @@ class _MappedChunk:
             self._refs -= 1
             last = self._refs == 0
         if last:
-            self.info.detach()
+            self.info = None
+            self.view = None
 
 
 class _MappedChunkAllocator(MemoryAllocatorInterface):
@@ -200,14 +191,21 @@ class MaruStoragePlugin(StoragePluginInterface):
             raise ValueError(f"maru.retrieve_mode must be 'map' or 'copy', not {self.retrieve_mode!r}")
         workers = int(extra.get("maru.put_workers", 2))
         maru_config = MaruConfig(
-            mount_path=str(extra.get("maru.mount_path", _default_mount())),
+            socket_path=str(extra.get("maru.socket", _default_socket())),
             namespace=str(extra.get("maru.namespace", "lmcache")),
             timeout_ms=int(extra.get("maru.timeout_ms", 2000)),
+            pool_size=1 << 20,  # no minimum: any pool will do
+            chunk_size_bytes=1 << 20,
         )
         instance = getattr(config, "lmcache_instance_id", None)
         if instance:
             maru_config = dataclasses.replace(maru_config, instance_id=str(instance))
         self.handler = MaruHandler(maru_config)
+        if not self.handler.connect():
+            raise RuntimeError(
+                f"maru storage plugin: cannot connect to marud at {maru_config.socket_path} "
+                f"(namespace {maru_config.namespace!r}); is marud running? (see the log above)"
+            )
         self._lock = threading.Lock()
         self._put_tasks: set = set()
         self._holds: Dict[CacheEngineKey, Tuple[_MappedChunk, int]] = {}
@@ -218,17 +216,18 @@ class MaruStoragePlugin(StoragePluginInterface):
         self._closed = False
         logger.info(
             "maru storage plugin: namespace %s, retrieve mode %s",
-            self.handler.namespace_dir, self.retrieve_mode,
+            maru_config.namespace, self.retrieve_mode,
         )
 
     def __str__(self) -> str:
         return "MaruStoragePlugin"
 
-    # -- names and mappings ----------------------------------------------------
+    # -- keys and views ----------------------------------------------------------
 
     @staticmethod
     def _name(key: CacheEngineKey) -> str:
-        return entry_name(key.to_string())
+        """The maru key of a chunk: LMCache's key string (the handler encodes it)."""
+        return key.to_string()
 
     def _open_chunk(self, key: CacheEngineKey) -> Optional[_MappedChunk]:
         """Map a key's entry (or reuse the mapping of a hold); the result is acquired."""
@@ -237,16 +236,15 @@ class MaruStoragePlugin(StoragePluginInterface):
             if held is not None:
                 held[0].acquire()
                 return held[0]
-        info = self.handler.retrieve(self._name(key), copy_on_write=True)
+        info = self.handler.retrieve(self._name(key))
         if info is None:
             return None
         try:
-            header = decode_header(info.view, info.size)
+            header = decode_header(info.view, info.view.nbytes)
             if header.meta.key != key.to_string():
                 raise EntryFormatError(errno.EBADMSG, f"chunk header names key {header.meta.key!r}")
         except EntryFormatError as e:
-            logger.warning("maru: ignoring entry %s: %s", info.path, e)
-            info.detach()
+            logger.warning("maru: ignoring entry %s: %s", key.to_string(), e)
             return None
         chunk = _MappedChunk(info, header)
         chunk.acquire()
@@ -259,7 +257,7 @@ class MaruStoragePlugin(StoragePluginInterface):
         start, size = header.header_size, header.payload_size
         fmt = MemoryFormat[meta.fmt]
         if not meta.dtypes:  # a byte buffer (serialized or compressed chunk)
-            return BytesBufferMemoryObj(bytes(chunk.info.view[start:start + size]))
+            return BytesBufferMemoryObj(bytes(chunk.view[start:start + size]))
         shapes = [torch.Size(s) for s in meta.shapes]
         dtypes = [_dtype_from_name(d) for d in meta.dtypes]
         positions = (
@@ -273,13 +271,15 @@ class MaruStoragePlugin(StoragePluginInterface):
             if obj is None:
                 return None
             try:
-                memoryview(obj.byte_array).cast("B")[:] = chunk.info.view[start:start + size]
+                with memoryview(obj.byte_array) as dst, dst.cast("B") as out:
+                    out[:] = chunk.view[start:start + size]
             except BaseException:
                 obj.ref_count_down()
                 raise
             obj.metadata.cached_positions = positions
             return obj
-        raw = torch.frombuffer(chunk.info.view, dtype=torch.uint8, count=size, offset=start)
+        # Read-only pages: LMCache reads retrieved chunks (to the GPU, into other backends).
+        raw = torch.frombuffer(chunk.view, dtype=torch.uint8, count=size, offset=start)
         obj = TensorMemoryObj(
             raw_data=raw,
             metadata=MemoryObjMetadata(
@@ -304,7 +304,7 @@ class MaruStoragePlugin(StoragePluginInterface):
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
         """Whether the namespace holds a chunk for ``key`` (any instance may have stored it).
 
-        With ``pin``, the chunk is also held (mapped) until :meth:`unpin`: a
+        With ``pin``, the chunk is also held (its view kept) until :meth:`unpin`: a
         later ``get_blocking`` returns its bytes even if the entry was evicted
         or removed meanwhile (``contains`` itself reports the namespace).
         """
@@ -318,7 +318,7 @@ class MaruStoragePlugin(StoragePluginInterface):
             return key in self._put_tasks
 
     def pin(self, key: CacheEngineKey) -> bool:
-        """Hold the chunk: map it so its bytes stay valid until :meth:`unpin`
+        """Hold the chunk: keep its view so its bytes stay valid until :meth:`unpin`
         (even if the pool evicts it or someone deletes it). Holds are counted."""
         chunk = self._open_chunk(key)  # acquired: that reference is the hold's
         if chunk is None:
@@ -408,12 +408,8 @@ class MaruStoragePlugin(StoragePluginInterface):
         obj: MemoryObj,
         on_complete_callback: Optional[Callable[[CacheEngineKey], None]],
     ) -> bool:
-        """Write one chunk, header + payload, into a new entry and seal it.
-
-        ``writev`` of the chunk's bytes into the entry: the one copy into the
-        pool (cheaper than ``alloc`` + copy, which fills reserved pages with
-        zeros first).
-        """
+        """Write one chunk, header + payload, into a new entry and seal it
+        (``MaruHandler.put``: the one copy into the pool)."""
         done = False
         try:
             meta = obj.metadata
@@ -436,11 +432,13 @@ class MaruStoragePlugin(StoragePluginInterface):
                 len(payload),
             )
             try:
-                # False: another instance stored it first (write-once), which is as good.
-                self.handler.put(self._name(key), header, payload)
+                # True also when another instance stored it first (write-once): as good.
+                done = self.handler.put(self._name(key), header, payload)
             finally:
                 payload.release()
-            done = True
+            if not done:
+                logger.warning("maru: no room in the pools or the namespace's quota, chunk %s not stored",
+                               key.to_string())
         except NoSpaceError:
             logger.warning("maru: pool full, chunk %s not stored", key.to_string())
         except MaruError as e:
@@ -476,7 +474,7 @@ class MaruStoragePlugin(StoragePluginInterface):
     # -- gets ------------------------------------------------------------------
 
     def get_blocking(self, key: CacheEngineKey) -> Optional[MemoryObj]:
-        """Load a chunk: a MemoryObj on the pool's pages (``map``) or a CPU copy (``copy``).
+        """Load a chunk: a MemoryObj on the pool's read-only pages (``map``) or a CPU copy (``copy``).
 
         Returns:
             The chunk, or None if the namespace has none for ``key``.
@@ -529,7 +527,7 @@ class MaruStoragePlugin(StoragePluginInterface):
         return self.handler.delete(self._name(key))
 
     def touch_cache(self) -> None:
-        """Nothing to do: marud keeps the LRU order (retrievals through the mount count)."""
+        """Nothing to do: marud keeps the LRU order (retrievals count)."""
 
     def get_allocator_backend(self) -> Any:
         """LMCache's LocalCPUBackend: puts arrive in its buffers."""
@@ -540,7 +538,7 @@ class MaruStoragePlugin(StoragePluginInterface):
     def close(self) -> None:
         """Finish pending puts, drop holds, close the handler.
 
-        MemoryObjs LMCache still uses stay valid (their mappings are released
+        MemoryObjs LMCache still uses stay valid (their views are released
         when LMCache frees them).
         """
         if self._closed:

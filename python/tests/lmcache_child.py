@@ -1,11 +1,11 @@
 """A separate LMCache process for the two-process tests.
 
-``python lmcache_child.py store MOUNT NS N``: build an LMCache StorageManager
+``python lmcache_child.py store SOCKET NS N``: build an LMCache StorageManager
 with the maru plugin, store chunks 0..N-1, wait until they are sealed, print
 a line "RESULT <JSON list of their SHA-256 digests>", exit (the process and its LMCache are
 gone afterwards).
 
-``python lmcache_child.py load MOUNT NS N``: a fresh StorageManager; look the
+``python lmcache_child.py load SOCKET NS N``: a fresh StorageManager; look the
 chunks up (``batched_contains``) and load them through LMCache's retrieval
 path (``batched_get``); print "RESULT <JSON>" with the hit count, the digests, shapes and
 dtypes.
@@ -20,8 +20,8 @@ import lmcache_util as lu
 
 
 def main(argv: list) -> int:
-    mode, mount, ns, n = argv[1], argv[2], argv[3], int(argv[4])
-    sm = lu.make_manager(lu.make_config(plugin_mount=mount, plugin_namespace=ns))
+    mode, socket, ns, n = argv[1], argv[2], argv[3], int(argv[4])
+    sm = lu.make_manager(lu.make_config(plugin_socket=socket, plugin_namespace=ns))
     try:
         plugin = sm.storage_backends["maru"]
         if mode == "store":

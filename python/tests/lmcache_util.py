@@ -54,7 +54,7 @@ def make_config(
     *,
     local_disk: Optional[str] = None,
     max_local_disk_gb: float = 0.0,
-    plugin_mount: Optional[str] = None,
+    plugin_socket: Optional[str] = None,
     plugin_namespace: str = "lmcache",
     extra: Optional[Dict[str, Any]] = None,
     max_local_cpu_gb: float = 0.05,
@@ -70,10 +70,10 @@ def make_config(
         kwargs.update(local_disk=local_disk, max_local_disk_size=max_local_disk_gb)
     config = LMCacheEngineConfig.from_defaults(**kwargs)
     extra_config: Dict[str, Any] = dict(extra or {})
-    if plugin_mount is not None:
+    if plugin_socket is not None:
         config.storage_plugins = ["maru"]
         extra_config.update(PLUGIN_EXTRA)
-        extra_config.update({"maru.mount_path": plugin_mount, "maru.namespace": plugin_namespace})
+        extra_config.update({"maru.socket": plugin_socket, "maru.namespace": plugin_namespace})
     if extra_config:
         config.extra_config = extra_config
     return config

@@ -32,7 +32,7 @@ def yaml_blocks() -> List[str]:
 def test_documented_yaml_works(block: str, marud: Marud, namespace: str, tmp_path: Path) -> None:
     # Point the documented config at the test's private mount and namespace.
     text = block.replace("file:///maru/lmcache-disk/", f"file://{marud.mount}/{namespace}/")
-    text = text.replace("maru.mount_path: /maru\n", f"maru.mount_path: {marud.mount}\n")
+    text = text.replace("maru.socket: /run/maru/marud.sock\n", f"maru.socket: {marud.socket}\n")
     text = re.sub(r"maru\.namespace: \S+", f"maru.namespace: {namespace}", text)
     path = tmp_path / "lmcache.yaml"
     path.write_text(text)

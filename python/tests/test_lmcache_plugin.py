@@ -23,7 +23,8 @@ import lmcache_util as lu  # noqa: E402
 import maru  # noqa: E402
 from conftest import Marud, child_env  # noqa: E402
 from maru.chunk import decode_header  # noqa: E402
-from maru.lmcache_plugin import MaruStoragePlugin, entry_name  # noqa: E402
+from maru._native import encode_key
+from maru.lmcache_plugin import MaruStoragePlugin  # noqa: E402
 from pagemap import pfn_of, pfn_of_file  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
@@ -31,7 +32,7 @@ TESTS = Path(__file__).resolve().parent
 
 @pytest.fixture
 def manager(marud: Marud, namespace: str) -> Iterator:
-    sm = lu.make_manager(lu.make_config(plugin_mount=str(marud.mount), plugin_namespace=namespace))
+    sm = lu.make_manager(lu.make_config(plugin_socket=str(marud.socket), plugin_namespace=namespace))
     try:
         yield sm
     finally:
@@ -61,16 +62,20 @@ def test_chunks_are_sealed_entries_with_their_metadata(manager, marud: Marud, na
     keys = stored(manager, range(3))
     ns = marud.mount / namespace
     names = sorted(os.listdir(ns))
-    assert names == sorted(entry_name(k.to_string()) for k in keys)
+    # The shared key encoding: the entry of LMCache's key string, as every client names it.
+    assert names == sorted(encode_key(k.to_string()) for k in keys)
     assert all("/" not in n and "%2F" in n for n in names)  # the model name's '/' is encoded
     with maru.MaruHandler(marud.config(namespace)) as h:
-        with h.retrieve(entry_name(keys[1].to_string())) as info:  # type: ignore[union-attr]
-            header = decode_header(info.view, info.size)
-            assert header.meta.key == keys[1].to_string()
-            assert header.meta.fmt == "KV_2LTD"
-            assert header.meta.shapes == [list(lu.CHUNK_SHAPE)] and header.meta.dtypes == ["bfloat16"]
-            assert header.payload_size == lu.CHUNK_BYTES and header.header_size % 4096 == 0
-            payload = bytes(info.view[header.header_size:])
+        assert sorted(h.list_keys()) == sorted(k.to_string().encode() for k in keys)
+        info = h.retrieve(keys[1].to_string())
+        assert info is not None
+        header = decode_header(info.view, info.view.nbytes)
+        assert header.meta.key == keys[1].to_string()
+        assert header.meta.fmt == "KV_2LTD"
+        assert header.meta.shapes == [list(lu.CHUNK_SHAPE)] and header.meta.dtypes == ["bfloat16"]
+        assert header.payload_size == lu.CHUNK_BYTES and header.header_size % 4096 == 0
+        payload = bytes(info.view[header.header_size:])
+        del info
     assert payload == lu.chunk_tensor(1).view(torch.uint8).numpy().tobytes()
 
 
@@ -82,16 +87,18 @@ def test_get_blocking_maps_the_pool_pages(manager, marud: Marud, namespace: str)
     assert (shape, dtype, obj.get_memory_format()) == (lu.CHUNK_SHAPE, lu.DTYPE, MemoryFormat.KV_2LTD)
     assert torch.equal(t, lu.chunk_tensor(0))
     # Zero copy: the MemoryObj's bytes are the entry's pool page.
-    path = marud.mount / namespace / entry_name(keys[0].to_string())
-    location = os.getxattr(path, "user.maru.location").decode()
     raw = obj.raw_data.numpy()
     with maru.MaruHandler(marud.config(namespace)) as h:
-        with h.retrieve(entry_name(keys[0].to_string())) as info:  # type: ignore[union-attr]
-            hsize = decode_header(info.view, info.size).header_size
+        path = h.path_of(keys[0].to_string())
+        assert path == str(marud.mount / namespace / encode_key(keys[0].to_string()))
+        info = h.retrieve(keys[0].to_string())
+        assert info is not None
+        hsize = decode_header(info.view, info.view.nbytes).header_size
+        del info
+    location = os.getxattr(path, "user.maru.location").decode()
     assert pfn_of(raw, 0) == pfn_of_file(location, hsize)
     assert pfn_of(raw, lu.CHUNK_BYTES - 1) == pfn_of_file(location, hsize + lu.CHUNK_BYTES - 1)
-    # Copy-on-write: LMCache may write into it without changing the pool.
-    t[0, 0, 0, 0] = 123.0
+    # The pages are mapped read-only (LMCache only reads retrieved chunks): no write here.
     again = plugin.get_blocking(keys[0])
     assert torch.equal(lu.chunk_of(again)[2], lu.chunk_tensor(0))
     lu.release([obj, again])
@@ -157,7 +164,7 @@ def test_async_lookup_and_load(manager) -> None:
 
 def test_copy_retrieve_mode(marud: Marud, namespace: str) -> None:
     config = lu.make_config(
-        plugin_mount=str(marud.mount), plugin_namespace=namespace, extra={"maru.retrieve_mode": "copy"}
+        plugin_socket=str(marud.socket), plugin_namespace=namespace, extra={"maru.retrieve_mode": "copy"}
     )
     sm = lu.make_manager(config)
     try:
@@ -172,7 +179,7 @@ def test_copy_retrieve_mode(marud: Marud, namespace: str) -> None:
 
 
 def test_instances_share_one_namespace(marud: Marud, namespace: str) -> None:
-    config = lu.make_config(plugin_mount=str(marud.mount), plugin_namespace=namespace)
+    config = lu.make_config(plugin_socket=str(marud.socket), plugin_namespace=namespace)
     first, second = lu.make_manager(config), lu.make_manager(config)
     try:
         keys = stored(first, range(3))
@@ -191,11 +198,11 @@ def test_instances_share_one_namespace(marud: Marud, namespace: str) -> None:
 
 def test_full_pool_skips_the_chunk(small_marud: Marud) -> None:
     ns = "full"
-    with maru.MaruHandler(small_marud.config(ns)) as h:
-        filler = h.alloc(small_marud.free_bytes() - 16 * 1024)  # leave less than a chunk
-        assert h.store("filler", filler)
-        h.pin("filler")
-    sm = lu.make_manager(lu.make_config(plugin_mount=str(small_marud.mount), plugin_namespace=ns))
+    h = maru.MaruHandler(small_marud.config(ns))
+    assert h.connect()
+    assert h.put("filler", bytearray(small_marud.free_bytes() - 16 * 1024))  # leave less than a chunk
+    assert h.pin("filler")  # held while this handler is connected: marud cannot evict it
+    sm = lu.make_manager(lu.make_config(plugin_socket=str(small_marud.socket), plugin_namespace=ns))
     try:
         plugin = plugin_of(sm)
         keys = lu.put_chunks(sm, [1])
@@ -204,18 +211,19 @@ def test_full_pool_skips_the_chunk(small_marud: Marud) -> None:
         assert sorted(os.listdir(small_marud.mount / ns)) == ["filler"]
     finally:
         sm.close()
+        h.close()
 
 
 def test_a_scheduler_role_answers_lookups(marud: Marud, namespace: str) -> None:
     """An LMCache scheduler process has no LocalCPUBackend; the plugin needs only the mount."""
-    with_data = lu.make_manager(lu.make_config(plugin_mount=str(marud.mount), plugin_namespace=namespace))
+    with_data = lu.make_manager(lu.make_config(plugin_socket=str(marud.socket), plugin_namespace=namespace))
     try:
         keys = stored(with_data, range(2))
     finally:
         with_data.close()
     md = lu.metadata()
     md.role = "scheduler"
-    config = lu.make_config(plugin_mount=str(marud.mount), plugin_namespace=namespace)
+    config = lu.make_config(plugin_socket=str(marud.socket), plugin_namespace=namespace)
     from lmcache.v1.event_manager import EventManager
     from lmcache.v1.storage_backend.storage_manager import StorageManager
 
@@ -231,14 +239,15 @@ def test_a_scheduler_role_answers_lookups(marud: Marud, namespace: str) -> None:
 def test_bad_entries_are_misses(manager, marud: Marud, namespace: str) -> None:
     plugin = plugin_of(manager)
     k = lu.key(5)
-    (marud.mount / namespace / entry_name(k.to_string())).write_bytes(b"not a chunk")
+    with maru.MaruHandler(marud.config(namespace)) as h:
+        assert h.put(k.to_string(), b"not a chunk")
     assert plugin.contains(k)
     assert plugin.get_blocking(k) is None
 
 
 def run_child(mode: str, marud: Marud, namespace: str, n: int):
     out = subprocess.run(
-        [sys.executable, str(TESTS / "lmcache_child.py"), mode, str(marud.mount), namespace, str(n)],
+        [sys.executable, str(TESTS / "lmcache_child.py"), mode, str(marud.socket), namespace, str(n)],
         env=child_env() | {"PYTHONPATH": os.pathsep.join([str(TESTS), child_env()["PYTHONPATH"]])},
         capture_output=True, text=True, timeout=300,
     )
@@ -260,3 +269,32 @@ def test_a_second_process_loads_what_the_first_stored(marud: Marud, namespace: s
     assert loaded["digests"] == [lu.digest(lu.chunk_tensor(i)) for i in range(n)]
     assert loaded["shapes"] == [list(lu.CHUNK_SHAPE)] * n
     assert loaded["dtypes"] == ["torch.bfloat16"] * n
+
+
+def test_no_marud_is_a_clear_error(tmp_path: Path, namespace: str) -> None:
+    config = lu.make_config(plugin_socket=str(tmp_path / "none.sock"), plugin_namespace=namespace)
+    with pytest.raises(RuntimeError, match="cannot connect to marud"):
+        MaruStoragePlugin(config=config, metadata=lu.metadata())
+
+
+def test_long_keys_use_the_shared_encoding(manager, marud: Marud, namespace: str) -> None:
+    """A key string over 255 bytes is stored under the handler's key encoding (no hashing):
+    the handler finds it by the same string, and the header's key matches."""
+    from lmcache.utils import CacheEngineKey
+
+    plugin = plugin_of(manager)
+    k = CacheEngineKey("org/" + "m" * 400, 1, 0, 42, lu.DTYPE)
+    obj = manager.allocate(lu.CHUNK_SHAPE, lu.DTYPE, fmt=MemoryFormat.KV_2LTD)
+    obj.tensor.copy_(lu.chunk_tensor(42))
+    try:
+        plugin.batched_submit_put_task([k], [obj])
+    finally:
+        obj.ref_count_down()
+    assert plugin.wait_for_puts(30) and plugin.contains(k)
+    with maru.MaruHandler(marud.config(namespace)) as h:
+        assert h.exists(k.to_string())
+        assert os.path.exists(h.path_of(k.to_string()))
+    got = plugin.get_blocking(k)
+    assert torch.equal(lu.chunk_of(got)[2], lu.chunk_tensor(42))
+    lu.release([got])
+    assert plugin.remove(k) and not plugin.contains(k)

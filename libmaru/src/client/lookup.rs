@@ -69,7 +69,23 @@ impl Inner {
         })
     }
 
+    /// True if `ns` is a long key's segment namespace (see [`crate::key`]) that does not
+    /// exist: it holds no key, which is an answer, not an error.
+    fn segment_missing(&mut self, ns: &str) -> Result<bool> {
+        if !ns.ends_with(crate::key::CONTINUED) {
+            return Ok(false);
+        }
+        match self.index(ns) {
+            Ok(_) => Ok(false),
+            Err(Error::NotFound(_)) => Ok(true),
+            Err(e) => Err(e),
+        }
+    }
+
     pub(super) fn exists(&mut self, ns: &str, key: &str) -> Result<bool> {
+        if self.segment_missing(ns)? {
+            return Ok(false);
+        }
         if self.lookup(ns, key)?.is_some() {
             return Ok(true);
         }
@@ -90,6 +106,9 @@ impl Inner {
         ns: &str,
         keys: &[String],
     ) -> Result<Vec<Option<Mapping>>> {
+        if self.segment_missing(ns)? {
+            return Ok(vec![None; keys.len()]);
+        }
         self.sweep_cache(ns);
         let mut out: Vec<Option<Mapping>> = vec![None; keys.len()];
         let mut miss: Vec<usize> = Vec::new();
