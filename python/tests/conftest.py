@@ -35,6 +35,9 @@ from maru.testing import MarudStartError, PrivateMarud  # noqa: E402
 
 # LMCache logs every backend it creates at INFO (here and in child processes).
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
+# python/ci.sh installs the handler-plugin tests' plugins (tests/plugin_pkg), two of them
+# failing on purpose: handlers load none unless a test asks (test_plugins.py sets its own).
+os.environ.setdefault("MARU_PLUGINS", "none")
 
 
 def marud_binary() -> Path:
@@ -107,6 +110,7 @@ def namespace(marud: Marud) -> Iterator[str]:
 def handler(marud: Marud, namespace: str) -> Iterator[maru.MaruHandler]:
     """A connected MaruHandler on a fresh namespace of the session's marud."""
     h = maru.MaruHandler(marud.config(namespace))
+    assert h.connect(), f"cannot connect to the test marud:\n{marud.log_tail()}"
     try:
         yield h
     finally:

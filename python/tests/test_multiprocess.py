@@ -1,10 +1,10 @@
-"""Two (or more) processes sharing entries through the mount."""
+"""Two (or more) processes sharing entries through one marud."""
 
 from __future__ import annotations
 
 import hashlib
-import os
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -16,7 +16,7 @@ import maru
 from conftest import Marud, child_env
 from pagemap import pfn_of
 
-SIZE = 2 << 20
+SIZE = 1 << 20  # chunk_size_bytes: the largest alloc
 
 
 def pattern(seed: int, size: int = SIZE) -> bytes:
@@ -34,36 +34,48 @@ def run_child(code: str, *args: str) -> str:
     return out.stdout
 
 
+# Every child gets: socket, mount, namespace, then its own arguments.
+PRELUDE = """
+    import hashlib, json, os, signal, sys, time, maru
+    sock, mount, ns = sys.argv[1], sys.argv[2], sys.argv[3]
+    cfg = maru.MaruConfig(socket_path=sock, mount_path=mount, namespace=ns, pool_size=1 << 20)
+    def pattern(seed, size):
+        block = hashlib.sha256(seed.encode()).digest() * 128
+        return (block * (size // len(block) + 1))[:size]
+"""
+
 CHILD_STORE = """
-    import hashlib, sys, maru
-    mount, ns, key, seed, size = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
-    block = hashlib.sha256(seed.encode()).digest() * 128
-    data = (block * (size // len(block) + 1))[:size]
-    with maru.MaruHandler(maru.MaruConfig(mount_path=mount, namespace=ns)) as h:
+    key, seed, size = sys.argv[4], sys.argv[5], int(sys.argv[6])
+    with maru.MaruHandler(cfg) as h:
         a = h.alloc(size)
-        a.buf[:] = data
+        a.buf[:] = pattern(seed, size)
         print(h.store(key, a))
 """
 
 CHILD_RETRIEVE = """
-    import hashlib, json, sys, maru
-    sys.path.insert(0, sys.argv[4])
+    sys.path.insert(0, sys.argv[5])
     from pagemap import pfn_of
-    mount, ns, key = sys.argv[1], sys.argv[2], sys.argv[3]
-    with maru.MaruHandler(maru.MaruConfig(mount_path=mount, namespace=ns)) as h:
-        with h.retrieve(key) as info:
-            print(json.dumps({
-                "sha256": hashlib.sha256(info.view).hexdigest(),
-                "pfns": [pfn_of(info.view, off) for off in (0, info.size - 1)],
-            }))
+    with maru.MaruHandler(cfg) as h:
+        info = h.retrieve(sys.argv[4])
+        print(json.dumps({
+            "sha256": hashlib.sha256(info.view).hexdigest(),
+            "pfns": [pfn_of(info.view, off) for off in (0, len(info.view) - 1)],
+        }))
 """
 
 
+def script(body: str) -> str:
+    return textwrap.dedent(PRELUDE) + textwrap.dedent(body)
+
+
+def args(marud: Marud, h: maru.MaruHandler) -> List[str]:
+    return [str(marud.socket), str(marud.mount), h.config.namespace]
+
+
 def test_an_entry_stored_by_one_process_is_retrieved_by_another(marud: Marud, handler: maru.MaruHandler) -> None:
-    ns = handler.config.namespace
-    assert run_child(CHILD_STORE, str(marud.mount), ns, "from-child", "7", str(SIZE)).strip() == "True"
-    with handler.retrieve("from-child") as info:  # type: ignore[union-attr]
-        assert info.view.tobytes() == pattern(7)
+    assert run_child(script(CHILD_STORE), *args(marud, handler), "from-child", "7", str(SIZE)).strip() == "True"
+    info = handler.retrieve("from-child")
+    assert info is not None and info.view.tobytes() == pattern(7)
 
 
 def test_two_processes_map_the_same_physical_pages(marud: Marud, handler: maru.MaruHandler) -> None:
@@ -71,77 +83,84 @@ def test_two_processes_map_the_same_physical_pages(marud: Marud, handler: maru.M
     a.buf[:] = pattern(8)
     assert handler.store("shared", a)
     tests_dir = str(Path(__file__).resolve().parent)
-    with handler.retrieve("shared") as info:  # type: ignore[union-attr]
-        mine = [pfn_of(info.view, 0), pfn_of(info.view, info.size - 1)]
-        child = json.loads(run_child(CHILD_RETRIEVE, str(marud.mount), handler.config.namespace, "shared", tests_dir))
+    info = handler.retrieve("shared")
+    assert info is not None
+    mine = [pfn_of(info.view, 0), pfn_of(info.view, len(info.view) - 1)]
+    child = json.loads(run_child(script(CHILD_RETRIEVE), *args(marud, handler), "shared", tests_dir))
     assert child["sha256"] == hashlib.sha256(pattern(8)).hexdigest()
     assert child["pfns"] == mine, "the two processes do not map the same pages"
 
 
 def test_concurrent_writers_of_one_key_first_wins(marud: Marud, handler: maru.MaruHandler) -> None:
-    ns = handler.config.namespace
-    go = marud.root / f"go-{ns}"
+    """Every racer's store() returns True (the original's contract for an existing key), but
+    exactly one racer's bytes are published and no loser leaves anything behind."""
+    go = marud.root / f"go-{handler.config.namespace}"
     racer = """
-        import hashlib, os, sys, time, maru
-        mount, ns, go, seed, size = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
-        block = hashlib.sha256(seed.encode()).digest() * 128
-        data = (block * (size // len(block) + 1))[:size]
-        with maru.MaruHandler(maru.MaruConfig(mount_path=mount, namespace=ns)) as h:
+        go, seed, size = sys.argv[4], sys.argv[5], int(sys.argv[6])
+        with maru.MaruHandler(cfg) as h:
             a = h.alloc(size)
-            a.buf[:] = data
+            a.buf[:] = pattern(seed, size)
             while not os.path.exists(go):
                 time.sleep(0.001)
             print(seed, h.store("raced", a))
     """
     procs: List[subprocess.Popen] = [
         subprocess.Popen(
-            [sys.executable, "-c", textwrap.dedent(racer), str(marud.mount), ns, str(go), str(seed), str(SIZE)],
+            [sys.executable, "-c", script(racer), *args(marud, handler), str(go), str(seed), str(SIZE)],
             env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for seed in range(4)
     ]
-    time.sleep(0.3)
+    time.sleep(0.5)
     go.touch()
-    winners = []
     for p in procs:
         out, err = p.communicate(timeout=60)
         assert p.returncode == 0, err
-        seed, stored = out.split()
-        if stored == "True":
-            winners.append(int(seed))
+        assert out.split()[1] == "True"
     go.unlink()
-    assert len(winners) == 1, f"write-once broken: {winners} all stored"
-    with handler.retrieve("raced") as info:  # type: ignore[union-attr]
-        assert info.view.tobytes() == pattern(winners[0])
-    assert list(handler.list_keys()) == ["raced"]  # the losers left no temporary entries
+    info = handler.retrieve("raced")
+    assert info is not None
+    data = info.view.tobytes()
+    winners = [seed for seed in range(4) if pattern(seed) == data]
+    assert len(winners) == 1, "the entry is not one racer's bytes"
+    assert list(handler.list_keys()) == [b"raced"]  # the losers left nothing
+    assert os.listdir(marud.mount / handler.config.namespace) == ["raced"]
 
 
 def test_a_writer_that_exits_without_storing_publishes_nothing(marud: Marud, handler: maru.MaruHandler) -> None:
     ns = handler.config.namespace
+    baseline = handler.get_stats()["allocation_manager"]["active_clients"]
     run_child(
-        """
-        import sys, maru
-        h = maru.MaruHandler(maru.MaruConfig(mount_path=sys.argv[1], namespace=sys.argv[2]))
+        script("""
+        h = maru.MaruHandler(cfg)
+        assert h.connect()
         a = h.alloc(1 << 20)
         a.buf[:4] = b"lost"
         # exits without store(), free() or close()
-        """,
-        str(marud.mount), ns,
+        """),
+        *args(marud, handler),
     )
     killed = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(
-            """
-            import os, signal, sys, maru
-            h = maru.MaruHandler(maru.MaruConfig(mount_path=sys.argv[1], namespace=sys.argv[2]))
+        [sys.executable, "-c", script("""
+            h = maru.MaruHandler(cfg)
+            assert h.connect()
             a = h.alloc(1 << 20)
             a.buf[:4] = b"dead"
             os.kill(os.getpid(), signal.SIGKILL)
-            """), str(marud.mount), ns],
+            """), *args(marud, handler)],
         env=child_env(),
     )
     assert killed.wait(timeout=60) == -9
-    deadline = time.monotonic() + 10  # the kernel releases the dead writer's file asynchronously
-    while handler.get_stats()["namespace_usage"]["entries"] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert handler.get_stats()["namespace_usage"] == {"entries": 0, "bytes": 0}
+    me = handler.instance_id
+    deadline = time.monotonic() + 10  # marud notices the dead connection asynchronously
+    while time.monotonic() < deadline:
+        clients = handler.get_stats()["allocation_manager"]
+        if clients["active_clients"] == 1:
+            break
+        time.sleep(0.02)
+    stats = handler.get_stats()
+    assert stats["allocation_manager"]["active_clients"] == baseline, stats["allocation_manager"]
+    assert stats["maru"]["this_client"]["name"] == me
+    assert stats["allocation_manager"]["total_allocated"] == 0
+    assert list(handler.list_keys()) == []
     assert os.listdir(marud.mount / ns) == []
