@@ -14,8 +14,10 @@ pub struct Mapping {
 }
 
 pub(crate) struct MapInner {
-    pub(crate) map: memmap2::Mmap,
-    /// Start of the entry inside `map` (raw pools map page-aligned ranges).
+    /// The memory: an entry's own file (memfs pools) or the whole pool, shared by every
+    /// entry of it this client retrieved (raw pools).
+    pub(crate) map: Arc<memmap2::Mmap>,
+    /// Start of the entry inside `map` (its offset in the pool, for raw pools).
     pub(crate) start: usize,
     pub(crate) len: usize,
     pub(crate) generation: u64,

@@ -236,6 +236,10 @@ pub struct PoolInfo {
     pub path: String,
     /// Capacity in bytes.
     pub capacity: u64,
+    /// Raw pools: bytes of the device or file, from offset 0 (header and entries); a client
+    /// maps this much to see every entry at its offset. 0 for memfs pools.
+    #[serde(default)]
+    pub mapped_len: u64,
     /// Bytes in use (sealed + being written + held by leases or mappings).
     pub used: u64,
     /// Bytes of sealed entries.
@@ -447,8 +451,11 @@ pub fn decode<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, Error> {
 /// Incoming bytes and descriptors of one connection, split into frames.
 #[derive(Debug, Default)]
 pub struct FrameReader {
+    /// Received bytes are `buf[start..end]`; `buf[end..]` is room already initialized, so
+    /// a read does not zero its buffer again.
     buf: Vec<u8>,
     start: usize,
+    end: usize,
     fds: VecDeque<OwnedFd>,
 }
 
@@ -460,31 +467,37 @@ impl FrameReader {
 
     /// One `recvmsg` from `fd` into the buffer. Returns the bytes read; 0 means end of stream.
     pub fn read_from(&mut self, fd: BorrowedFd<'_>) -> io::Result<usize> {
-        if self.start > 0 && self.start == self.buf.len() {
-            self.buf.clear();
+        self.recv(fd, MsgFlags::empty())
+    }
+
+    /// [`read_from`](Self::read_from) without blocking: `WouldBlock` when nothing is there.
+    pub fn try_read_from(&mut self, fd: BorrowedFd<'_>) -> io::Result<usize> {
+        self.recv(fd, MsgFlags::MSG_DONTWAIT)
+    }
+
+    fn recv(&mut self, fd: BorrowedFd<'_>, flags: MsgFlags) -> io::Result<usize> {
+        const ROOM: usize = 64 * 1024;
+        if self.start == self.end {
             self.start = 0;
+            self.end = 0;
         } else if self.start > (1 << 20) {
-            self.buf.drain(..self.start);
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
             self.start = 0;
         }
-        let old = self.buf.len();
-        let want = 64 * 1024;
-        self.buf.resize(old + want, 0);
+        if self.buf.len() < self.end + ROOM {
+            self.buf.resize(self.end + ROOM, 0);
+        }
+        let old = self.end;
         let mut cmsg = nix::cmsg_space!([RawFd; MAX_FDS_PER_FRAME]);
         let mut iov = [io::IoSliceMut::new(&mut self.buf[old..])];
         let r = recvmsg::<()>(
             fd.as_raw_fd(),
             &mut iov,
             Some(&mut cmsg),
-            MsgFlags::MSG_CMSG_CLOEXEC,
+            MsgFlags::MSG_CMSG_CLOEXEC | flags,
         );
-        let msg = match r {
-            Ok(m) => m,
-            Err(e) => {
-                self.buf.truncate(old);
-                return Err(e.into());
-            }
-        };
+        let msg = r?;
         let n = msg.bytes;
         let truncated = msg.flags.contains(MsgFlags::MSG_CTRUNC);
         for c in msg.cmsgs().map_err(io::Error::from)? {
@@ -496,7 +509,7 @@ impl FrameReader {
                 );
             }
         }
-        self.buf.truncate(old + n);
+        self.end = old + n;
         if truncated {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
@@ -508,12 +521,14 @@ impl FrameReader {
 
     /// Appends bytes as if received (tests and fuzzing).
     pub fn push(&mut self, bytes: &[u8]) {
+        self.buf.truncate(self.end);
         self.buf.extend_from_slice(bytes);
+        self.end = self.buf.len();
     }
 
     /// The next complete frame body, if buffered. A length over [`MAX_FRAME`] is an error.
     pub fn next_frame(&mut self) -> Result<Option<Vec<u8>>, Error> {
-        let avail = &self.buf[self.start..];
+        let avail = &self.buf[self.start..self.end];
         if avail.len() < 4 {
             return Ok(None);
         }
@@ -660,8 +675,7 @@ mod tests {
     #[test]
     fn oversized_frame_is_refused() {
         let mut r = FrameReader::new();
-        r.buf
-            .extend_from_slice(&(MAX_FRAME as u32 + 1).to_le_bytes());
+        r.push(&(MAX_FRAME as u32 + 1).to_le_bytes());
         assert!(r.next_frame().is_err());
     }
 }

@@ -40,12 +40,15 @@ def is_mounted(path: Union[str, Path]) -> bool:
 
 
 class PrivateMarud:
-    """A marud serving a private tmpfs pool at a private mount.
+    """A marud serving a private pool at a private mount.
+
+    The pool is a tmpfs (``pool_kind="memfs"``) or a raw pool in a file (``pool_kind="file"``,
+    the stand-in for a CXL device).
 
     Attributes:
         root: the temporary directory holding everything.
         mount: the FUSE mount (``root/mnt``).
-        pool: the pool's tmpfs (``root/pool``).
+        pool: the pool's tmpfs (``root/pool``) or file (``root/pool.img``).
         socket: the control socket.
         log: marud's log file.
         proc: the daemon process (only this object signals it).
@@ -58,12 +61,16 @@ class PrivateMarud:
         root: Optional[Union[str, Path]] = None,
         extra_args: Sequence[str] = (),
         start_timeout: float = 30.0,
+        pool_kind: str = "memfs",
     ) -> None:
+        if pool_kind not in ("memfs", "file"):
+            raise ValueError(f"pool_kind must be 'memfs' or 'file', not {pool_kind!r}")
         self.binary = Path(binary)
         self.pool_size = pool_size
+        self.pool_kind = pool_kind
         self.root = Path(root) if root is not None else Path(tempfile.mkdtemp(prefix="maru-"))
         self.mount = self.root / "mnt"
-        self.pool = self.root / "pool"
+        self.pool = self.root / ("pool" if pool_kind == "memfs" else "pool.img")
         self.socket = self.root / "marud.sock"
         self.state = self.root / "state"
         self.pid_file = self.root / "pid"
@@ -85,7 +92,7 @@ class PrivateMarud:
         self.mount.mkdir(parents=True, exist_ok=True)
         args = [
             str(self.binary),
-            "--pool", f"memfs:{self.pool},size={self.pool_size}",
+            "--pool", f"{self.pool_kind}:{self.pool},size={self.pool_size}",
             "--mount", str(self.mount),
             "--socket", str(self.socket),
             "--state-dir", str(self.state),

@@ -419,6 +419,7 @@ mod tests {
                 kind: PoolKind::Memfs,
                 path: "/run/maru/pool0".into(),
                 capacity: 8 << 30,
+                mapped_len: 0,
                 used: 6 << 30,
                 sealed_bytes: 6 << 30,
                 entries: 192,

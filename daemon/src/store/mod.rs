@@ -707,6 +707,7 @@ impl Store {
                     kind: p.kind,
                     path: p.path.display().to_string(),
                     capacity: p.pool.capacity(),
+                    mapped_len: p.pool.mapped_len(),
                     used,
                     sealed_bytes: p.sealed_bytes,
                     entries: p.entries,

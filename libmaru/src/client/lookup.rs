@@ -10,6 +10,26 @@ use crate::index::SlotView;
 use crate::mapping::{MapInner, Mapping};
 use crate::proto::{Body, Located, MAX_FDS_PER_FRAME, Op, PoolKind};
 
+/// Keys per request when a batch's misses are asked in pieces.
+const PIPELINE_PIECE: usize = 16;
+
+/// Entries of at least this many bytes get their page tables built when retrieved
+/// (smaller ones take about as long to fault in when first read, and often are read in part).
+const POPULATE_MIN: usize = 64 * 1024;
+
+/// Builds the page tables of `bytes` now (`MADV_POPULATE_READ`), so reading them takes no
+/// faults; a kernel or device that refuses leaves them to be faulted in as read.
+fn populate(bytes: &[u8]) {
+    let page = page_size();
+    let addr = bytes.as_ptr() as usize;
+    let base = addr / page * page;
+    let len = addr + bytes.len() - base;
+    // SAFETY: advice on pages of a live mapping of ours; it changes no contents.
+    unsafe {
+        libc::madvise(base as *mut libc::c_void, len, libc::MADV_POPULATE_READ);
+    }
+}
+
 use super::page_size;
 use super::state::{Cached, Inner, NsIndex, unexpected};
 
@@ -120,26 +140,34 @@ impl Inner {
                 }
                 continue;
             };
-            self.clock += 1;
-            let clock = self.clock;
-            match self.cache.get_mut(&(ns.to_owned(), k.clone())) {
-                Some(c) if c.generation == v.generation => {
-                    c.used = clock;
-                    out[i] = Some(c.map.clone());
-                }
+            match self.cache.get(&(ns.to_owned(), k.clone())) {
+                Some(c) if c.generation == v.generation => out[i] = Some(c.map.clone()),
                 _ => miss.push(i),
             }
         }
-        for chunk in miss.chunks(MAX_FDS_PER_FRAME) {
+        // Asked in pieces, all sent at once: marud answers each as soon as it is handled,
+        // so this thread maps one piece while marud looks up the next.
+        let piece = if miss.len() > 2 * PIPELINE_PIECE {
+            PIPELINE_PIECE
+        } else {
+            MAX_FDS_PER_FRAME
+        };
+        self.flush_releases()?;
+        let mut sent = Vec::new();
+        for chunk in miss.chunks(piece) {
             let ks: Vec<String> = chunk.iter().map(|&i| keys[i].clone()).collect();
-            let (body, fds) = self.call(Op::Retrieve {
+            let op = Op::Retrieve {
                 ns: ns.to_owned(),
                 keys: ks,
-            })?;
-            let items = match body {
-                Body::Retrieved { items } => items,
-                other => return Err(unexpected(&other)),
             };
+            sent.push((self.send(op, &[])?, chunk));
+        }
+        for (id, chunk) in sent {
+            let items = match self.wait(id)? {
+                (Body::Retrieved { items }, fds) => (items, fds),
+                (other, _) => return Err(unexpected(&other)),
+            };
+            let (items, fds) = items;
             if items.len() != chunk.len() {
                 return Err(Error::Protocol("retrieve reply of the wrong length".into()));
             }
@@ -161,14 +189,14 @@ impl Inner {
             let f = File::from(fd.ok_or_else(|| Error::Protocol("memfs entry without fd".into()))?);
             let mut o = memmap2::MmapOptions::new();
             o.len(loc.size.max(1) as usize);
-            if self.cfg.populate {
+            if self.cfg.populate && loc.size as usize >= POPULATE_MIN {
                 o.populate();
             }
             // SAFETY: a read-only shared mapping of a sealed entry's file; sealed entries are
             // never written again (see Mapping::as_slice).
             let map = unsafe { o.map(&f)? };
             MapInner {
-                map,
+                map: Arc::new(map),
                 start: 0,
                 len: loc.size as usize,
                 generation: loc.generation,
@@ -180,21 +208,16 @@ impl Inner {
             if let Some(fd) = fd {
                 self.pool_ro.insert(loc.pool, Arc::new(File::from(fd)));
             }
-            let f = self
-                .pool_ro
-                .get(&loc.pool)
+            let map = self
+                .pool_view(loc.pool)?
                 .ok_or_else(|| Error::Protocol("no descriptor for the pool".into()))?;
-            let page = page_size() as u64;
-            let base = loc.offset / page * page;
-            let start = (loc.offset - base) as usize;
-            // SAFETY: the extent holds a sealed entry under a lease this mapping owns until
-            // MapInner::drop queues its release; the daemon does not reuse it meanwhile.
-            let map = unsafe {
-                memmap2::MmapOptions::new()
-                    .offset(base)
-                    .len((start + loc.size as usize).max(1))
-                    .map(&**f)?
-            };
+            let (start, len) = (loc.offset as usize, loc.size as usize);
+            if start.checked_add(len).is_none_or(|end| end > map.len()) {
+                return Err(Error::Protocol("entry beyond the end of its pool".into()));
+            }
+            if self.cfg.populate && len >= POPULATE_MIN {
+                populate(&map[start..start + len]);
+            }
             MapInner {
                 map,
                 start,
@@ -210,9 +233,12 @@ impl Inner {
         })
     }
 
-    /// A read-only mapping of all of raw pool `pool`, if this client holds its descriptor
-    /// (it gets it with its first allocation or retrieval there).
-    pub(super) fn map_pool(&mut self, pool: u32) -> Result<Option<Mapping>> {
+    /// The read-only mapping of all of raw pool `pool`, made once, if this client holds
+    /// its descriptor (it gets it with its first allocation or retrieval there).
+    pub(super) fn pool_view(&mut self, pool: u32) -> Result<Option<Arc<memmap2::Mmap>>> {
+        if let Some(m) = self.pool_views.get(&pool) {
+            return Ok(Some(m.clone()));
+        }
         let Some(f) = self.pool_ro.get(&pool).or_else(|| self.pool_rw.get(&pool)) else {
             return Ok(None);
         };
@@ -220,14 +246,25 @@ impl Inner {
             .pools
             .iter()
             .find(|p| p.id == pool)
-            .map_or(0, |p| p.capacity) as usize;
+            .map_or(0, |p| p.mapped_len) as usize;
         if len == 0 {
             return Ok(None);
         }
-        // SAFETY: a read-only shared view of the pool; marud only writes extents nobody
-        // holds, and this view is documented as racing with the pool's own reuse of freed
-        // extents (as the original design's region views did).
-        let map = unsafe { memmap2::MmapOptions::new().len(len).map(&**f)? };
+        // SAFETY: a read-only shared view of the pool. Entries are read through it only
+        // while this client holds a lease on their extent (MapInner::release), and marud
+        // never writes an extent someone holds; the rest of the view races with the pool's
+        // reuse of freed extents, as the original design's region views did.
+        let map = Arc::new(unsafe { memmap2::MmapOptions::new().len(len).map(&**f)? });
+        self.pool_views.insert(pool, map.clone());
+        Ok(Some(map))
+    }
+
+    /// A read-only mapping of all of raw pool `pool` (see [`pool_view`](Self::pool_view)).
+    pub(super) fn map_pool(&mut self, pool: u32) -> Result<Option<Mapping>> {
+        let Some(map) = self.pool_view(pool)? else {
+            return Ok(None);
+        };
+        let len = map.len();
         Ok(Some(Mapping {
             inner: Arc::new(MapInner {
                 map,
@@ -245,24 +282,16 @@ impl Inner {
         if self.cfg.cache_entries == 0 || m.len() as u64 > self.cfg.cache_bytes {
             return;
         }
-        self.clock += 1;
         let c = Cached {
             generation: m.generation(),
             map: m.clone(),
-            used: self.clock,
         };
-        if let Some(old) = self.cache.insert((ns.to_owned(), key.to_owned()), c) {
+        if let Some(old) = self.cache.put((ns.to_owned(), key.to_owned()), c) {
             self.cache_bytes -= old.map.len() as u64;
         }
         self.cache_bytes += m.len() as u64;
         while self.cache.len() > self.cfg.cache_entries || self.cache_bytes > self.cfg.cache_bytes {
-            let victim = self
-                .cache
-                .iter()
-                .min_by_key(|(_, c)| c.used)
-                .map(|(k, _)| k.clone())
-                .expect("non-empty");
-            let c = self.cache.remove(&victim).expect("present");
+            let (_, c) = self.cache.pop_lru().expect("non-empty");
             self.cache_bytes -= c.map.len() as u64;
         }
     }
@@ -289,7 +318,7 @@ impl Inner {
             .map(|(k, _)| k.clone())
             .collect();
         for k in stale {
-            if let Some(c) = self.cache.remove(&k) {
+            if let Some(c) = self.cache.pop(&k) {
                 self.cache_bytes -= c.map.len() as u64;
             }
         }

@@ -186,6 +186,7 @@ impl Handler {
             server: String::new(),
             pools: Vec::new(),
             pool_ro: HashMap::new(),
+            pool_views: HashMap::new(),
             pool_rw: HashMap::new(),
             spares: HashMap::new(),
             sizes_seen: HashMap::new(),
@@ -194,9 +195,8 @@ impl Handler {
             async_errors: Vec::new(),
             indexes: HashMap::new(),
             unlisted: std::collections::HashSet::new(),
-            cache: HashMap::new(),
+            cache: lru::LruCache::unbounded(),
             cache_bytes: 0,
-            clock: 0,
             releases: Arc::new(Mutex::new(Vec::new())),
         };
         let name = inner.cfg.client_name.clone();

@@ -108,6 +108,10 @@ pub trait Pool: Send {
     fn capacity(&self) -> u64;
     /// Bytes free for new entries.
     fn free_space(&self) -> u64;
+    /// Bytes of the device or file entries are offsets into (0 where entries are files).
+    fn mapped_len(&self) -> u64 {
+        0
+    }
     /// Bytes in use.
     fn used(&self) -> u64 {
         self.capacity().saturating_sub(self.free_space())

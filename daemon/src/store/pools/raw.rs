@@ -199,6 +199,10 @@ impl Raw {
     }
 }
 
+/// The pseudo-session whose open region packs the entries written through the mount, as
+/// a client's allocations are packed into its own (so a 4 KiB file takes 4 KiB, not a region).
+const MOUNT_WRITERS: u64 = u64::MAX;
+
 impl Pool for Raw {
     fn kind(&self) -> PoolKind {
         self.kind
@@ -206,6 +210,10 @@ impl Pool for Raw {
 
     fn capacity(&self) -> u64 {
         self.size - REGION_ALIGN
+    }
+
+    fn mapped_len(&self) -> u64 {
+        self.size
     }
 
     fn free_space(&self) -> u64 {
@@ -257,7 +265,7 @@ impl Pool for Raw {
         let asize = align_up(size.max(1), ENTRY_ALIGN);
         let fits = placed.is_some_and(|(_, held)| held >= asize);
         if !fits {
-            let offset = self.place(size, None)?;
+            let offset = self.place(size, Some(MOUNT_WRITERS))?;
             if let Some((old, _)) = placed.replace((offset, asize)) {
                 self.release(old);
             }
