@@ -26,6 +26,10 @@ def _default_mount() -> str:
     return os.environ.get("MARU_MOUNT", DEFAULT_MOUNT)
 
 
+def _default_namespace() -> str:
+    return os.environ.get("MARU_NAMESPACE", "default")
+
+
 def _default_socket() -> str:
     return os.environ.get("MARU_SOCKET", DEFAULT_SOCKET)
 
@@ -108,8 +112,9 @@ class MaruConfig:
             (``maructl stats``, ``marutop``).
         socket_path: marud's control socket (default ``$MARU_SOCKET`` or
             ``/run/maru/marud.sock``).
-        namespace: the namespace (directory under the mount) the keys live in; created at
-            connect (with its parents) when missing.
+        namespace: the namespace (directory under the mount) the keys live in (default
+            ``$MARU_NAMESPACE`` or ``default``); created at connect (with its parents) when
+            missing.
         mount_path: the maru mount, for :meth:`~maru.MaruHandler.path_of` (default
             ``$MARU_MOUNT`` or ``/maru``).
         namespace_mode: permission bits of namespaces the handler creates.
@@ -129,7 +134,7 @@ class MaruConfig:
     rm_address: str = "127.0.0.1:9850"
     enable_stats: bool = False
     socket_path: Optional[str] = None
-    namespace: str = "default"
+    namespace: str = field(default_factory=_default_namespace)
     mount_path: str = field(default_factory=_default_mount)
     namespace_mode: int = 0o755
 

@@ -17,6 +17,7 @@ under the mount, for programs in other languages.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -33,6 +34,10 @@ Key = Any  # str | bytes | int
 
 #: Region ids from here on name memfs entries and allocations (files of their own).
 MEMFS_REGION_BASE: int = _native.MEMFS_REGION_BASE
+
+#: Bytes per page of a raw pool's region: the pool's allocation unit, so ``page_index`` times
+#: this is an entry's exact offset in its pool.
+RAW_PAGE_SIZE: int = _native.RAW_PAGE_SIZE
 
 
 class MaruHandler:
@@ -52,6 +57,9 @@ class MaruHandler:
         self._regions_seen: Dict[int, int] = {}
         self._pools: List[Dict[str, Any]] = []
         self._closing = False
+        # (region_id, page_index) -> MemoryInfo of recent retrievals (see remember_locations).
+        self._located: Optional["collections.OrderedDict[tuple, MemoryInfo]"] = None
+        self._located_max = 0
 
     # -- connection ---------------------------------------------------------------------
 
@@ -106,6 +114,8 @@ class MaruHandler:
         with self._lock:
             self._core = None
             self._regions_seen.clear()
+            if self._located is not None:
+                self._located.clear()
         core.close()
 
     def __enter__(self) -> "MaruHandler":
@@ -206,7 +216,43 @@ class MaruHandler:
     def retrieve(self, key: Key) -> Optional[MemoryInfo]:
         """The entry of ``key`` (``MemoryInfo.view``: a read-only memoryview of the pool's own
         pages, valid while referenced), or None."""
-        return self._c().retrieve(key)
+        info = self._c().retrieve(key)
+        if self._located is not None and info is not None:
+            self._remember([info])
+        return info
+
+    # -- locations (for allocator adapters) ------------------------------------------------
+
+    def remember_locations(self, count: int) -> None:
+        """Keep the :class:`MemoryInfo` of the last ``count`` entries retrieved, by location,
+        for :meth:`memory_at`; 0 forgets them. Allocator adapters that are handed only a
+        ``(region_id, page_index)`` after a retrieve (LMCache's MaruBackend) find the entry's
+        memory, and the hold on it the view keeps, again."""
+        with self._lock:
+            self._located_max = max(0, int(count))
+            self._located = collections.OrderedDict() if self._located_max else None
+
+    def memory_at(self, region_id: int, page_index: int) -> Optional[MemoryInfo]:
+        """The remembered :class:`MemoryInfo` at ``(region_id, page_index)``, or None."""
+        located = self._located
+        if located is None:
+            return None
+        with self._lock:
+            return located.get((region_id, page_index))
+
+    def _remember(self, infos: Iterable[Optional[MemoryInfo]]) -> None:
+        with self._lock:
+            located = self._located
+            if located is None:
+                return
+            for info in infos:
+                if info is None:
+                    continue
+                where = (info.region_id, info.page_index)
+                located[where] = info
+                located.move_to_end(where)
+            while len(located) > self._located_max:
+                located.popitem(last=False)
 
     def exists(self, key: Key) -> bool:
         return self._c().exists(key)
@@ -229,6 +275,8 @@ class MaruHandler:
 
     def batch_retrieve(self, keys: Sequence[Key]) -> List[Optional[MemoryInfo]]:
         results = self._c().batch_retrieve(keys)
+        if self._located is not None:
+            self._remember(results)
         if self._plugins:
             plugins.call(self._plugins, "on_batch_retrieve", self, keys, results)
         return results
@@ -279,7 +327,7 @@ class MaruHandler:
         p = self._pool(region_id)
         if p is None:
             return None
-        return int(p["capacity"]) // self.get_chunk_size()
+        return int(p.get("mapped_len") or p["capacity"]) // RAW_PAGE_SIZE
 
     def is_region_mapped(self, region_id: int) -> bool:
         return self._pool(region_id) is not None and self._c().pool_view(region_id) is not None

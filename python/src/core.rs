@@ -17,6 +17,10 @@ use crate::buffers::PoolBuffer;
 /// pool's id (the device the original design carved regions from).
 pub const MEMFS_REGION_BASE: u64 = 1 << 32;
 
+/// Bytes per page of a raw pool's region: the pool's allocation unit, so a page index names
+/// an entry's offset exactly.
+pub const RAW_PAGE_SIZE: u64 = 4096;
+
 /// A libmaru error as the package's exception for its errno (`maru.errors.from_native`),
 /// or a plain `OSError(errno, message)` if that cannot be built.
 pub fn os_error(e: Error) -> PyErr {
@@ -109,7 +113,8 @@ impl AllocHandle {
         self.region_id
     }
 
-    /// Index of the allocation's first page (of `chunk_size_bytes`) in its region.
+    /// Index of the allocation's first page in its region (raw pools: its offset in the pool
+    /// divided by `RAW_PAGE_SIZE`; memfs allocations, regions of their own: 0).
     #[getter]
     fn page_index(&self) -> u64 {
         self.page_index
@@ -230,7 +235,7 @@ impl Core {
     /// Region and page of a pool location.
     fn region(&self, pool: u32, offset: u64, id: u64) -> (u64, u64) {
         if self.raw.get(pool as usize).copied().unwrap_or(false) {
-            (u64::from(pool), offset / self.chunk)
+            (u64::from(pool), offset / RAW_PAGE_SIZE)
         } else {
             (MEMFS_REGION_BASE + id, 0)
         }

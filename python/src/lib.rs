@@ -34,5 +34,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode_key, m)?)?;
     m.add("DEFAULT_SOCKET", maru::DEFAULT_SOCKET)?;
     m.add("MEMFS_REGION_BASE", core::MEMFS_REGION_BASE)?;
+    m.add("RAW_PAGE_SIZE", core::RAW_PAGE_SIZE)?;
     Ok(())
 }

@@ -128,3 +128,30 @@ def chunk_of(obj: Optional[MemoryObj]) -> Tuple[torch.Size, torch.dtype, torch.T
     t = obj.tensor
     assert t is not None
     return t.shape, t.dtype, t
+
+
+def make_builtin_config(socket: str, *, local_cpu: bool = False, pool_gb: float = 0.05) -> LMCacheEngineConfig:
+    """An LMCache config for its built-in MaruBackend (``maru_path``), as users write it:
+    ``unix://SOCKET`` names the local marud (``maru://host:port`` on this host does too,
+    with ``$MARU_SOCKET``). Without ``local_cpu`` (and with ``max_local_cpu_size: 0``, as the
+    original's docs configure it) LMCache allocates its chunks in the pool."""
+    kwargs: Dict[str, Any] = dict(
+        chunk_size=CHUNK_TOKENS,
+        local_cpu=local_cpu,
+        max_local_cpu_size=0.05 if local_cpu else 0,
+        lmcache_instance_id=f"test-{os.getpid()}",
+        maru_path=f"unix://{socket}",
+        maru_pool_size=pool_gb,
+    )
+    return LMCacheEngineConfig.from_defaults(**kwargs)
+
+
+def wait_for_backend_puts(backend: Any, keys: Sequence[CacheEngineKey], timeout: float = 30.0) -> None:
+    """Wait until a backend has no put task left for ``keys``."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while any(backend.exists_in_put_tasks(k) for k in keys):
+        if time.monotonic() > deadline:
+            raise TimeoutError("puts still pending")
+        time.sleep(0.01)

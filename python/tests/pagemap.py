@@ -33,16 +33,18 @@ def pfn_of(buffer: Any, offset: int = 0) -> int:
 
 
 def pfn_of_file(path: str, offset: int = 0) -> int:
-    """The PFN of the page holding byte ``offset`` of a file, mapped read-only here."""
+    """The PFN of the page holding byte ``offset`` of a file (a memfs entry, or a raw pool's
+    device or file at an entry's offset), mapped read-only here: only that page is mapped."""
+    start = offset // PAGE * PAGE
     fd = os.open(path, os.O_RDONLY)
     try:
-        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        mm = mmap.mmap(fd, PAGE, access=mmap.ACCESS_READ, offset=start)
     finally:
         os.close(fd)
     try:
         view = memoryview(mm)
         try:
-            return pfn_of(view, offset)
+            return pfn_of(view, offset - start)
         finally:
             view.release()
     finally:

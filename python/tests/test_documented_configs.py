@@ -29,20 +29,26 @@ def yaml_blocks() -> List[str]:
 
 
 @pytest.mark.parametrize("block", yaml_blocks(), ids=lambda b: b.splitlines()[0].lstrip("# "))
-def test_documented_yaml_works(block: str, marud: Marud, namespace: str, tmp_path: Path) -> None:
-    # Point the documented config at the test's private mount and namespace.
+def test_documented_yaml_works(
+    block: str, marud: Marud, namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Point the documented config at the test's private daemon, mount and namespace.
+    monkeypatch.setenv("MARU_NAMESPACE", namespace)
     text = block.replace("file:///maru/lmcache-disk/", f"file://{marud.mount}/{namespace}/")
+    text = text.replace('maru_path: "maru://localhost:5555"', f'maru_path: "unix://{marud.socket}"')
+    text = re.sub(r"maru_pool_size: \S+", "maru_pool_size: 0.05", text)
     text = text.replace("maru.socket: /run/maru/marud.sock\n", f"maru.socket: {marud.socket}\n")
     text = re.sub(r"maru\.namespace: \S+", f"maru.namespace: {namespace}", text)
     path = tmp_path / "lmcache.yaml"
     path.write_text(text)
     config = LMCacheEngineConfig.from_file(str(path))
-    config.max_local_cpu_size = 0.05  # the documented sizes are for a real host
+    if config.local_cpu:
+        config.max_local_cpu_size = 0.05  # the documented sizes are for a real host
     if config.local_disk:
         config.max_local_disk_size = 0.1
     sm = lu.make_manager(config)
     try:
-        name = "maru" if config.storage_plugins else "LocalDiskBackend"
+        name = "maru" if config.storage_plugins else "MaruBackend" if config.maru_path else "LocalDiskBackend"
         backend = sm.storage_backends[name]
         keys = lu.put_chunks(sm, [3])
         for _ in range(2000):
@@ -57,6 +63,6 @@ def test_documented_yaml_works(block: str, marud: Marud, namespace: str, tmp_pat
         sm.close()
 
 
-def test_the_doc_has_both_configs() -> None:
+def test_the_doc_has_every_config() -> None:
     blocks = yaml_blocks()
-    assert len(blocks) == 2, "doc/LMCACHE.md should show the LocalDiskBackend and the plugin configs"
+    assert len(blocks) == 3, "doc/LMCACHE.md should show the LocalDiskBackend, plugin and MaruBackend configs"

@@ -1,0 +1,189 @@
+"""LMCache's built-in MaruBackend (``maru_path``), unmodified, on maru.
+
+LMCache 0.5.6 imports ``MaruConfig``/``MaruHandler`` from ``maru`` and ``CxlMemoryAdapter``
+from ``maru_lmcache``; nothing of LMCache is patched or wrapped here. Without a
+LocalCPUBackend, LMCache allocates its chunks from the adapter: the KV is written into pool
+memory and stored without a copy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("lmcache")
+
+import torch  # noqa: E402
+from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
+
+import lmcache_util as lu  # noqa: E402
+import maru  # noqa: E402
+from conftest import Marud, child_env  # noqa: E402
+from maru_lmcache import CxlMemoryAdapter  # noqa: E402
+from pagemap import pfn_of, pfn_of_file  # noqa: E402
+
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.fixture
+def manager(marud: Marud, namespace: str, monkeypatch: pytest.MonkeyPatch) -> Iterator:
+    monkeypatch.setenv("MARU_NAMESPACE", namespace)
+    sm = lu.make_manager(lu.make_builtin_config(str(marud.socket)))
+    try:
+        yield sm
+    finally:
+        sm.close()
+
+
+def backend_of(sm):
+    return sm.storage_backends["MaruBackend"]
+
+
+def stored(sm, ids) -> list:
+    keys = lu.put_chunks(sm, ids)
+    lu.wait_for_backend_puts(backend_of(sm), keys)
+    return keys
+
+
+def entry_file(marud: Marud, namespace: str, key) -> str:
+    """The pool file of a key's entry (memfs pools: a file of its own)."""
+    with maru.MaruHandler(marud.config(namespace)) as h:
+        return os.getxattr(h.path_of(key.to_string()), "user.maru.location").decode()
+
+
+def test_lmcache_builds_its_maru_backend_over_maru(manager) -> None:
+    assert list(manager.storage_backends) == ["MaruBackend"]
+    backend = backend_of(manager)
+    assert manager.allocator_backend is backend
+    assert isinstance(backend.get_memory_allocator(), CxlMemoryAdapter)
+
+
+def test_chunks_are_written_in_pool_memory_and_read_back_from_it(manager, marud: Marud, namespace: str) -> None:
+    obj = manager.allocate(lu.CHUNK_SHAPE, lu.DTYPE, fmt=MemoryFormat.KV_2LTD)
+    assert obj is not None and obj.tensor is not None
+    obj.tensor.copy_(lu.chunk_tensor(7))
+    key = lu.key(7)
+    written = pfn_of(obj.tensor.view(torch.uint8).flatten().numpy())
+    manager.batched_put([key], [obj])
+    lu.wait_for_backend_puts(backend_of(manager), [key])
+    path = entry_file(marud, namespace, key)
+    # LMCache wrote the KV into the page that is now the entry's: no copy on store.
+    assert written == pfn_of_file(path)
+
+    assert manager.contains(key) is not None
+    got = manager.get(key, location="MaruBackend")
+    assert got is not None and got.tensor is not None
+    assert got.tensor.shape == lu.CHUNK_SHAPE and got.tensor.dtype == lu.DTYPE
+    assert torch.equal(got.tensor, lu.chunk_tensor(7))
+    # The memory object read back is the entry's page itself: no copy on retrieve.
+    assert pfn_of(got.tensor.view(torch.uint8).flatten().numpy()) == pfn_of_file(path)
+    lu.release([got])
+
+
+def test_batched_get_and_prefix_lookup(manager) -> None:
+    keys = stored(manager, range(5))
+    hits, _ = manager.batched_contains(keys + [lu.key(99)])
+    assert hits == 5
+    objs = manager.batched_get(keys, location="MaruBackend")
+    assert all(o is not None for o in objs)
+    for i, o in enumerate(objs):
+        assert torch.equal(o.tensor, lu.chunk_tensor(i))
+    lu.release(objs)
+    # A missing chunk ends the prefix.
+    assert backend_of(manager).batched_contains([keys[0], lu.key(98), keys[2]]) == 1
+
+
+def test_a_duplicate_put_keeps_the_first(manager, marud: Marud, namespace: str) -> None:
+    key = stored(manager, [3])[0]
+    obj = manager.allocate(lu.CHUNK_SHAPE, lu.DTYPE, fmt=MemoryFormat.KV_2LTD)
+    obj.tensor.fill_(1)
+    backend = backend_of(manager)
+    backend.batched_submit_put_task([key], [obj])[0].result(timeout=30)
+    got = manager.get(key, location="MaruBackend")
+    assert torch.equal(got.tensor, lu.chunk_tensor(3))
+    lu.release([got])
+    with maru.MaruHandler(marud.config(namespace)) as h:
+        assert list(h.list_keys()) == [key.to_string().encode()]
+
+
+def test_pins_are_counted_and_keep_entries_from_eviction(marud: Marud, namespace: str, monkeypatch) -> None:
+    monkeypatch.setenv("MARU_NAMESPACE", namespace)
+    sm = lu.make_manager(lu.make_builtin_config(str(marud.socket)))
+    try:
+        backend = backend_of(sm)
+        keys = stored(sm, range(4))
+        path = None
+        with maru.MaruHandler(marud.config(namespace)) as h:
+            path = h.path_of(keys[0].to_string())
+        assert backend.contains(keys[0], pin=True)  # LMCache's lookup pin
+        assert backend.pin(keys[0])
+        assert os.getxattr(path, "user.maru.holds") == b"2"
+        assert backend.unpin(keys[0])
+        assert os.getxattr(path, "user.maru.holds") == b"1"
+        assert backend.batched_contains(keys[1:3], pin=True) == 2
+        backend.batched_unpin(keys[1:3])
+        # Fill the pool from another client: unpinned chunks are evicted, the pinned one stays.
+        filler = maru.MaruConfig(socket_path=str(marud.socket), namespace=namespace + "-fill",
+                                 pool_size=64 << 20, chunk_size_bytes=64 << 20)
+        with maru.MaruHandler(filler) as f:
+            big = b"f" * (32 << 20)
+            for i in range(2 * (1 << 30) // len(big)):
+                f.put(f"fill{i}", big)
+            assert backend.contains(keys[0])
+            assert not all(backend.contains(k) for k in keys[1:]), "nothing was evicted"
+            got = sm.get(keys[0], location="MaruBackend")
+            assert torch.equal(got.tensor, lu.chunk_tensor(0))
+            lu.release([got])
+            for i in range(2 * (1 << 30) // len(big)):
+                f.delete(f"fill{i}")
+        assert backend.unpin(keys[0])
+        assert backend.remove(keys[0])
+        assert not backend.contains(keys[0])
+    finally:
+        sm.close()
+
+
+def test_a_partial_last_chunk_keeps_its_size(manager) -> None:
+    tokens = 100
+    shape = torch.Size([2, lu.LAYERS, tokens, lu.HEADS * lu.HEAD_DIM])
+    obj = manager.allocate(shape, lu.DTYPE, fmt=MemoryFormat.KV_2LTD)
+    data = torch.randn(shape, dtype=torch.float32).to(lu.DTYPE)
+    obj.tensor.copy_(data)
+    key = lu.key(500)
+    manager.batched_put([key], [obj])
+    lu.wait_for_backend_puts(backend_of(manager), [key])
+    got = manager.get(key, location="MaruBackend")
+    assert got.tensor.shape == shape
+    assert torch.equal(got.tensor, data)
+    lu.release([got])
+
+
+def run_child(mode: str, marud: Marud, namespace: str, n: int):
+    env = child_env() | {"MARU_NAMESPACE": namespace}
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env["PYTHONPATH"]])
+    out = subprocess.run(
+        [sys.executable, str(TESTS / "lmcache_builtin_child.py"), mode, str(marud.socket), str(n)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, f"{mode} child failed:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, f"no result from the {mode} child:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_a_second_process_loads_what_the_first_stored(marud: Marud, namespace: str) -> None:
+    """Two LMCache processes with the built-in backend: the second, started after the first
+    exited, finds and loads every chunk with equal bytes."""
+    digests = run_child("store", marud, namespace, 6)
+    loaded = run_child("load", marud, namespace, 6)
+    assert loaded["hits"] == 6
+    assert loaded["digests"] == digests
+    assert loaded["shapes"] == [list(lu.CHUNK_SHAPE)] * 6
+    assert loaded["dtypes"] == [str(lu.DTYPE)] * 6
