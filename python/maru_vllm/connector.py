@@ -1,6 +1,6 @@
 """MaruKVConnector: vLLM's paged KV cache saved to and loaded from maru, by token prefix.
 
-The prompt is cut into chunks of ``maru_chunk_tokens`` tokens (a multiple of vLLM's block
+The prompt is cut into chunks of ``maru_kv_chunk_tokens`` tokens (a multiple of vLLM's block
 size). Chunk ``i`` is one maru entry holding the KV of all layers for its tokens; its key is a
 hash chained over the chunks before it, so it names the whole prefix up to its end, under a
 tag of the model and its KV layout: different models, layouts or dtypes never share a key,
@@ -15,8 +15,10 @@ each chunk and published once every layer is in (``batch_store``: one exchange p
 
 Configuration (``kv_connector_extra_config``), the original's names:
 ``maru_server_url`` (default ``maru://localhost:5555``: this host's marud), ``maru_pool_size``
-(a check, default 1G), ``maru_instance_id``, ``maru_timeout_ms``, plus maru's
-``maru_namespace`` (default ``vllm``) and ``maru_chunk_tokens`` (default 256).
+(a check, default 1G), ``maru_kv_chunk_tokens`` (default 256), ``maru_instance_id``;
+``maru_chunk_size`` and ``maru_eager_map`` are accepted and unused (an entry's size follows
+from the model's KV layout; entries are mapped when retrieved); plus maru's
+``maru_namespace`` (default ``vllm``) and ``maru_timeout_ms``.
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ class MaruKVConnector(KVConnectorBase_V1):
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self._extra = extra
         self._block_size = vllm_config.cache_config.block_size
-        chunk = int(extra.get("maru_chunk_tokens", DEFAULT_CHUNK_TOKENS))
+        chunk = int(extra.get("maru_kv_chunk_tokens", DEFAULT_CHUNK_TOKENS))
         # A chunk covers whole blocks: round up to the block size.
         self._chunk = max(1, -(-chunk // self._block_size)) * self._block_size
         groups = kv_cache_config.kv_cache_groups
