@@ -438,17 +438,22 @@ impl Store {
         self.authority.publish(ns, key, id)?;
         let a = st.allocs.remove(&id).expect("present");
         st.pools[a.pool as usize].writing_bytes -= a.acct;
+        let mut committed = false;
         if let Some(m) = a.mount() {
             let n = st.ns.get_mut(ns)?;
             n.writing.remove(key);
-            // Only now that the index shows the entry may lock-free readers stop asking.
             if m.committed {
                 n.reserved -= m.reserved;
-                n.adjust_pending(-1);
+                committed = true;
             }
         }
         let pool = e.pool;
         st.insert_entry(e);
+        if committed {
+            // Only now that the index shows the entry may lock-free readers stop asking
+            // (they read the pending count before they look: see libmaru's Inner::lookup).
+            st.ns.get_mut(ns)?.adjust_pending(-1);
+        }
         self.counters.add_bytes(Bytes::Stored, size);
         if st.pools[pool as usize].pool.checkpoint_due() {
             let live: Vec<Entry> = st

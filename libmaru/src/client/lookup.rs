@@ -31,6 +31,15 @@ fn populate(bytes: &[u8]) {
 }
 
 use super::page_size;
+
+/// What the shared index says of a key.
+pub(super) enum Lookup {
+    Found(SlotView),
+    Absent,
+    /// Only marud knows: a publication through the mount is on its way, the table was
+    /// replaced during the lookup, or there is no index to read.
+    AskDaemon,
+}
 use super::state::{Cached, Inner, NsIndex, unexpected};
 
 impl Inner {
@@ -73,19 +82,31 @@ impl Inner {
         Ok(self.indexes.get(ns))
     }
 
-    pub(super) fn lookup(&mut self, ns: &str, key: &str) -> Result<Option<SlotView>> {
-        Ok(self
-            .index(ns)?
-            .and_then(|ix| ix.table())
-            .and_then(|t| t.lookup(key.as_bytes())))
+    /// Looks `key` up in the shared index of `ns`, in one table. marud counts a publication
+    /// through the mount as pending from the writer's close until the index shows the entry,
+    /// so the count is read *before* the lookup: if it was 0 then, every entry whose close
+    /// returned before is in the table. A miss is an absent key only if it was 0 and the table
+    /// was not replaced meanwhile (its replacement may hold the key).
+    pub(super) fn lookup(&mut self, ns: &str, key: &str) -> Result<Lookup> {
+        let Some(t) = self.index(ns)?.and_then(|ix| ix.table()) else {
+            return Ok(Lookup::AskDaemon);
+        };
+        let pending = t.pending();
+        if let Some(v) = t.lookup(key.as_bytes()) {
+            return Ok(Lookup::Found(v));
+        }
+        Ok(if pending > 0 || t.retired() {
+            Lookup::AskDaemon
+        } else {
+            Lookup::Absent
+        })
     }
 
-    /// True if a miss in the index must ask marud: publications through the mount are
-    /// imminent in `ns`, or there is no index to ask.
-    pub(super) fn pending(&mut self, ns: &str) -> Result<bool> {
-        Ok(match self.index(ns)? {
-            Some(ix) => ix.table().is_some_and(|t| t.pending() > 0),
-            None => true,
+    /// The index's slot of `key`, if the index has it now.
+    pub(super) fn found(&mut self, ns: &str, key: &str) -> Result<Option<SlotView>> {
+        Ok(match self.lookup(ns, key)? {
+            Lookup::Found(v) => Some(v),
+            _ => None,
         })
     }
 
@@ -106,11 +127,10 @@ impl Inner {
         if self.segment_missing(ns)? {
             return Ok(false);
         }
-        if self.lookup(ns, key)?.is_some() {
-            return Ok(true);
-        }
-        if !self.pending(ns)? {
-            return Ok(false);
+        match self.lookup(ns, key)? {
+            Lookup::Found(_) => return Ok(true),
+            Lookup::Absent => return Ok(false),
+            Lookup::AskDaemon => {}
         }
         match self.call(Op::Exists {
             ns: ns.to_owned(),
@@ -133,12 +153,14 @@ impl Inner {
         let mut out: Vec<Option<Mapping>> = vec![None; keys.len()];
         let mut miss: Vec<usize> = Vec::new();
         for (i, k) in keys.iter().enumerate() {
-            let Some(v) = self.lookup(ns, k)? else {
-                // Not in the index: absent, unless a publication is imminent (ask marud).
-                if self.pending(ns)? {
+            let v = match self.lookup(ns, k)? {
+                Lookup::Found(v) => v,
+                Lookup::Absent => continue,
+                // A publication is imminent, or the index changed under the lookup: ask marud.
+                Lookup::AskDaemon => {
                     miss.push(i);
+                    continue;
                 }
-                continue;
             };
             match self.cache.get(&(ns.to_owned(), k.clone())) {
                 Some(c) if c.generation == v.generation => out[i] = Some(c.map.clone()),

@@ -552,7 +552,7 @@ impl Handler {
         if !g.exists(p.ns(), p.key())? {
             return Ok(None);
         }
-        let Some(v) = g.lookup(p.ns(), p.key())? else {
+        let Some(v) = g.found(p.ns(), p.key())? else {
             return Ok(None);
         };
         let pool = g.pools.iter().find(|x| x.id == v.pool);
@@ -577,7 +577,7 @@ impl Handler {
     pub fn is_pinned(&self, path: &str) -> Result<bool> {
         let p = EntryPath::parse(path)?;
         let mut g = self.inner.lock();
-        Ok(g.lookup(p.ns(), p.key())?
+        Ok(g.found(p.ns(), p.key())?
             .is_some_and(|v| v.flags & FLAG_PINNED != 0))
     }
 
