@@ -1,11 +1,12 @@
 """A separate LMCache process for the two-process tests.
 
-``python lmcache_child.py store SOCKET NS N``: build an LMCache StorageManager
-with the maru plugin, store chunks 0..N-1, wait until they are sealed, print
-a line "RESULT <JSON list of their SHA-256 digests>", exit (the process and its LMCache are
-gone afterwards).
+``python lmcache_child.py BACKEND store SOCKET NS N``: build an LMCache StorageManager with
+the maru storage plugin (BACKEND ``plugin``) or LMCache's built-in MaruBackend (``builtin``:
+``maru_path`` set, no LocalCPUBackend, namespace NS through ``$MARU_NAMESPACE``), store
+chunks 0..N-1, wait until they are stored, print a line "RESULT <JSON list of their SHA-256
+digests>", exit (the process and its LMCache are gone afterwards).
 
-``python lmcache_child.py load SOCKET NS N``: a fresh StorageManager; look the
+``python lmcache_child.py BACKEND load SOCKET NS N``: a fresh StorageManager; look the
 chunks up (``batched_contains``) and load them through LMCache's retrieval
 path (``batched_get``); print "RESULT <JSON>" with the hit count, the digests, shapes and
 dtypes.
@@ -14,24 +15,33 @@ dtypes.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import lmcache_util as lu
 
 
 def main(argv: list) -> int:
-    mode, socket, ns, n = argv[1], argv[2], argv[3], int(argv[4])
-    sm = lu.make_manager(lu.make_config(plugin_socket=socket, plugin_namespace=ns))
+    backend, mode, socket, ns, n = argv[1], argv[2], argv[3], argv[4], int(argv[5])
+    if backend == "plugin":
+        config, name = lu.make_config(plugin_socket=socket, plugin_namespace=ns), "maru"
+    else:
+        os.environ["MARU_NAMESPACE"] = ns
+        config, name = lu.make_builtin_config(socket), "MaruBackend"
+    sm = lu.make_manager(config)
     try:
-        plugin = sm.storage_backends["maru"]
+        be = sm.storage_backends[name]
         if mode == "store":
-            lu.put_chunks(sm, range(n))
-            assert plugin.wait_for_puts(60)
+            keys = lu.put_chunks(sm, range(n))
+            if backend == "plugin":
+                assert be.wait_for_puts(60)
+            else:
+                lu.wait_for_backend_puts(be, keys, 60)
             print("RESULT", json.dumps([lu.digest(lu.chunk_tensor(i)) for i in range(n)]))
             return 0
         keys = [lu.key(i) for i in range(n)]
         hits, mapping = sm.batched_contains(keys)
-        objs = sm.batched_get(keys, location="maru")
+        objs = sm.batched_get(keys, location=name)
         out = {
             "hits": hits,
             "backends": sorted(mapping),

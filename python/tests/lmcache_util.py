@@ -155,3 +155,26 @@ def wait_for_backend_puts(backend: Any, keys: Sequence[CacheEngineKey], timeout:
         if time.monotonic() > deadline:
             raise TimeoutError("puts still pending")
         time.sleep(0.01)
+
+
+def run_child(backend: str, mode: str, socket: str, namespace: str, n: int) -> Any:
+    """Runs lmcache_child.py (``backend`` ``plugin`` or ``builtin``, ``mode`` ``store`` or
+    ``load``) in a process of its own; returns its RESULT."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import child_env
+
+    tests = Path(__file__).resolve().parent
+    env = child_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tests), env["PYTHONPATH"]])
+    out = subprocess.run(
+        [sys.executable, str(tests / "lmcache_child.py"), backend, mode, socket, namespace, str(n)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, f"{mode} child failed:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, f"no result from the {mode} child:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
+    return json.loads(lines[-1][len("RESULT "):])

@@ -5,12 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 import time
 import uuid
 import warnings
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 

@@ -8,11 +8,7 @@ memory and stored without a copy.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -25,11 +21,10 @@ from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
 
 import lmcache_util as lu  # noqa: E402
 import maru  # noqa: E402
-from conftest import Marud, child_env  # noqa: E402
+from conftest import Marud  # noqa: E402
 from maru_lmcache import CxlMemoryAdapter  # noqa: E402
 from pagemap import pfn_of, pfn_of_file  # noqa: E402
 
-TESTS = Path(__file__).resolve().parent
 
 
 @pytest.fixture
@@ -165,24 +160,11 @@ def test_a_partial_last_chunk_keeps_its_size(manager) -> None:
     lu.release([got])
 
 
-def run_child(mode: str, marud: Marud, namespace: str, n: int):
-    env = child_env() | {"MARU_NAMESPACE": namespace}
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env["PYTHONPATH"]])
-    out = subprocess.run(
-        [sys.executable, str(TESTS / "lmcache_builtin_child.py"), mode, str(marud.socket), str(n)],
-        env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert out.returncode == 0, f"{mode} child failed:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, f"no result from the {mode} child:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
-
-
 def test_a_second_process_loads_what_the_first_stored(marud: Marud, namespace: str) -> None:
     """Two LMCache processes with the built-in backend: the second, started after the first
     exited, finds and loads every chunk with equal bytes."""
-    digests = run_child("store", marud, namespace, 6)
-    loaded = run_child("load", marud, namespace, 6)
+    digests = lu.run_child("builtin", "store", str(marud.socket), namespace, 6)
+    loaded = lu.run_child("builtin", "load", str(marud.socket), namespace, 6)
     assert loaded["hits"] == 6
     assert loaded["digests"] == digests
     assert loaded["shapes"] == [list(lu.CHUNK_SHAPE)] * 6

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -21,13 +18,12 @@ from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface  
 
 import lmcache_util as lu  # noqa: E402
 import maru  # noqa: E402
-from conftest import Marud, child_env  # noqa: E402
+from conftest import Marud  # noqa: E402
 from maru.chunk import decode_header  # noqa: E402
 from maru._native import encode_key
 from maru.lmcache_plugin import MaruStoragePlugin  # noqa: E402
 from pagemap import pfn_of, pfn_of_file  # noqa: E402
 
-TESTS = Path(__file__).resolve().parent
 
 
 @pytest.fixture
@@ -245,25 +241,13 @@ def test_bad_entries_are_misses(manager, marud: Marud, namespace: str) -> None:
     assert plugin.get_blocking(k) is None
 
 
-def run_child(mode: str, marud: Marud, namespace: str, n: int):
-    out = subprocess.run(
-        [sys.executable, str(TESTS / "lmcache_child.py"), mode, str(marud.socket), namespace, str(n)],
-        env=child_env() | {"PYTHONPATH": os.pathsep.join([str(TESTS), child_env()["PYTHONPATH"]])},
-        capture_output=True, text=True, timeout=300,
-    )
-    assert out.returncode == 0, f"{mode} child failed:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, f"no result from the {mode} child:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
-
-
 def test_a_second_process_loads_what_the_first_stored(marud: Marud, namespace: str) -> None:
     """Two separate LMCache processes: the second, started after the first exited,
     finds the chunks through the namespace and loads byte-identical copies."""
     n = 6
-    stored_digests = run_child("store", marud, namespace, n)
+    stored_digests = lu.run_child("plugin", "store", str(marud.socket), namespace, n)
     assert len(os.listdir(marud.mount / namespace)) == n
-    loaded = run_child("load", marud, namespace, n)
+    loaded = lu.run_child("plugin", "load", str(marud.socket), namespace, n)
     assert loaded["hits"] == n and loaded["backends"] == ["maru"]
     assert loaded["digests"] == stored_digests
     assert loaded["digests"] == [lu.digest(lu.chunk_tensor(i)) for i in range(n)]
