@@ -166,15 +166,21 @@ fn errors_are_clear_and_exit_non_zero() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("is it running?"));
 }
 
-#[test]
-fn device_header_init_show_clear() {
-    let mut d = Daemon::start(Opts {
+/// A daemon on a 16 MiB raw pool in a file, and that file's path.
+fn daemon_on_a_device_file() -> (Daemon, String) {
+    let d = Daemon::start(Opts {
         pools: vec!["file:{dir}/dev.img,size=16M".into()],
         mount: false,
         extra: vec![],
     });
-    let dev = d.dir.join("dev.img");
-    let dev = dev.to_str().unwrap();
+    let dev = d.dir.join("dev.img").to_str().unwrap().to_owned();
+    (d, dev)
+}
+
+#[test]
+fn device_header_init_show_clear() {
+    let (mut d, dev) = daemon_on_a_device_file();
+    let dev = dev.as_str();
     // marud initialized the header of its new pool.
     let show = json(&d, &["device", "show", dev]);
     assert_eq!(show["initialized"], true);
@@ -201,13 +207,8 @@ fn device_header_init_show_clear() {
 /// same exit code, the same stdout and the same stderr but for the program's name.
 #[test]
 fn marutop_device_is_maructl_device() {
-    let mut d = Daemon::start(Opts {
-        pools: vec!["file:{dir}/dev.img,size=16M".into()],
-        mount: false,
-        extra: vec![],
-    });
-    let dev = d.dir.join("dev.img");
-    let dev = dev.to_str().unwrap();
+    let (mut d, dev) = daemon_on_a_device_file();
+    let dev = dev.as_str();
     let socket = d.socket.clone();
     let run = |prog: &str, args: &[&str]| {
         Command::new(bin(prog))
