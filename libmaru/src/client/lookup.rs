@@ -10,6 +10,9 @@ use crate::index::SlotView;
 use crate::mapping::{MapInner, Mapping};
 use crate::proto::{Body, Located, MAX_FDS_PER_FRAME, Op, PoolKind};
 
+use super::page_size;
+use super::state::{Cached, Inner, NsIndex, unexpected};
+
 /// Keys per request when a batch's misses are asked in pieces.
 const PIPELINE_PIECE: usize = 16;
 
@@ -30,8 +33,6 @@ fn populate(bytes: &[u8]) {
     }
 }
 
-use super::page_size;
-
 /// What the shared index says of a key.
 pub(super) enum Lookup {
     Found(SlotView),
@@ -40,7 +41,6 @@ pub(super) enum Lookup {
     /// replaced during the lookup, or there is no index to read.
     AskDaemon,
 }
-use super::state::{Cached, Inner, NsIndex, unexpected};
 
 impl Inner {
     /// The shared index of `ns`; `None` when marud refuses it (it reveals every name: it
@@ -174,7 +174,9 @@ impl Inner {
         } else {
             MAX_FDS_PER_FRAME
         };
-        self.flush_releases()?;
+        if !miss.is_empty() {
+            self.flush_releases()?;
+        }
         let mut sent = Vec::new();
         for chunk in miss.chunks(piece) {
             let ks: Vec<String> = chunk.iter().map(|&i| keys[i].clone()).collect();
@@ -185,11 +187,10 @@ impl Inner {
             sent.push((self.send(op, &[])?, chunk));
         }
         for (id, chunk) in sent {
-            let items = match self.wait(id)? {
+            let (items, fds) = match self.wait(id)? {
                 (Body::Retrieved { items }, fds) => (items, fds),
                 (other, _) => return Err(unexpected(&other)),
             };
-            let (items, fds) = items;
             if items.len() != chunk.len() {
                 return Err(Error::Protocol("retrieve reply of the wrong length".into()));
             }
