@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 from . import _native, plugins
 from ._native import AllocHandle, MemoryInfo
 from .config import MaruConfig
+from .tensors import TensorIO
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ class MaruHandler:
         # (region_id, page_index) -> MemoryInfo of recent retrievals (see remember_locations).
         self._located: Optional["collections.OrderedDict[tuple, MemoryInfo]"] = None
         self._located_max = 0
+        self._tensor_io: Optional[TensorIO] = None
+        self._pool_views: Dict[int, Any] = {}
 
     # -- connection ---------------------------------------------------------------------
 
@@ -112,8 +115,13 @@ class MaruHandler:
             self._closing = True
         plugins.call(self._plugins, "on_close", self)
         with self._lock:
+            tio, self._tensor_io = self._tensor_io, None
+        if tio is not None:
+            tio.close()  # unregistered before anything it kept mapped may go
+        with self._lock:
             self._core = None
             self._regions_seen.clear()
+            self._pool_views.clear()
             if self._located is not None:
                 self._located.clear()
         core.close()
@@ -200,6 +208,13 @@ class MaruHandler:
         """
         return self._c().store(key, handle)
 
+    def _alloc_any(self, size: int) -> AllocHandle:
+        """An allocation of any size (no ``chunk_size_bytes`` limit)."""
+        handle = self._c().alloc(size, False)
+        if self._on_region_added is not None:
+            self._note_region(handle.region_id)
+        return handle
+
     def put(self, key: Key, *buffers: Any) -> bool:
         """Store a copy of ``buffers`` (concatenated) under ``key``: alloc + copy + store,
         with no ``chunk_size_bytes`` limit. Returns as :meth:`store`."""
@@ -220,6 +235,54 @@ class MaruHandler:
         if self._located is not None and info is not None:
             self._remember([info])
         return info
+
+    # -- tensors (device memory <-> pool pages; see maru.tensors) -------------------------
+
+    @property
+    def tensors(self) -> TensorIO:
+        """The tensor verbs' state: CUDA registrations and reserved allocations."""
+        self._c()
+        with self._lock:
+            if self._tensor_io is None:
+                self._tensor_io = TensorIO(self)
+            return self._tensor_io
+
+    def retrieve_into(self, key: Key, tensor: Any) -> bool:
+        """Copy ``key``'s entry into ``tensor`` (contiguous, of the entry's byte size, on
+        any device): DMA from the pool's pages, kept registered with CUDA. False if absent.
+
+        Raises:
+            ValueError: the tensor is not contiguous or its size is not the entry's.
+        """
+        return self.tensors.retrieve_into([key], [tensor])[0]
+
+    def batch_retrieve_into(self, keys: Sequence[Key], tensors: Sequence[Any]) -> List[bool]:
+        """:meth:`retrieve_into` for many keys: one exchange with marud for the entries not
+        yet mapped, every copy queued, one wait. Sizes are checked before anything is copied."""
+        return self.tensors.retrieve_into(keys, tensors)
+
+    def store_from(self, key: Key, tensor: Any) -> bool:
+        """Store ``tensor``'s bytes (contiguous, on any device) under ``key``: the device
+        writes the pool's pages (DMA), with no staging buffer. Returns as :meth:`store`."""
+        return self.tensors.store_from([key], [tensor])[0]
+
+    def batch_store_from(self, keys: Sequence[Key], tensors: Sequence[Any]) -> List[bool]:
+        """:meth:`store_from` for many tensors: every copy queued, one wait, one publication."""
+        return self.tensors.store_from(keys, tensors)
+
+    def reserve(self, size: int, count: int) -> int:
+        """Allocate ``count`` allocations of ``size`` bytes ahead, registered with CUDA when it
+        is present, for the store verbs to take; returns how many are reserved now."""
+        return self.tensors.reserve(size, count)
+
+    def _raw_pool_view(self, region_id: int) -> Optional[Any]:
+        """The read-only view of a raw pool (one per handler), or None (memfs, or not mapped)."""
+        view = self._pool_views.get(region_id)
+        if view is None and self._pool(region_id) is not None:
+            view = self._c().pool_view(region_id)
+            if view is not None:
+                self._pool_views[region_id] = view
+        return view
 
     # -- locations (for allocator adapters) ------------------------------------------------
 
@@ -397,6 +460,7 @@ class MaruHandler:
                 "ops": raw.get("ops", {}),
                 "eviction": raw.get("eviction"),
                 "uptime_s": raw.get("uptime_s"),
+                "tensors": self._tensor_io.stats() if self._tensor_io is not None else {},
             },
         }
         return out

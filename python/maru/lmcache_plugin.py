@@ -71,14 +71,11 @@ from .chunk import ChunkHeader, ChunkMeta, decode_header, encode_header
 from .config import MaruConfig, _default_socket
 from .errors import EntryFormatError, MaruError, NoSpaceError
 from .handler import MaruHandler, MemoryInfo
+from .tensors import frombuffer
 
 logger = init_logger(__name__)
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)
-
-# A mapped chunk's tensor wraps the read-only view of the pool's pages (zero copy);
-# torch.frombuffer warns about every such buffer.
-warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
 def _dtype_name(dtype: Optional[torch.dtype]) -> str:
@@ -279,7 +276,10 @@ class MaruStoragePlugin(StoragePluginInterface):
             obj.metadata.cached_positions = positions
             return obj
         # Read-only pages: LMCache reads retrieved chunks (to the GPU, into other backends).
-        raw = torch.frombuffer(chunk.view, dtype=torch.uint8, count=size, offset=start)
+        # Where CUDA is present they are registered for DMA (once per mapping, kept).
+        if chunk.info is not None:
+            self.handler.tensors.register_entry(chunk.info)
+        raw = frombuffer(chunk.view, count=size, offset=start)
         obj = TensorMemoryObj(
             raw_data=raw,
             metadata=MemoryObjMetadata(

@@ -13,6 +13,12 @@ Every memory object's tensor is pool memory, with no copy on either side:
   pool), and it keeps the hold on the entry that the view carries, so the pool does not
   reuse those pages while LMCache still reads them.
 
+Where CUDA is present, both kinds are registered with the driver (``maru.tensors``): LMCache's
+GPU connector then moves KV between the GPU and the pool's pages by DMA. Allocations come
+from the handler's reserve (``handler.reserve``) when it holds some, already registered;
+they are unregistered before they are stored or freed. Retrieved entries stay registered
+while the handler's registry keeps them (a raw pool is registered once, whole).
+
 Unlike the original, which carved fixed pages of ``chunk_size`` in its regions and built a
 memory object per page up front, allocations here are the size LMCache asks for (a partial
 last chunk takes only its bytes), and nothing is built before it is used.
@@ -21,7 +27,6 @@ last chunk takes only its bytes), and nothing is built before it is used.
 from __future__ import annotations
 
 import threading
-import warnings
 from typing import Dict, List, Optional, Union
 
 import torch
@@ -36,6 +41,7 @@ from lmcache.v1.memory_management import (
 
 from maru import AllocHandle, MaruHandler
 from maru.errors import MaruError
+from maru.tensors import frombuffer
 
 logger = init_logger(__name__)
 
@@ -94,10 +100,7 @@ class CxlMemoryAdapter(MemoryAllocatorInterface):
         fmt: MemoryFormat,
     ) -> TensorMemoryObj:
         dtype = dtypes[0]
-        with warnings.catch_warnings():
-            # Retrieved views are read-only pool pages; torch warns that it cannot enforce that.
-            warnings.simplefilter("ignore", UserWarning)
-            raw = torch.frombuffer(buf, dtype=dtype, count=size // dtype.itemsize)
+        raw = frombuffer(buf, dtype=dtype, count=size // dtype.itemsize)
         metadata = MemoryObjMetadata(
             shape=shapes[0],
             dtype=dtype,
@@ -125,7 +128,7 @@ class CxlMemoryAdapter(MemoryAllocatorInterface):
             logger.debug("[Maru] allocate: %d bytes is not in (0, %d]", size, self._chunk_size)
             return None
         try:
-            handle = self._handler.alloc(size)
+            handle = self._handler.tensors.take(size)
         except (ValueError, MaruError) as e:
             logger.debug("[Maru] alloc of %d bytes failed: %s", size, e)
             return None
@@ -162,6 +165,7 @@ class CxlMemoryAdapter(MemoryAllocatorInterface):
         if handle is None:
             return
         try:
+            self._handler.tensors.unregister_alloc(handle)
             self._handler.free(handle)
         except (ValueError, MaruError) as e:
             logger.debug("[Maru] free of %s failed: %s", handle, e)
@@ -182,6 +186,7 @@ class CxlMemoryAdapter(MemoryAllocatorInterface):
             self._allocs.clear()
         for h in handles:
             try:
+                self._handler.tensors.unregister_alloc(h)
                 self._handler.free(h)
             except (ValueError, MaruError, RuntimeError):
                 pass  # already stored, or the handler is closed (marud frees them then)
@@ -206,6 +211,7 @@ class CxlMemoryAdapter(MemoryAllocatorInterface):
                 f"no allocation at region {rid} page {pid}: the memory object was not "
                 "allocated by this adapter, or was stored or freed already"
             )
+        self._handler.tensors.unregister_alloc(handle)  # publication replaces its mapping
         return handle
 
     def get_by_location(
@@ -222,6 +228,7 @@ class CxlMemoryAdapter(MemoryAllocatorInterface):
             logger.debug("[Maru] get_by_location: region %d page %d not remembered", region_id, page_index)
             return None
         view = info.view
+        self._handler.tensors.register_entry(info)  # for the GPU connector's DMA (if CUDA)
         if actual_size > len(view):
             logger.error("[Maru] get_by_location: %d bytes asked of a %d-byte entry", actual_size, len(view))
             return None

@@ -27,7 +27,6 @@ import hashlib
 import re
 import struct
 import threading
-import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
@@ -38,6 +37,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 from vllm.logger import init_logger
+
+from maru.tensors import frombuffer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -156,6 +157,7 @@ class MaruKVConnector(KVConnectorBase_V1):
         self._kv_caches: Dict[str, torch.Tensor] = {}
         self._pending: Dict[str, Tuple[Any, torch.Tensor, int]] = {}  # key -> (handle, tensor, layers written)
         self._load_errors: set = set()
+        self._save_device: Optional[torch.device] = None  # a CUDA device saves copy from
         logger.info(
             "MaruKVConnector: %s chunks of %d tokens, %d bytes each, namespace %s",
             self._prefix, self._chunk, self._entry_bytes, extra.get("maru_namespace", "vllm"),
@@ -289,9 +291,7 @@ class MaruKVConnector(KVConnectorBase_V1):
         """A chunk entry as [layers, blocks, *block shape]: each layer's blocks as vLLM's
         paged cache holds them ([heads, block_size, channels]), so loads and saves copy whole
         blocks."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # retrieved views are read-only
-            t = torch.frombuffer(buf, dtype=torch.uint8, count=self._entry_bytes)
+        t = frombuffer(buf, count=self._entry_bytes)
         nb = self._chunk // self._block_size
         per_block = layer[0].numel() * layer.element_size()
         if len(self._layers) * nb * per_block != self._entry_bytes:
@@ -309,6 +309,7 @@ class MaruKVConnector(KVConnectorBase_V1):
         h = self._handler()
         layers = {name: forward_context.no_compile_layers[name].kv_cache for name in self._layers}
         some = next(iter(layers.values()))
+        in_flight = []  # the entries copies read from, kept until the copies are done
         for req_id, plan in meta.loads.items():
             infos = h.batch_retrieve([c.key for c in plan])
             for chunk, info in zip(plan, infos):
@@ -316,11 +317,16 @@ class MaruKVConnector(KVConnectorBase_V1):
                     # Evicted or deleted after all: vLLM recomputes these blocks.
                     self._load_errors.update(chunk.blocks[chunk.first :].tolist())
                     continue
+                if some.is_cuda:
+                    h.tensors.register_entry(info)  # DMA from the pool's pages
+                    in_flight.append(info)
                 src = self._chunk_tensor(info.view, some)
                 n = len(chunk.blocks)
                 blocks = chunk.blocks[chunk.first :].to(some.device)
                 for name, i in self._layer_index.items():
                     layers[name].index_copy_(0, blocks, src[i, chunk.first : n].to(some.device, non_blocking=True))
+        if in_flight:
+            torch.cuda.current_stream(some.device).synchronize()
         logger.debug("MaruKVConnector: loaded %d requests", len(meta.loads))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -340,14 +346,15 @@ class MaruKVConnector(KVConnectorBase_V1):
             if pending is None:
                 if h.exists(chunk.key):
                     continue  # another instance stored it meanwhile
-                handle = h.alloc(self._entry_bytes)
+                handle = h.tensors.take(self._entry_bytes)  # registered for DMA where CUDA is
                 pending = (handle, self._chunk_tensor(handle.buf, kv_layer), 0)
             handle, dst, written = pending
             blocks = chunk.blocks.to(kv_layer.device)
             if kv_layer.device == dst.device:
                 torch.index_select(kv_layer, 0, blocks, out=dst[i])
-            else:  # device memory: one copy into the pool
-                dst[i].copy_(kv_layer.index_select(0, blocks))
+            else:  # device memory: one copy (DMA) into the pool, waited for in wait_for_save
+                dst[i].copy_(kv_layer.index_select(0, blocks), non_blocking=True)
+                self._save_device = kv_layer.device
             self._pending[chunk.key] = (handle, dst, written + 1)
 
     def wait_for_save(self):
@@ -356,7 +363,12 @@ class MaruKVConnector(KVConnectorBase_V1):
             return
         for k, _ in ready:
             del self._pending[k]
-        results = self._handler().batch_store([k for k, _ in ready], [h for _, h in ready])
+        h = self._handler()
+        if self._save_device is not None:
+            torch.cuda.current_stream(self._save_device).synchronize()
+        for _, handle in ready:
+            h.tensors.unregister_alloc(handle)  # publication replaces the mapping
+        results = h.batch_store([k for k, _ in ready], [h for _, h in ready])
         failed = [k for (k, _), ok in zip(ready, results) if not ok]
         if failed:
             logger.warning("MaruKVConnector: %d chunks not stored (pools full)", len(failed))
@@ -366,8 +378,11 @@ class MaruKVConnector(KVConnectorBase_V1):
         return errors
 
     def shutdown(self):
+        if self._pending and self._save_device is not None:
+            torch.cuda.current_stream(self._save_device).synchronize()
         for handle, _, _ in self._pending.values():
             try:
+                self._handler().tensors.unregister_alloc(handle)
                 self._handler().free(handle)
             except Exception:
                 pass

@@ -55,13 +55,13 @@ def marud_binary() -> Path:
 Marud = PrivateMarud
 
 
-def start_marud(root: Path, pool_size: str = "1G") -> PrivateMarud:
+def start_marud(root: Path, pool_size: str = "1G", pool_kind: str = "memfs") -> PrivateMarud:
     """Start a private marud under ``root``; fail the test (with its log) if it cannot."""
     binary = marud_binary()
     if not binary.exists():
         pytest.fail(f"marud not found at {binary}: build it (cargo build) or set MARUD=/path/to/marud")
     try:
-        return PrivateMarud(binary, pool_size=pool_size, root=root).start()
+        return PrivateMarud(binary, pool_size=pool_size, root=root, pool_kind=pool_kind).start()
     except MarudStartError as e:
         pytest.fail(str(e))
         raise
@@ -84,6 +84,29 @@ def marud() -> Iterator[Marud]:
         yield d
     finally:
         d.stop()
+
+
+@pytest.fixture(scope="session")
+def raw_marud() -> Iterator[Marud]:
+    """A private marud on a 256 MiB raw pool in a file (the stand-in for a CXL device)."""
+    _require_privileges()
+    root = Path(tempfile.mkdtemp(prefix="maru-pytest-raw-"))
+    d = start_marud(root, pool_size="256M", pool_kind="file")
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+@pytest.fixture
+def raw_handler(raw_marud: Marud) -> Iterator[maru.MaruHandler]:
+    """A connected MaruHandler on a fresh namespace of the raw-pool marud."""
+    h = maru.MaruHandler(raw_marud.config(f"raw-{uuid.uuid4().hex[:12]}"))
+    assert h.connect(), f"cannot connect to the test marud:\n{raw_marud.log_tail()}"
+    try:
+        yield h
+    finally:
+        h.close()
 
 
 @pytest.fixture

@@ -1,22 +1,20 @@
 """MaruHandler on a raw pool (``file:``, the stand-in for a CXL device): the verbs, and
 zero copy (a retrieved view is the pool's own page, at the entry's offset in the device).
 
-The rest of the suite runs on memfs pools; this module starts its own marud on a raw pool.
+The rest of the suite runs on memfs pools; these tests use the session's raw-pool marud
+(``raw_marud`` in conftest).
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
-import uuid
 from pathlib import Path
-from typing import Iterator, Tuple
+from typing import Tuple
 
 import pytest
 
 import maru
-from conftest import _require_privileges, marud_binary
-from maru.testing import MarudStartError, PrivateMarud
+from maru.testing import PrivateMarud
 from pagemap import PAGE, pfn_of, pfn_of_file
 
 KiB = 1 << 10
@@ -39,34 +37,6 @@ def location(path: str) -> Tuple[str, int]:
     return where, int(offset, 16)
 
 
-@pytest.fixture(scope="module")
-def raw_marud() -> Iterator[PrivateMarud]:
-    """A private marud on a 256 MiB raw pool in a file, for this module."""
-    _require_privileges()
-    binary = marud_binary()
-    if not binary.exists():
-        pytest.fail(f"marud not found at {binary}: build it (cargo build) or set MARUD=/path/to/marud")
-    root = Path(tempfile.mkdtemp(prefix="maru-pytest-raw-"))
-    d = PrivateMarud(binary, pool_size="256M", pool_kind="file", root=root)
-    try:
-        d.start()
-    except MarudStartError as e:
-        pytest.fail(str(e))
-    try:
-        yield d
-    finally:
-        d.stop()
-
-
-@pytest.fixture
-def raw_handler(raw_marud: PrivateMarud) -> Iterator[maru.MaruHandler]:
-    """A connected MaruHandler on a fresh namespace of the raw-pool marud."""
-    h = maru.MaruHandler(raw_marud.config(f"raw-{uuid.uuid4().hex[:12]}"))
-    assert h.connect(), f"cannot connect to the test marud:\n{raw_marud.log_tail()}"
-    try:
-        yield h
-    finally:
-        h.close()
 
 
 def test_the_daemon_serves_a_raw_pool(raw_marud: PrivateMarud) -> None:
