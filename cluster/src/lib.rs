@@ -1,0 +1,541 @@
+//! maru's cluster metadata on etcd (v3): the record several hosts sharing one pool agree on.
+//!
+//! Layout, under `/maru/<pool uuid>/` (the pool's device header UUID is its identity):
+//!
+//! | key | value | bound to |
+//! |---|---|---|
+//! | `nodes/<node>` | [`NodeInfo`] (JSON) | the node's lease |
+//! | `regions/<index, 16 hex digits>` | the claiming node's name | the claiming node's lease |
+//! | `entries/<namespace>/<entry name>` | [`EntryRecord`] (JSON) | nothing: sealed entries outlive hosts |
+//!
+//! - **Membership**: [`Member::join`] grants a lease of `ttl` seconds, keeps it alive, and
+//!   creates `nodes/<node>` under it (refused while another live host holds the name).
+//! - **Region claims**: [`Member::claim_region`] creates `regions/<i>` under the lease if
+//!   absent; a host that dies or is cut off loses its claims when the lease expires.
+//! - **Write-once publication**: [`Member::publish`] creates `entries/<ns>/<name>` only if
+//!   absent, and only while this host's lease is the one on `nodes/<node>`: one transaction,
+//!   so of two hosts publishing a key at once exactly one wins, and a host whose lease expired
+//!   publishes nothing (it must [`Member::rejoin`]).
+//! - **Visibility**: [`Member::snapshot`] reads every entry at one revision and
+//!   [`Member::watch_entries`] streams every change after it, so a host's view misses nothing.
+//!
+//! The async API runs on the caller's tokio runtime.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use etcd_client::{
+    Client, Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse,
+    WatchOptions, WatchStream,
+};
+use serde::{Deserialize, Serialize};
+use tokio::task::JoinHandle;
+
+/// What can go wrong.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// etcd could not be reached or refused the request.
+    #[error("etcd: {0}")]
+    Etcd(#[from] etcd_client::Error),
+    /// Another live host holds this node name.
+    #[error("node name {0:?} is held by a live host")]
+    NodeTaken(String),
+    /// This host's lease expired or was revoked: it must rejoin before it claims or publishes.
+    #[error("node {0:?} lost its etcd lease; rejoin first")]
+    LeaseLost(String),
+    /// A record in etcd is not what this version writes.
+    #[error("bad record at {key}: {why}")]
+    BadRecord { key: String, why: String },
+    /// A name that cannot be a key component.
+    #[error("invalid name {0:?}")]
+    InvalidName(String),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// A member host, as `nodes/<node>` records it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeInfo {
+    pub node: String,
+    /// Where the host's marud can be told about (free text: host name, address).
+    pub address: String,
+    pub pid: u32,
+}
+
+/// A sealed entry: where its bytes are in the shared pool.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EntryRecord {
+    /// Byte offset in the pool.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// The node that published it.
+    pub node: String,
+    /// The publishing host's allocation id (unique per host and pool).
+    pub alloc: u64,
+}
+
+/// The outcome of [`Member::publish`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Published {
+    /// Published at this etcd revision.
+    New { revision: i64 },
+    /// The key existed: the first writer's record (the caller frees its allocation).
+    Exists(EntryRecord),
+}
+
+/// A change to the entries, from [`EntryWatch::next`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EntryEvent {
+    Put {
+        ns: String,
+        name: String,
+        record: EntryRecord,
+        revision: i64,
+    },
+    Delete {
+        ns: String,
+        name: String,
+        revision: i64,
+    },
+}
+
+fn check_name(s: &str) -> Result<()> {
+    if s.is_empty() || s.contains('/') || s.contains('\0') {
+        return Err(Error::InvalidName(s.to_owned()));
+    }
+    Ok(())
+}
+
+fn check_ns(ns: &str) -> Result<()> {
+    for part in ns.split('/') {
+        check_name(part)?;
+    }
+    Ok(())
+}
+
+/// The key prefixes of one pool.
+#[derive(Debug, Clone)]
+struct Keys {
+    root: String,
+}
+
+impl Keys {
+    fn node(&self, node: &str) -> String {
+        format!("{}nodes/{node}", self.root)
+    }
+    fn nodes(&self) -> String {
+        format!("{}nodes/", self.root)
+    }
+    fn region(&self, index: u64) -> String {
+        format!("{}regions/{index:016x}", self.root)
+    }
+    fn regions(&self) -> String {
+        format!("{}regions/", self.root)
+    }
+    fn entry(&self, ns: &str, name: &str) -> String {
+        format!("{}entries/{ns}/{name}", self.root)
+    }
+    fn entries(&self) -> String {
+        format!("{}entries/", self.root)
+    }
+    /// `(namespace, name)` of an entry key (names never contain `/`; namespaces may).
+    fn split_entry(&self, key: &[u8]) -> Result<(String, String)> {
+        let s = std::str::from_utf8(key).map_err(|e| bad(key, e.to_string()))?;
+        let rest = s
+            .strip_prefix(&self.entries())
+            .ok_or_else(|| bad(key, "outside the entries".into()))?;
+        let (ns, name) = rest
+            .rsplit_once('/')
+            .ok_or_else(|| bad(key, "no namespace".into()))?;
+        Ok((ns.to_owned(), name.to_owned()))
+    }
+}
+
+fn bad(key: &[u8], why: String) -> Error {
+    Error::BadRecord {
+        key: String::from_utf8_lossy(key).into_owned(),
+        why,
+    }
+}
+
+fn decode<T: for<'a> Deserialize<'a>>(key: &[u8], value: &[u8]) -> Result<T> {
+    serde_json::from_slice(value).map_err(|e| bad(key, e.to_string()))
+}
+
+/// One host's membership of a pool's cluster.
+pub struct Member {
+    client: Client,
+    keys: Keys,
+    info: NodeInfo,
+    ttl: i64,
+    lease: i64,
+    live: Arc<AtomicBool>,
+    keeper: JoinHandle<()>,
+}
+
+impl Member {
+    /// Joins the cluster of pool `pool_uuid` as `info.node`, with a lease of `ttl` seconds
+    /// kept alive in the background.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NodeTaken`] while another live host holds the name; [`Error::Etcd`].
+    pub async fn join(
+        endpoints: &[String],
+        pool_uuid: &str,
+        info: NodeInfo,
+        ttl: Duration,
+    ) -> Result<Self> {
+        check_name(pool_uuid)?;
+        check_name(&info.node)?;
+        let client = Client::connect(endpoints, None).await?;
+        let keys = Keys {
+            root: format!("/maru/{pool_uuid}/"),
+        };
+        let ttl = ttl.as_secs().max(1) as i64;
+        let (lease, live, keeper) = Self::register(&client, &keys, &info, ttl).await?;
+        Ok(Member {
+            client,
+            keys,
+            info,
+            ttl,
+            lease,
+            live,
+            keeper,
+        })
+    }
+
+    async fn register(
+        client: &Client,
+        keys: &Keys,
+        info: &NodeInfo,
+        ttl: i64,
+    ) -> Result<(i64, Arc<AtomicBool>, JoinHandle<()>)> {
+        let mut c = client.clone();
+        let lease = c.lease_grant(ttl, None).await?.id();
+        let key = keys.node(&info.node);
+        let value = serde_json::to_vec(info).expect("serializable");
+        let txn = Txn::new()
+            .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(
+                key,
+                value,
+                Some(PutOptions::new().with_lease(lease)),
+            )]);
+        if !c.txn(txn).await?.succeeded() {
+            let _ = c.lease_revoke(lease).await;
+            return Err(Error::NodeTaken(info.node.clone()));
+        }
+        let live = Arc::new(AtomicBool::new(true));
+        let keeper = tokio::spawn(keep_alive(c, lease, ttl, live.clone(), info.node.clone()));
+        Ok((lease, live, keeper))
+    }
+
+    /// This node's name.
+    pub fn node(&self) -> &str {
+        &self.info.node
+    }
+
+    /// This host's etcd lease id.
+    pub fn lease(&self) -> i64 {
+        self.lease
+    }
+
+    /// False once the lease is known lost (the keep-alive saw it expire or etcd was
+    /// unreachable past the TTL). Claims and publications also check it in etcd itself.
+    pub fn is_live(&self) -> bool {
+        self.live.load(Ordering::Acquire)
+    }
+
+    /// Joins again after the lease was lost: a new lease, the node record recreated. What
+    /// the old lease held (claims) is gone; the caller re-claims what it needs.
+    pub async fn rejoin(&mut self) -> Result<()> {
+        self.keeper.abort();
+        let (lease, live, keeper) =
+            Self::register(&self.client, &self.keys, &self.info, self.ttl).await?;
+        self.lease = lease;
+        self.live = live;
+        self.keeper = keeper;
+        Ok(())
+    }
+
+    /// The comparison that holds only while this host's lease owns its node record.
+    fn alive_cmp(&self) -> Compare {
+        Compare::lease(
+            self.keys.node(&self.info.node),
+            CompareOp::Equal,
+            self.lease,
+        )
+    }
+
+    /// Claims region `index` of the pool for this host; false if another host holds it.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LeaseLost`] when this host's lease is gone.
+    pub async fn claim_region(&self, index: u64) -> Result<bool> {
+        let key = self.keys.region(index);
+        let txn = Txn::new()
+            .when([
+                self.alive_cmp(),
+                Compare::create_revision(key.clone(), CompareOp::Equal, 0),
+            ])
+            .and_then([TxnOp::put(
+                key.clone(),
+                self.info.node.clone(),
+                Some(PutOptions::new().with_lease(self.lease)),
+            )])
+            .or_else([TxnOp::get(self.keys.node(&self.info.node), None)]);
+        let r = self.client.clone().txn(txn).await?;
+        if r.succeeded() {
+            return Ok(true);
+        }
+        self.check_alive(&r.op_responses())?;
+        Ok(false)
+    }
+
+    /// Gives region `index` back (only if this host holds it); true if it did.
+    pub async fn release_region(&self, index: u64) -> Result<bool> {
+        let key = self.keys.region(index);
+        let txn = Txn::new()
+            .when([Compare::value(
+                key.clone(),
+                CompareOp::Equal,
+                self.info.node.clone(),
+            )])
+            .and_then([TxnOp::delete(key, None)]);
+        Ok(self.client.clone().txn(txn).await?.succeeded())
+    }
+
+    /// Every claimed region and its holder.
+    pub async fn regions(&self) -> Result<BTreeMap<u64, String>> {
+        let prefix = self.keys.regions();
+        let r = self
+            .client
+            .clone()
+            .get(prefix.clone(), Some(GetOptions::new().with_prefix()))
+            .await?;
+        let mut out = BTreeMap::new();
+        for kv in r.kvs() {
+            let hex = &kv.key()[prefix.len()..];
+            let index = std::str::from_utf8(hex)
+                .ok()
+                .and_then(|h| u64::from_str_radix(h, 16).ok())
+                .ok_or_else(|| bad(kv.key(), "not a region index".into()))?;
+            out.insert(index, String::from_utf8_lossy(kv.value()).into_owned());
+        }
+        Ok(out)
+    }
+
+    /// The live members.
+    pub async fn nodes(&self) -> Result<Vec<NodeInfo>> {
+        let r = self
+            .client
+            .clone()
+            .get(self.keys.nodes(), Some(GetOptions::new().with_prefix()))
+            .await?;
+        r.kvs()
+            .iter()
+            .map(|kv| decode(kv.key(), kv.value()))
+            .collect()
+    }
+
+    /// Publishes entry `ns/name` if absent: write-once across hosts, refused (in the same
+    /// transaction) unless this host's lease is live.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LeaseLost`]: nothing was published; [`Error::Etcd`]: the outcome is unknown
+    /// only if etcd failed after applying it (read the key to learn).
+    pub async fn publish(&self, ns: &str, name: &str, record: &EntryRecord) -> Result<Published> {
+        check_ns(ns)?;
+        check_name(name)?;
+        let key = self.keys.entry(ns, name);
+        let value = serde_json::to_vec(record).expect("serializable");
+        let txn = Txn::new()
+            .when([
+                self.alive_cmp(),
+                Compare::create_revision(key.clone(), CompareOp::Equal, 0),
+            ])
+            .and_then([TxnOp::put(key.clone(), value, None)])
+            .or_else([
+                TxnOp::get(self.keys.node(&self.info.node), None),
+                TxnOp::get(key.clone(), None),
+            ]);
+        let r = self.client.clone().txn(txn).await?;
+        if r.succeeded() {
+            let revision = r.header().map_or(0, |h| h.revision());
+            return Ok(Published::New { revision });
+        }
+        let ops = r.op_responses();
+        self.check_alive(&ops)?;
+        match ops.get(1) {
+            Some(TxnOpResponse::Get(g)) if !g.kvs().is_empty() => {
+                let kv = &g.kvs()[0];
+                Ok(Published::Exists(decode(kv.key(), kv.value())?))
+            }
+            _ => Err(bad(
+                key.as_bytes(),
+                "publication refused for no reason".into(),
+            )),
+        }
+    }
+
+    /// From a failed transaction's first read (this node's record): LeaseLost unless the
+    /// record is there under this host's lease.
+    fn check_alive(&self, ops: &[TxnOpResponse]) -> Result<()> {
+        let ours = match ops.first() {
+            Some(TxnOpResponse::Get(g)) => {
+                g.kvs().first().is_some_and(|kv| kv.lease() == self.lease)
+            }
+            _ => false,
+        };
+        if ours {
+            Ok(())
+        } else {
+            self.live.store(false, Ordering::Release);
+            Err(Error::LeaseLost(self.info.node.clone()))
+        }
+    }
+
+    /// Removes entry `ns/name`; true if it existed.
+    pub async fn remove(&self, ns: &str, name: &str) -> Result<bool> {
+        check_ns(ns)?;
+        check_name(name)?;
+        let r = self
+            .client
+            .clone()
+            .delete(self.keys.entry(ns, name), None)
+            .await?;
+        Ok(r.deleted() > 0)
+    }
+
+    /// Every entry, read at one revision (returned): watch from the next one to miss nothing.
+    pub async fn snapshot(&self) -> Result<(Vec<(String, String, EntryRecord)>, i64)> {
+        let r = self
+            .client
+            .clone()
+            .get(self.keys.entries(), Some(GetOptions::new().with_prefix()))
+            .await?;
+        let revision = r.header().map_or(0, |h| h.revision());
+        let mut out = Vec::with_capacity(r.kvs().len());
+        for kv in r.kvs() {
+            let (ns, name) = self.keys.split_entry(kv.key())?;
+            out.push((ns, name, decode(kv.key(), kv.value())?));
+        }
+        Ok((out, revision))
+    }
+
+    /// Streams every change to the entries from `revision` on (inclusive).
+    pub async fn watch_entries(&self, revision: i64) -> Result<EntryWatch> {
+        let stream = self
+            .client
+            .clone()
+            .watch(
+                self.keys.entries(),
+                Some(
+                    WatchOptions::new()
+                        .with_prefix()
+                        .with_start_revision(revision),
+                ),
+            )
+            .await?;
+        Ok(EntryWatch {
+            stream,
+            keys: self.keys.clone(),
+            queued: std::collections::VecDeque::new(),
+        })
+    }
+
+    /// Leaves the cluster: the lease is revoked, so this host's claims go at once.
+    pub async fn leave(self) -> Result<()> {
+        self.keeper.abort();
+        self.client.clone().lease_revoke(self.lease).await?;
+        Ok(())
+    }
+}
+
+impl Drop for Member {
+    fn drop(&mut self) {
+        // Without leave(): the lease runs out after its TTL, as if the host had died.
+        self.keeper.abort();
+    }
+}
+
+/// Keeps the lease alive every third of its TTL; marks the member not live when etcd says
+/// the lease is gone, or when no renewal succeeded for a whole TTL.
+async fn keep_alive(mut c: Client, lease: i64, ttl: i64, live: Arc<AtomicBool>, node: String) {
+    let period = Duration::from_millis((ttl as u64 * 1000 / 3).max(100));
+    let mut last_ok = tokio::time::Instant::now();
+    let mut stream = None;
+    loop {
+        if stream.is_none() {
+            stream = c.lease_keep_alive(lease).await.ok();
+        }
+        let mut renewed = false;
+        if let Some((keeper, responses)) = stream.as_mut() {
+            if keeper.keep_alive().await.is_ok() {
+                match responses.message().await {
+                    Ok(Some(r)) if r.ttl() > 0 => renewed = true,
+                    Ok(Some(_)) => {
+                        tracing::warn!(node, lease, "etcd lease expired");
+                        live.store(false, Ordering::Release);
+                        return;
+                    }
+                    _ => stream = None,
+                }
+            } else {
+                stream = None;
+            }
+        }
+        if renewed {
+            last_ok = tokio::time::Instant::now();
+        } else if last_ok.elapsed() >= Duration::from_secs(ttl as u64) {
+            tracing::warn!(node, lease, "etcd unreachable for a whole lease TTL");
+            live.store(false, Ordering::Release);
+            return;
+        }
+        tokio::time::sleep(period).await;
+    }
+}
+
+/// The changes to a pool's entries, in revision order.
+pub struct EntryWatch {
+    stream: WatchStream,
+    keys: Keys,
+    queued: std::collections::VecDeque<EntryEvent>,
+}
+
+impl EntryWatch {
+    /// The next change; `None` when the watch ended (etcd went away or compacted past it).
+    pub async fn next(&mut self) -> Result<Option<EntryEvent>> {
+        loop {
+            if let Some(e) = self.queued.pop_front() {
+                return Ok(Some(e));
+            }
+            let Some(resp) = self.stream.message().await? else {
+                return Ok(None);
+            };
+            if resp.canceled() {
+                return Ok(None);
+            }
+            for ev in resp.events() {
+                let Some(kv) = ev.kv() else { continue };
+                let (ns, name) = self.keys.split_entry(kv.key())?;
+                let revision = kv.mod_revision();
+                self.queued.push_back(match ev.event_type() {
+                    EventType::Put => EntryEvent::Put {
+                        ns,
+                        name,
+                        record: decode(kv.key(), kv.value())?,
+                        revision,
+                    },
+                    EventType::Delete => EntryEvent::Delete { ns, name, revision },
+                });
+            }
+        }
+    }
+}
