@@ -279,8 +279,14 @@ class TensorIO:
         self._registry: Optional[HostRegistry] = None
         self._cuda: Optional[bool] = None
         self._lock = threading.Lock()
-        # Reserved allocations, registered, by size (taken by store_from).
+        # Reserved allocations, registered, by size (taken by store_from), the level
+        # reserve() asked to keep of each size, and the thread that tops them up.
         self._reserve: Dict[int, List[Any]] = collections.defaultdict(list)
+        self._level: Dict[int, int] = {}
+        self._wanted: set = set()
+        self._cv = threading.Condition(self._lock)
+        self._refiller: Optional[threading.Thread] = None
+        self._closed = False
 
     # -- registration ----------------------------------------------------------------------
 
@@ -350,24 +356,67 @@ class TensorIO:
     # -- tensors -> pool -----------------------------------------------------------------------
 
     def reserve(self, size: int, count: int) -> int:
-        """Allocate ``count`` allocations of ``size`` bytes ahead and register them (when CUDA
-        is present), for :meth:`store_from`. Returns how many are reserved now. Marud frees
-        reserved allocations with the handler's connection."""
+        """Keep ``count`` allocations of ``size`` bytes ready for the store verbs, registered
+        when CUDA is present: they are allocated (and registered) now, and once the store
+        verbs have taken half of them a background thread tops them up again, so stores do
+        not wait for allocating and registering. ``count=0`` gives them back. Returns how
+        many are reserved now. Marud frees reserved allocations with the connection."""
         size, count = int(size), int(count)
         if size <= 0 or count < 0:
             raise ValueError("size must be positive and count not negative")
-        added = []
-        for _ in range(count):
-            a = self._h._alloc_any(size)
-            self.register_alloc(a)
-            added.append(a)
         with self._lock:
-            self._reserve[size].extend(added)
-            return len(self._reserve[size])
+            if self._closed:
+                raise RuntimeError("the handler is closing")
+            self._level[size] = count
+            spares = self._reserve[size]
+            extra = spares[count:]
+            del spares[count:]
+        self._give_back(extra)
+        self._fill(size)
+        return self.reserved(size)
 
     def reserved(self, size: int) -> int:
         with self._lock:
             return len(self._reserve.get(int(size), ()))
+
+    def _fill(self, size: int) -> None:
+        """Allocate (and register) reserved allocations of ``size`` up to its level."""
+        while True:
+            with self._lock:
+                if self._closed or len(self._reserve[size]) >= self._level.get(size, 0):
+                    return
+            a = self._h._alloc_any(size)
+            self.register_alloc(a)
+            with self._lock:
+                keep = not self._closed and len(self._reserve[size]) < self._level.get(size, 0)
+                if keep:
+                    self._reserve[size].append(a)
+            if not keep:
+                self._give_back([a])
+                return
+
+    def _give_back(self, handles: Iterable[Any]) -> None:
+        for a in handles:
+            try:
+                self.unregister_alloc(a)
+                self._h.free(a)
+            except (ValueError, RuntimeError):
+                pass  # the connection is going: marud frees them with it
+
+    def _refill_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._wanted and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                size = self._wanted.pop()
+            try:
+                self._fill(size)
+            except Exception as e:  # pools full, connection gone: stop topping this size up
+                logger.debug("maru: cannot top up the reserve of %d-byte allocations: %s", size, e)
+                with self._lock:
+                    self._level[size] = len(self._reserve[size])
 
     def take(self, size: int) -> Any:
         """An allocation of ``size`` bytes for a device to write: a reserved one if any, else a
@@ -376,9 +425,17 @@ class TensorIO:
         return self._take(int(size), self._cuda_present())
 
     def _take(self, size: int, register: bool) -> Any:
-        with self._lock:
+        with self._cv:
             spares = self._reserve.get(size)
             a = spares.pop() if spares else None
+            level = self._level.get(size, 0)
+            if level and len(self._reserve[size]) * 2 < level and not self._closed:
+                self._wanted.add(size)
+                if self._refiller is None:
+                    self._refiller = threading.Thread(
+                        target=self._refill_loop, name="maru-reserve", daemon=True)
+                    self._refiller.start()
+                self._cv.notify()
         if a is None:
             a = self._h._alloc_any(size)
         if register:
@@ -457,6 +514,12 @@ class TensorIO:
     def close(self) -> Tuple[int, int]:
         """Unregister everything and give the reserved allocations back; (registrations
         dropped, allocations freed)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+            refiller = self._refiller
+        if refiller is not None:
+            refiller.join()  # it may be in the middle of an allocation
         with self._lock:
             spares = [a for v in self._reserve.values() for a in v]
             self._reserve.clear()

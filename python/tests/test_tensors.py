@@ -209,6 +209,33 @@ def test_reserved_allocations_serve_stores_and_are_freed_on_close(handler: maru.
     assert all(a.done for a in spares)  # given back to marud
 
 
+def test_the_reserve_is_topped_up_in_the_background_and_given_back(handler: maru.MaruHandler) -> None:
+    import time
+
+    drv = FakeDriver()
+    tio = TensorIO(handler, driver=drv)
+    srcs = [kv(i) for i in range(5)]
+    nbytes = srcs[0].numel() * srcs[0].element_size()
+    assert tio.reserve(nbytes, 4) == 4
+    assert tio.store_from([f"t{i}" for i in range(3)], srcs[:3]) == [True] * 3
+    deadline = time.monotonic() + 10
+    while tio.reserved(nbytes) < 4:  # 1 left of 4: below half, so the thread tops it up
+        assert time.monotonic() < deadline, f"not topped up: {tio.reserved(nbytes)} reserved"
+        time.sleep(0.01)
+    assert drv.count("register", False) == 4 + 3  # the new ones come registered
+    spares = list(tio._reserve[nbytes])
+    assert tio.reserve(nbytes, 1) == 1  # lowering the level gives the rest back
+    assert sum(a.done for a in spares) == 3
+    assert tio.store_from(["t3", "t4"], srcs[3:]) == [True, True]
+    out = [torch.empty_like(s) for s in srcs]
+    assert tio.retrieve_into([f"t{i}" for i in range(5)], out) == [True] * 5
+    assert all(torch.equal(a, b) for a, b in zip(srcs, out))
+    refiller = tio._refiller
+    tio.close()
+    assert refiller is not None and not refiller.is_alive()
+    assert drv.live == {}
+
+
 def test_copies_work_when_the_driver_refuses_to_register(handler: maru.MaruHandler) -> None:
     drv = FakeDriver(refuse=True)
     tio = TensorIO(handler, driver=drv)
