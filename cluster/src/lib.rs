@@ -5,13 +5,14 @@
 //! | key | value | bound to |
 //! |---|---|---|
 //! | `nodes/<node>` | [`NodeInfo`] (JSON) | the node's lease |
-//! | `regions/<index, 16 hex digits>` | the claiming node's name | the claiming node's lease |
+//! | `regions/<unit, 16 hex digits>` | the claiming node's name | the claiming node's lease |
 //! | `entries/<namespace>/<entry name>` | [`EntryRecord`] (JSON) | nothing: sealed entries outlive hosts |
 //!
 //! - **Membership**: [`Member::join`] grants a lease of `ttl` seconds, keeps it alive, and
 //!   creates `nodes/<node>` under it (refused while another live host holds the name).
-//! - **Region claims**: [`Member::claim_region`] creates `regions/<i>` under the lease if
-//!   absent; a host that dies or is cut off loses its claims when the lease expires.
+//! - **Region claims**: [`Member::claim`] creates `regions/<unit>` for every 2 MiB unit of a
+//!   range under the lease, all or nothing, if none is held; a host that dies or is cut off
+//!   loses its claims when the lease expires.
 //! - **Write-once publication**: [`Member::publish`] creates `entries/<ns>/<name>` only if
 //!   absent, and only while this host's lease is the one on `nodes/<node>`: one transaction,
 //!   so of two hosts publishing a key at once exactly one wins, and a host whose lease expired
@@ -27,11 +28,28 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use etcd_client::{
-    Client, Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse,
-    WatchOptions, WatchStream,
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, PutOptions, Txn, TxnOp,
+    TxnOpResponse, WatchOptions, WatchStream,
 };
 use serde::{Deserialize, Serialize};
 use tokio::task::JoinHandle;
+
+/// The unit of region claims: 2 MiB, the pool's region alignment.
+pub const UNIT: u64 = 2 << 20;
+
+/// Units claimed per etcd transaction: etcd's default `--max-txn-ops` (128) bounds the
+/// comparisons of one transaction, and one more checks the lease.
+const UNITS_PER_TXN: usize = 127;
+
+/// The unit indexes of `[offset, offset + len)`.
+fn units(offset: u64, len: u64) -> Result<Vec<u64>> {
+    if len == 0 || !offset.is_multiple_of(UNIT) || !len.is_multiple_of(UNIT) {
+        return Err(Error::InvalidName(format!(
+            "range {offset:#x}+{len:#x} is not whole 2 MiB units"
+        )));
+    }
+    Ok((offset / UNIT..(offset + len) / UNIT).collect())
+}
 
 /// What can go wrong.
 #[derive(Debug, thiserror::Error)]
@@ -191,11 +209,19 @@ impl Member {
     ) -> Result<Self> {
         check_name(pool_uuid)?;
         check_name(&info.node)?;
-        let client = Client::connect(endpoints, None).await?;
+        let ttl = ttl.as_secs().max(1) as i64;
+        // A request that cannot finish within the TTL (2 s at least) fails rather than hang:
+        // a host cut off from etcd learns it about when its lease runs out.
+        let patience = Duration::from_secs((ttl as u64).max(2));
+        let opts = ConnectOptions::new()
+            .with_timeout(patience)
+            .with_connect_timeout(patience)
+            .with_keep_alive(patience, patience)
+            .with_require_leader(true);
+        let client = Client::connect(endpoints, Some(opts)).await?;
         let keys = Keys {
             root: format!("/maru/{pool_uuid}/"),
         };
-        let ttl = ttl.as_secs().max(1) as i64;
         let (lease, live, keeper) = Self::register(&client, &keys, &info, ttl).await?;
         Ok(Member {
             client,
@@ -271,23 +297,43 @@ impl Member {
         )
     }
 
-    /// Claims region `index` of the pool for this host; false if another host holds it.
+    /// Claims `[offset, offset + len)` of the pool for this host, every 2 MiB unit of it
+    /// ([`UNIT`]; both must be multiples), all or nothing; false if another host holds any
+    /// unit of it (nothing is claimed then).
     ///
     /// # Errors
     ///
-    /// [`Error::LeaseLost`] when this host's lease is gone.
-    pub async fn claim_region(&self, index: u64) -> Result<bool> {
-        let key = self.keys.region(index);
-        let txn = Txn::new()
-            .when([
-                self.alive_cmp(),
-                Compare::create_revision(key.clone(), CompareOp::Equal, 0),
-            ])
-            .and_then([TxnOp::put(
-                key.clone(),
+    /// [`Error::LeaseLost`] when this host's lease is gone; [`Error::InvalidName`] for a
+    /// range that is not whole units.
+    pub async fn claim(&self, offset: u64, len: u64) -> Result<bool> {
+        let units = units(offset, len)?;
+        let mut done = 0;
+        for piece in units.chunks(UNITS_PER_TXN) {
+            if !self.claim_units(piece).await? {
+                // Another host holds a unit: give back what this call took, claim nothing.
+                self.release_units(&units[..done]).await?;
+                return Ok(false);
+            }
+            done += piece.len();
+        }
+        Ok(true)
+    }
+
+    async fn claim_units(&self, units: &[u64]) -> Result<bool> {
+        let mut when = vec![self.alive_cmp()];
+        let mut then = Vec::with_capacity(units.len());
+        for &u in units {
+            let key = self.keys.region(u);
+            when.push(Compare::create_revision(key.clone(), CompareOp::Equal, 0));
+            then.push(TxnOp::put(
+                key,
                 self.info.node.clone(),
                 Some(PutOptions::new().with_lease(self.lease)),
-            )])
+            ));
+        }
+        let txn = Txn::new()
+            .when(when)
+            .and_then(then)
             .or_else([TxnOp::get(self.keys.node(&self.info.node), None)]);
         let r = self.client.clone().txn(txn).await?;
         if r.succeeded() {
@@ -297,20 +343,27 @@ impl Member {
         Ok(false)
     }
 
-    /// Gives region `index` back (only if this host holds it); true if it did.
-    pub async fn release_region(&self, index: u64) -> Result<bool> {
-        let key = self.keys.region(index);
-        let txn = Txn::new()
-            .when([Compare::value(
-                key.clone(),
-                CompareOp::Equal,
-                self.info.node.clone(),
-            )])
-            .and_then([TxnOp::delete(key, None)]);
-        Ok(self.client.clone().txn(txn).await?.succeeded())
+    /// Gives `[offset, offset + len)` back: the units this host holds in it (others' stay).
+    pub async fn release(&self, offset: u64, len: u64) -> Result<()> {
+        self.release_units(&units(offset, len)?).await
     }
 
-    /// Every claimed region and its holder.
+    async fn release_units(&self, units: &[u64]) -> Result<()> {
+        for &u in units {
+            let key = self.keys.region(u);
+            let txn = Txn::new()
+                .when([Compare::value(
+                    key.clone(),
+                    CompareOp::Equal,
+                    self.info.node.clone(),
+                )])
+                .and_then([TxnOp::delete(key, None)]);
+            self.client.clone().txn(txn).await?;
+        }
+        Ok(())
+    }
+
+    /// Every claimed unit (by index: offset / [`UNIT`]) and its holder.
     pub async fn regions(&self) -> Result<BTreeMap<u64, String>> {
         let prefix = self.keys.regions();
         let r = self
@@ -466,29 +519,32 @@ impl Drop for Member {
 }
 
 /// Keeps the lease alive every third of its TTL; marks the member not live when etcd says
-/// the lease is gone, or when no renewal succeeded for a whole TTL.
+/// the lease is gone, or when no renewal succeeded for a whole TTL (etcd unreachable).
 async fn keep_alive(mut c: Client, lease: i64, ttl: i64, live: Arc<AtomicBool>, node: String) {
     let period = Duration::from_millis((ttl as u64 * 1000 / 3).max(100));
     let mut last_ok = tokio::time::Instant::now();
     let mut stream = None;
     loop {
         if stream.is_none() {
-            stream = c.lease_keep_alive(lease).await.ok();
+            stream = tokio::time::timeout(period, c.lease_keep_alive(lease))
+                .await
+                .ok()
+                .and_then(|r| r.ok());
         }
         let mut renewed = false;
         if let Some((keeper, responses)) = stream.as_mut() {
-            if keeper.keep_alive().await.is_ok() {
-                match responses.message().await {
-                    Ok(Some(r)) if r.ttl() > 0 => renewed = true,
-                    Ok(Some(_)) => {
-                        tracing::warn!(node, lease, "etcd lease expired");
-                        live.store(false, Ordering::Release);
-                        return;
-                    }
-                    _ => stream = None,
+            let answer = async {
+                keeper.keep_alive().await?;
+                responses.message().await
+            };
+            match tokio::time::timeout(period, answer).await {
+                Ok(Ok(Some(r))) if r.ttl() > 0 => renewed = true,
+                Ok(Ok(Some(_))) => {
+                    tracing::warn!(node, lease, "etcd lease expired");
+                    live.store(false, Ordering::Release);
+                    return;
                 }
-            } else {
-                stream = None;
+                _ => stream = None, // a new stream next time
             }
         }
         if renewed {

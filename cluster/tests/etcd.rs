@@ -1,84 +1,12 @@
 //! The cluster metadata against a real etcd (Debian's `etcd-server`), started per test on
-//! loopback ports with a private data directory, and killed (by pid) when the test ends,
-//! panics included. Without an `etcd` binary the tests skip, unless `MARU_REQUIRE_ROOT` is
-//! set (CI), where they fail.
+//! loopback ports with a private data directory (tests/common).
 
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
+mod common;
+
 use std::time::{Duration, Instant};
 
-use maru_cluster::{EntryEvent, EntryRecord, Error, Member, NodeInfo, Published};
-
-struct Etcd {
-    child: Child,
-    endpoint: String,
-    _dir: tempfile::TempDir,
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port")
-}
-
-impl Etcd {
-    /// A private etcd, or None (skip) when the binary is missing outside CI.
-    fn start() -> Option<Etcd> {
-        if Command::new("etcd")
-            .arg("--version")
-            .stdout(Stdio::null())
-            .status()
-            .is_err()
-        {
-            assert!(
-                std::env::var_os("MARU_REQUIRE_ROOT").is_none(),
-                "etcd is not installed (apt-get install etcd-server)"
-            );
-            eprintln!("skipped: no etcd binary (apt-get install etcd-server)");
-            return None;
-        }
-        let dir = tempfile::tempdir().expect("tempdir");
-        let (client, peer) = (free_port(), free_port());
-        let endpoint = format!("http://127.0.0.1:{client}");
-        let peer_url = format!("http://127.0.0.1:{peer}");
-        let child = Command::new("etcd")
-            .args(["--name", "t", "--data-dir"])
-            .arg(dir.path())
-            .args(["--listen-client-urls", &endpoint])
-            .args(["--advertise-client-urls", &endpoint])
-            .args(["--listen-peer-urls", &peer_url])
-            .args(["--initial-advertise-peer-urls", &peer_url])
-            .args(["--initial-cluster", &format!("t={peer_url}")])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start etcd");
-        let etcd = Etcd {
-            child,
-            endpoint,
-            _dir: dir,
-        };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        let addr = format!("127.0.0.1:{client}");
-        while std::net::TcpStream::connect(&addr).is_err() {
-            assert!(Instant::now() < deadline, "etcd did not listen in 20 s");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Some(etcd)
-    }
-
-    fn endpoints(&self) -> Vec<String> {
-        vec![self.endpoint.clone()]
-    }
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use common::Etcd;
+use maru_cluster::{EntryEvent, EntryRecord, Error, Member, NodeInfo, Published, UNIT};
 
 const POOL: &str = "5f0c1d2e-0000-4000-8000-00000000c1a5";
 
@@ -156,26 +84,44 @@ async fn claims_are_exclusive_and_die_with_the_lease() {
     let Some(etcd) = Etcd::start() else { return };
     let a = member(&etcd, "a", 2).await;
     let b = member(&etcd, "b", 10).await;
-    for i in 0..4 {
-        assert!(a.claim_region(i).await.expect("claim"));
-    }
+    assert!(a.claim(0, 4 * UNIT).await.expect("claim"));
+    // Overlapping a's range: refused, and nothing of it claimed (unit 4 stays free).
     assert!(
-        !b.claim_region(2).await.expect("claim"),
-        "a region held twice"
+        !b.claim(3 * UNIT, 2 * UNIT).await.expect("claim"),
+        "a unit held twice"
     );
-    assert!(
-        !b.release_region(2).await.expect("release"),
-        "b released a's region"
+    assert!(b.claim(4 * UNIT, UNIT).await.expect("claim"));
+    // Releasing releases only one's own units.
+    b.release(0, 5 * UNIT).await.expect("release");
+    assert_eq!(
+        b.regions().await.expect("regions").len(),
+        4,
+        "b released a's units"
     );
-    assert!(a.release_region(3).await.expect("release"));
-    assert!(b.claim_region(3).await.expect("claim"));
+    a.release(3 * UNIT, UNIT).await.expect("release");
+    assert!(b.claim(3 * UNIT, UNIT).await.expect("claim"));
+    // Ranges beyond one transaction's limit: all or nothing too.
+    assert!(b.claim(100 * UNIT, 300 * UNIT).await.expect("claim"));
+    assert!(b.claim(750 * UNIT, UNIT).await.expect("claim"));
+    // The conflict is in the second transaction: the first one's units are given back.
+    assert!(!a.claim(600 * UNIT, 200 * UNIT).await.expect("claim"));
     let held = b.regions().await.expect("regions");
+    assert_eq!(held.len(), 3 + 1 + 300 + 1); // a: 0..3; b: 3, 100..400, 750
     assert_eq!(held.get(&2).map(String::as_str), Some("a"));
     assert_eq!(held.get(&3).map(String::as_str), Some("b"));
+    assert_eq!(
+        held.range(600..800).count(),
+        1,
+        "a kept part of a refused range"
+    );
+    assert!(matches!(
+        b.claim(UNIT + 1, UNIT).await,
+        Err(Error::InvalidName(_))
+    ));
     // a dies without leaving: its keep-alive stops, its lease runs out after 2 s.
     drop(a);
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !b.claim_region(2).await.expect("claim") {
+    while !b.claim(2 * UNIT, UNIT).await.expect("claim") {
         assert!(Instant::now() < deadline, "a's claim outlived its lease");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -206,7 +152,10 @@ async fn a_host_that_lost_its_lease_publishes_nothing_until_it_rejoins() {
         .expect("revoke");
     let r = a.publish("ns", "after", &record("a", 4096)).await;
     assert!(matches!(r, Err(Error::LeaseLost(_))), "{r:?}");
-    assert!(matches!(a.claim_region(9).await, Err(Error::LeaseLost(_))));
+    assert!(matches!(
+        a.claim(9 * UNIT, UNIT).await,
+        Err(Error::LeaseLost(_))
+    ));
     assert!(!a.is_live());
     // Nothing it published before is lost; nothing after was published.
     let (all, _) = b.snapshot().await.expect("snapshot");

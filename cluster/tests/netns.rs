@@ -1,0 +1,144 @@
+//! Hosts cut off from etcd: three members, each in a network namespace of its own joined to a
+//! hub namespace (where etcd runs) by a veth pair; one host's link is taken down and brought
+//! back (tests/common).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{Etcd, Net};
+use maru_cluster::{EntryRecord, Error, Member, NodeInfo, Published, UNIT};
+
+const POOL: &str = "5f0c1d2e-0000-4000-8000-0000000c0ffe";
+const TTL: Duration = Duration::from_secs(2);
+
+fn record(offset: u64) -> EntryRecord {
+    EntryRecord {
+        offset,
+        len: 4096,
+        node: "a".into(),
+        alloc: offset,
+    }
+}
+
+/// Runs `f` on host runtime `rt` (its sockets in that host's namespace) and waits.
+fn on<T: Send + 'static>(
+    rt: &tokio::runtime::Runtime,
+    f: impl std::future::Future<Output = T> + Send + 'static,
+) -> T {
+    rt.block_on(rt.spawn(f)).expect("the host task panicked")
+}
+
+#[test]
+fn a_host_cut_off_loses_its_claims_and_owns_nothing_twice_after() {
+    let Some(net) = Net::new(3) else { return };
+    let Some(etcd) = Etcd::start_at(Some(&net.hub), &net.hub_ip(), 2379, 2380) else {
+        return;
+    };
+    let eps = etcd.endpoints();
+    let rts: Vec<_> = (0..3).map(|i| net.runtime(i)).collect();
+    let join = |i: usize, name: &str| {
+        let (eps, name) = (eps.clone(), name.to_owned());
+        on(&rts[i], async move {
+            let info = NodeInfo {
+                node: name,
+                address: format!("host {i}"),
+                pid: std::process::id(),
+            };
+            Member::join(&eps, POOL, info, TTL).await.expect("join")
+        })
+    };
+    let a = std::sync::Arc::new(tokio::sync::Mutex::new(join(0, "a")));
+    let b = std::sync::Arc::new(join(1, "b"));
+    let c = std::sync::Arc::new(join(2, "c"));
+
+    // a claims four regions and publishes five entries.
+    let a2 = a.clone();
+    on(&rts[0], async move {
+        let a = a2.lock().await;
+        assert!(a.claim(0, 4 * UNIT).await.expect("claim"));
+        for i in 0..5u64 {
+            let r = a.publish("ns", &format!("e{i}"), &record(i << 12)).await;
+            assert!(matches!(r, Ok(Published::New { .. })), "{r:?}");
+        }
+    });
+    let b2 = b.clone();
+    assert!(!on(&rts[1], async move {
+        b2.claim(UNIT, UNIT).await.expect("claim")
+    }));
+
+    // a is cut off: b takes over its regions once a's lease has run out.
+    net.link(0, false);
+    let t0 = Instant::now();
+    let b2 = b.clone();
+    let took = on(&rts[1], async move {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if b2.claim(UNIT, UNIT).await.expect("claim") {
+                return Instant::now();
+            }
+            assert!(Instant::now() < deadline, "a's claims outlived its lease");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    eprintln!("b took a's region {:?} after the cut", took - t0);
+    // a, cut off, publishes nothing and learns it lost its lease.
+    let a2 = a.clone();
+    on(&rts[0], async move {
+        let a = a2.lock().await;
+        let r = a.publish("ns", "while-cut", &record(99 << 12)).await;
+        assert!(r.is_err(), "a published while cut off: {r:?}");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while a.is_live() {
+            assert!(Instant::now() < deadline, "a still believes it is live");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+
+    // The link returns: a's old lease is refused in etcd itself until it rejoins, and then
+    // the regions b took stay b's.
+    net.link(0, true);
+    let a2 = a.clone();
+    on(&rts[0], async move {
+        let mut a = a2.lock().await;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            match a.publish("ns", "after", &record(100 << 12)).await {
+                Err(Error::LeaseLost(_)) => break,
+                Err(Error::Etcd(_)) => {} // reconnecting
+                other => panic!("a published on a lost lease: {other:?}"),
+            }
+            assert!(
+                Instant::now() < deadline,
+                "etcd unreachable after the link came back"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        a.rejoin().await.expect("rejoin");
+        assert!(
+            !a.claim(UNIT, UNIT).await.expect("claim"),
+            "region 1 owned twice"
+        );
+        assert!(
+            a.claim(0, UNIT).await.expect("claim"),
+            "a could not take back a free region"
+        );
+        assert!(matches!(
+            a.publish("ns", "after", &record(100 << 12)).await,
+            Ok(Published::New { .. })
+        ));
+    });
+
+    // Nothing sealed was lost; each region has one holder.
+    let c2 = c.clone();
+    let (names, regions) = on(&rts[2], async move {
+        let (all, _) = c2.snapshot().await.expect("snapshot");
+        let mut names: Vec<String> = all.into_iter().map(|(_, n, _)| n).collect();
+        names.sort();
+        (names, c2.regions().await.expect("regions"))
+    });
+    assert_eq!(names, ["after", "e0", "e1", "e2", "e3", "e4"]);
+    assert_eq!(regions.get(&0).map(String::as_str), Some("a"));
+    assert_eq!(regions.get(&1).map(String::as_str), Some("b"));
+    drop(rts);
+}
