@@ -608,8 +608,29 @@ pub fn statvfs(p: &Path) -> io::Result<(u64, u64)> {
 
 /// Opens a raw pool's device or file read-write (and locks it); returns it with its capacity.
 /// A header of a format version this build does not know fails the open, naming the device.
-pub fn open_raw(spec: &PoolSpec) -> anyhow::Result<(File, u64)> {
+/// Opens a raw pool's device and locks it: exclusively, or `shared` with the other hosts of a
+/// cluster (whose device must carry a header already: no host writes one under the others).
+pub fn open_raw(spec: &PoolSpec, shared: bool) -> anyhow::Result<(File, u64)> {
     use anyhow::Context;
+    let lock = |f: &File| -> anyhow::Result<()> {
+        let ok = if shared {
+            format::lock_device_shared(f)?
+        } else {
+            format::lock_device(f)?
+        };
+        if !ok {
+            anyhow::bail!("{} is in use by another marud", spec.path.display());
+        }
+        if shared && format::read_header(f)?.is_none() {
+            anyhow::bail!(
+                "{} has no maru header: in cluster mode the hosts share an initialized device \
+                 (`maructl device init {}` once, on one host)",
+                spec.path.display(),
+                spec.path.display()
+            );
+        }
+        Ok(())
+    };
     let (f, size) = match spec.kind {
         PoolKind::File => {
             let f = OpenOptions::new()
@@ -621,9 +642,7 @@ pub fn open_raw(spec: &PoolSpec) -> anyhow::Result<(File, u64)> {
                 .custom_flags(libc::O_CLOEXEC)
                 .open(&spec.path)
                 .with_context(|| format!("opening {}", spec.path.display()))?;
-            if !format::lock_device(&f)? {
-                anyhow::bail!("{} is in use by another marud", spec.path.display());
-            }
+            lock(&f)?;
             let cur = f.metadata()?.len();
             let size = spec.size.unwrap_or(cur);
             if cur < size {
@@ -638,9 +657,7 @@ pub fn open_raw(spec: &PoolSpec) -> anyhow::Result<(File, u64)> {
                 .custom_flags(libc::O_CLOEXEC)
                 .open(&spec.path)
                 .with_context(|| format!("opening {}", spec.path.display()))?;
-            if !format::lock_device(&f)? {
-                anyhow::bail!("{} is in use by another marud", spec.path.display());
-            }
+            lock(&f)?;
             let size = match spec.size {
                 Some(s) => s,
                 None => devdax_size(&spec.path)?,
@@ -695,13 +712,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("dev.img");
         let spec = PoolSpec::parse(&format!("file:{},size=4M,name=p", path.display())).unwrap();
-        let (f, cap) = open_raw(&spec).unwrap();
+        let (f, cap) = open_raw(&spec, false).unwrap();
         assert_eq!(cap, 4 << 20);
         let mut b = format::DevHeader::fresh().encode();
         b[8..12].copy_from_slice(&7u32.to_le_bytes());
         f.write_all_at(&b, 0).unwrap();
         drop(f);
-        let e = format!("{:#}", open_raw(&spec).unwrap_err());
+        let e = format!("{:#}", open_raw(&spec, false).unwrap_err());
         assert_eq!(
             e,
             format!(

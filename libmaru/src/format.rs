@@ -153,6 +153,22 @@ pub fn lock_device(f: &File) -> io::Result<bool> {
     }
 }
 
+/// Takes a shared lock on the device: the hosts of a cluster (marud processes sharing one
+/// device) hold it together, and [`lock_device`] (one host's exclusive use) is refused while
+/// any of them runs. False when another marud holds it exclusively.
+pub fn lock_device_shared(f: &File) -> io::Result<bool> {
+    // SAFETY: plain syscall on a descriptor we own for the duration of the call.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) } == 0 {
+        return Ok(true);
+    }
+    let e = io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        Ok(false)
+    } else {
+        Err(e)
+    }
+}
+
 /// One metadata change of a raw pool, as its log records it (the record body is this enum as
 /// JSON, tagged by `t`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

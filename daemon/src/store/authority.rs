@@ -21,6 +21,15 @@ pub enum Claim {
     Published(u64),
 }
 
+/// Where a published entry's bytes are: its raw pool's UUID (None for a memfs pool, whose
+/// entries no other host can see), the offset and the size.
+#[derive(Debug, Clone, Copy)]
+pub struct Placed<'a> {
+    pub pool: Option<&'a str>,
+    pub offset: u64,
+    pub size: u64,
+}
+
 /// Decides who owns each name.
 pub trait Authority: Send + Sync {
     /// Reserves `ns/key` for the entry (allocation) `id`: the name then cannot be taken by
@@ -28,10 +37,15 @@ pub trait Authority: Send + Sync {
     /// [`Error::Exists`] when another entry holds it. Reserving a name one already holds is a
     /// no-op.
     fn reserve(&self, ns: &str, key: &str, id: u64) -> Result<()>;
-    /// Publishes `ns/key` as entry `id` (reserving it first if needed).
-    fn publish(&self, ns: &str, key: &str, id: u64) -> Result<()>;
-    /// Gives `ns/key` back, if `id` holds it.
+    /// Publishes `ns/key` as entry `id`, placed at `at` (reserving it first if needed).
+    fn publish(&self, ns: &str, key: &str, id: u64, at: &Placed<'_>) -> Result<()>;
+    /// Gives `ns/key` back, if `id` holds it (for a published name: its removal, for every
+    /// host sharing the authority).
     fn release(&self, ns: &str, key: &str, id: u64);
+    /// Files `ns/key` as entry `id` that another host published (nothing is asked).
+    fn adopt(&self, ns: &str, key: &str, id: u64);
+    /// Forgets `ns/key`, which another host removed (nothing is asked).
+    fn forget(&self, ns: &str, key: &str);
     /// Who holds `ns/key`.
     fn holder(&self, ns: &str, key: &str) -> Option<Claim>;
     /// Claims `[offset, offset + len)` of the raw pool `pool` (its UUID) for this host; fails
@@ -41,6 +55,11 @@ pub trait Authority: Send + Sync {
     fn release_region(&self, pool: &str, offset: u64);
     /// The regions of `pool` claimed, as (offset, len), in order.
     fn regions(&self, pool: &str) -> Vec<(u64, u64)>;
+    /// Whether other hosts share the raw pools (cluster mode): they lock their devices
+    /// shared, and a region another host claimed is skipped, not an error.
+    fn shared(&self) -> bool {
+        false
+    }
 }
 
 /// The authority of a single host: an in-memory map.
@@ -63,7 +82,7 @@ impl Authority for LocalAuthority {
         }
     }
 
-    fn publish(&self, ns: &str, key: &str, id: u64) -> Result<()> {
+    fn publish(&self, ns: &str, key: &str, id: u64, _at: &Placed<'_>) -> Result<()> {
         let mut m = self.names.lock();
         let k = (ns.to_owned(), key.to_owned());
         match m.get(&k) {
@@ -83,6 +102,16 @@ impl Authority for LocalAuthority {
         if matches!(m.get(&k), Some(Claim::Reserved(h) | Claim::Published(h)) if *h == id) {
             m.remove(&k);
         }
+    }
+
+    fn adopt(&self, ns: &str, key: &str, id: u64) {
+        self.names
+            .lock()
+            .insert((ns.to_owned(), key.to_owned()), Claim::Published(id));
+    }
+
+    fn forget(&self, ns: &str, key: &str) {
+        self.names.lock().remove(&(ns.to_owned(), key.to_owned()));
     }
 
     fn holder(&self, ns: &str, key: &str) -> Option<Claim> {
@@ -131,14 +160,25 @@ mod tests {
         a.reserve("ns", "k", 7).unwrap();
         a.reserve("ns", "k", 7).unwrap();
         assert!(matches!(a.reserve("ns", "k", 8), Err(Error::Exists(_))));
-        assert!(matches!(a.publish("ns", "k", 8), Err(Error::Exists(_))));
-        a.publish("ns", "k", 7).unwrap();
+        let at = Placed {
+            pool: None,
+            offset: 0,
+            size: 1,
+        };
+        assert!(matches!(
+            a.publish("ns", "k", 8, &at),
+            Err(Error::Exists(_))
+        ));
+        a.publish("ns", "k", 7, &at).unwrap();
         assert_eq!(a.holder("ns", "k"), Some(Claim::Published(7)));
         a.release("ns", "k", 8);
         assert_eq!(a.holder("ns", "k"), Some(Claim::Published(7)));
         a.release("ns", "k", 7);
         assert_eq!(a.holder("ns", "k"), None);
-        a.publish("ns", "k", 9).unwrap();
+        a.publish("ns", "k", 9, &at).unwrap();
+        a.forget("ns", "k");
+        a.adopt("ns", "k", 10);
+        assert_eq!(a.holder("ns", "k"), Some(Claim::Published(10)));
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::time::SystemTime;
 
 use maru::Result;
 
-use super::authority::Authority;
+use super::authority::{Authority, Placed};
 use super::namespaces::Namespace;
 use super::state::Invalidation;
 use super::state::{Entry, State};
@@ -14,6 +14,17 @@ use super::stats::{Bytes, Counters};
 
 /// At most this many removed entries' attributes are kept for handles still open on them.
 const GONE: usize = 4096;
+
+/// Why a sealed entry goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Removal {
+    /// Deleted here (the authority releases its name: for every host).
+    Deleted,
+    /// Evicted here.
+    Evicted,
+    /// Removed by another host sharing the authority (its name is already released).
+    Elsewhere,
+}
 
 impl State {
     /// Files a sealed entry (its name already published at the authority): namespace, index
@@ -56,18 +67,23 @@ impl State {
         Some(e)
     }
 
-    /// Removes a sealed entry (deleted or evicted): gives its name back to the authority,
-    /// drops it from its pool (its space is freed unless leased) and returns the name the
-    /// kernel must forget.
+    /// Removes a sealed entry: gives its name back to the authority (or forgets it, when
+    /// another host removed it), drops it from its pool (its space is freed unless leased;
+    /// another host's entry frees nothing here) and returns the name the kernel must forget.
     pub fn remove_entry(
         &mut self,
         auth: &dyn Authority,
         counters: &Counters,
         ino: u64,
-        evicted: bool,
+        how: Removal,
     ) -> Option<Invalidation> {
         let e = self.unfile(ino)?;
-        auth.release(&e.ns, &e.key, e.ino);
+        let evicted = how == Removal::Evicted;
+        if how == Removal::Elsewhere {
+            auth.forget(&e.ns, &e.key);
+        } else {
+            auth.release(&e.ns, &e.key, e.ino);
+        }
         if e.holds > 0 {
             // Deleting (or evicting, by hand) a held entry is allowed, as for a pinned one;
             // the holds go with it.
@@ -95,7 +111,9 @@ impl State {
             ps.evictions += 1;
         }
         let parent = self.ns.get(&e.ns).map_or(0, |n| n.ino);
-        if !ps.pool.delete(&e.loc(), e.leases > 0) {
+        if e.remote {
+            ps.pool.drop_remote(e.offset, e.asize);
+        } else if !ps.pool.delete(&e.loc(), e.leases > 0) {
             self.zombies.insert(e.ino, e.clone());
         }
         Some(Invalidation {
@@ -116,8 +134,13 @@ impl State {
         key: &str,
     ) -> Result<()> {
         let e = self.entries.get(&ino).expect("a sealed entry").clone();
-        auth.publish(ns, key, ino)?;
         let pool = &mut self.pools[e.pool as usize].pool;
+        let at = Placed {
+            pool: pool.uuid(),
+            offset: e.offset,
+            size: e.size,
+        };
+        auth.publish(ns, key, ino, &at)?;
         if let Err(err) = pool.rename(&e.loc(), ns, key) {
             auth.release(ns, key, ino);
             return Err(err);

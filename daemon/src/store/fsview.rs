@@ -15,6 +15,7 @@ use maru::{Error, Result};
 use maru_fsd::{Attr, Backend, Caller, DirEntry, Kind, OpenedFile, Upcall, Xattr};
 
 use super::Store;
+use super::entries::Removal;
 use super::namespaces::join;
 use super::policy::{self, Access, ENTRY_MODES, Perm};
 use super::pools::{Backing, kind_name};
@@ -737,7 +738,7 @@ impl Backend for StoreFs {
         if let Some(&ino) = n.entries.get(name) {
             let perm = st.entries[&ino].perm;
             Store::allow(&st, c, &p, Access::Delete(&perm))?;
-            let inv = st.remove_entry(&*self.0.authority, &self.0.counters, ino, false);
+            let inv = st.remove_entry(&*self.0.authority, &self.0.counters, ino, Removal::Deleted);
             drop(st);
             // The kernel drops the name; the backing is freed once the mount lets go of it.
             self.0.notify(

@@ -7,6 +7,7 @@
 use maru::{Error, Result};
 
 use super::Store;
+use super::entries::Removal;
 use super::pools::Backing;
 use super::settings::Eviction;
 use super::state::State;
@@ -34,7 +35,9 @@ impl Store {
                 break;
             }
             let asize = st.entries[&ino].asize;
-            if let Some(i) = st.remove_entry(&*self.authority, &self.counters, ino, true) {
+            if let Some(i) =
+                st.remove_entry(&*self.authority, &self.counters, ino, Removal::Evicted)
+            {
                 freed += asize;
                 count += 1;
                 self.notify(vec![i]);

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use maru::name::{check_component, split_ns};
 use maru::proto::PoolKind;
 
-use super::authority::Authority;
+use super::authority::{Authority, Placed};
 use super::lru::Lru;
 use super::namespaces::Namespaces;
 use super::policy::Perm;
@@ -120,8 +120,13 @@ fn recover_pool(st: &mut State, p: usize, authority: &dyn Authority) -> anyhow::
         }
         ensure_path(st, &f.ns)?;
         let ino = st.alloc_ino();
-        if authority.publish(&f.ns, &f.key, ino).is_err() {
-            tracing::warn!(ns = %f.ns, key = %f.key, "duplicate key across pools; keeping the first");
+        let at = Placed {
+            pool: st.pools[p].pool.uuid(),
+            offset: f.offset,
+            size: f.size,
+        };
+        if let Err(e) = authority.publish(&f.ns, &f.key, ino, &at) {
+            tracing::warn!(ns = %f.ns, key = %f.key, "not recovered ({e}): the name is taken");
             continue;
         }
         let e = Entry {
@@ -144,6 +149,7 @@ fn recover_pool(st: &mut State, p: usize, authority: &dyn Authority) -> anyhow::
                 mode: f.mode,
             },
             mtime: f.mtime,
+            remote: false,
         };
         kept.push(ino);
         st.insert_entry(e);

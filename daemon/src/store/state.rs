@@ -46,6 +46,9 @@ pub struct Entry {
     pub perm: Perm,
     /// Publication time.
     pub mtime: SystemTime,
+    /// Published by another host sharing the pool (cluster mode): its extent is not this
+    /// host's to free, and this host never evicts it.
+    pub remote: bool,
 }
 
 impl AsMut<Stamp> for Entry {
@@ -107,9 +110,9 @@ impl Entry {
         f
     }
 
-    /// Whether eviction must pass it by: pinned, held or leased.
+    /// Whether eviction must pass it by: pinned, held, leased, or another host's.
     pub fn protected(&self) -> bool {
-        self.pinned || self.holds > 0 || self.leases > 0
+        self.pinned || self.holds > 0 || self.leases > 0 || self.remote
     }
 
     /// Where it is, for a client.

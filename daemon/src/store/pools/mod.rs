@@ -45,6 +45,18 @@ pub enum Backing {
 }
 
 impl Backing {
+    /// Its offset in a raw pool, once it has one.
+    pub fn offset(&self) -> Option<u64> {
+        match self {
+            Backing::Extent { offset }
+            | Backing::Buffer {
+                placed: Some((offset, _)),
+                ..
+            } => Some(*offset),
+            _ => None,
+        }
+    }
+
     /// The file a writer's mappings pass through to (memfs).
     pub fn file(&self) -> Option<Arc<File>> {
         match self {
@@ -116,6 +128,19 @@ pub trait Pool: Send {
     fn used(&self) -> u64 {
         self.capacity().saturating_sub(self.free_space())
     }
+    /// The UUID of a raw pool's device header (its identity across hosts); None for memfs.
+    fn uuid(&self) -> Option<&str> {
+        None
+    }
+    /// Files the 2 MiB units of `[offset, offset + len)` as holding an entry another host
+    /// published (raw pools: never carved here while any such entry lives in them).
+    fn adopt_remote(&mut self, _offset: u64, _len: u64) -> Result<()> {
+        Err(maru::Error::Unsupported(
+            "only raw pools hold other hosts' entries".into(),
+        ))
+    }
+    /// An entry another host published, at `[offset, offset + len)`, is gone.
+    fn drop_remote(&mut self, _offset: u64, _len: u64) {}
     /// Whether the mount serves its entries by passthrough to their own file.
     fn passthrough(&self) -> bool;
     /// Whether a retrieval must hold a lease on the entry's extent (raw pools: the extent is

@@ -56,6 +56,12 @@ pub struct Raw {
     /// Who may carve which region (the pool's UUID names it there).
     authority: Arc<dyn Authority>,
     uuid: String,
+    /// 2 MiB units holding entries other hosts published, with how many (cluster mode):
+    /// reserved in `extents`, never carved here.
+    remote_units: BTreeMap<u64, u32>,
+    /// Units another host claimed when this one tried to carve them: reserved in `extents`
+    /// until the pool looks full, then tried again.
+    foreign: Vec<(u64, u64)>,
 }
 
 fn reopen(f: &File, write: bool) -> std::io::Result<File> {
@@ -73,7 +79,7 @@ impl Raw {
         wal_sync: bool,
         authority: Arc<dyn Authority>,
     ) -> anyhow::Result<Raw> {
-        let (file, size) = pool::open_raw(spec)?;
+        let (file, size) = pool::open_raw(spec, authority.shared())?;
         let header = match format::read_header(&file)? {
             Some(h) => h,
             None => {
@@ -102,6 +108,8 @@ impl Raw {
             live_entries: 0,
             authority,
             uuid: header.uuid_string(),
+            remote_units: BTreeMap::new(),
+            foreign: Vec::new(),
         })
     }
 
@@ -149,14 +157,7 @@ impl Raw {
             return Ok(off);
         }
         let rlen = align_up(asize, REGION_ALIGN);
-        let roff = self
-            .extents
-            .alloc(rlen, REGION_ALIGN)
-            .ok_or_else(|| Error::NoSpace(format!("pool {} is full", self.name)))?;
-        if let Err(e) = self.authority.claim_region(&self.uuid, roff, rlen) {
-            self.extents.free(roff, rlen);
-            return Err(e);
-        }
+        let roff = self.carve(rlen)?;
         self.regions.insert(
             roff,
             Region {
@@ -172,6 +173,33 @@ impl Raw {
             self.detach_region(old);
         }
         Ok(roff)
+    }
+
+    /// Carves a region of `rlen` bytes and claims it at the authority. With other hosts
+    /// sharing the pool, a range one of them claimed is set aside and another tried; once
+    /// the pool looks full, what was set aside is tried again (its holder may have let go).
+    fn carve(&mut self, rlen: u64) -> Result<u64> {
+        let mut retried = false;
+        loop {
+            let Some(roff) = self.extents.alloc(rlen, REGION_ALIGN) else {
+                if self.foreign.is_empty() || retried {
+                    return Err(Error::NoSpace(format!("pool {} is full", self.name)));
+                }
+                for (o, l) in std::mem::take(&mut self.foreign) {
+                    self.extents.free(o, l);
+                }
+                retried = true;
+                continue;
+            };
+            match self.authority.claim_region(&self.uuid, roff, rlen) {
+                Ok(()) => return Ok(roff),
+                Err(Error::Busy(_)) if self.authority.shared() => self.foreign.push((roff, rlen)),
+                Err(e) => {
+                    self.extents.free(roff, rlen);
+                    return Err(e);
+                }
+            }
+        }
     }
 
     /// The owner leaves a region: it is freed once empty.
@@ -204,6 +232,64 @@ impl Raw {
 const MOUNT_WRITERS: u64 = u64::MAX;
 
 impl Pool for Raw {
+    fn uuid(&self) -> Option<&str> {
+        Some(&self.uuid)
+    }
+
+    fn adopt_remote(&mut self, offset: u64, len: u64) -> Result<()> {
+        let (s, end) = (
+            offset / REGION_ALIGN * REGION_ALIGN,
+            align_up(offset + len, REGION_ALIGN),
+        );
+        if offset < REGION_ALIGN || end > self.size {
+            return Err(Error::InvalidArgument(format!(
+                "{offset:#x}+{len:#x} is outside pool {}",
+                self.name
+            )));
+        }
+        let mut u = s;
+        while u < end {
+            if !self.remote_units.contains_key(&u) {
+                // Set aside as another host's; a unit set aside already (claimed by it when
+                // this host tried) moves from `foreign` to here.
+                if let Some(i) = self.foreign.iter().position(|&(o, l)| o <= u && u < o + l) {
+                    let (o, l) = self.foreign.swap_remove(i);
+                    for (a, b) in [(o, u - o), (u + REGION_ALIGN, o + l - u - REGION_ALIGN)] {
+                        if b > 0 {
+                            self.foreign.push((a, b));
+                        }
+                    }
+                } else if !self.extents.reserve(u, REGION_ALIGN) {
+                    // Only if the claims were broken: this host carved the unit itself.
+                    tracing::warn!(pool = %self.name, unit = u, "another host's entry in a unit this host holds");
+                    u += REGION_ALIGN;
+                    continue;
+                }
+            }
+            *self.remote_units.entry(u).or_insert(0) += 1;
+            u += REGION_ALIGN;
+        }
+        Ok(())
+    }
+
+    fn drop_remote(&mut self, offset: u64, len: u64) {
+        let (s, end) = (
+            offset / REGION_ALIGN * REGION_ALIGN,
+            align_up(offset + len, REGION_ALIGN),
+        );
+        let mut u = s;
+        while u < end {
+            if let Some(n) = self.remote_units.get_mut(&u) {
+                *n -= 1;
+                if *n == 0 {
+                    self.remote_units.remove(&u);
+                    self.extents.free(u, REGION_ALIGN);
+                }
+            }
+            u += REGION_ALIGN;
+        }
+    }
+
     fn kind(&self) -> PoolKind {
         self.kind
     }
