@@ -14,9 +14,10 @@
 //!   range under the lease, all or nothing, if none is held; a host that dies or is cut off
 //!   loses its claims when the lease expires.
 //! - **Write-once publication**: [`Member::publish`] creates `entries/<ns>/<name>` only if
-//!   absent, and only while this host's lease is the one on `nodes/<node>`: one transaction,
-//!   so of two hosts publishing a key at once exactly one wins, and a host whose lease expired
-//!   publishes nothing (it must [`Member::rejoin`]).
+//!   absent, only while this host's lease is the one on `nodes/<node>`, and only if the
+//!   entry's units are claimed by this host: one transaction, so of two hosts publishing a
+//!   key at once exactly one wins, a host whose lease expired publishes nothing (it must
+//!   [`Member::rejoin`]), and no entry is published into units another host took meanwhile.
 //! - **Visibility**: [`Member::snapshot`] reads every entry at one revision and
 //!   [`Member::watch_entries`] streams every change after it, so a host's view misses nothing.
 //!
@@ -33,6 +34,8 @@ use etcd_client::{
 };
 use serde::{Deserialize, Serialize};
 use tokio::task::JoinHandle;
+
+pub mod testing;
 
 /// The unit of region claims: 2 MiB, the pool's region alignment.
 pub const UNIT: u64 = 2 << 20;
@@ -51,6 +54,17 @@ fn units(offset: u64, len: u64) -> Result<Vec<u64>> {
     Ok((offset / UNIT..(offset + len) / UNIT).collect())
 }
 
+/// The units a publication checks this host holds: every unit of the entry, or for an entry
+/// of more units than a transaction can compare, its first and last 60.
+fn held_units(offset: u64, len: u64) -> Vec<u64> {
+    let (first, last) = (offset / UNIT, (offset + len.max(1) - 1) / UNIT);
+    if last - first < 120 {
+        (first..=last).collect()
+    } else {
+        (first..first + 60).chain(last - 59..=last).collect()
+    }
+}
+
 /// What can go wrong.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -66,6 +80,9 @@ pub enum Error {
     /// A record in etcd is not what this version writes.
     #[error("bad record at {key}: {why}")]
     BadRecord { key: String, why: String },
+    /// A publication of bytes outside the units this host holds (it lost them while cut off).
+    #[error("{offset:#x}+{len:#x} is not in regions this host holds")]
+    NotClaimed { offset: u64, len: u64 },
     /// A name that cannot be a key component.
     #[error("invalid name {0:?}")]
     InvalidName(String),
@@ -408,11 +425,19 @@ impl Member {
         check_name(name)?;
         let key = self.keys.entry(ns, name);
         let value = serde_json::to_vec(record).expect("serializable");
+        let mut when = vec![
+            self.alive_cmp(),
+            Compare::create_revision(key.clone(), CompareOp::Equal, 0),
+        ];
+        for u in held_units(record.offset, record.len) {
+            when.push(Compare::value(
+                self.keys.region(u),
+                CompareOp::Equal,
+                self.info.node.clone(),
+            ));
+        }
         let txn = Txn::new()
-            .when([
-                self.alive_cmp(),
-                Compare::create_revision(key.clone(), CompareOp::Equal, 0),
-            ])
+            .when(when)
             .and_then([TxnOp::put(key.clone(), value, None)])
             .or_else([
                 TxnOp::get(self.keys.node(&self.info.node), None),
@@ -430,10 +455,11 @@ impl Member {
                 let kv = &g.kvs()[0];
                 Ok(Published::Exists(decode(kv.key(), kv.value())?))
             }
-            _ => Err(bad(
-                key.as_bytes(),
-                "publication refused for no reason".into(),
-            )),
+            // Alive, the name free: the entry is not (all) in units this host holds.
+            _ => Err(Error::NotClaimed {
+                offset: record.offset,
+                len: record.len,
+            }),
         }
     }
 
@@ -452,6 +478,19 @@ impl Member {
             self.live.store(false, Ordering::Release);
             Err(Error::LeaseLost(self.info.node.clone()))
         }
+    }
+
+    /// Removes entry `ns/name` only if its record is `record` (a publication whose outcome
+    /// was unknown, taken back); true if it did.
+    pub async fn retract(&self, ns: &str, name: &str, record: &EntryRecord) -> Result<bool> {
+        check_ns(ns)?;
+        check_name(name)?;
+        let key = self.keys.entry(ns, name);
+        let value = serde_json::to_vec(record).expect("serializable");
+        let txn = Txn::new()
+            .when([Compare::value(key.clone(), CompareOp::Equal, value)])
+            .and_then([TxnOp::delete(key, None)]);
+        Ok(self.client.clone().txn(txn).await?.succeeded())
     }
 
     /// Removes entry `ns/name`; true if it existed.

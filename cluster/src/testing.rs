@@ -1,11 +1,9 @@
-//! What the cluster tests run against: a private etcd (Debian's `etcd-server`), and network
-//! namespaces standing in for hosts. Everything is torn down when its guard drops, panics
-//! included: etcd is killed by pid, the namespaces (and the links in them) are deleted.
+//! Test support: a private etcd (Debian's `etcd-server`), and network namespaces standing in
+//! for hosts. Everything is torn down when its guard drops, panics included: etcd is killed
+//! by pid, the namespaces (and the links in them) are deleted.
 //!
-//! Without an `etcd` binary, or without root for namespaces, the tests skip, unless
-//! `MARU_REQUIRE_ROOT` is set (CI), where they fail.
-
-#![allow(dead_code)] // each test binary uses part of it
+//! Without an `etcd` binary, or without root for namespaces, [`Etcd::start`] and [`Net::new`]
+//! return `None` (the test skips), unless `MARU_REQUIRE_ROOT` is set (CI), where they panic.
 
 use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
@@ -30,9 +28,12 @@ fn free_port() -> u16 {
 
 /// A private etcd with its data in a temporary directory.
 pub struct Etcd {
-    child: Child,
+    child: Option<Child>,
     endpoint: String,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
+    netns: Option<String>,
+    ip: String,
+    ports: (u16, u16),
 }
 
 impl Etcd {
@@ -52,11 +53,33 @@ impl Etcd {
             skip("etcd is not installed (apt-get install etcd-server)");
             return None;
         }
-        let dir = tempfile::tempdir().expect("tempdir");
-        let endpoint = format!("http://{ip}:{client}");
-        let peer_url = format!("http://{ip}:{peer}");
+        // Its data in memory where there is a tmpfs: etcd syncs every write, and on a disk
+        // busy with a build's output one sync can take seconds.
+        let shm = std::path::Path::new("/dev/shm");
+        let dir = if shm.is_dir() {
+            tempfile::Builder::new()
+                .prefix("maru-etcd-")
+                .tempdir_in(shm)
+        } else {
+            tempfile::tempdir()
+        }
+        .expect("tempdir");
+        let mut etcd = Etcd {
+            child: None,
+            endpoint: format!("http://{ip}:{client}"),
+            dir,
+            netns: netns.map(str::to_owned),
+            ip: ip.to_owned(),
+            ports: (client, peer),
+        };
+        etcd.spawn();
+        Some(etcd)
+    }
+
+    fn spawn(&mut self) {
+        let peer_url = format!("http://{}:{}", self.ip, self.ports.1);
         // `ip netns exec` enters the namespace and execs etcd: the child's pid is etcd's.
-        let mut cmd = match netns {
+        let mut cmd = match &self.netns {
             Some(ns) => {
                 let mut c = Command::new("ip");
                 c.args(["netns", "exec", ns, "etcd"]);
@@ -66,9 +89,9 @@ impl Etcd {
         };
         let child = cmd
             .args(["--name", "t", "--data-dir"])
-            .arg(dir.path())
-            .args(["--listen-client-urls", &endpoint])
-            .args(["--advertise-client-urls", &endpoint])
+            .arg(self.dir.path())
+            .args(["--listen-client-urls", &self.endpoint])
+            .args(["--advertise-client-urls", &self.endpoint])
             .args(["--listen-peer-urls", &peer_url])
             .args(["--initial-advertise-peer-urls", &peer_url])
             .args(["--initial-cluster", &format!("t={peer_url}")])
@@ -76,13 +99,22 @@ impl Etcd {
             .stderr(Stdio::null())
             .spawn()
             .expect("start etcd");
-        let etcd = Etcd {
-            child,
-            endpoint,
-            _dir: dir,
-        };
-        etcd.wait_ready(netns, ip, client);
-        Some(etcd)
+        self.child = Some(child);
+        self.wait_ready(self.netns.as_deref(), &self.ip, self.ports.0);
+    }
+
+    /// Kills etcd (SIGKILL: as a crash); its data stays for [`Etcd::restart`].
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts etcd again on the same data and ports.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
     }
 
     /// Waits until etcd reports itself healthy (it has a leader), on its `/health` page.
@@ -123,8 +155,7 @@ impl Etcd {
 
 impl Drop for Etcd {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.kill();
     }
 }
 

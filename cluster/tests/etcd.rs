@@ -1,11 +1,9 @@
 //! The cluster metadata against a real etcd (Debian's `etcd-server`), started per test on
-//! loopback ports with a private data directory (tests/common).
-
-mod common;
+//! loopback ports with a private data directory (maru_cluster::testing).
 
 use std::time::{Duration, Instant};
 
-use common::Etcd;
+use maru_cluster::testing::Etcd;
 use maru_cluster::{EntryEvent, EntryRecord, Error, Member, NodeInfo, Published, UNIT};
 
 const POOL: &str = "5f0c1d2e-0000-4000-8000-00000000c1a5";
@@ -39,9 +37,11 @@ async fn two_hosts_publishing_one_key_at_once_one_wins() {
     let Some(etcd) = Etcd::start() else { return };
     let a = member(&etcd, "a", 10).await;
     let b = member(&etcd, "b", 10).await;
+    assert!(a.claim(0, 40 * UNIT).await.expect("claim"));
+    assert!(b.claim(100 * UNIT, 40 * UNIT).await.expect("claim"));
     for round in 0..40u64 {
         let name = format!("k{round}");
-        let (rec_a, rec_b) = (record("a", round << 21), record("b", (round << 21) + 4096));
+        let (rec_a, rec_b) = (record("a", round * UNIT), record("b", (100 + round) * UNIT));
         let (ra, rb) = tokio::join!(
             a.publish("ns", &name, &rec_a),
             b.publish("ns", &name, &rec_b),
@@ -139,6 +139,12 @@ async fn a_host_that_lost_its_lease_publishes_nothing_until_it_rejoins() {
     let Some(etcd) = Etcd::start() else { return };
     let mut a = member(&etcd, "a", 10).await;
     let b = member(&etcd, "b", 10).await;
+    assert!(a.claim(0, UNIT).await.expect("claim"));
+    // Only into units it holds.
+    assert!(matches!(
+        a.publish("ns", "elsewhere", &record("a", 5 * UNIT)).await,
+        Err(Error::NotClaimed { .. })
+    ));
     assert!(matches!(
         a.publish("ns", "before", &record("a", 0)).await,
         Ok(Published::New { .. })
@@ -163,6 +169,7 @@ async fn a_host_that_lost_its_lease_publishes_nothing_until_it_rejoins() {
     assert_eq!(names, ["before"]);
     a.rejoin().await.expect("rejoin");
     assert!(a.is_live());
+    assert!(a.claim(0, UNIT).await.expect("claim")); // the old lease's claims went with it
     assert!(matches!(
         a.publish("ns", "after", &record("a", 4096)).await,
         Ok(Published::New { .. })
@@ -174,6 +181,7 @@ async fn a_snapshot_and_its_watch_miss_nothing() {
     let Some(etcd) = Etcd::start() else { return };
     let a = member(&etcd, "a", 10).await;
     let b = member(&etcd, "b", 10).await;
+    assert!(a.claim(0, UNIT).await.expect("claim"));
     for i in 0..50u64 {
         a.publish("team/ns", &format!("e{i}"), &record("a", i << 12))
             .await

@@ -1,12 +1,10 @@
 //! Hosts cut off from etcd: three members, each in a network namespace of its own joined to a
 //! hub namespace (where etcd runs) by a veth pair; one host's link is taken down and brought
-//! back (tests/common).
-
-mod common;
+//! back (maru_cluster::testing).
 
 use std::time::{Duration, Instant};
 
-use common::{Etcd, Net};
+use maru_cluster::testing::{Etcd, Net};
 use maru_cluster::{EntryRecord, Error, Member, NodeInfo, Published, UNIT};
 
 const POOL: &str = "5f0c1d2e-0000-4000-8000-0000000c0ffe";

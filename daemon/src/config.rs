@@ -80,6 +80,17 @@ pub struct Cli {
     /// Serve Prometheus metrics on this address (e.g. 127.0.0.1:9860), path /metrics.
     #[arg(long, value_name = "ADDR")]
     pub metrics: Option<std::net::SocketAddr>,
+    /// Cluster mode: the etcd endpoints (http://HOST:2379[,http://...]) of the hosts sharing
+    /// the one raw pool given with --pool (its device initialized once, by `maructl device
+    /// init`). Needs --node.
+    #[arg(long, value_name = "URLS")]
+    pub cluster: Option<String>,
+    /// This host's name in the cluster.
+    #[arg(long, value_name = "NAME")]
+    pub node: Option<String>,
+    /// Seconds a dead or cut-off host keeps its claims (its etcd lease's TTL; default 10).
+    #[arg(long, value_name = "SECS")]
+    pub cluster_ttl: Option<u64>,
 }
 
 /// The config file: every flag has a key.
@@ -117,6 +128,12 @@ pub struct FileConfig {
     pub pid_file: Option<PathBuf>,
     /// Metrics address.
     pub metrics: Option<std::net::SocketAddr>,
+    /// etcd endpoints, comma-separated (cluster mode).
+    pub cluster: Option<String>,
+    /// Node name (cluster mode).
+    pub node: Option<String>,
+    /// Lease TTL in seconds (cluster mode).
+    pub cluster_ttl: Option<u64>,
 }
 
 /// Resolved settings.
@@ -150,6 +167,8 @@ pub struct Settings {
     pub pid_file: Option<PathBuf>,
     /// Metrics address.
     pub metrics: Option<std::net::SocketAddr>,
+    /// Cluster mode.
+    pub cluster: Option<crate::cluster::ClusterSettings>,
 }
 
 impl Settings {
@@ -185,6 +204,36 @@ impl Settings {
             "lru" => Eviction::Lru,
             "off" => Eviction::Off,
             other => anyhow::bail!("eviction must be `lru` or `off`, not `{other}`"),
+        };
+        let cluster = match (cli.cluster.or(file.cluster), cli.node.or(file.node)) {
+            (None, None) => None,
+            (Some(_), None) => anyhow::bail!("--cluster needs --node NAME"),
+            (None, Some(_)) => anyhow::bail!("--node is for cluster mode: give --cluster too"),
+            (Some(urls), Some(node)) => {
+                let endpoints: Vec<String> = urls
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|u| !u.is_empty())
+                    .map(str::to_owned)
+                    .collect();
+                if endpoints.is_empty() {
+                    anyhow::bail!("--cluster names no etcd endpoint");
+                }
+                if pools.len() != 1 || !pools[0].kind.is_raw() {
+                    anyhow::bail!(
+                        "cluster mode shares exactly one raw pool (devdax: or file:), given once \
+                         with --pool"
+                    );
+                }
+                maru::name::check_component(node.as_bytes())
+                    .map_err(|e| anyhow::anyhow!("--node: {e}"))?;
+                let ttl = cli.cluster_ttl.or(file.cluster_ttl).unwrap_or(10).max(1);
+                Some(crate::cluster::ClusterSettings {
+                    endpoints,
+                    node,
+                    ttl: std::time::Duration::from_secs(ttl),
+                })
+            }
         };
         Ok(Settings {
             pools,
@@ -228,6 +277,7 @@ impl Settings {
                 .clamp(-20, 19),
             pid_file: cli.pid_file.or(file.pid_file),
             metrics: cli.metrics.or(file.metrics),
+            cluster,
         })
     }
 }

@@ -1,6 +1,7 @@
 //! marud: the maru daemon as a library (so tests and benchmarks can embed it).
 
 pub mod alloc;
+pub mod cluster;
 pub mod config;
 pub mod metrics;
 pub mod mount;

@@ -146,15 +146,31 @@ fn run(s: Settings) -> anyhow::Result<()> {
     set_nice(s.nice);
     drop_capabilities().context("dropping capabilities")?;
     let group = socket_group(s.group.as_deref())?;
-    let store = Store::open(
-        StoreConfig {
-            eviction: s.eviction,
-            state_dir: s.state_dir.clone(),
-            wal_sync: s.wal_sync,
-            max_copy_entry: 1 << 30,
-        },
-        &s.pools,
-    )?;
+    let store_cfg = StoreConfig {
+        eviction: s.eviction,
+        state_dir: s.state_dir.clone(),
+        wal_sync: s.wal_sync,
+        max_copy_entry: 1 << 30,
+    };
+    let store = match &s.cluster {
+        None => Store::open(store_cfg, &s.pools)?,
+        Some(c) => {
+            // The shared pool's identity is its device header's UUID.
+            let spec = &s.pools[0];
+            let dev = std::fs::File::open(&spec.path)
+                .with_context(|| format!("opening {}", spec.path.display()))?;
+            let header = maru::format::read_header(&dev)?.ok_or_else(|| {
+                anyhow::anyhow!(
+                    "{} has no maru header: initialize it once with `maructl device init`",
+                    spec.path.display()
+                )
+            })?;
+            let auth = maru_daemon::cluster::EtcdAuthority::join(c, &header.uuid_string())?;
+            let store = Store::open_with(store_cfg, &s.pools, auth.clone())?;
+            maru_daemon::cluster::start_applier(store.clone(), auth)?;
+            store
+        }
+    };
     for p in store.pools() {
         tracing::info!(pool = %p.name, kind = ?p.kind, capacity = p.capacity, entries = p.entries, "pool ready");
     }

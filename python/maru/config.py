@@ -64,7 +64,8 @@ def resolve_server_url(server_url: str, socket_path: Optional[str]) -> str:
     ``tcp://localhost:5555`` (the original's default), ``maru://127.0.0.1:…``, or any URL
     naming this host means the local marud, at ``socket_path`` (default ``$MARU_SOCKET`` or
     ``/run/maru/marud.sock``); ``unix:///path/marud.sock`` names the socket itself. A URL
-    naming another host is refused until maru's cluster mode exists.
+    naming another host is refused: a client talks to the marud of its own host (in cluster
+    mode every host runs one, and they share the pool: doc/CLUSTER.md).
 
     Raises:
         ValueError: a URL of another host, or one this client cannot read.
@@ -80,8 +81,9 @@ def resolve_server_url(server_url: str, socket_path: Optional[str]) -> str:
     host = url.hostname or ""
     if host not in _this_host_names():
         raise ValueError(
-            f"server_url {server_url!r} names another host ({host}): this maru serves the pools "
-            "of this host only (cluster mode is not there yet); use tcp://localhost or unix://"
+            f"server_url {server_url!r} names another host ({host}): a maru client talks to the "
+            "marud of its own host (in cluster mode each host runs one, sharing the pool); "
+            "use tcp://localhost or unix://"
         )
     return socket_path or _default_socket()
 

@@ -71,7 +71,8 @@ class MaruHandler:
         (logged), as the original.
 
         Raises:
-            ValueError: ``server_url`` names another host (cluster mode does not exist yet).
+            ValueError: ``server_url`` names another host (a client talks to its own host's
+                marud; in cluster mode every host runs one).
         """
         with self._lock:
             if self._core is not None:

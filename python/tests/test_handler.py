@@ -98,7 +98,7 @@ def test_server_urls(marud: Marud) -> None:
         maru.MaruConfig(server_url="unix://").socket
     with pytest.raises(ValueError):
         maru.MaruConfig(server_url="http://localhost:1").socket
-    # A remote server is refused at connect() with ValueError (no cluster mode).
+    # A remote server is refused at connect() with ValueError (clients use their own host's marud).
     h = maru.MaruHandler(maru.MaruConfig(server_url="tcp://10.255.255.1:5555", socket_path=sock))
     with pytest.raises(ValueError, match="another host"):
         h.connect()

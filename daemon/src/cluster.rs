@@ -1,0 +1,377 @@
+//! Cluster mode: several hosts, each with its own marud, sharing one raw pool, with the
+//! metadata in etcd (`maru-cluster`).
+//!
+//! - [`EtcdAuthority`] is the store's metadata authority: names stay write-once across hosts
+//!   (a publication is an etcd transaction, see `maru_cluster::Member::publish`), and every
+//!   region this host carves of the shared pool is claimed in etcd under its lease.
+//! - [`start_applier`] keeps the store fed with what the other hosts publish and remove: a
+//!   snapshot of the entries, then a watch from the next revision; each entry of another
+//!   host is filed as a remote entry (served here, never carved, freed or evicted here).
+//! - A host whose lease was lost (cut off from etcd past its TTL) publishes and claims
+//!   nothing until it has rejoined; it rejoins by itself and claims its regions again.
+//!
+//! The store calls the authority under its lock, so an etcd round trip (about a millisecond
+//! on one machine) is part of every publication.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use maru::{Error, Result};
+use maru_cluster::{EntryEvent, EntryRecord, Member, NodeInfo, Published};
+use parking_lot::Mutex;
+use tokio::sync::RwLock;
+
+use crate::store::Store;
+use crate::store::authority::{Authority, Claim, LocalAuthority, Placed};
+
+/// `--cluster`, `--node`, `--cluster-ttl`.
+#[derive(Debug, Clone)]
+pub struct ClusterSettings {
+    /// etcd endpoints (`http://HOST:2379`).
+    pub endpoints: Vec<String>,
+    /// This host's name in the cluster.
+    pub node: String,
+    /// The lease's time to live: how long a dead or cut-off host keeps its claims.
+    pub ttl: Duration,
+}
+
+fn unavailable(what: impl std::fmt::Display) -> Error {
+    Error::Io(std::io::Error::other(format!("cluster: {what}")))
+}
+
+/// The metadata authority shared by the hosts of a cluster.
+pub struct EtcdAuthority {
+    local: LocalAuthority,
+    rt: tokio::runtime::Runtime,
+    member: Arc<RwLock<Member>>,
+    node: String,
+    /// The shared pool's device UUID.
+    pool: String,
+    /// etcd revision of each publication of this host, by name: a removal the watch reports
+    /// from before it is an older entry's.
+    published: Mutex<HashMap<(String, String), i64>>,
+}
+
+impl EtcdAuthority {
+    /// Joins the cluster of pool `pool_uuid`. A node name still held (this host restarted
+    /// within its old lease's TTL) is waited for, up to the TTL and a little more.
+    pub fn join(s: &ClusterSettings, pool_uuid: &str) -> anyhow::Result<Arc<Self>> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("maru-cluster")
+            .enable_all()
+            .build()?;
+        let info = NodeInfo {
+            node: s.node.clone(),
+            address: nix::unistd::gethostname()
+                .map(|h| h.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            pid: std::process::id(),
+        };
+        let (eps, pool, ttl) = (s.endpoints.clone(), pool_uuid.to_owned(), s.ttl);
+        let member = rt.block_on(async move {
+            let deadline = tokio::time::Instant::now() + ttl + Duration::from_secs(3);
+            loop {
+                match Member::join(&eps, &pool, info.clone(), ttl).await {
+                    Err(maru_cluster::Error::NodeTaken(n))
+                        if tokio::time::Instant::now() < deadline =>
+                    {
+                        tracing::info!(node = %n, "node name still held (an earlier run's lease); waiting");
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                    }
+                    r => return r,
+                }
+            }
+        })?;
+        tracing::info!(node = %s.node, pool = %pool_uuid, endpoints = ?s.endpoints, lease = member.lease(), "joined the cluster");
+        let me = Arc::new(EtcdAuthority {
+            local: LocalAuthority::default(),
+            rt,
+            member: Arc::new(RwLock::new(member)),
+            node: s.node.clone(),
+            pool: pool_uuid.to_owned(),
+            published: Mutex::new(HashMap::new()),
+        });
+        me.rt.spawn(keep_membership(Arc::downgrade(&me)));
+        Ok(me)
+    }
+
+    /// Runs `f` on the cluster runtime and waits for it (from any thread, the runtime's own
+    /// included: the future runs on a worker, this thread only waits).
+    fn run<T: Send + 'static>(&self, f: impl Future<Output = T> + Send + 'static) -> T {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        self.rt.spawn(async move {
+            let _ = tx.send(f.await);
+        });
+        rx.recv().expect("the cluster runtime is running")
+    }
+
+    fn member(&self) -> Arc<RwLock<Member>> {
+        self.member.clone()
+    }
+
+    /// Whether a removal the watch reports at `revision` is older than this host's current
+    /// publication of the name.
+    fn stale_removal(&self, ns: &str, key: &str, revision: i64) -> bool {
+        self.published
+            .lock()
+            .get(&(ns.to_owned(), key.to_owned()))
+            .is_some_and(|&r| r > revision)
+    }
+}
+
+/// Rejoins when the lease is lost, then claims this host's regions again.
+async fn keep_membership(me: std::sync::Weak<EtcdAuthority>) {
+    loop {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let Some(a) = me.upgrade() else { return };
+        if a.member.read().await.is_live() {
+            continue;
+        }
+        tracing::warn!(node = %a.node, "lost the cluster lease: no publication until rejoined");
+        let mut m = a.member.write().await;
+        if let Err(e) = m.rejoin().await {
+            tracing::warn!(node = %a.node, "rejoining: {e}");
+            continue;
+        }
+        for (off, len) in a.local.regions(&a.pool) {
+            match m.claim(off, len).await {
+                Ok(true) => {}
+                Ok(false) => tracing::error!(
+                    off,
+                    len,
+                    "a region of this host was claimed by another while this one was cut off"
+                ),
+                Err(e) => tracing::warn!(off, len, "claiming a region again: {e}"),
+            }
+        }
+        tracing::info!(node = %a.node, lease = m.lease(), "rejoined the cluster");
+    }
+}
+
+impl Authority for EtcdAuthority {
+    fn reserve(&self, ns: &str, key: &str, id: u64) -> Result<()> {
+        self.local.reserve(ns, key, id)
+    }
+
+    fn publish(&self, ns: &str, key: &str, id: u64, at: &Placed<'_>) -> Result<()> {
+        self.local.publish(ns, key, id, at)?;
+        if at.pool != Some(self.pool.as_str()) {
+            return Ok(()); // not the shared pool: this host's alone
+        }
+        let rec = EntryRecord {
+            offset: at.offset,
+            len: at.size,
+            node: self.node.clone(),
+            alloc: id,
+        };
+        let (m, n, k, r) = (self.member(), ns.to_owned(), key.to_owned(), rec.clone());
+        let outcome = self.run(async move { m.read().await.publish(&n, &k, &r).await });
+        let refused = match outcome {
+            Ok(Published::New { revision }) => {
+                self.published
+                    .lock()
+                    .insert((ns.to_owned(), key.to_owned()), revision);
+                return Ok(());
+            }
+            // This host's own record (a restart recovering what it published).
+            Ok(Published::Exists(r)) if r.node == self.node && r.offset == at.offset => {
+                return Ok(());
+            }
+            Ok(Published::Exists(r)) => {
+                Error::Exists(format!("{ns}/{key} (published by host {})", r.node))
+            }
+            Err(maru_cluster::Error::LeaseLost(_)) => {
+                Error::Busy("this host lost its cluster lease; retry once it has rejoined".into())
+            }
+            // Written into a region another host took while this one was cut off: those
+            // bytes are not this host's to publish.
+            Err(e @ maru_cluster::Error::NotClaimed { .. }) => Error::Busy(e.to_string()),
+            Err(e) => {
+                // The outcome is unknown: take the record back if it made it.
+                let (m, n, k) = (self.member(), ns.to_owned(), key.to_owned());
+                if let Err(e2) = self.run(async move { m.read().await.retract(&n, &k, &rec).await })
+                {
+                    tracing::error!(
+                        ns,
+                        key,
+                        "publication failed ({e}) and could not be taken back: {e2}"
+                    );
+                }
+                unavailable(e)
+            }
+        };
+        self.local.release(ns, key, id);
+        Err(refused)
+    }
+
+    fn release(&self, ns: &str, key: &str, id: u64) {
+        let published = self.local.holder(ns, key) == Some(Claim::Published(id));
+        self.local.release(ns, key, id);
+        if published {
+            self.published
+                .lock()
+                .remove(&(ns.to_owned(), key.to_owned()));
+            let (m, n, k) = (self.member(), ns.to_owned(), key.to_owned());
+            if let Err(e) = self.run(async move { m.read().await.remove(&n, &k).await }) {
+                tracing::error!(ns, key, "removing the entry from the cluster: {e}");
+            }
+        }
+    }
+
+    fn adopt(&self, ns: &str, key: &str, id: u64) {
+        self.local.adopt(ns, key, id);
+    }
+
+    fn forget(&self, ns: &str, key: &str) {
+        self.published
+            .lock()
+            .remove(&(ns.to_owned(), key.to_owned()));
+        self.local.forget(ns, key);
+    }
+
+    fn holder(&self, ns: &str, key: &str) -> Option<Claim> {
+        self.local.holder(ns, key)
+    }
+
+    fn claim_region(&self, pool: &str, offset: u64, len: u64) -> Result<()> {
+        self.local.claim_region(pool, offset, len)?;
+        if pool != self.pool {
+            return Ok(());
+        }
+        let m = self.member();
+        let r = self.run(async move { m.read().await.claim(offset, len).await });
+        let e = match r {
+            Ok(true) => return Ok(()),
+            Ok(false) => Error::Busy(format!(
+                "region {offset:#x}+{len:#x} is claimed by another host"
+            )),
+            Err(maru_cluster::Error::LeaseLost(_)) => {
+                unavailable("this host lost its lease; no region until it has rejoined")
+            }
+            Err(e) => unavailable(e),
+        };
+        self.local.release_region(pool, offset);
+        Err(e)
+    }
+
+    fn release_region(&self, pool: &str, offset: u64) {
+        let len = self
+            .local
+            .regions(pool)
+            .into_iter()
+            .find(|&(o, _)| o == offset)
+            .map(|(_, l)| l);
+        self.local.release_region(pool, offset);
+        if let (Some(len), true) = (len, pool == self.pool) {
+            let m = self.member();
+            if let Err(e) = self.run(async move { m.read().await.release(offset, len).await }) {
+                tracing::warn!(offset, len, "releasing a region in the cluster: {e}");
+            }
+        }
+    }
+
+    fn regions(&self, pool: &str) -> Vec<(u64, u64)> {
+        self.local.regions(pool)
+    }
+
+    fn shared(&self) -> bool {
+        true
+    }
+}
+
+/// What the watch hands the applier thread.
+enum Change {
+    /// Every entry at a revision (after a (re)start of the watch).
+    All(Vec<(String, String, EntryRecord)>),
+    Event(EntryEvent),
+}
+
+/// Feeds `store` with the entries the other hosts publish and remove: a snapshot, then the
+/// watch from the next revision (again from a fresh snapshot whenever the watch breaks).
+pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Result<()> {
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Change>();
+    let m = auth.member();
+    auth.rt.spawn(async move {
+        loop {
+            let snap = m.read().await.snapshot().await;
+            let (all, rev) = match snap {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!("cluster: reading the entries: {e}");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    continue;
+                }
+            };
+            if tx.send(Change::All(all)).is_err() {
+                return;
+            }
+            let watch = m.read().await.watch_entries(rev + 1).await;
+            let Ok(mut w) = watch else {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            };
+            loop {
+                match w.next().await {
+                    Ok(Some(ev)) => {
+                        if tx.send(Change::Event(ev)).is_err() {
+                            return;
+                        }
+                    }
+                    Ok(None) | Err(_) => {
+                        tracing::warn!("cluster: the entry watch ended; reading the entries again");
+                        break;
+                    }
+                }
+            }
+        }
+    });
+    std::thread::Builder::new()
+        .name("maru-cluster-apply".into())
+        .spawn(move || {
+            while let Some(c) = rx.blocking_recv() {
+                apply(&store, &auth, c);
+            }
+        })?;
+    Ok(())
+}
+
+fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
+    match c {
+        Change::All(all) => {
+            let mut seen = std::collections::HashSet::new();
+            for (ns, key, rec) in all {
+                if rec.node != auth.node {
+                    file(store, auth, &ns, &key, &rec);
+                }
+                seen.insert((ns, key));
+            }
+            // Removed while the watch was down.
+            for (ns, key) in store.remote_names() {
+                if !seen.contains(&(ns.clone(), key.clone())) {
+                    store.forget_remote(&ns, &key);
+                }
+            }
+        }
+        Change::Event(EntryEvent::Put {
+            ns, name, record, ..
+        }) => {
+            if record.node != auth.node {
+                file(store, auth, &ns, &name, &record);
+            }
+        }
+        Change::Event(EntryEvent::Delete { ns, name, revision }) => {
+            if !auth.stale_removal(&ns, &name, revision) {
+                store.forget_remote(&ns, &name);
+            }
+        }
+    }
+}
+
+fn file(store: &Store, auth: &EtcdAuthority, ns: &str, key: &str, rec: &EntryRecord) {
+    if let Err(e) = store.file_remote(&auth.pool, ns, key, rec.offset, rec.len) {
+        tracing::warn!(ns, key, node = %rec.node, "cannot serve another host's entry: {e}");
+    }
+}

@@ -1,0 +1,350 @@
+//! Cluster mode end to end: two marud processes (hosts `a` and `b`), each with its own socket,
+//! mount and state, sharing one `file:` pool (the stand-in for a CXL device), with their
+//! metadata in a private etcd (`maru_cluster::testing`).
+
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use maru::Error;
+use maru_cluster::testing::Etcd;
+use maru_tests::{Daemon, Opts, bin, pattern, pfns, require_root};
+
+const POOL_SIZE: u64 = 256 << 20;
+
+struct Cluster {
+    a: Daemon,
+    b: Daemon,
+    pool: PathBuf,
+    etcd: Etcd,
+    _dir: tempfile::TempDir,
+}
+
+/// The lease TTL the hosts run with.
+const TTL: Duration = Duration::from_secs(3);
+
+fn host(etcd: &Etcd, pool: &Path, node: &str) -> Daemon {
+    Daemon::start(Opts {
+        pools: vec![format!("file:{},size={POOL_SIZE}", pool.display())],
+        mount: true,
+        extra: vec![
+            "--cluster".into(),
+            etcd.endpoints().join(","),
+            "--node".into(),
+            node.into(),
+            "--cluster-ttl".into(),
+            TTL.as_secs().to_string(),
+            // Full means full: the fill tests count what fits.
+            "--eviction".into(),
+            "off".into(),
+        ],
+    })
+}
+
+/// Two hosts on one initialized pool file, or None (skip) without etcd outside CI.
+fn cluster() -> Option<Cluster> {
+    let etcd = Etcd::start()?;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = dir.path().join("cxl.img");
+    std::fs::File::create(&pool)
+        .and_then(|f| f.set_len(POOL_SIZE))
+        .expect("pool file");
+    let out = std::process::Command::new(bin("maructl"))
+        .args(["device", "init"])
+        .arg(&pool)
+        .output()
+        .expect("maructl");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let a = host(&etcd, &pool, "a");
+    let b = host(&etcd, &pool, "b");
+    Some(Cluster {
+        a,
+        b,
+        pool,
+        etcd,
+        _dir: dir,
+    })
+}
+
+fn store(h: &maru::Handler, path: &str, bytes: &[u8]) -> maru::Result<()> {
+    let mut a = h.alloc(bytes.len() as u64)?;
+    a.as_mut_slice().copy_from_slice(bytes);
+    h.store(path, a)
+}
+
+/// Waits until `cond` holds (at most 10 s); returns how long it took.
+fn eventually(what: &str, mut cond: impl FnMut() -> bool) -> Duration {
+    let t = Instant::now();
+    while !cond() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "{what}: not within 10 s"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    t.elapsed()
+}
+
+fn location(d: &Daemon, rel: &str) -> (String, u64) {
+    let v = xattr(&d.path(rel), "user.maru.location");
+    let (path, off) = v.rsplit_once('@').expect("PATH@OFFSET");
+    (
+        path.to_owned(),
+        u64::from_str_radix(off.trim_start_matches("0x"), 16).expect("hex offset"),
+    )
+}
+
+fn xattr(p: &Path, name: &str) -> String {
+    let out = std::process::Command::new("getfattr")
+        .args(["--only-values", "-n", name])
+        .arg(p)
+        .output()
+        .expect("getfattr");
+    assert!(out.status.success(), "getfattr {name} {}", p.display());
+    String::from_utf8(out.stdout).expect("utf-8")
+}
+
+#[test]
+fn an_entry_stored_on_one_host_is_served_by_the_other_from_the_same_pages() {
+    require_root!();
+    let Some(c) = cluster() else { return };
+    let (ha, hb) = (c.a.handler(), c.b.handler());
+    ha.mkdir("llama", 0o755).expect("mkdir");
+    let bytes = pattern(7, 4 << 20);
+    store(&ha, "llama/chunk-0", &bytes).expect("store on a");
+    // (Until then b has no namespace `llama`: exists says so with an error.)
+    let lag = eventually("b sees a's entry", || {
+        hb.exists("llama/chunk-0").unwrap_or(false)
+    });
+    eprintln!("visible on b {lag:?} after a's store returned");
+    let on_b = hb
+        .retrieve("llama/chunk-0")
+        .expect("retrieve")
+        .expect("found");
+    assert!(on_b.as_slice() == bytes.as_slice(), "b reads other bytes");
+    let on_a = ha
+        .retrieve("llama/chunk-0")
+        .expect("retrieve")
+        .expect("found");
+    // Zero copy on both hosts: the same physical pages, the pool file's.
+    let (pa, pb) = (
+        pfns(on_a.as_ptr(), on_a.len()),
+        pfns(on_b.as_ptr(), on_b.len()),
+    );
+    assert!(
+        pa.iter().all(|&p| p != 0) && pa == pb,
+        "the hosts map different pages"
+    );
+    let (file, off) = location(&c.b, "llama/chunk-0");
+    assert_eq!(Path::new(&file), c.pool);
+    assert_eq!(location(&c.a, "llama/chunk-0"), (file.clone(), off));
+    let mut head = vec![0u8; 4096];
+    std::fs::File::open(&c.pool)
+        .and_then(|f| f.read_exact_at(&mut head, off))
+        .expect("read the pool file");
+    assert_eq!(head, bytes[..4096]);
+    // The other door on b: the mount lists and reads it.
+    let names: Vec<String> = std::fs::read_dir(c.b.path("llama"))
+        .expect("ls")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, ["chunk-0"]);
+    assert!(std::fs::read(c.b.path("llama/chunk-0")).expect("read") == bytes);
+}
+
+#[test]
+fn two_hosts_storing_one_key_at_once_agree_on_one_winner() {
+    require_root!();
+    let Some(c) = cluster() else { return };
+    let (ha, hb) = (c.a.handler(), c.b.handler());
+    // b learns of the namespace with its first entry.
+    ha.mkdir("race", 0o777).expect("mkdir");
+    store(&ha, "race/seed", b"x").expect("store on a");
+    eventually("b has the namespace", || {
+        hb.exists("race/seed").unwrap_or(false)
+    });
+    let n = 24;
+    let (ra, rb) = std::thread::scope(|s| {
+        let ta = s.spawn(|| {
+            (0..n)
+                .map(|i| store(&ha, &format!("race/k{i}"), &pattern(1, 65536)))
+                .collect::<Vec<_>>()
+        });
+        let tb = s.spawn(|| {
+            (0..n)
+                .map(|i| store(&hb, &format!("race/k{i}"), &pattern(2, 65536)))
+                .collect::<Vec<_>>()
+        });
+        (ta.join().expect("a"), tb.join().expect("b"))
+    });
+    for i in 0..n {
+        let key = format!("race/k{i}");
+        let winner = match (&ra[i], &rb[i]) {
+            (Ok(()), Err(Error::Exists(_))) => pattern(1, 65536),
+            (Err(Error::Exists(_)), Ok(())) => pattern(2, 65536),
+            other => panic!("{key}: not exactly one winner: {other:?}"),
+        };
+        for h in [&ha, &hb] {
+            eventually("both hosts serve the winner", || {
+                h.retrieve(&key)
+                    .ok()
+                    .flatten()
+                    .is_some_and(|m| m.as_slice() == winner.as_slice())
+            });
+        }
+    }
+}
+
+#[test]
+fn a_delete_on_one_host_removes_the_entry_everywhere_and_regions_stay_apart() {
+    require_root!();
+    let Some(c) = cluster() else { return };
+    let (ha, hb) = (c.a.handler(), c.b.handler());
+    ha.mkdir("ns", 0o777).expect("mkdir");
+    for i in 0..20 {
+        store(&ha, &format!("ns/a{i}"), &pattern(i, 300 << 10)).expect("store on a");
+    }
+    eventually("b sees a's entries", || {
+        hb.exists("ns/a19").unwrap_or(false)
+    });
+    for i in 0..20 {
+        store(&hb, &format!("ns/b{i}"), &pattern(100 + i, 300 << 10)).expect("store on b");
+    }
+    eventually("a sees b's entries", || {
+        ha.exists("ns/b19").unwrap_or(false)
+    });
+    // No two entries overlap in the shared pool (each host carves only regions it claimed).
+    let mut spans: Vec<(u64, u64, String)> = (0..20)
+        .flat_map(|i| [format!("ns/a{i}"), format!("ns/b{i}")])
+        .map(|k| {
+            let (_, off) = location(&c.a, &k);
+            (off, 300 << 10, k)
+        })
+        .collect();
+    spans.sort();
+    for w in spans.windows(2) {
+        assert!(
+            w[0].0 + w[0].1 <= w[1].0,
+            "{} and {} overlap",
+            w[0].2,
+            w[1].2
+        );
+    }
+    // b deletes one of a's entries and one of its own: both go on both hosts.
+    hb.delete("ns/a3").expect("delete on b");
+    hb.delete("ns/b4").expect("delete on b");
+    eventually("a forgets them", || {
+        !ha.exists("ns/a3").unwrap_or(true) && !ha.exists("ns/b4").unwrap_or(true)
+    });
+    assert!(!hb.exists("ns/a3").expect("exists") && !hb.exists("ns/b4").expect("exists"));
+    assert!(!c.a.path("ns/a3").exists() && !c.b.path("ns/b4").exists());
+    // The name is free again, for either host.
+    store(&hb, "ns/a3", b"again").expect("store again");
+    eventually("a sees the new entry", || {
+        ha.retrieve("ns/a3")
+            .ok()
+            .flatten()
+            .is_some_and(|m| m.as_slice() == b"again")
+    });
+}
+
+#[test]
+fn a_host_killed_mid_store_loses_its_unsealed_work_and_rejoins_seeing_everything() {
+    require_root!();
+    let Some(mut c) = cluster() else { return };
+    let hb = c.b.handler();
+    let sealed: Vec<Vec<u8>> = (0..5).map(|i| pattern(i, 1 << 20)).collect();
+    {
+        let ha = c.a.handler();
+        ha.mkdir("ns", 0o777).expect("mkdir");
+        for (i, b) in sealed.iter().enumerate() {
+            store(&ha, &format!("ns/a{i}"), b).expect("store on a");
+        }
+        eventually("b sees a's entries", || hb.exists("ns/a4").unwrap_or(false));
+        // Unsealed work: three 20 MiB allocations, written, never stored.
+        let mut pending: Vec<_> = (0..3).map(|_| ha.alloc(20 << 20).expect("alloc")).collect();
+        for p in &mut pending {
+            p.as_mut_slice().fill(0xee);
+        }
+        c.a.kill9();
+        std::mem::forget(pending); // a is gone: nothing to give back through it
+    }
+    // Once a's lease has run out, b may use every byte but a's sealed entries' units.
+    std::thread::sleep(TTL + Duration::from_secs(2));
+    let mut filled = 0u64;
+    let chunk = 8u64 << 20;
+    loop {
+        match store(
+            &hb,
+            &format!("ns/fill{filled}"),
+            &pattern(50 + filled, chunk as usize),
+        ) {
+            Ok(()) => filled += 1,
+            Err(Error::NoSpace(_)) => break,
+            Err(e) => panic!("filling the pool from b: {e}"),
+        }
+    }
+    // 254 MiB of regions; a's five 1 MiB entries sit in at most 3 units (6 MiB); b's 8 MiB
+    // entries leave at most 8 MiB unused. a's 60 MiB of unsealed work came back to the pool.
+    let room = POOL_SIZE - (2 << 20) - (6 << 20) - chunk;
+    assert!(
+        filled * chunk >= room,
+        "b stored {filled} x 8 MiB: a's unsealed work was not reclaimed"
+    );
+    for (i, b) in sealed.iter().enumerate() {
+        let m = hb
+            .retrieve(&format!("ns/a{i}"))
+            .expect("retrieve")
+            .expect("a's entry");
+        assert!(m.as_slice() == b.as_slice(), "a's sealed entry changed");
+    }
+    // a comes back: it recovers what it sealed and sees what b stored meanwhile.
+    c.a.restart();
+    let ha = c.a.handler();
+    for (i, b) in sealed.iter().enumerate() {
+        let m = ha
+            .retrieve(&format!("ns/a{i}"))
+            .expect("retrieve")
+            .expect("a's own entry");
+        assert!(m.as_slice() == b.as_slice());
+    }
+    let last = format!("ns/fill{}", filled - 1);
+    eventually("a sees b's entries", || ha.exists(&last).unwrap_or(false));
+    let m = ha.retrieve(&last).expect("retrieve").expect("b's entry");
+    assert!(m.as_slice() == pattern(50 + filled - 1, chunk as usize).as_slice());
+}
+
+#[test]
+fn while_etcd_is_down_the_hosts_serve_reads_and_writes_resume_after() {
+    require_root!();
+    let Some(mut c) = cluster() else { return };
+    let (ha, hb) = (c.a.handler(), c.b.handler());
+    ha.mkdir("ns", 0o777).expect("mkdir");
+    store(&ha, "ns/before", &pattern(1, 1 << 20)).expect("store");
+    eventually("b sees it", || hb.exists("ns/before").unwrap_or(false));
+    c.etcd.kill();
+    // Reads need no etcd: the index and the pool are local.
+    let t = Instant::now();
+    let m = hb.retrieve("ns/before").expect("retrieve").expect("found");
+    assert!(m.as_slice() == pattern(1, 1 << 20).as_slice());
+    assert!(hb.exists("ns/before").expect("exists"));
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "a read waited for etcd"
+    );
+    // A write cannot be published without etcd: it fails, and nothing of it stays.
+    assert!(store(&ha, "ns/during", &pattern(2, 1 << 20)).is_err());
+    c.etcd.restart();
+    eventually("a publishes again", || {
+        store(&ha, "ns/after", &pattern(3, 1 << 20)).is_ok()
+    });
+    eventually("b sees the new entry", || {
+        hb.exists("ns/after").unwrap_or(false)
+    });
+    assert!(!ha.exists("ns/during").expect("exists") && !hb.exists("ns/during").expect("exists"));
+    assert!(ha.exists("ns/before").expect("exists") && hb.exists("ns/before").expect("exists"));
+}
