@@ -52,6 +52,9 @@ pub struct EtcdAuthority {
     /// etcd revision of each publication of this host, by name: a removal the watch reports
     /// from before it is an older entry's.
     published: Mutex<HashMap<(String, String), i64>>,
+    /// Regions (offsets) this host could not claim again after rejoining: another host took
+    /// them while this one was cut off. Nothing more is placed there.
+    lost: Mutex<std::collections::HashSet<u64>>,
 }
 
 impl EtcdAuthority {
@@ -93,6 +96,7 @@ impl EtcdAuthority {
             node: s.node.clone(),
             pool: pool_uuid.to_owned(),
             published: Mutex::new(HashMap::new()),
+            lost: Mutex::new(std::collections::HashSet::new()),
         });
         me.rt.spawn(keep_membership(Arc::downgrade(&me)));
         Ok(me)
@@ -139,11 +143,15 @@ async fn keep_membership(me: std::sync::Weak<EtcdAuthority>) {
         for (off, len) in a.local.regions(&a.pool) {
             match m.claim(off, len).await {
                 Ok(true) => {}
-                Ok(false) => tracing::error!(
-                    off,
-                    len,
-                    "a region of this host was claimed by another while this one was cut off"
-                ),
+                Ok(false) => {
+                    tracing::error!(
+                        off,
+                        len,
+                        "a region of this host was claimed by another while this one was cut off; \
+                         nothing more is placed there, and what was written there is not published"
+                    );
+                    a.lost.lock().insert(off);
+                }
                 Err(e) => tracing::warn!(off, len, "claiming a region again: {e}"),
             }
         }
@@ -243,6 +251,7 @@ impl Authority for EtcdAuthority {
         }
         let m = self.member();
         let r = self.run(async move { m.read().await.claim(offset, len).await });
+        tracing::debug!(offset, len, ?r, "claim");
         let e = match r {
             Ok(true) => return Ok(()),
             Ok(false) => Error::Busy(format!(
@@ -265,6 +274,9 @@ impl Authority for EtcdAuthority {
             .find(|&(o, _)| o == offset)
             .map(|(_, l)| l);
         self.local.release_region(pool, offset);
+        if self.lost.lock().remove(&offset) {
+            return; // another host's now: nothing of it to give back
+        }
         if let (Some(len), true) = (len, pool == self.pool) {
             let m = self.member();
             if let Err(e) = self.run(async move { m.read().await.release(offset, len).await }) {
@@ -279,6 +291,10 @@ impl Authority for EtcdAuthority {
 
     fn shared(&self) -> bool {
         true
+    }
+
+    fn lost(&self, pool: &str, offset: u64) -> bool {
+        pool == self.pool && self.lost.lock().contains(&offset)
     }
 }
 

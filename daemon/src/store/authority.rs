@@ -60,6 +60,11 @@ pub trait Authority: Send + Sync {
     fn shared(&self) -> bool {
         false
     }
+    /// Whether this host lost the region of `pool` at `offset` to another host (cut off past
+    /// its lease, the region was claimed meanwhile): nothing more may be placed in it.
+    fn lost(&self, _pool: &str, _offset: u64) -> bool {
+        false
+    }
 }
 
 /// The authority of a single host: an in-memory map.

@@ -12,7 +12,8 @@
 //! - [`policy`]: the access policy both doors ask; [`authority`]: who owns a name and
 //!   each region of a raw pool;
 //! - [`fsview`]: the mount's view (the filesystem's `Backend`), including the publication
-//!   of entries written through the mount.
+//!   of entries written through the mount;
+//! - [`remote`]: entries other hosts published (cluster mode).
 
 pub mod authority;
 mod entries;
@@ -23,6 +24,7 @@ mod placement;
 pub mod policy;
 pub mod pools;
 mod recovery;
+mod remote;
 pub mod sessions;
 mod settings;
 pub mod state;
@@ -418,22 +420,9 @@ impl Store {
             ..a.perm
         };
         let mut e = Entry {
-            ino: id,
-            ns: ns.to_owned(),
-            key: key.to_owned(),
-            pool: a.pool,
-            offset: 0,
-            size,
             asize,
-            pinned: false,
-            holds: 0,
-            lru: Default::default(),
-            slot: 0,
             owner: a.session(),
-            leases: 0,
-            perm,
-            mtime: SystemTime::now(),
-            remote: false,
+            ..Entry::new(id, ns, key, a.pool, 0, size, perm)
         };
         let pool = &mut st.pools[a.pool as usize].pool;
         // The bytes get their place first (raw pools, written through the mount), so that the
@@ -482,104 +471,6 @@ impl Store {
             st.pools[pool as usize].pool.checkpoint(&locs);
         }
         Ok(size)
-    }
-
-    // ----- entries of other hosts (cluster mode) -----
-
-    /// Files `ns/key`, which another host published at `offset` (`size` bytes) of the raw
-    /// pool whose device header says `pool_uuid`: this host serves it from then on (index,
-    /// mount, retrievals) and never carves, frees or evicts its extent. A name this host
-    /// holds already is left alone (the authority keeps names write-once across hosts).
-    pub fn file_remote(
-        &self,
-        pool_uuid: &str,
-        ns: &str,
-        key: &str,
-        offset: u64,
-        size: u64,
-    ) -> Result<()> {
-        split_ns(ns)?;
-        check_component(key.as_bytes())?;
-        let mut st = self.st.lock();
-        let pool = st
-            .pools
-            .iter()
-            .position(|p| p.pool.uuid() == Some(pool_uuid))
-            .ok_or_else(|| Error::NotFound(format!("no pool with UUID {pool_uuid}")))?;
-        if st.ns.get(ns).is_ok_and(|n| n.entries.contains_key(key)) {
-            return Ok(());
-        }
-        let mut next = st.next_ino;
-        let made = st.ns.ensure_path(ns, || {
-            next += 1;
-            next - 1
-        });
-        st.next_ino = next;
-        made?;
-        if st.ns.get(ns)?.children.contains_key(key) {
-            return Err(Error::Exists(format!("{ns}/{key} is a namespace here")));
-        }
-        for p in &mut st.pools {
-            p.pool.ensure_ns(ns)?;
-        }
-        st.ns.save();
-        let asize = align_up(size.max(1), ENTRY_ALIGN);
-        st.pools[pool].pool.adopt_remote(offset, asize)?;
-        let ino = st.alloc_ino();
-        self.authority.adopt(ns, key, ino);
-        st.insert_entry(Entry {
-            ino,
-            ns: ns.to_owned(),
-            key: key.to_owned(),
-            pool: pool as u32,
-            offset,
-            size,
-            asize,
-            pinned: false,
-            holds: 0,
-            lru: Default::default(),
-            slot: 0,
-            owner: None,
-            leases: 0,
-            perm: Perm {
-                uid: 0,
-                gid: 0,
-                mode: 0o644,
-            },
-            mtime: SystemTime::now(),
-            remote: true,
-        });
-        let parent = st.ns.get(ns)?.ino;
-        drop(st);
-        // The kernel may cache the name as absent: make it look again.
-        self.notify(vec![Invalidation {
-            parent,
-            name: key.to_owned(),
-            ino,
-            by_kernel: false,
-        }]);
-        Ok(())
-    }
-
-    /// Removes `ns/key` here because another host removed it (its own entry or another's).
-    pub fn forget_remote(&self, ns: &str, key: &str) {
-        let mut st = self.st.lock();
-        let Some(ino) = st.ns.get(ns).ok().and_then(|n| n.entries.get(key).copied()) else {
-            return;
-        };
-        let inv = st.remove_entry(&*self.authority, &self.counters, ino, Removal::Elsewhere);
-        drop(st);
-        self.notify(inv.into_iter().collect());
-    }
-
-    /// The names of the entries other hosts published that this host serves.
-    pub fn remote_names(&self) -> Vec<(String, String)> {
-        let st = self.st.lock();
-        st.entries
-            .values()
-            .filter(|e| e.remote)
-            .map(|e| (e.ns.clone(), e.key.clone()))
-            .collect()
     }
 
     // ----- retrieval and the other verbs -----

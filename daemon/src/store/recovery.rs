@@ -16,8 +16,7 @@ use super::pools::raw::Raw;
 use super::pools::{Loc, Pool};
 use super::settings::StoreConfig;
 use super::state::{Entry, MOUNT_SESSION, PoolSlot, Session, State};
-use crate::alloc::align_up;
-use crate::pool::{ENTRY_ALIGN, MemfsPool, PoolSpec};
+use crate::pool::{MemfsPool, PoolSpec};
 use maru_fsd::Caller;
 use maru_fsd::backend::ROOT_INO;
 
@@ -129,27 +128,15 @@ fn recover_pool(st: &mut State, p: usize, authority: &dyn Authority) -> anyhow::
             tracing::warn!(ns = %f.ns, key = %f.key, "not recovered ({e}): the name is taken");
             continue;
         }
+        let perm = Perm {
+            uid: f.uid,
+            gid: f.gid,
+            mode: f.mode,
+        };
         let e = Entry {
-            ino,
-            ns: f.ns,
-            key: f.key,
-            pool: p as u32,
-            offset: f.offset,
-            size: f.size,
-            asize: align_up(f.size.max(1), ENTRY_ALIGN),
             pinned: f.pinned,
-            holds: 0,
-            lru: Default::default(),
-            slot: 0,
-            owner: None,
-            leases: 0,
-            perm: Perm {
-                uid: f.uid,
-                gid: f.gid,
-                mode: f.mode,
-            },
             mtime: f.mtime,
-            remote: false,
+            ..Entry::new(ino, &f.ns, &f.key, p as u32, f.offset, f.size, perm)
         };
         kept.push(ino);
         st.insert_entry(e);

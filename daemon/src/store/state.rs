@@ -58,6 +58,38 @@ impl AsMut<Stamp> for Entry {
 }
 
 impl Entry {
+    /// A sealed entry of `size` bytes at `offset` of `pool`, published now: not pinned, held
+    /// or leased, nobody's session's, this host's; its room in the pool is `size` rounded up
+    /// to the pool's alignment.
+    pub fn new(
+        ino: u64,
+        ns: &str,
+        key: &str,
+        pool: u32,
+        offset: u64,
+        size: u64,
+        perm: Perm,
+    ) -> Self {
+        Entry {
+            ino,
+            ns: ns.to_owned(),
+            key: key.to_owned(),
+            pool,
+            offset,
+            size,
+            asize: crate::alloc::align_up(size.max(1), crate::pool::ENTRY_ALIGN),
+            pinned: false,
+            holds: 0,
+            lru: Default::default(),
+            slot: 0,
+            owner: None,
+            leases: 0,
+            perm,
+            mtime: SystemTime::now(),
+            remote: false,
+        }
+    }
+
     /// What its pool needs to know of it.
     pub fn loc(&self) -> Loc<'_> {
         Loc {

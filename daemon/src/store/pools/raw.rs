@@ -30,6 +30,16 @@ struct Region {
     live: u32,
 }
 
+/// A 2 MiB unit holding entries of other hosts.
+#[derive(Debug, Clone, Copy)]
+struct RemoteUnit {
+    /// How many.
+    entries: u32,
+    /// Whether it is reserved in `extents` for them (false while it lies in a region of this
+    /// host's, which it lost to that host: reserved when that region is freed here).
+    reserved: bool,
+}
+
 /// A raw pool.
 pub struct Raw {
     kind: PoolKind,
@@ -56,9 +66,8 @@ pub struct Raw {
     /// Who may carve which region (the pool's UUID names it there).
     authority: Arc<dyn Authority>,
     uuid: String,
-    /// 2 MiB units holding entries other hosts published, with how many (cluster mode):
-    /// reserved in `extents`, never carved here.
-    remote_units: BTreeMap<u64, u32>,
+    /// 2 MiB units holding entries other hosts published (cluster mode): never carved here.
+    remote_units: BTreeMap<u64, RemoteUnit>,
     /// Units another host claimed when this one tried to carve them: reserved in `extents`
     /// until the pool looks full, then tried again.
     foreign: Vec<(u64, u64)>,
@@ -123,7 +132,16 @@ impl Raw {
     /// Frees the empty region at `roff` (its extent, and its claim at the authority).
     fn free_region(&mut self, roff: u64) {
         if let Some(r) = self.regions.remove(&roff) {
-            self.extents.free(roff, r.len);
+            let mut u = roff;
+            while u < roff + r.len {
+                match self.remote_units.get_mut(&u) {
+                    // Other hosts' entries live there (a region this host lost): it stays
+                    // set aside for them.
+                    Some(ru) => ru.reserved = true,
+                    None => self.extents.free(u, REGION_ALIGN),
+                }
+                u += REGION_ALIGN;
+            }
             self.authority.release_region(&self.uuid, roff);
         }
     }
@@ -135,7 +153,7 @@ impl Raw {
         };
         r.live = r.live.saturating_sub(1);
         if r.live == 0 {
-            if r.owner.is_some() {
+            if r.owner.is_some() && !self.authority.lost(&self.uuid, roff) {
                 r.bump = 0;
             } else {
                 self.free_region(roff);
@@ -146,6 +164,14 @@ impl Raw {
     /// Packs `size` bytes into `session`'s open region, or carves a new region.
     fn place(&mut self, size: u64, session: Option<u64>) -> Result<u64> {
         let asize = align_up(size.max(1), ENTRY_ALIGN);
+        if let Some(s) = session
+            && let Some(&roff) = self.open.get(&s)
+            && self.authority.lost(&self.uuid, roff)
+        {
+            // Another host holds it now: nothing more goes there.
+            self.open.remove(&s);
+            self.detach_region(roff);
+        }
         if let Some(s) = session
             && let Some(&roff) = self.open.get(&s)
             && let Some(r) = self.regions.get_mut(&roff)
@@ -249,24 +275,45 @@ impl Pool for Raw {
         }
         let mut u = s;
         while u < end {
-            if !self.remote_units.contains_key(&u) {
-                // Set aside as another host's; a unit set aside already (claimed by it when
-                // this host tried) moves from `foreign` to here.
-                if let Some(i) = self.foreign.iter().position(|&(o, l)| o <= u && u < o + l) {
-                    let (o, l) = self.foreign.swap_remove(i);
-                    for (a, b) in [(o, u - o), (u + REGION_ALIGN, o + l - u - REGION_ALIGN)] {
-                        if b > 0 {
-                            self.foreign.push((a, b));
-                        }
-                    }
-                } else if !self.extents.reserve(u, REGION_ALIGN) {
-                    // Only if the claims were broken: this host carved the unit itself.
-                    tracing::warn!(pool = %self.name, unit = u, "another host's entry in a unit this host holds");
-                    u += REGION_ALIGN;
-                    continue;
-                }
+            if let Some(ru) = self.remote_units.get_mut(&u) {
+                ru.entries += 1;
+                u += REGION_ALIGN;
+                continue;
             }
-            *self.remote_units.entry(u).or_insert(0) += 1;
+            // Set aside as another host's; a unit set aside already (claimed by it when this
+            // host tried) moves from `foreign` to here.
+            let reserved = if let Some(i) =
+                self.foreign.iter().position(|&(o, l)| o <= u && u < o + l)
+            {
+                let (o, l) = self.foreign.swap_remove(i);
+                for (a, b) in [(o, u - o), (u + REGION_ALIGN, o + l - u - REGION_ALIGN)] {
+                    if b > 0 {
+                        self.foreign.push((a, b));
+                    }
+                }
+                true
+            } else if self.extents.reserve(u, REGION_ALIGN) {
+                true
+            } else {
+                // In a region of this host's: one it lost while cut off (set aside when freed
+                // here), or the claims were broken.
+                let lost = self
+                    .regions
+                    .range(..=u)
+                    .next_back()
+                    .is_some_and(|(&o, _)| self.authority.lost(&self.uuid, o));
+                if !lost {
+                    tracing::warn!(pool = %self.name, unit = u, "another host's entry in a unit this host holds");
+                }
+                false
+            };
+            self.remote_units.insert(
+                u,
+                RemoteUnit {
+                    entries: 1,
+                    reserved,
+                },
+            );
             u += REGION_ALIGN;
         }
         Ok(())
@@ -279,11 +326,13 @@ impl Pool for Raw {
         );
         let mut u = s;
         while u < end {
-            if let Some(n) = self.remote_units.get_mut(&u) {
-                *n -= 1;
-                if *n == 0 {
-                    self.remote_units.remove(&u);
-                    self.extents.free(u, REGION_ALIGN);
+            if let Some(ru) = self.remote_units.get_mut(&u) {
+                ru.entries -= 1;
+                if ru.entries == 0 {
+                    let ru = self.remote_units.remove(&u).expect("present");
+                    if ru.reserved {
+                        self.extents.free(u, REGION_ALIGN);
+                    }
                 }
             }
             u += REGION_ALIGN;

@@ -1,0 +1,99 @@
+//! Entries other hosts published (cluster mode): filed here from the cluster's watch, served
+//! like any entry, never carved, freed or evicted here; and removed here when another host
+//! removes them.
+
+use maru::name::{check_component, split_ns};
+use maru::{Error, Result};
+
+use super::Store;
+use super::entries::Removal;
+use super::policy::Perm;
+use super::state::{Entry, Invalidation};
+use crate::alloc::align_up;
+use crate::pool::ENTRY_ALIGN;
+
+impl Store {
+    /// Files `ns/key`, which another host published at `offset` (`size` bytes) of the raw
+    /// pool whose device header says `pool_uuid`: this host serves it from then on (index,
+    /// mount, retrievals) and never carves, frees or evicts its extent. A name this host
+    /// holds already is left alone (the authority keeps names write-once across hosts).
+    pub fn file_remote(
+        &self,
+        pool_uuid: &str,
+        ns: &str,
+        key: &str,
+        offset: u64,
+        size: u64,
+    ) -> Result<()> {
+        split_ns(ns)?;
+        check_component(key.as_bytes())?;
+        let mut st = self.st.lock();
+        let pool = st
+            .pools
+            .iter()
+            .position(|p| p.pool.uuid() == Some(pool_uuid))
+            .ok_or_else(|| Error::NotFound(format!("no pool with UUID {pool_uuid}")))?;
+        if st.ns.get(ns).is_ok_and(|n| n.entries.contains_key(key)) {
+            return Ok(());
+        }
+        let mut next = st.next_ino;
+        let made = st.ns.ensure_path(ns, || {
+            next += 1;
+            next - 1
+        });
+        st.next_ino = next;
+        made?;
+        if st.ns.get(ns)?.children.contains_key(key) {
+            return Err(Error::Exists(format!("{ns}/{key} is a namespace here")));
+        }
+        for p in &mut st.pools {
+            p.pool.ensure_ns(ns)?;
+        }
+        st.ns.save();
+        st.pools[pool]
+            .pool
+            .adopt_remote(offset, align_up(size.max(1), ENTRY_ALIGN))?;
+        let ino = st.alloc_ino();
+        self.authority.adopt(ns, key, ino);
+        let root = Perm {
+            uid: 0,
+            gid: 0,
+            mode: 0o644,
+        };
+        st.insert_entry(Entry {
+            remote: true,
+            ..Entry::new(ino, ns, key, pool as u32, offset, size, root)
+        });
+        let parent = st.ns.get(ns)?.ino;
+        drop(st);
+        // The kernel may cache the name as absent: make it look again.
+        self.notify(vec![Invalidation {
+            parent,
+            name: key.to_owned(),
+            ino,
+            by_kernel: false,
+        }]);
+        Ok(())
+    }
+
+    /// Removes `ns/key` here because another host removed it (its own entry or another's).
+    pub fn forget_remote(&self, ns: &str, key: &str) {
+        let mut st = self.st.lock();
+        let Some(ino) = st.ns.get(ns).ok().and_then(|n| n.entries.get(key).copied()) else {
+            return;
+        };
+        let inv = st.remove_entry(&*self.authority, &self.counters, ino, Removal::Elsewhere);
+        drop(st);
+        self.notify(inv.into_iter().collect());
+    }
+
+    /// The names of the entries other hosts published that this host serves.
+    pub fn remote_names(&self) -> Vec<(String, String)> {
+        let st = self.st.lock();
+        st.entries
+            .values()
+            .filter(|e| e.remote)
+            .map(|e| (e.ns.clone(), e.key.clone()))
+            .collect()
+    }
+}
