@@ -245,6 +245,16 @@ impl Net {
         format!("{}.1", self.subnet)
     }
 
+    /// Host `i`'s address.
+    pub fn host_ip(&self, i: usize) -> String {
+        format!("{}.{}", self.subnet, i + 2)
+    }
+
+    /// The file naming host `i`'s network namespace (for `setns`).
+    pub fn host_path(&self, i: usize) -> std::path::PathBuf {
+        format!("/run/netns/{}", self.hosts[i]).into()
+    }
+
     /// Takes host `i`'s link down (cut off) or up again.
     pub fn link(&self, i: usize, up: bool) {
         let outer = format!("{}p{i}", self.prefix);

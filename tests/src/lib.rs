@@ -127,6 +127,8 @@ pub struct Daemon {
     pool_dirs: Vec<PathBuf>,
     /// Daemon log file.
     pub log: PathBuf,
+    /// The network namespace it runs in (None: the test's).
+    netns: Option<String>,
 }
 
 impl Opts {
@@ -140,6 +142,13 @@ impl Opts {
 impl Daemon {
     /// Starts a daemon and waits until it serves.
     pub fn start(opts: Opts) -> Self {
+        Self::start_in(opts, None)
+    }
+
+    /// [`Daemon::start`] in network namespace `netns` (a namespace under /run/netns, as
+    /// `ip netns add` makes). Its socket and mount are reachable from the test as usual
+    /// (paths are not network-namespaced).
+    pub fn start_in(opts: Opts, netns: Option<&str>) -> Self {
         assert!(
             is_root() || !opts.needs_root(),
             "marud needs root to mount: start the test with maru_tests::require_root!()"
@@ -186,6 +195,7 @@ impl Daemon {
             args,
             pool_dirs,
             log,
+            netns: netns.map(str::to_owned),
         };
         d.spawn();
         d
@@ -198,6 +208,12 @@ impl Daemon {
             .open(&self.log)
             .expect("log file");
         let mut cmd = Command::new(bin("marud"));
+        // The network namespace only (`ip netns exec` would also give it a mount namespace of
+        // its own, hiding its mount from the test).
+        let netns = self.netns.as_ref().map(|ns| {
+            std::fs::File::open(format!("/run/netns/{ns}")).expect("the network namespace")
+        });
+        let netns_fd = netns.as_ref().map(std::os::fd::AsRawFd::as_raw_fd);
         cmd.args(&self.args)
             .env(
                 "MARU_LOG",
@@ -209,7 +225,12 @@ impl Daemon {
         // SAFETY: setsid is async-signal-safe; the daemon gets its own session so a test's
         // terminal signals do not reach it.
         unsafe {
-            cmd.pre_exec(|| {
+            cmd.pre_exec(move || {
+                if let Some(fd) = netns_fd
+                    && libc::setns(fd, libc::CLONE_NEWNET) != 0
+                {
+                    return Err(std::io::Error::last_os_error());
+                }
                 libc::setsid();
                 // If the test process dies without cleaning up, the daemon stops (and
                 // unmounts) too.

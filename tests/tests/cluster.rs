@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use maru::Error;
-use maru_cluster::testing::Etcd;
+use maru_cluster::testing::{Etcd, Net};
 use maru_tests::{Daemon, Opts, bin, pattern, pfns, require_root};
 
 const POOL_SIZE: u64 = 256 << 20;
@@ -24,28 +24,34 @@ struct Cluster {
 const TTL: Duration = Duration::from_secs(3);
 
 fn host(etcd: &Etcd, pool: &Path, node: &str) -> Daemon {
-    Daemon::start(Opts {
-        pools: vec![format!("file:{},size={POOL_SIZE}", pool.display())],
-        mount: true,
-        extra: vec![
-            "--cluster".into(),
-            etcd.endpoints().join(","),
-            "--node".into(),
-            node.into(),
-            "--cluster-ttl".into(),
-            TTL.as_secs().to_string(),
-            // Full means full: the fill tests count what fits.
-            "--eviction".into(),
-            "off".into(),
-        ],
-    })
+    host_in(etcd, pool, node, None)
 }
 
-/// Two hosts on one initialized pool file, or None (skip) without etcd outside CI.
-fn cluster() -> Option<Cluster> {
-    let etcd = Etcd::start()?;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let pool = dir.path().join("cxl.img");
+/// A host in network namespace `netns` (None: the test's).
+fn host_in(etcd: &Etcd, pool: &Path, node: &str, netns: Option<&str>) -> Daemon {
+    Daemon::start_in(
+        Opts {
+            pools: vec![format!("file:{},size={POOL_SIZE}", pool.display())],
+            mount: true,
+            extra: vec![
+                "--cluster".into(),
+                etcd.endpoints().join(","),
+                "--node".into(),
+                node.into(),
+                "--cluster-ttl".into(),
+                TTL.as_secs().to_string(),
+                // Full means full: the fill tests count what fits.
+                "--eviction".into(),
+                "off".into(),
+            ],
+        },
+        netns,
+    )
+}
+
+/// A pool file with its header written (`maructl device init`), as a shared device is.
+fn pool_file(dir: &Path) -> PathBuf {
+    let pool = dir.join("cxl.img");
     std::fs::File::create(&pool)
         .and_then(|f| f.set_len(POOL_SIZE))
         .expect("pool file");
@@ -59,6 +65,14 @@ fn cluster() -> Option<Cluster> {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    pool
+}
+
+/// Two hosts on one initialized pool file, or None (skip) without etcd outside CI.
+fn cluster() -> Option<Cluster> {
+    let etcd = Etcd::start()?;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = pool_file(dir.path());
     let a = host(&etcd, &pool, "a");
     let b = host(&etcd, &pool, "b");
     Some(Cluster {
@@ -96,6 +110,21 @@ fn location(d: &Daemon, rel: &str) -> (String, u64) {
         path.to_owned(),
         u64::from_str_radix(off.trim_start_matches("0x"), 16).expect("hex offset"),
     )
+}
+
+/// Asserts that no two of `spans` (offset, length, name) share a byte of the pool.
+fn assert_apart(mut spans: Vec<(u64, u64, String)>) {
+    spans.sort();
+    for w in spans.windows(2) {
+        assert!(
+            w[0].0 + w[0].1 <= w[1].0,
+            "{} at {:#x} and {} at {:#x} overlap",
+            w[0].2,
+            w[0].0,
+            w[1].2,
+            w[1].0
+        );
+    }
 }
 
 fn xattr(p: &Path, name: &str) -> String {
@@ -218,22 +247,14 @@ fn a_delete_on_one_host_removes_the_entry_everywhere_and_regions_stay_apart() {
         ha.exists("ns/b19").unwrap_or(false)
     });
     // No two entries overlap in the shared pool (each host carves only regions it claimed).
-    let mut spans: Vec<(u64, u64, String)> = (0..20)
+    let spans: Vec<(u64, u64, String)> = (0..20)
         .flat_map(|i| [format!("ns/a{i}"), format!("ns/b{i}")])
         .map(|k| {
             let (_, off) = location(&c.a, &k);
             (off, 300 << 10, k)
         })
         .collect();
-    spans.sort();
-    for w in spans.windows(2) {
-        assert!(
-            w[0].0 + w[0].1 <= w[1].0,
-            "{} and {} overlap",
-            w[0].2,
-            w[1].2
-        );
-    }
+    assert_apart(spans);
     // b deletes one of a's entries and one of its own: both go on both hosts.
     hb.delete("ns/a3").expect("delete on b");
     hb.delete("ns/b4").expect("delete on b");
@@ -347,4 +368,108 @@ fn while_etcd_is_down_the_hosts_serve_reads_and_writes_resume_after() {
     });
     assert!(!ha.exists("ns/during").expect("exists") && !hb.exists("ns/during").expect("exists"));
     assert!(ha.exists("ns/before").expect("exists") && hb.exists("ns/before").expect("exists"));
+}
+
+/// Fills the pool from `h` with 8 MiB entries until it is full; returns how many fit.
+fn fill(h: &maru::Handler, prefix: &str) -> u64 {
+    let mut n = 0u64;
+    loop {
+        match store(h, &format!("{prefix}{n}"), &pattern(900 + n, 8 << 20)) {
+            Ok(()) => n += 1,
+            Err(Error::NoSpace(_)) => return n,
+            Err(e) => panic!("filling the pool: {e}"),
+        }
+    }
+}
+
+#[test]
+fn a_host_cut_off_stops_writing_and_after_the_link_returns_nothing_is_owned_twice() {
+    require_root!();
+    // Two hosts, each in a network namespace of its own; etcd in the hub namespace.
+    let Some(net) = Net::new(2) else { return };
+    let Some(etcd) = Etcd::start_at(Some(&net.hub), &net.hub_ip(), 2379, 2380) else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = pool_file(dir.path());
+    let a = host_in(&etcd, &pool, "a", Some(&net.hosts[0]));
+    let b = host_in(&etcd, &pool, "b", Some(&net.hosts[1]));
+    let (ha, hb) = (a.handler(), b.handler());
+    ha.mkdir("ns", 0o777).expect("mkdir");
+    let sealed: Vec<Vec<u8>> = (0..5).map(|i| pattern(i, 1 << 20)).collect();
+    for (i, bytes) in sealed.iter().enumerate() {
+        store(&ha, &format!("ns/a{i}"), bytes).expect("store on a");
+    }
+    eventually("b sees a's entries", || hb.exists("ns/a4").unwrap_or(false));
+    // Work a has not sealed: 40 MiB in a region of its own.
+    let mut pending = ha.alloc(40 << 20).expect("alloc");
+    pending.as_mut_slice().fill(0xee);
+
+    net.link(0, false);
+    // Cut off, a publishes nothing.
+    assert!(
+        store(&ha, "ns/while-cut", b"no").is_err(),
+        "a published while cut off"
+    );
+    // Once a's lease has run out, b uses every byte but the units of a's sealed entries.
+    std::thread::sleep(TTL + Duration::from_secs(2));
+    let filler = b.handler();
+    let filled = fill(&filler, "ns/fill");
+    let room = POOL_SIZE - (2 << 20) - (6 << 20) - (8 << 20);
+    assert!(
+        filled * (8 << 20) >= room,
+        "b stored {filled} x 8 MiB: a's claims outlived its lease"
+    );
+
+    net.link(0, true);
+    // a rejoins by itself; with room in the pool again it stores, but what it wrote into a
+    // region b has taken is not published. (b frees the last entry it stored, outside the
+    // region a lost, which a holds locally as long as its client holds the allocation; the
+    // filling client goes, and its open region with it.)
+    filler
+        .delete(&format!("ns/fill{}", filled - 1))
+        .expect("delete");
+    drop(filler);
+    eventually("a publishes again", || {
+        store(&ha, "ns/after", b"yes").is_ok()
+    });
+    match ha.store("ns/pending", pending) {
+        Err(Error::Busy(_)) => {}
+        other => panic!("a published into a region b owns: {other:?}"),
+    }
+    eventually("b sees a's new entry", || {
+        hb.exists("ns/after").unwrap_or(false)
+    });
+    // Nothing sealed was lost, on either host.
+    let last = format!("ns/fill{}", filled - 2);
+    eventually("a sees b's entries", || ha.exists(&last).unwrap_or(false));
+    for h in [&ha, &hb] {
+        for (i, bytes) in sealed.iter().enumerate() {
+            let m = h
+                .retrieve(&format!("ns/a{i}"))
+                .expect("retrieve")
+                .expect("a's entry");
+            assert!(m.as_slice() == bytes.as_slice(), "a sealed entry changed");
+        }
+        let m = h.retrieve(&last).expect("retrieve").expect("b's entry");
+        assert!(m.as_slice() == pattern(900 + filled - 2, 8 << 20).as_slice());
+    }
+    assert!(
+        !hb.exists("ns/while-cut").expect("exists") && !hb.exists("ns/pending").expect("exists")
+    );
+    // No two entries share a byte of the pool.
+    let spans: Vec<(u64, u64, String)> = std::fs::read_dir(b.path("ns"))
+        .expect("ls")
+        .map(|e| {
+            let name = e.expect("entry").file_name().to_string_lossy().into_owned();
+            let (_, off) = location(&b, &format!("ns/{name}"));
+            let len = std::fs::metadata(b.path(&format!("ns/{name}")))
+                .expect("stat")
+                .len();
+            (off, len, name)
+        })
+        .collect();
+    assert_apart(spans);
+    drop((ha, hb));
+    drop((a, b));
 }

@@ -35,7 +35,8 @@ fn stats(mut v: Vec<Duration>) -> (f64, f64, f64) {
     (q(0.5), q(0.1), q(0.9))
 }
 
-fn timed(case: &str, v: Vec<Duration>) -> Row {
+/// A row of per-operation times (median, p10, p90).
+pub fn timed(case: &str, v: Vec<Duration>) -> Row {
     let (m, a, b) = stats(v);
     Row {
         case: case.into(),
@@ -46,7 +47,8 @@ fn timed(case: &str, v: Vec<Duration>) -> Row {
     }
 }
 
-fn rate(case: &str, n: u64, d: Duration) -> Row {
+/// A row of a rate: `n` operations in `d`.
+pub fn rate(case: &str, n: u64, d: Duration) -> Row {
     let per = d.as_secs_f64() * 1e6 / n as f64;
     Row {
         case: case.into(),
@@ -188,7 +190,8 @@ pub fn map_touch(path: &Path) -> anyhow::Result<u64> {
     Ok(touch(&m))
 }
 
-fn fmt_table(title: &str, rows: &[Row]) -> String {
+/// Rows as a Markdown table under a heading.
+pub fn fmt_table(title: &str, rows: &[Row]) -> String {
     let mut s = format!(
         "\n## {title}\n\n| case | median µs | p10 µs | p90 µs | per second |\n|---|---:|---:|---:|---:|\n"
     );
@@ -242,7 +245,7 @@ pub fn echo_main() -> anyhow::Result<()> {
 
 /// TCP sender for the transfer baseline: prints its port, then sends `size` bytes per request byte.
 pub fn tcp_serve_main(size: usize) -> anyhow::Result<()> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let l = std::net::TcpListener::bind("0.0.0.0:0")?;
     println!("{}", l.local_addr()?.port());
     std::io::stdout().flush()?;
     let (mut s, _) = l.accept()?;
@@ -298,7 +301,8 @@ impl Drop for Echo {
     }
 }
 
-fn scratch() -> anyhow::Result<tempfile::TempDir> {
+/// A scratch directory under /tmp.
+pub fn scratch() -> anyhow::Result<tempfile::TempDir> {
     Ok(tempfile::Builder::new()
         .prefix("maru-bench-")
         .tempdir_in("/tmp")?)
@@ -532,18 +536,48 @@ pub fn core(rounds: usize, json: Option<&Path>) -> anyhow::Result<String> {
     Ok(out)
 }
 
-struct TcpPeer {
+/// A TCP sender in a process of its own (`__tcp-serve`): the transfer baseline.
+pub struct TcpPeer {
     child: std::process::Child,
     sock: std::net::TcpStream,
 }
 
 impl TcpPeer {
-    fn start(size: usize) -> anyhow::Result<Self> {
-        let mut child = Command::new(std::env::current_exe()?)
-            .arg("__tcp-serve")
+    /// A sender of `size` bytes per request on loopback.
+    pub fn start(size: usize) -> anyhow::Result<Self> {
+        Self::start_between(size, None, std::net::Ipv4Addr::LOCALHOST.into())
+    }
+
+    /// A sender in network namespace `netns` (None: this one), reached at `addr` from the
+    /// calling thread's namespace.
+    pub fn start_between(
+        size: usize,
+        netns: Option<&Path>,
+        addr: std::net::IpAddr,
+    ) -> anyhow::Result<Self> {
+        let mut cmd = Command::new(std::env::current_exe()?);
+        cmd.arg("__tcp-serve")
             .arg(size.to_string())
-            .stdout(Stdio::piped())
-            .spawn()?;
+            .stdout(Stdio::piped());
+        let ns = netns.map(std::fs::File::open).transpose()?;
+        if let Some(f) = &ns {
+            use std::os::unix::process::CommandExt;
+            let fd = f.as_raw_fd();
+            // SAFETY: setns is async-signal-safe; the namespace's file outlives the spawn.
+            unsafe {
+                cmd.pre_exec(move || {
+                    let ns = std::os::fd::BorrowedFd::borrow_raw(fd);
+                    nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWNET)?;
+                    Ok(())
+                });
+            }
+        }
+        let child = cmd.spawn()?;
+        drop(ns);
+        Self::connect(child, addr)
+    }
+
+    fn connect(mut child: std::process::Child, addr: std::net::IpAddr) -> anyhow::Result<Self> {
         let mut line = String::new();
         let mut out = child.stdout.take().context("stdout")?;
         let mut b = [0u8; 1];
@@ -551,7 +585,7 @@ impl TcpPeer {
             line.push(b[0] as char);
         }
         let port: u16 = line.trim().parse()?;
-        let sock = std::net::TcpStream::connect(("127.0.0.1", port))?;
+        let sock = std::net::TcpStream::connect((addr, port))?;
         sock.set_nodelay(true)?;
         Ok(TcpPeer { child, sock })
     }
@@ -565,7 +599,8 @@ impl TcpPeer {
         Ok(())
     }
 
-    fn fetch(&mut self, buf: &mut [u8]) -> anyhow::Result<()> {
+    /// Receives `buf.len()` bytes from the sender.
+    pub fn fetch(&mut self, buf: &mut [u8]) -> anyhow::Result<()> {
         self.sock.write_all(&[1])?;
         self.sock.read_exact(buf)?;
         Ok(())
