@@ -55,6 +55,9 @@ pub struct EtcdAuthority {
     /// Regions (offsets) this host could not claim again after rejoining: another host took
     /// them while this one was cut off. Nothing more is placed there.
     lost: Mutex<std::collections::HashSet<u64>>,
+    endpoints: Vec<String>,
+    /// The hosts and what each claims, refreshed every second (for stats).
+    hosts: Mutex<Vec<maru::proto::HostInfo>>,
 }
 
 impl EtcdAuthority {
@@ -97,8 +100,11 @@ impl EtcdAuthority {
             pool: pool_uuid.to_owned(),
             published: Mutex::new(HashMap::new()),
             lost: Mutex::new(std::collections::HashSet::new()),
+            endpoints: s.endpoints.clone(),
+            hosts: Mutex::new(Vec::new()),
         });
         me.rt.spawn(keep_membership(Arc::downgrade(&me)));
+        me.rt.spawn(watch_hosts(Arc::downgrade(&me)));
         Ok(me)
     }
 
@@ -156,6 +162,39 @@ async fn keep_membership(me: std::sync::Weak<EtcdAuthority>) {
             }
         }
         tracing::info!(node = %a.node, lease = m.lease(), "rejoined the cluster");
+    }
+}
+
+/// Refreshes the hosts and their claims every second, for stats.
+async fn watch_hosts(me: std::sync::Weak<EtcdAuthority>) {
+    loop {
+        let Some(a) = me.upgrade() else { return };
+        let seen = {
+            let m = a.member.read().await;
+            match (m.nodes().await, m.regions().await) {
+                (Ok(nodes), Ok(regions)) => Some((nodes, regions)),
+                _ => None,
+            }
+        };
+        if let Some((nodes, regions)) = seen {
+            let mut claimed: HashMap<String, u64> = HashMap::new();
+            for holder in regions.values() {
+                *claimed.entry(holder.clone()).or_default() += maru_cluster::UNIT;
+            }
+            let mut hosts: Vec<maru::proto::HostInfo> = nodes
+                .into_iter()
+                .map(|n| maru::proto::HostInfo {
+                    claimed: claimed.get(&n.node).copied().unwrap_or(0),
+                    node: n.node,
+                    address: n.address,
+                    pid: n.pid,
+                })
+                .collect();
+            hosts.sort_by(|x, y| x.node.cmp(&y.node));
+            *a.hosts.lock() = hosts;
+        }
+        drop(a);
+        tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }
 
@@ -295,6 +334,18 @@ impl Authority for EtcdAuthority {
 
     fn lost(&self, pool: &str, offset: u64) -> bool {
         pool == self.pool && self.lost.lock().contains(&offset)
+    }
+
+    fn cluster(&self) -> Option<maru::proto::ClusterInfo> {
+        // Being rejoined (the write lock held): not live.
+        let live = self.member.try_read().is_ok_and(|m| m.is_live());
+        Some(maru::proto::ClusterInfo {
+            node: self.node.clone(),
+            live,
+            endpoints: self.endpoints.clone(),
+            hosts: self.hosts.lock().clone(),
+            ..Default::default()
+        })
     }
 }
 

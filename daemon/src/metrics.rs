@@ -164,6 +164,52 @@ pub fn render(s: &Stats) -> String {
         "Seconds since marud started.",
     );
     let _ = writeln!(o, "maru_uptime_seconds {}", s.uptime_s);
+    if let Some(c) = &s.cluster {
+        head(
+            &mut o,
+            "maru_cluster_live",
+            "gauge",
+            "1 while this host holds its cluster lease (it may publish).",
+        );
+        let _ = writeln!(o, "maru_cluster_live {}", u8::from(c.live));
+        head(
+            &mut o,
+            "maru_cluster_hosts",
+            "gauge",
+            "Live hosts of the cluster.",
+        );
+        let _ = writeln!(o, "maru_cluster_hosts {}", c.hosts.len());
+        head(
+            &mut o,
+            "maru_cluster_entries",
+            "gauge",
+            "Entries this host serves, by who published them.",
+        );
+        let _ = writeln!(
+            o,
+            "maru_cluster_entries{{origin=\"here\"}} {}",
+            c.entries_here
+        );
+        let _ = writeln!(
+            o,
+            "maru_cluster_entries{{origin=\"elsewhere\"}} {}",
+            c.entries_elsewhere
+        );
+        head(
+            &mut o,
+            "maru_cluster_claimed_bytes",
+            "gauge",
+            "Bytes of the shared pool each host has claimed.",
+        );
+        for h in &c.hosts {
+            let _ = writeln!(
+                o,
+                "maru_cluster_claimed_bytes{{node=\"{}\"}} {}",
+                esc(&h.node),
+                h.claimed
+            );
+        }
+    }
     o
 }
 
@@ -226,5 +272,42 @@ pub async fn serve(store: Arc<Store>, addr: SocketAddr) -> std::io::Result<()> {
             // A scraper that went away gets nothing; there is no one to tell.
             let _ = s.write_all(resp.as_bytes()).await;
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cluster_mode_adds_its_gauges() {
+        let mut s: Stats = serde_json::from_value(serde_json::json!({
+            "pools": [], "namespaces": [], "clients": [], "ops": {}, "eviction": "lru"
+        }))
+        .unwrap();
+        assert!(!render(&s).contains("maru_cluster"));
+        s.cluster = Some(Box::new(maru::proto::ClusterInfo {
+            node: "b".into(),
+            live: true,
+            endpoints: vec!["http://127.0.0.1:2379".into()],
+            hosts: vec![maru::proto::HostInfo {
+                node: "a\"x".into(),
+                address: "h".into(),
+                pid: 1,
+                claimed: 4 << 20,
+            }],
+            entries_here: 3,
+            entries_elsewhere: 5,
+        }));
+        let text = render(&s);
+        for line in [
+            "maru_cluster_live 1",
+            "maru_cluster_hosts 1",
+            "maru_cluster_entries{origin=\"here\"} 3",
+            "maru_cluster_entries{origin=\"elsewhere\"} 5",
+            "maru_cluster_claimed_bytes{node=\"a\\\"x\"} 4194304",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing:\n{text}");
+        }
     }
 }

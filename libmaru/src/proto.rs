@@ -365,6 +365,39 @@ pub struct Stats {
     /// Seconds since the daemon started.
     #[serde(default)]
     pub uptime_s: f64,
+    /// Cluster mode: this host and the others sharing its pool (None on a single host).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cluster: Option<Box<ClusterInfo>>,
+}
+
+/// A cluster as one of its hosts sees it (`Stats::cluster`).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct ClusterInfo {
+    /// This host's node name.
+    pub node: String,
+    /// Whether this host holds a live etcd lease (it may publish).
+    pub live: bool,
+    /// The etcd endpoints.
+    pub endpoints: Vec<String>,
+    /// The live hosts, as of the last look (about a second old at most).
+    pub hosts: Vec<HostInfo>,
+    /// Entries this host published.
+    pub entries_here: u64,
+    /// Entries other hosts published that this host serves.
+    pub entries_elsewhere: u64,
+}
+
+/// A host of a cluster.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct HostInfo {
+    /// Node name.
+    pub node: String,
+    /// Host name.
+    pub address: String,
+    /// marud's pid there.
+    pub pid: u32,
+    /// Bytes of the pool it has claimed (2 MiB units).
+    pub claimed: u64,
 }
 
 /// The body of a successful response.

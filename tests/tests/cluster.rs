@@ -183,6 +183,38 @@ fn an_entry_stored_on_one_host_is_served_by_the_other_from_the_same_pages() {
         .collect();
     assert_eq!(names, ["chunk-0"]);
     assert!(std::fs::read(c.b.path("llama/chunk-0")).expect("read") == bytes);
+    // maructl status on b shows the cluster: both hosts, b's claims none, a's one region.
+    let status = |json: bool| {
+        let mut cmd = std::process::Command::new(bin("maructl"));
+        cmd.arg("--socket").arg(&c.b.socket);
+        if json {
+            cmd.arg("--json");
+        }
+        let out = cmd.arg("status").output().expect("maructl");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).expect("utf-8")
+    };
+    eventually("the hosts show", || {
+        let j: serde_json::Value = serde_json::from_str(&status(true)).expect("json");
+        let cl = &j["cluster"];
+        let hosts: Vec<&str> = cl["hosts"]
+            .as_array()
+            .map(|h| h.iter().filter_map(|x| x["node"].as_str()).collect())
+            .unwrap_or_default();
+        cl["node"] == "b"
+            && cl["live"] == true
+            && cl["entries_elsewhere"] == 1
+            && cl["entries_here"] == 0
+            && hosts == ["a", "b"]
+            && cl["hosts"][0]["claimed"].as_u64().unwrap_or(0) >= 4 << 20
+    });
+    let text = status(false);
+    assert!(text.contains("cluster: node b (live)"), "{text}");
+    assert!(text.contains("1 by other hosts"), "{text}");
 }
 
 #[test]

@@ -176,7 +176,7 @@ pub fn status(h: &maru::Handler) -> R {
     let entries: u64 = s.pools.iter().map(|p| p.entries).sum();
     let cap: u64 = s.pools.iter().map(|p| p.capacity).sum();
     let used: u64 = s.pools.iter().map(|p| p.used).sum();
-    let text = format!(
+    let mut text = format!(
         "{}\npools: {} ({} of {} used)\nentries: {entries}\nnamespaces: {}\nclients: {}\neviction: {}\n",
         h.server(),
         s.pools.len(),
@@ -186,6 +186,29 @@ pub fn status(h: &maru::Handler) -> R {
         s.clients.len().saturating_sub(1),
         s.eviction
     );
+    if let Some(c) = &s.cluster {
+        text.push_str(&format!(
+            "cluster: node {} ({}), etcd {}\nentries: {} published here, {} by other hosts\n",
+            c.node,
+            if c.live {
+                "live"
+            } else {
+                "lease lost: not publishing"
+            },
+            c.endpoints.join(","),
+            c.entries_here,
+            c.entries_elsewhere
+        ));
+        for host in &c.hosts {
+            text.push_str(&format!(
+                "  host {:<16} {:<24} pid {:<8} claims {}\n",
+                host.node,
+                host.address,
+                host.pid,
+                format_size(host.claimed)
+            ));
+        }
+    }
     let mut j =
         serde_json::to_value(&s).map_err(|e| Failure::new(exit::FAILED, "io", e.to_string()))?;
     j["server"] = json!(h.server());

@@ -295,8 +295,18 @@ fn draw_stats(f: &mut Frame, area: Rect, m: &Model) {
 pub fn draw(f: &mut Frame, view: View, m: &Model) {
     let [top, body] =
         Layout::vertical([Constraint::Length(1), Constraint::Fill(1)]).areas(f.area());
+    // Cluster mode: this node, its lease, the hosts and the entries from elsewhere.
+    let cluster = m.cur.cluster.as_ref().map_or(String::new(), |c| {
+        format!(
+            "node {}{} · {} hosts · {} entries from other hosts · ",
+            c.node,
+            if c.live { "" } else { " (lease lost)" },
+            c.hosts.len(),
+            c.entries_elsewhere
+        )
+    });
     let title = Line::from(format!(
-        " marutop · up {:.0}s · {} pools · {} namespaces · {} clients · [1] pools [2] usage [3] stats [a] all [q] quit",
+        " marutop · up {:.0}s · {cluster}{} pools · {} namespaces · {} clients · [1] pools [2] usage [3] stats [a] all [q] quit",
         m.cur.uptime_s,
         m.cur.pools.len(),
         m.cur.namespaces.len(),
@@ -452,6 +462,7 @@ mod tests {
             latency_us: BTreeMap::from([("publish".into(), lat)]),
             latency_sum_us: BTreeMap::new(),
             uptime_s: 12.0,
+            cluster: None,
         }
     }
 
@@ -469,6 +480,28 @@ mod tests {
             s.push('\n');
         }
         s
+    }
+
+    #[test]
+    fn the_title_shows_the_cluster() {
+        let mut s = stats(100);
+        s.cluster = Some(Box::new(maru::proto::ClusterInfo {
+            node: "host-b".into(),
+            live: false,
+            hosts: vec![Default::default(), Default::default()],
+            entries_elsewhere: 42,
+            ..Default::default()
+        }));
+        let m = Model::new(s);
+        let mut t = Terminal::new(TestBackend::new(200, 10)).unwrap();
+        t.draw(|f| draw(f, View::Pool, &m)).unwrap();
+        let line: String = (0..200)
+            .map(|x| t.backend().buffer()[(x, 0)].symbol().to_owned())
+            .collect();
+        assert!(
+            line.contains("node host-b (lease lost) · 2 hosts · 42 entries from other hosts"),
+            "{line}"
+        );
     }
 
     #[test]

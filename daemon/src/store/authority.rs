@@ -65,6 +65,11 @@ pub trait Authority: Send + Sync {
     fn lost(&self, _pool: &str, _offset: u64) -> bool {
         false
     }
+    /// The cluster as this host sees it (None on a single host); the store fills in the
+    /// entry counts.
+    fn cluster(&self) -> Option<maru::proto::ClusterInfo> {
+        None
+    }
 }
 
 /// The authority of a single host: an in-memory map.

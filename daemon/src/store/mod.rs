@@ -773,6 +773,12 @@ impl Store {
             .collect();
         clients.sort_by_key(|c| c.session);
         let pools = Self::pool_infos(&st);
+        let cluster = self.authority.cluster().map(|mut c| {
+            let elsewhere = st.entries.values().filter(|e| e.remote).count() as u64;
+            c.entries_elsewhere = elsewhere;
+            c.entries_here = st.entries.len() as u64 - elsewhere;
+            Box::new(c)
+        });
         drop(st);
         let (latency_us, latency_sum_us) = self.counters.latency();
         Stats {
@@ -788,6 +794,7 @@ impl Store {
             latency_us,
             latency_sum_us,
             uptime_s: self.started.elapsed().as_secs_f64(),
+            cluster,
         }
     }
 
