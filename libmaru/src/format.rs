@@ -138,27 +138,23 @@ pub fn clear_header(f: &File) -> Result<(), HeaderError> {
 /// `flock` on the open file description, released when its last descriptor closes).
 /// Returns false if another process holds it.
 pub fn lock_device(f: &File) -> io::Result<bool> {
-    // libc, not nix: nix's only non-deprecated flock API is the owning `Flock<T>`, which
-    // unlocks when dropped and cannot hand the `File` back still locked; marud keeps the plain
-    // `File` (and its clones) for the life of the pool.
-    // SAFETY: plain syscall on a descriptor we own for the duration of the call.
-    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-        return Ok(true);
-    }
-    let e = io::Error::last_os_error();
-    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
-        Ok(false)
-    } else {
-        Err(e)
-    }
+    try_flock(f, libc::LOCK_EX)
 }
 
 /// Takes a shared lock on the device: the hosts of a cluster (marud processes sharing one
 /// device) hold it together, and [`lock_device`] (one host's exclusive use) is refused while
 /// any of them runs. False when another marud holds it exclusively.
 pub fn lock_device_shared(f: &File) -> io::Result<bool> {
+    try_flock(f, libc::LOCK_SH)
+}
+
+/// `flock(op | LOCK_NB)`: false when another holder conflicts.
+fn try_flock(f: &File, op: libc::c_int) -> io::Result<bool> {
+    // libc, not nix: nix's only non-deprecated flock API is the owning `Flock<T>`, which
+    // unlocks when dropped and cannot hand the `File` back still locked; marud keeps the plain
+    // `File` (and its clones) for the life of the pool.
     // SAFETY: plain syscall on a descriptor we own for the duration of the call.
-    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) } == 0 {
+    if unsafe { libc::flock(f.as_raw_fd(), op | libc::LOCK_NB) } == 0 {
         return Ok(true);
     }
     let e = io::Error::last_os_error();
