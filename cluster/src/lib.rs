@@ -7,6 +7,7 @@
 //! | `nodes/<node>` | [`NodeInfo`] (JSON) | the node's lease |
 //! | `regions/<unit, 16 hex digits>` | the claiming node's name | the claiming node's lease |
 //! | `entries/<namespace>/<entry name>` | [`EntryRecord`] (JSON) | nothing: sealed entries outlive hosts |
+//! | `maps/<unit>/<extent offset>/<node>/<tag>` | empty | the mapping node's lease |
 //!
 //! - **Membership**: [`Member::join`] grants a lease of `ttl` seconds, keeps it alive, and
 //!   creates `nodes/<node>` under it (refused while another live host holds the name).
@@ -18,6 +19,11 @@
 //!   entry's units are claimed by this host: one transaction, so of two hosts publishing a
 //!   key at once exactly one wins, a host whose lease expired publishes nothing (it must
 //!   [`Member::rejoin`]), and no entry is published into units another host took meanwhile.
+//! - **Leases on extents**: a host serving another host's entry first records that it maps
+//!   it ([`Member::hold`]: a key per 2 MiB unit of the extent, under its lease, only while the
+//!   entry is the one it knows); the publisher frees a removed entry's extent only once no
+//!   such key is left ([`Member::remove`] says whether any is, [`Member::held`] which still
+//!   are), and a fresh claim ([`Member::claim`]) is refused over a unit any host maps.
 //! - **Visibility**: [`Member::snapshot`] reads every entry at one revision and
 //!   [`Member::watch_entries`] streams every change after it, so a host's view misses nothing.
 //!
@@ -41,8 +47,9 @@ pub mod testing;
 pub const UNIT: u64 = 2 << 20;
 
 /// Units claimed per etcd transaction: etcd's default `--max-txn-ops` (128) bounds the
-/// comparisons of one transaction, and one more checks the lease.
-const UNITS_PER_TXN: usize = 127;
+/// comparisons of one transaction; one more checks the lease, and a fresh claim's check of
+/// the mappings is one more still.
+const UNITS_PER_TXN: usize = 126;
 
 /// The unit indexes of `[offset, offset + len)`.
 fn units(offset: u64, len: u64) -> Result<Vec<u64>> {
@@ -121,6 +128,26 @@ pub enum Published {
     Exists(EntryRecord),
 }
 
+/// An entry as [`Member::snapshot`] read it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Listed {
+    pub ns: String,
+    pub name: String,
+    pub record: EntryRecord,
+    /// The revision that created it (its key is written once): what [`Member::hold`] checks.
+    pub revision: i64,
+}
+
+/// What [`Member::remove`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Removed {
+    /// The entry was there (and is gone now).
+    pub existed: bool,
+    /// Other hosts still map its extent: the publisher frees it once [`Member::held`] no
+    /// longer names it.
+    pub held: bool,
+}
+
 /// A change to the entries, from [`EntryWatch::next`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum EntryEvent {
@@ -128,6 +155,7 @@ pub enum EntryEvent {
         ns: String,
         name: String,
         record: EntryRecord,
+        /// The revision that created it (its key is written once).
         revision: i64,
     },
     Delete {
@@ -175,6 +203,17 @@ impl Keys {
     }
     fn entries(&self) -> String {
         format!("{}entries/", self.root)
+    }
+    /// Every unit from `unit` on, in key order (fixed-width hex).
+    fn maps_from(&self, unit: u64) -> String {
+        format!("{}maps/{unit:016x}/", self.root)
+    }
+    /// The holds of the extent at `offset` (under its first unit).
+    fn maps_of(&self, offset: u64) -> String {
+        format!("{}{offset:016x}/", self.maps_from(offset / UNIT))
+    }
+    fn map(&self, unit: u64, offset: u64, node: &str, tag: u64) -> String {
+        format!("{}maps/{unit:016x}/{offset:016x}/{node}/{tag}", self.root)
     }
     /// `(namespace, name)` of an entry key (names never contain `/`; namespaces may).
     fn split_entry(&self, key: &[u8]) -> Result<(String, String)> {
@@ -314,19 +353,30 @@ impl Member {
         )
     }
 
-    /// Claims `[offset, offset + len)` of the pool for this host, every 2 MiB unit of it
-    /// ([`UNIT`]; both must be multiples), all or nothing; false if another host holds any
-    /// unit of it (nothing is claimed then).
+    /// Claims `[offset, offset + len)` of the pool for this host to carve afresh, every 2 MiB
+    /// unit of it ([`UNIT`]; both must be multiples), all or nothing; false if another host
+    /// holds any unit of it, or any host still maps an extent there (a removed entry another
+    /// host has not let go of): nothing is claimed then.
     ///
     /// # Errors
     ///
     /// [`Error::LeaseLost`] when this host's lease is gone; [`Error::InvalidName`] for a
     /// range that is not whole units.
     pub async fn claim(&self, offset: u64, len: u64) -> Result<bool> {
+        self.claim_range(offset, len, true).await
+    }
+
+    /// Claims again units that hold this host's own entries (after a restart, or a rejoin):
+    /// as [`Member::claim`], but other hosts' mappings of those entries do not stand in the way.
+    pub async fn claim_again(&self, offset: u64, len: u64) -> Result<bool> {
+        self.claim_range(offset, len, false).await
+    }
+
+    async fn claim_range(&self, offset: u64, len: u64, fresh: bool) -> Result<bool> {
         let units = units(offset, len)?;
         let mut done = 0;
         for piece in units.chunks(UNITS_PER_TXN) {
-            if !self.claim_units(piece).await? {
+            if !self.claim_units(piece, fresh).await? {
                 // Another host holds a unit: give back what this call took, claim nothing.
                 self.release_units(&units[..done]).await?;
                 return Ok(false);
@@ -336,8 +386,15 @@ impl Member {
         Ok(true)
     }
 
-    async fn claim_units(&self, units: &[u64]) -> Result<bool> {
+    async fn claim_units(&self, units: &[u64], fresh: bool) -> Result<bool> {
         let mut when = vec![self.alive_cmp()];
+        if let (true, Some(first), Some(last)) = (fresh, units.first(), units.last()) {
+            // No key in the range: etcd compares a range's absent keys as created at 0.
+            when.push(
+                Compare::create_revision(self.keys.maps_from(*first), CompareOp::Equal, 0)
+                    .with_range(self.keys.maps_from(last + 1)),
+            );
+        }
         let mut then = Vec::with_capacity(units.len());
         for &u in units {
             let key = self.keys.region(u);
@@ -493,20 +550,128 @@ impl Member {
         Ok(self.client.clone().txn(txn).await?.succeeded())
     }
 
-    /// Removes entry `ns/name`; true if it existed.
-    pub async fn remove(&self, ns: &str, name: &str) -> Result<bool> {
+    /// Removes entry `ns/name`, whose extent starts at `offset`, and says whether other hosts
+    /// still map that extent (read in the same transaction: a host's [`Member::hold`] either
+    /// came before, and is seen, or finds the entry gone).
+    pub async fn remove(&self, ns: &str, name: &str, offset: u64) -> Result<Removed> {
         check_ns(ns)?;
         check_name(name)?;
-        let r = self
-            .client
-            .clone()
-            .delete(self.keys.entry(ns, name), None)
-            .await?;
-        Ok(r.deleted() > 0)
+        let txn = Txn::new().and_then([
+            TxnOp::delete(self.keys.entry(ns, name), None),
+            TxnOp::get(
+                self.keys.maps_of(offset),
+                Some(GetOptions::new().with_prefix().with_count_only()),
+            ),
+        ]);
+        let r = self.client.clone().txn(txn).await?;
+        let (mut existed, mut held) = (false, false);
+        for op in r.op_responses() {
+            match op {
+                TxnOpResponse::Delete(d) => existed = d.deleted() > 0,
+                TxnOpResponse::Get(g) => held = g.count() > 0,
+                _ => {}
+            }
+        }
+        Ok(Removed { existed, held })
+    }
+
+    /// Records that this host maps entry `ns/name` (created at `revision`, its extent
+    /// `[offset, offset + len)`), as `tag` (unique on this host): a key per 2 MiB unit of the
+    /// extent, under this host's lease, written only while the entry is still the one created
+    /// at `revision`. False (nothing recorded) when it is gone or another took its name.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LeaseLost`] when this host's lease is gone.
+    pub async fn hold(
+        &self,
+        ns: &str,
+        name: &str,
+        revision: i64,
+        (offset, len): (u64, u64),
+        tag: u64,
+    ) -> Result<bool> {
+        check_ns(ns)?;
+        check_name(name)?;
+        let entry = self.keys.entry(ns, name);
+        let keys = self.hold_keys(offset, len, tag);
+        for (i, piece) in keys.chunks(UNITS_PER_TXN).enumerate() {
+            let txn = Txn::new()
+                .when([
+                    self.alive_cmp(),
+                    Compare::create_revision(entry.clone(), CompareOp::Equal, revision),
+                ])
+                .and_then(
+                    piece
+                        .iter()
+                        .map(|k| {
+                            TxnOp::put(
+                                k.clone(),
+                                Vec::new(),
+                                Some(PutOptions::new().with_lease(self.lease)),
+                            )
+                        })
+                        .collect::<Vec<_>>(),
+                )
+                .or_else([TxnOp::get(self.keys.node(&self.info.node), None)]);
+            let r = self.client.clone().txn(txn).await?;
+            if !r.succeeded() {
+                self.delete_keys(&keys[..i * UNITS_PER_TXN]).await?;
+                self.check_alive(&r.op_responses())?;
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Lets go of what [`Member::hold`] recorded as `tag`.
+    pub async fn unhold(&self, offset: u64, len: u64, tag: u64) -> Result<()> {
+        self.delete_keys(&self.hold_keys(offset, len, tag)).await
+    }
+
+    fn hold_keys(&self, offset: u64, len: u64, tag: u64) -> Vec<String> {
+        let (first, last) = (offset / UNIT, (offset + len.max(1) - 1) / UNIT);
+        (first..=last)
+            .map(|u| self.keys.map(u, offset, &self.info.node, tag))
+            .collect()
+    }
+
+    async fn delete_keys(&self, keys: &[String]) -> Result<()> {
+        for piece in keys.chunks(UNITS_PER_TXN) {
+            let ops: Vec<TxnOp> = piece
+                .iter()
+                .map(|k| TxnOp::delete(k.clone(), None))
+                .collect();
+            self.client.clone().txn(Txn::new().and_then(ops)).await?;
+        }
+        Ok(())
+    }
+
+    /// The extents (by offset) that some host maps, of those in `offsets`.
+    pub async fn held(&self, offsets: &[u64]) -> Result<std::collections::HashSet<u64>> {
+        let mut out = std::collections::HashSet::new();
+        for piece in offsets.chunks(UNITS_PER_TXN) {
+            let ops: Vec<TxnOp> = piece
+                .iter()
+                .map(|&o| {
+                    TxnOp::get(
+                        self.keys.maps_of(o),
+                        Some(GetOptions::new().with_prefix().with_count_only()),
+                    )
+                })
+                .collect();
+            let r = self.client.clone().txn(Txn::new().and_then(ops)).await?;
+            for (&o, op) in piece.iter().zip(r.op_responses()) {
+                if matches!(op, TxnOpResponse::Get(g) if g.count() > 0) {
+                    out.insert(o);
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// Every entry, read at one revision (returned): watch from the next one to miss nothing.
-    pub async fn snapshot(&self) -> Result<(Vec<(String, String, EntryRecord)>, i64)> {
+    pub async fn snapshot(&self) -> Result<(Vec<Listed>, i64)> {
         let r = self
             .client
             .clone()
@@ -516,7 +681,12 @@ impl Member {
         let mut out = Vec::with_capacity(r.kvs().len());
         for kv in r.kvs() {
             let (ns, name) = self.keys.split_entry(kv.key())?;
-            out.push((ns, name, decode(kv.key(), kv.value())?));
+            out.push(Listed {
+                ns,
+                name,
+                record: decode(kv.key(), kv.value())?,
+                revision: kv.create_revision(),
+            });
         }
         Ok((out, revision))
     }
@@ -620,15 +790,18 @@ impl EntryWatch {
             for ev in resp.events() {
                 let Some(kv) = ev.kv() else { continue };
                 let (ns, name) = self.keys.split_entry(kv.key())?;
-                let revision = kv.mod_revision();
                 self.queued.push_back(match ev.event_type() {
                     EventType::Put => EntryEvent::Put {
                         ns,
                         name,
                         record: decode(kv.key(), kv.value())?,
-                        revision,
+                        revision: kv.create_revision(),
                     },
-                    EventType::Delete => EntryEvent::Delete { ns, name, revision },
+                    EventType::Delete => EntryEvent::Delete {
+                        ns,
+                        name,
+                        revision: kv.mod_revision(),
+                    },
                 });
             }
         }

@@ -165,7 +165,7 @@ async fn a_host_that_lost_its_lease_publishes_nothing_until_it_rejoins() {
     assert!(!a.is_live());
     // Nothing it published before is lost; nothing after was published.
     let (all, _) = b.snapshot().await.expect("snapshot");
-    let names: Vec<_> = all.iter().map(|(_, n, _)| n.as_str()).collect();
+    let names: Vec<_> = all.iter().map(|l| l.name.as_str()).collect();
     assert_eq!(names, ["before"]);
     a.rejoin().await.expect("rejoin");
     assert!(a.is_live());
@@ -191,7 +191,7 @@ async fn a_snapshot_and_its_watch_miss_nothing() {
     assert_eq!(seen.len(), 50);
     assert!(
         seen.iter()
-            .all(|(ns, _, r)| ns == "team/ns" && r.node == "a")
+            .all(|l| l.ns == "team/ns" && l.record.node == "a")
     );
     let mut watch = b.watch_entries(revision + 1).await.expect("watch");
     let writer = tokio::spawn(async move {
@@ -202,7 +202,8 @@ async fn a_snapshot_and_its_watch_miss_nothing() {
                 .expect("publish");
             stamps.push(Instant::now());
         }
-        assert!(a.remove("team/ns", "e3").await.expect("remove"));
+        let gone = a.remove("team/ns", "e3", 3 << 12).await.expect("remove");
+        assert!(gone.existed && !gone.held);
         stamps
     });
     let mut got = Vec::new();
@@ -237,4 +238,79 @@ async fn a_snapshot_and_its_watch_miss_nothing() {
         lags[lags.len() / 2],
         lags[lags.len() * 99 / 100]
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_extent_another_host_maps_is_freed_only_once_it_lets_go() {
+    let Some(etcd) = Etcd::start() else { return };
+    let a = member(&etcd, "a", 10).await;
+    let b = member(&etcd, "b", 2).await;
+    assert!(a.claim(2 * UNIT, 4 * UNIT).await.expect("claim"));
+    // A 5 MiB entry across units 2..=4, and a small one in unit 5.
+    let big = EntryRecord {
+        offset: 2 * UNIT + 4096,
+        len: 5 << 20,
+        node: "a".into(),
+        alloc: 1,
+    };
+    let small = record("a", 5 * UNIT);
+    a.publish("ns", "big", &big).await.expect("publish");
+    a.publish("ns", "small", &small).await.expect("publish");
+    let (all, _) = b.snapshot().await.expect("snapshot");
+    let rev = |n: &str| all.iter().find(|l| l.name == n).expect("listed").revision;
+    // b maps both; a hold on a revision that is not the entry's records nothing.
+    assert!(
+        !b.hold("ns", "big", rev("big") + 100, (big.offset, big.len), 1)
+            .await
+            .expect("hold")
+    );
+    assert!(
+        b.hold("ns", "big", rev("big"), (big.offset, big.len), 2)
+            .await
+            .expect("hold")
+    );
+    assert!(
+        b.hold("ns", "small", rev("small"), (small.offset, small.len), 3)
+            .await
+            .expect("hold")
+    );
+    let r = a.remove("ns", "big", big.offset).await.expect("remove");
+    assert!(r.existed && r.held);
+    // Gone: nobody can hold it any more.
+    assert!(
+        !b.hold("ns", "big", rev("big"), (big.offset, big.len), 4)
+            .await
+            .expect("hold")
+    );
+    assert_eq!(
+        a.held(&[big.offset, small.offset, 7 * UNIT])
+            .await
+            .expect("held"),
+        [big.offset, small.offset].into_iter().collect()
+    );
+    // a lets its region go; while b maps the extent nobody claims its units afresh, but a
+    // host recovering its own entries there claims them again.
+    a.release(2 * UNIT, 4 * UNIT).await.expect("release");
+    assert!(!b.claim(4 * UNIT, UNIT).await.expect("claim"));
+    assert!(!b.claim(0, 3 * UNIT).await.expect("claim"));
+    assert!(b.claim(6 * UNIT, UNIT).await.expect("claim"));
+    assert!(a.claim_again(5 * UNIT, UNIT).await.expect("claim again"));
+    b.unhold(big.offset, big.len, 2).await.expect("unhold");
+    assert_eq!(
+        a.held(&[big.offset]).await.expect("held"),
+        Default::default()
+    );
+    assert!(b.claim(2 * UNIT, 3 * UNIT).await.expect("claim"));
+    // A host's holds go with its lease.
+    let r = a.remove("ns", "small", small.offset).await.expect("remove");
+    assert!(r.held);
+    drop(b);
+    let t = Instant::now();
+    while !a.held(&[small.offset]).await.expect("held").is_empty() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "b's holds outlived its lease"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }

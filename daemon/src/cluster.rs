@@ -13,13 +13,14 @@
 //! The store calls the authority under its lock, so an etcd round trip (about a millisecond
 //! on one machine) is part of every publication.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use maru::{Error, Result};
-use maru_cluster::{EntryEvent, EntryRecord, Member, NodeInfo, Published};
+use maru_cluster::{EntryEvent, EntryRecord, Listed, Member, NodeInfo, Published};
 use parking_lot::Mutex;
 use tokio::sync::RwLock;
 
@@ -49,12 +50,20 @@ pub struct EtcdAuthority {
     node: String,
     /// The shared pool's device UUID.
     pool: String,
-    /// etcd revision of each publication of this host, by name: a removal the watch reports
-    /// from before it is an older entry's.
-    published: Mutex<HashMap<(String, String), i64>>,
+    /// Each publication of this host, by name: its etcd revision (a removal the watch reports
+    /// from before it is an older entry's) and its offset.
+    published: Mutex<HashMap<(String, String), (i64, u64)>>,
+    /// The revision that created each entry of another host this host serves (what a hold
+    /// checks).
+    remote: Mutex<HashMap<(String, String), i64>>,
+    /// This host's holds on other hosts' entries, by inode here.
+    holds: Mutex<HashMap<u64, Hold>>,
+    next_tag: AtomicU64,
+    /// Extents (offsets) this host removed that other hosts still map: freed once they let go.
+    held: Mutex<HashSet<u64>>,
     /// Regions (offsets) this host could not claim again after rejoining: another host took
     /// them while this one was cut off. Nothing more is placed there.
-    lost: Mutex<std::collections::HashSet<u64>>,
+    lost: Mutex<HashSet<u64>>,
     endpoints: Vec<String>,
     /// The hosts and what each claims, refreshed every second (for stats).
     hosts: Mutex<Vec<maru::proto::HostInfo>>,
@@ -99,7 +108,11 @@ impl EtcdAuthority {
             node: s.node.clone(),
             pool: pool_uuid.to_owned(),
             published: Mutex::new(HashMap::new()),
-            lost: Mutex::new(std::collections::HashSet::new()),
+            remote: Mutex::new(HashMap::new()),
+            holds: Mutex::new(HashMap::new()),
+            next_tag: AtomicU64::new(1),
+            held: Mutex::new(HashSet::new()),
+            lost: Mutex::new(HashSet::new()),
             endpoints: s.endpoints.clone(),
             hosts: Mutex::new(Vec::new()),
         });
@@ -128,9 +141,83 @@ impl EtcdAuthority {
         self.published
             .lock()
             .get(&(ns.to_owned(), key.to_owned()))
-            .is_some_and(|&r| r > revision)
+            .is_some_and(|&(r, _)| r > revision)
+    }
+
+    /// Records the holds that could not be recorded when they were taken (etcd unreachable);
+    /// forgets those whose entry went meanwhile.
+    async fn record_holds(&self) {
+        let todo: Vec<(u64, Hold)> = self
+            .holds
+            .lock()
+            .iter()
+            .filter(|(_, h)| !h.recorded)
+            .map(|(i, h)| (*i, h.clone()))
+            .collect();
+        for (ino, h) in todo {
+            let r = self
+                .member
+                .read()
+                .await
+                .hold(&h.ns, &h.key, h.revision, (h.offset, h.len), h.tag)
+                .await;
+            match r {
+                Ok(true) => {
+                    if let Some(x) = self.holds.lock().get_mut(&ino)
+                        && x.tag == h.tag
+                    {
+                        x.recorded = true;
+                        continue;
+                    }
+                    // Let go of meanwhile: take the record back.
+                    self.forget_hold(h);
+                }
+                Ok(false) => {
+                    tracing::warn!(
+                        ns = %h.ns, key = %h.key,
+                        "another host removed an entry a client here mapped while etcd was \
+                         unreachable: its extent is no longer kept for it"
+                    );
+                    self.holds.lock().remove(&ino);
+                }
+                Err(_) => return, // still unreachable: next time
+            }
+        }
+    }
+
+    /// Deletes hold `h`'s record in etcd, in the background (a late deletion only keeps an
+    /// extent a little longer).
+    fn forget_hold(&self, h: Hold) {
+        if !h.recorded {
+            return;
+        }
+        let m = self.member();
+        self.rt.spawn(async move {
+            if let Err(e) = m.read().await.unhold(h.offset, h.len, h.tag).await {
+                tracing::warn!(offset = h.offset, "letting go of a hold: {e}");
+            }
+        });
     }
 }
+
+/// A hold of this host on another host's entry (see [`Authority::hold`]).
+#[derive(Debug, Clone)]
+struct Hold {
+    ns: String,
+    key: String,
+    revision: i64,
+    offset: u64,
+    len: u64,
+    /// Its records' tag (unique here): a new hold on the same extent never meets an old one's
+    /// late deletion.
+    tag: u64,
+    /// In etcd (false while etcd is unreachable: recorded when it is back).
+    recorded: bool,
+    used: Instant,
+}
+
+/// Holds unused this long, with no client mapping their entry, are let go of.
+const IDLE_HOLD: Duration = Duration::from_secs(2);
 
 /// Rejoins when the lease is lost, then claims this host's regions again.
 async fn keep_membership(me: std::sync::Weak<EtcdAuthority>) {
@@ -147,7 +234,7 @@ async fn keep_membership(me: std::sync::Weak<EtcdAuthority>) {
             continue;
         }
         for (off, len) in a.local.regions(&a.pool) {
-            match m.claim(off, len).await {
+            match m.claim_again(off, len).await {
                 Ok(true) => {}
                 Ok(false) => {
                     tracing::error!(
@@ -220,7 +307,7 @@ impl Authority for EtcdAuthority {
             Ok(Published::New { revision }) => {
                 self.published
                     .lock()
-                    .insert((ns.to_owned(), key.to_owned()), revision);
+                    .insert((ns.to_owned(), key.to_owned()), (revision, at.offset));
                 return Ok(());
             }
             // This host's own record (a restart recovering what it published).
@@ -256,15 +343,104 @@ impl Authority for EtcdAuthority {
 
     fn release(&self, ns: &str, key: &str, id: u64) {
         let published = self.local.holder(ns, key) == Some(Claim::Published(id));
-        self.local.release(ns, key, id);
-        if published {
-            self.published
-                .lock()
-                .remove(&(ns.to_owned(), key.to_owned()));
+        let name = (ns.to_owned(), key.to_owned());
+        let offset = self.published.lock().get(&name).map(|&(_, o)| o);
+        if let (true, Some(offset)) = (published, offset) {
             let (m, n, k) = (self.member(), ns.to_owned(), key.to_owned());
-            if let Err(e) = self.run(async move { m.read().await.remove(&n, &k).await }) {
+            if let Err(e) = self.run(async move { m.read().await.remove(&n, &k, offset).await }) {
                 tracing::error!(ns, key, "removing the entry from the cluster: {e}");
             }
+            self.published.lock().remove(&name);
+        }
+        self.local.release(ns, key, id);
+    }
+
+    fn unpublish(&self, ns: &str, key: &str, id: u64, at: &Placed<'_>) -> Result<bool> {
+        let name = (ns.to_owned(), key.to_owned());
+        if at.pool != Some(self.pool.as_str())
+            || self.local.holder(ns, key) != Some(Claim::Published(id))
+        {
+            self.local.release(ns, key, id);
+            return Ok(false);
+        }
+        let (m, n, k, offset) = (self.member(), ns.to_owned(), key.to_owned(), at.offset);
+        let removed = self
+            .run(async move { m.read().await.remove(&n, &k, offset).await })
+            .map_err(unavailable)?;
+        self.published.lock().remove(&name);
+        // Only this host's own extents are its to keep for the others.
+        let own = self.remote.lock().remove(&name).is_none();
+        self.local.release(ns, key, id);
+        if removed.held && own {
+            self.held.lock().insert(at.offset);
+        }
+        Ok(removed.held && own)
+    }
+
+    fn held_elsewhere(&self, pool: &str, offset: u64) -> bool {
+        pool == self.pool && self.held.lock().contains(&offset)
+    }
+
+    fn hold(&self, ns: &str, key: &str, ino: u64, at: &Placed<'_>) -> Result<bool> {
+        if let Some(h) = self.holds.lock().get_mut(&ino) {
+            h.used = Instant::now();
+            return Ok(true);
+        }
+        let Some(revision) = self
+            .remote
+            .lock()
+            .get(&(ns.to_owned(), key.to_owned()))
+            .copied()
+        else {
+            return Ok(false);
+        };
+        let mut h = Hold {
+            ns: ns.to_owned(),
+            key: key.to_owned(),
+            revision,
+            offset: at.offset,
+            len: at.size,
+            tag: self.next_tag.fetch_add(1, Ordering::Relaxed),
+            recorded: false,
+            used: Instant::now(),
+        };
+        let (m, c) = (self.member(), h.clone());
+        let r = self.run(async move {
+            m.read()
+                .await
+                .hold(&c.ns, &c.key, c.revision, (c.offset, c.len), c.tag)
+                .await
+        });
+        match r {
+            Ok(true) => h.recorded = true,
+            Ok(false) => return Ok(false),
+            // etcd unreachable (or this host cut off): reads go on; the hold is recorded
+            // once etcd answers again (doc/CLUSTER.md, "Leases on extents").
+            Err(e) => tracing::warn!(ns, key, "cannot record a hold yet: {e}"),
+        }
+        self.holds.lock().insert(ino, h);
+        Ok(true)
+    }
+
+    fn unhold(&self, ino: u64) {
+        let h = self.holds.lock().remove(&ino);
+        if let Some(h) = h {
+            self.forget_hold(h);
+        }
+    }
+
+    fn drop_idle_holds(&self, leased: &dyn Fn(u64) -> bool) {
+        let idle: Vec<Hold> = {
+            let mut holds = self.holds.lock();
+            let inos: Vec<u64> = holds
+                .iter()
+                .filter(|(i, h)| h.used.elapsed() >= IDLE_HOLD && !leased(**i))
+                .map(|(i, _)| *i)
+                .collect();
+            inos.iter().filter_map(|i| holds.remove(i)).collect()
+        };
+        for h in idle {
+            self.forget_hold(h);
         }
     }
 
@@ -273,9 +449,9 @@ impl Authority for EtcdAuthority {
     }
 
     fn forget(&self, ns: &str, key: &str) {
-        self.published
-            .lock()
-            .remove(&(ns.to_owned(), key.to_owned()));
+        let name = (ns.to_owned(), key.to_owned());
+        self.published.lock().remove(&name);
+        self.remote.lock().remove(&name);
         self.local.forget(ns, key);
     }
 
@@ -303,6 +479,26 @@ impl Authority for EtcdAuthority {
         };
         self.local.release_region(pool, offset);
         Err(e)
+    }
+
+    fn claim_again(&self, pool: &str, offset: u64, len: u64) -> Result<()> {
+        self.local.claim_region(pool, offset, len)?;
+        if pool != self.pool {
+            return Ok(());
+        }
+        let m = self.member();
+        match self.run(async move { m.read().await.claim_again(offset, len).await }) {
+            Ok(true) => Ok(()),
+            r => {
+                self.local.release_region(pool, offset);
+                Err(match r {
+                    Ok(_) => Error::Busy(format!(
+                        "region {offset:#x}+{len:#x} is claimed by another host"
+                    )),
+                    Err(e) => unavailable(e),
+                })
+            }
+        }
     }
 
     fn release_region(&self, pool: &str, offset: u64) {
@@ -352,14 +548,19 @@ impl Authority for EtcdAuthority {
 /// What the watch hands the applier thread.
 enum Change {
     /// Every entry at a revision (after a (re)start of the watch).
-    All(Vec<(String, String, EntryRecord)>),
+    All(Vec<Listed>),
     Event(EntryEvent),
+    /// No host maps this removed extent of this host's any more.
+    Unheld(u64),
+    /// Time to let go of idle holds.
+    Tick,
 }
 
 /// Feeds `store` with the entries the other hosts publish and remove: a snapshot, then the
 /// watch from the next revision (again from a fresh snapshot whenever the watch breaks).
 pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Result<()> {
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Change>();
+    let tx2 = tx.clone();
     let m = auth.member();
     auth.rt.spawn(async move {
         loop {
@@ -395,6 +596,7 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
             }
         }
     });
+    auth.rt.spawn(tend_holds(Arc::downgrade(&auth), tx2));
     std::thread::Builder::new()
         .name("maru-cluster-apply".into())
         .spawn(move || {
@@ -405,15 +607,45 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
     Ok(())
 }
 
+/// Every 200 ms: records the holds etcd could not take, learns which removed extents of this
+/// host no other host maps any more, and has idle holds let go of.
+async fn tend_holds(
+    me: std::sync::Weak<EtcdAuthority>,
+    tx: tokio::sync::mpsc::UnboundedSender<Change>,
+) {
+    let mut ticks = 0u32;
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let Some(a) = me.upgrade() else { return };
+        a.record_holds().await;
+        let held: Vec<u64> = a.held.lock().iter().copied().collect();
+        if !held.is_empty() {
+            let still = a.member.read().await.held(&held).await;
+            if let Ok(still) = still {
+                for o in held.into_iter().filter(|o| !still.contains(o)) {
+                    a.held.lock().remove(&o);
+                    if tx.send(Change::Unheld(o)).is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+        ticks += 1;
+        if ticks.is_multiple_of(5) && tx.send(Change::Tick).is_err() {
+            return;
+        }
+    }
+}
+
 fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
     match c {
         Change::All(all) => {
-            let mut seen = std::collections::HashSet::new();
-            for (ns, key, rec) in all {
-                if rec.node != auth.node {
-                    file(store, auth, &ns, &key, &rec);
+            let mut seen = HashSet::new();
+            for l in all {
+                if l.record.node != auth.node {
+                    file(store, auth, &l.ns, &l.name, &l.record, l.revision);
                 }
-                seen.insert((ns, key));
+                seen.insert((l.ns, l.name));
             }
             // Removed while the watch was down.
             for (ns, key) in store.remote_names() {
@@ -423,21 +655,55 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
             }
         }
         Change::Event(EntryEvent::Put {
-            ns, name, record, ..
+            ns,
+            name,
+            record,
+            revision,
         }) => {
             if record.node != auth.node {
-                file(store, auth, &ns, &name, &record);
+                file(store, auth, &ns, &name, &record, revision);
             }
         }
         Change::Event(EntryEvent::Delete { ns, name, revision }) => {
-            if !auth.stale_removal(&ns, &name, revision) {
-                store.forget_remote(&ns, &name);
+            if auth.stale_removal(&ns, &name, revision) {
+                return;
             }
+            // An entry of this host's that another host removed: its extent stays while any
+            // host maps it (asked before the store forgets it, outside the store's lock).
+            let own = auth
+                .published
+                .lock()
+                .get(&(ns.clone(), name.clone()))
+                .map(|&(_, o)| o);
+            if let Some(offset) = own {
+                let m = auth.member();
+                let held = auth.run(async move { m.read().await.held(&[offset]).await });
+                match held {
+                    Ok(h) if !h.contains(&offset) => {}
+                    // Held, or unknown (etcd gone again): kept until asked again.
+                    _ => {
+                        auth.held.lock().insert(offset);
+                    }
+                }
+            }
+            store.forget_remote(&ns, &name);
         }
+        Change::Unheld(offset) => store.free_unheld(&auth.pool, offset),
+        Change::Tick => store.drop_idle_holds(),
     }
 }
 
-fn file(store: &Store, auth: &EtcdAuthority, ns: &str, key: &str, rec: &EntryRecord) {
+fn file(
+    store: &Store,
+    auth: &EtcdAuthority,
+    ns: &str,
+    key: &str,
+    rec: &EntryRecord,
+    revision: i64,
+) {
+    auth.remote
+        .lock()
+        .insert((ns.to_owned(), key.to_owned()), revision);
     if let Err(e) = store.file_remote(&auth.pool, ns, key, rec.offset, rec.len) {
         tracing::warn!(ns, key, node = %rec.node, "cannot serve another host's entry: {e}");
     }

@@ -389,8 +389,11 @@ fn while_etcd_is_down_the_hosts_serve_reads_and_writes_resume_after() {
         t.elapsed() < Duration::from_secs(1),
         "a read waited for etcd"
     );
-    // A write cannot be published without etcd: it fails, and nothing of it stays.
+    // A write cannot be published without etcd: it fails, and nothing of it stays. Nor can
+    // a delete be recorded: it fails, and the entry stays, on both hosts.
     assert!(store(&ha, "ns/during", &pattern(2, 1 << 20)).is_err());
+    assert!(ha.delete("ns/before").is_err());
+    assert!(ha.exists("ns/before").expect("exists"));
     c.etcd.restart();
     eventually("a publishes again", || {
         store(&ha, "ns/after", &pattern(3, 1 << 20)).is_ok()
@@ -400,6 +403,38 @@ fn while_etcd_is_down_the_hosts_serve_reads_and_writes_resume_after() {
     });
     assert!(!ha.exists("ns/during").expect("exists") && !hb.exists("ns/during").expect("exists"));
     assert!(ha.exists("ns/before").expect("exists") && hb.exists("ns/before").expect("exists"));
+}
+
+#[test]
+fn an_entry_another_host_maps_keeps_its_bytes_after_a_delete_until_that_host_lets_go() {
+    require_root!();
+    let Some(c) = cluster() else { return };
+    let (ha, hb) = (c.a.handler(), c.b.handler());
+    ha.mkdir("ns", 0o777).expect("mkdir");
+    let bytes = pattern(7, 16 << 20);
+    store(&ha, "ns/kv", &bytes).expect("store on a");
+    eventually("b sees it", || hb.exists("ns/kv").unwrap_or(false));
+    let mapped = hb.retrieve("ns/kv").expect("retrieve").expect("found");
+    // a deletes it while a client of b maps it: the name goes everywhere at once...
+    ha.delete("ns/kv").expect("delete on a");
+    eventually("b forgets it", || !hb.exists("ns/kv").unwrap_or(true));
+    // ...but the extent is kept: a fills the pool around it, b's bytes stay.
+    let filled = fill(&ha, "ns/fill");
+    let room = POOL_SIZE - (2 << 20) - (16 << 20) - (8 << 20);
+    assert!(filled * (8 << 20) >= room, "a stored {filled} x 8 MiB");
+    assert!(
+        mapped.as_slice() == bytes.as_slice(),
+        "another host's mapping was overwritten after a delete"
+    );
+    // b lets go (its client drops its cache of mappings, and sends the releases with its
+    // next request): a gets the 16 MiB back.
+    drop(mapped);
+    hb.trim();
+    hb.stats().expect("stats");
+    eventually("a stores into the extent b let go of", || {
+        store(&ha, "ns/after0", &pattern(8, 8 << 20)).is_ok()
+    });
+    store(&ha, "ns/after1", &pattern(9, 8 << 20)).expect("the whole extent came back");
 }
 
 /// Fills the pool from `h` with 8 MiB entries until it is full; returns how many fit.

@@ -39,9 +39,33 @@ pub trait Authority: Send + Sync {
     fn reserve(&self, ns: &str, key: &str, id: u64) -> Result<()>;
     /// Publishes `ns/key` as entry `id`, placed at `at` (reserving it first if needed).
     fn publish(&self, ns: &str, key: &str, id: u64, at: &Placed<'_>) -> Result<()>;
-    /// Gives `ns/key` back, if `id` holds it (for a published name: its removal, for every
-    /// host sharing the authority).
+    /// Gives `ns/key` back, if `id` holds it: a reservation, or a publication being undone
+    /// (its removal, for every host sharing the authority, as far as it can be done).
     fn release(&self, ns: &str, key: &str, id: u64);
+    /// Removes published entry `ns/key` (`id`, placed at `at`), for every host sharing the
+    /// authority: fails, keeping it, when that cannot be recorded. True when other hosts still
+    /// map its extent: it is freed only once [`Authority::held_elsewhere`] says no more.
+    fn unpublish(&self, ns: &str, key: &str, id: u64, _at: &Placed<'_>) -> Result<bool> {
+        self.release(ns, key, id);
+        Ok(false)
+    }
+    /// Whether other hosts still map the extent at `offset` of raw pool `pool`, which this
+    /// host published and has removed.
+    fn held_elsewhere(&self, _pool: &str, _offset: u64) -> bool {
+        false
+    }
+    /// Records that this host maps entry `ns/key` (`ino` here) that another host published
+    /// at `at`, before a client of this host is handed it: its publisher then keeps the extent
+    /// after a removal until this host lets go ([`Authority::unhold`]). False when the entry
+    /// is gone (the caller answers as if it were absent).
+    fn hold(&self, _ns: &str, _key: &str, _ino: u64, _at: &Placed<'_>) -> Result<bool> {
+        Ok(true)
+    }
+    /// Lets go of what [`Authority::hold`] recorded for `ino`.
+    fn unhold(&self, _ino: u64) {}
+    /// Lets go of the holds that no client maps any more (`leased(ino)` says which still are
+    /// mapped) and that were not used for a while. Called under the store's lock, as `hold`.
+    fn drop_idle_holds(&self, _leased: &dyn Fn(u64) -> bool) {}
     /// Files `ns/key` as entry `id` that another host published (nothing is asked).
     fn adopt(&self, ns: &str, key: &str, id: u64);
     /// Forgets `ns/key`, which another host removed (nothing is asked).
@@ -51,6 +75,11 @@ pub trait Authority: Send + Sync {
     /// Claims `[offset, offset + len)` of the raw pool `pool` (its UUID) for this host; fails
     /// with [`Error::Busy`] when any of it is claimed already.
     fn claim_region(&self, pool: &str, offset: u64, len: u64) -> Result<()>;
+    /// Claims again a region holding this host's own entries (a restart recovering them):
+    /// as [`Authority::claim_region`], but other hosts' mappings of them do not stand in the way.
+    fn claim_again(&self, pool: &str, offset: u64, len: u64) -> Result<()> {
+        self.claim_region(pool, offset, len)
+    }
     /// Gives back the region of `pool` that starts at `offset`.
     fn release_region(&self, pool: &str, offset: u64);
     /// The regions of `pool` claimed, as (offset, len), in order.

@@ -67,23 +67,39 @@ impl State {
         Some(e)
     }
 
-    /// Removes a sealed entry: gives its name back to the authority (or forgets it, when
-    /// another host removed it), drops it from its pool (its space is freed unless leased;
-    /// another host's entry frees nothing here) and returns the name the kernel must forget.
+    /// Where sealed entry `e` is, as the authority knows it.
+    fn placed<'a>(&'a self, e: &Entry) -> Placed<'a> {
+        Placed {
+            pool: self.pools[e.pool as usize].pool.uuid(),
+            offset: e.offset,
+            size: e.size,
+        }
+    }
+
+    /// Removes a sealed entry: removes its name at the authority (or forgets it, when another
+    /// host removed it), drops it from its pool and returns the name the kernel must forget.
+    /// Its space is freed unless clients map it, here (leases) or on other hosts (the
+    /// authority says); another host's entry frees nothing here. Fails, changing nothing,
+    /// when the authority cannot record the removal.
     pub fn remove_entry(
         &mut self,
         auth: &dyn Authority,
         counters: &Counters,
         ino: u64,
         how: Removal,
-    ) -> Option<Invalidation> {
-        let e = self.unfile(ino)?;
-        let evicted = how == Removal::Evicted;
-        if how == Removal::Elsewhere {
+    ) -> Result<Option<Invalidation>> {
+        let Some(e) = self.entries.get(&ino) else {
+            return Ok(None);
+        };
+        let at = self.placed(e);
+        let held = if how == Removal::Elsewhere {
             auth.forget(&e.ns, &e.key);
+            at.pool.is_some_and(|p| auth.held_elsewhere(p, e.offset))
         } else {
-            auth.release(&e.ns, &e.key, e.ino);
-        }
+            auth.unpublish(&e.ns, &e.key, e.ino, &at)?
+        };
+        let e = self.unfile(ino).expect("present");
+        let evicted = how == Removal::Evicted;
         if e.holds > 0 {
             // Deleting (or evicting, by hand) a held entry is allowed, as for a pinned one;
             // the holds go with it.
@@ -113,15 +129,20 @@ impl State {
         let parent = self.ns.get(&e.ns).map_or(0, |n| n.ino);
         if e.remote {
             ps.pool.drop_remote(e.offset, e.asize);
-        } else if !ps.pool.delete(&e.loc(), e.leases > 0) {
+            if e.leases > 0 {
+                self.zombies.insert(e.ino, e.clone());
+            } else {
+                auth.unhold(e.ino);
+            }
+        } else if !ps.pool.delete(&e.loc(), e.leases > 0 || held) {
             self.zombies.insert(e.ino, e.clone());
         }
-        Some(Invalidation {
+        Ok(Some(Invalidation {
             parent,
             name: e.key,
             ino,
             by_kernel: false,
-        })
+        }))
     }
 
     /// Moves sealed entry `ino` to `ns/key` (never over an existing name: the authority
@@ -134,18 +155,15 @@ impl State {
         key: &str,
     ) -> Result<()> {
         let e = self.entries.get(&ino).expect("a sealed entry").clone();
-        let pool = &mut self.pools[e.pool as usize].pool;
-        let at = Placed {
-            pool: pool.uuid(),
-            offset: e.offset,
-            size: e.size,
-        };
-        auth.publish(ns, key, ino, &at)?;
-        if let Err(err) = pool.rename(&e.loc(), ns, key) {
+        auth.publish(ns, key, ino, &self.placed(&e))?;
+        // The old name goes at the authority (its extent stays: the entry keeps it).
+        let moved = auth
+            .unpublish(&e.ns, &e.key, ino, &self.placed(&e))
+            .and_then(|_| self.pools[e.pool as usize].pool.rename(&e.loc(), ns, key));
+        if let Err(err) = moved {
             auth.release(ns, key, ino);
             return Err(err);
         }
-        auth.release(&e.ns, &e.key, ino);
         let mut moved = self.unfile(ino).expect("present");
         moved.ns = ns.to_owned();
         moved.key = key.to_owned();
@@ -163,17 +181,49 @@ impl State {
         }
     }
 
-    /// Gives back one lease on entry (or deleted entry) `ino`; the last lease on a deleted
-    /// entry frees its extent.
-    pub fn unlease(&mut self, ino: u64, n: u32) {
+    /// Gives back one lease on entry (or removed entry) `ino`. The last lease on a removed
+    /// entry frees its extent, unless other hosts still map it; on another host's entry, it
+    /// lets go of this host's hold.
+    pub fn unlease(&mut self, auth: &dyn Authority, ino: u64, n: u32) {
         if let Some(e) = self.entries.get_mut(&ino) {
             e.leases = e.leases.saturating_sub(n);
-        } else if let Some(z) = self.zombies.get_mut(&ino) {
-            z.leases = z.leases.saturating_sub(n);
-            if z.leases == 0 {
-                let z = self.zombies.remove(&ino).expect("present");
-                self.pools[z.pool as usize].pool.free_extent(z.offset);
-            }
+            return;
+        }
+        let Some(z) = self.zombies.get_mut(&ino) else {
+            return;
+        };
+        z.leases = z.leases.saturating_sub(n);
+        if z.leases > 0 {
+            return;
+        }
+        if z.remote {
+            self.zombies.remove(&ino);
+            auth.unhold(ino);
+            return;
+        }
+        let pool = &self.pools[z.pool as usize].pool;
+        if pool
+            .uuid()
+            .is_some_and(|p| auth.held_elsewhere(p, z.offset))
+        {
+            return;
+        }
+        let z = self.zombies.remove(&ino).expect("present");
+        self.pools[z.pool as usize].pool.free_extent(z.offset);
+    }
+
+    /// Frees the removed entry of this host at `offset` of raw pool `pool` that no host maps
+    /// any more (the authority said so), unless clients here still do.
+    pub fn free_unheld(&mut self, pool: &str, offset: u64) {
+        let found = self.zombies.iter().find(|(_, z)| {
+            !z.remote
+                && z.leases == 0
+                && z.offset == offset
+                && self.pools[z.pool as usize].pool.uuid() == Some(pool)
+        });
+        if let Some((&ino, _)) = found {
+            let z = self.zombies.remove(&ino).expect("present");
+            self.pools[z.pool as usize].pool.free_extent(z.offset);
         }
     }
 }

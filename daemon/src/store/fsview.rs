@@ -380,7 +380,7 @@ impl Backend for StoreFs {
             None => false,
         };
         if held {
-            st.unlease(ino, 1);
+            st.unlease(&*self.0.authority, ino, 1);
         }
     }
 
@@ -738,7 +738,8 @@ impl Backend for StoreFs {
         if let Some(&ino) = n.entries.get(name) {
             let perm = st.entries[&ino].perm;
             Store::allow(&st, c, &p, Access::Delete(&perm))?;
-            let inv = st.remove_entry(&*self.0.authority, &self.0.counters, ino, Removal::Deleted);
+            let inv =
+                st.remove_entry(&*self.0.authority, &self.0.counters, ino, Removal::Deleted)?;
             drop(st);
             // The kernel drops the name; the backing is freed once the mount lets go of it.
             self.0.notify(

@@ -504,8 +504,20 @@ impl Store {
             };
             st.touch(ino);
             let e = &st.entries[&ino];
-            self.counters.add_bytes(Bytes::Retrieved, e.size);
             let pool = &st.pools[e.pool as usize].pool;
+            if e.remote {
+                // Another host's: it keeps the extent for as long as this host maps it.
+                let at = Placed {
+                    pool: pool.uuid(),
+                    offset: e.offset,
+                    size: e.size,
+                };
+                if !self.authority.hold(&e.ns, &e.key, ino, &at)? {
+                    out.push(None); // removed there a moment ago
+                    continue;
+                }
+            }
+            self.counters.add_bytes(Bytes::Retrieved, e.size);
             let f = pool.retrieve_fd(&e.loc(), !pool_fd_sent(e.pool))?;
             out.push(Some((e.located(f.is_some()), f)));
             if pool.leases() {
@@ -597,7 +609,7 @@ impl Store {
                     &self.counters,
                     ino,
                     Removal::Deleted,
-                ));
+                )?);
                 Ok(())
             },
         );

@@ -35,12 +35,17 @@ impl Store {
                 break;
             }
             let asize = st.entries[&ino].asize;
-            if let Some(i) =
-                st.remove_entry(&*self.authority, &self.counters, ino, Removal::Evicted)
-            {
-                freed += asize;
-                count += 1;
-                self.notify(vec![i]);
+            match st.remove_entry(&*self.authority, &self.counters, ino, Removal::Evicted) {
+                Ok(Some(i)) => {
+                    freed += asize;
+                    count += 1;
+                    self.notify(vec![i]);
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!("evicting: {e}");
+                    break;
+                }
             }
         }
         (count, freed)

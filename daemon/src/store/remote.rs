@@ -82,9 +82,27 @@ impl Store {
         let Some(ino) = st.ns.get(ns).ok().and_then(|n| n.entries.get(key).copied()) else {
             return;
         };
-        let inv = st.remove_entry(&*self.authority, &self.counters, ino, Removal::Elsewhere);
+        // Forgetting asks nothing of the authority: it cannot fail.
+        let inv = st
+            .remove_entry(&*self.authority, &self.counters, ino, Removal::Elsewhere)
+            .ok()
+            .flatten();
         drop(st);
         self.notify(inv.into_iter().collect());
+    }
+
+    /// Frees this host's removed entry at `offset` of raw pool `pool`, which no other host
+    /// maps any more (unless clients here still do: then their last release frees it).
+    pub fn free_unheld(&self, pool: &str, offset: u64) {
+        self.st.lock().free_unheld(pool, offset);
+    }
+
+    /// Lets the authority drop its holds on other hosts' entries that no client here maps.
+    pub fn drop_idle_holds(&self) {
+        let st = self.st.lock();
+        self.authority.drop_idle_holds(&|ino| {
+            st.entries.get(&ino).is_some_and(|e| e.leases > 0) || st.zombies.contains_key(&ino)
+        });
     }
 
     /// The names of the entries other hosts published that this host serves.

@@ -37,7 +37,7 @@ impl Store {
             self.drop_alloc(&mut st, a);
         }
         for (ino, n) in s.leases {
-            st.unlease(ino, n);
+            st.unlease(&*self.authority, ino, n);
         }
         for (ino, n) in s.holds {
             st.unhold(ino, n);
@@ -67,7 +67,7 @@ impl Store {
                 true
             });
             if held {
-                st.unlease(*g, 1);
+                st.unlease(&*self.authority, *g, 1);
             }
         }
     }

@@ -571,7 +571,7 @@ impl Pool for Raw {
         self.regions.clear();
         for (s, l, c) in runs {
             self.extents.reserve(s, l);
-            self.authority.claim_region(&self.uuid, s, l)?;
+            self.authority.claim_again(&self.uuid, s, l)?;
             self.regions.insert(
                 s,
                 Region {
