@@ -2,6 +2,7 @@
 
 pub mod alloc;
 pub mod cluster;
+pub mod coherence;
 pub mod config;
 pub mod metrics;
 pub mod mount;

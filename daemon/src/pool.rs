@@ -4,9 +4,11 @@
 //!   its own tmpfs at DIR (or reuses the one a previous run left). Each entry is a file:
 //!   `DIR/w/<id>` while being written, `DIR/n/<ns>/<key>` once sealed. The tree itself is the
 //!   metadata: it survives a crash of the daemon and is rescanned at start.
-//! - `devdax:/dev/daxX.Y[,name=X]` and `file:PATH,size=N[,name=X]`: a device (or a regular file
-//!   standing in for one) with a 32-byte header at offset 0 and 2 MiB-aligned regions after the
-//!   first 2 MiB; metadata in a write-ahead log in the state directory.
+//! - `devdax:/dev/daxX.Y[,name=X][,coherent=false]` and `file:PATH,size=N[,name=X]
+//!   [,coherent=false]`: a device (or a regular file standing in for one) with a 32-byte header
+//!   at offset 0 and 2 MiB-aligned regions after the first 2 MiB; metadata in a write-ahead log
+//!   in the state directory. `coherent=false` is for a device that other hosts share without
+//!   hardware cache coherence (see `coherence`).
 
 use std::ffi::CString;
 use std::fs::{File, OpenOptions};
@@ -61,6 +63,10 @@ pub struct PoolSpec {
     pub numa: Option<u32>,
     /// Name (defaults to the path).
     pub name: String,
+    /// Raw pools: whether the device is hardware-coherent across the hosts sharing it (true
+    /// unless the spec says `coherent=false`; then entries' cache lines are written back
+    /// before publication and invalidated before another host's first read).
+    pub coherent: bool,
 }
 
 impl PoolSpec {
@@ -88,6 +94,7 @@ impl PoolSpec {
             size: None,
             huge: Huge::WithinSize,
             numa: None,
+            coherent: true,
         };
         for opt in parts {
             let (k, v) = opt
@@ -106,6 +113,18 @@ impl PoolSpec {
                                 "huge must be within_size|always|never, not `{v}`"
                             )));
                         }
+                    }
+                }
+                ("coherent", PoolKind::File | PoolKind::Devdax) => {
+                    spec.coherent = match v {
+                        "true" => true,
+                        "false" if crate::coherence::SUPPORTED => false,
+                        "false" => {
+                            return Err(bad(
+                                "coherent=false: no cache maintenance on this CPU".into()
+                            ));
+                        }
+                        _ => return Err(bad(format!("coherent must be true|false, not `{v}`"))),
                     }
                 }
                 ("numa", PoolKind::Memfs) => {
@@ -699,6 +718,11 @@ mod tests {
         let f = PoolSpec::parse("file:/tmp/x.img,size=512M,name=emu").unwrap();
         assert_eq!(f.kind, PoolKind::File);
         assert_eq!(f.name, "emu");
+        assert!(f.coherent);
+        let n = PoolSpec::parse("devdax:/dev/dax0.0,coherent=false").unwrap();
+        assert!(!n.coherent);
+        assert!(PoolSpec::parse("devdax:/dev/dax0.0,coherent=maybe").is_err());
+        assert!(PoolSpec::parse("memfs:/x,coherent=false").is_err());
         assert!(PoolSpec::parse("memfs:rel").is_err());
         assert!(PoolSpec::parse("nvme:/x").is_err());
         assert!(PoolSpec::parse("file:/nonexistent-maru-x").is_err());

@@ -253,6 +253,18 @@ pub struct PoolInfo {
     pub huge_bytes: u64,
     /// Entries evicted since start.
     pub evictions: u64,
+    /// Raw pools shared without hardware cache coherence (`coherent=false`): bytes whose
+    /// cache lines this host wrote back before publishing them, and bytes of other hosts'
+    /// entries whose lines it invalidated before their first read here.
+    #[serde(default)]
+    pub coherence: Option<Coherence>,
+}
+
+/// Cache maintenance of a non-coherent pool, in bytes since start.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Coherence {
+    pub flushed: u64,
+    pub invalidated: u64,
 }
 
 /// Where a sealed entry lives, as returned by `Retrieve` and `List`.

@@ -29,9 +29,14 @@ fn host(etcd: &Etcd, pool: &Path, node: &str) -> Daemon {
 
 /// A host in network namespace `netns` (None: the test's).
 fn host_in(etcd: &Etcd, pool: &Path, node: &str, netns: Option<&str>) -> Daemon {
+    host_with(etcd, pool, node, netns, "")
+}
+
+/// A host whose pool spec ends with `options` (`,opt=value...`).
+fn host_with(etcd: &Etcd, pool: &Path, node: &str, netns: Option<&str>, options: &str) -> Daemon {
     Daemon::start_in(
         Opts {
-            pools: vec![format!("file:{},size={POOL_SIZE}", pool.display())],
+            pools: vec![format!("file:{},size={POOL_SIZE}{options}", pool.display())],
             mount: true,
             extra: vec![
                 "--cluster".into(),
@@ -435,6 +440,47 @@ fn an_entry_another_host_maps_keeps_its_bytes_after_a_delete_until_that_host_let
         store(&ha, "ns/after0", &pattern(8, 8 << 20)).is_ok()
     });
     store(&ha, "ns/after1", &pattern(9, 8 << 20)).expect("the whole extent came back");
+}
+
+#[test]
+fn on_a_pool_without_coherence_writers_write_back_and_readers_invalidate_once() {
+    require_root!();
+    let Some(etcd) = Etcd::start() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = pool_file(dir.path());
+    let a = host_with(&etcd, &pool, "a", None, ",coherent=false");
+    let b = host_with(&etcd, &pool, "b", None, ",coherent=false");
+    let (ha, hb) = (a.handler(), b.handler());
+    let coherence = |h: &maru::Handler| {
+        h.stats().expect("stats").pools[0]
+            .coherence
+            .expect("a pool without coherence reports its cache maintenance")
+    };
+    ha.mkdir("ns", 0o777).expect("mkdir");
+    let bytes = pattern(3, (3 << 20) + 100);
+    store(&ha, "ns/kv", &bytes).expect("store on a");
+    let on_a = coherence(&ha);
+    assert_eq!(
+        on_a.flushed,
+        bytes.len() as u64,
+        "a wrote back its entry's lines"
+    );
+    assert_eq!(on_a.invalidated, 0);
+    eventually("b sees it", || hb.exists("ns/kv").unwrap_or(false));
+    assert_eq!(coherence(&hb).invalidated, 0, "nothing read on b yet");
+    let m = hb.retrieve("ns/kv").expect("retrieve").expect("found");
+    assert!(m.as_slice() == bytes.as_slice());
+    assert_eq!(coherence(&hb).invalidated, bytes.len() as u64);
+    // Once per entry: the entry cannot change, and the lines b caches now are its bytes.
+    drop(m);
+    hb.trim();
+    let m = hb.retrieve("ns/kv").expect("retrieve").expect("found");
+    assert!(m.as_slice() == bytes.as_slice());
+    assert!(std::fs::read(b.path("ns/kv")).expect("read through b's mount") == bytes);
+    assert_eq!(coherence(&hb).invalidated, bytes.len() as u64);
+    assert_eq!(coherence(&hb).flushed, 0);
+    drop((m, ha, hb));
+    drop((a, b));
 }
 
 /// Fills the pool from `h` with 8 MiB entries until it is full; returns how many fit.

@@ -233,6 +233,14 @@ pub fn pools(h: &maru::Handler) -> R {
             p.entries,
             p.evictions
         ));
+        if let Some(c) = p.coherence {
+            text.push_str(&format!(
+                "{:<24} not coherent across hosts: {} written back, {} invalidated\n",
+                "",
+                format_size(c.flushed),
+                format_size(c.invalidated)
+            ));
+        }
     }
     out(json!({"pools": s.pools}), text)
 }

@@ -436,6 +436,7 @@ mod tests {
                 writing_bytes: 0,
                 huge_bytes: 3 << 30,
                 evictions: 7,
+                coherence: None,
             }],
             namespaces: vec![NsInfo {
                 ns: "llama3-70b".into(),

@@ -503,20 +503,12 @@ impl Store {
                 continue;
             };
             st.touch(ino);
+            if !st.ready_remote(&*self.authority, ino)? {
+                out.push(None); // another host's, removed there a moment ago
+                continue;
+            }
             let e = &st.entries[&ino];
             let pool = &st.pools[e.pool as usize].pool;
-            if e.remote {
-                // Another host's: it keeps the extent for as long as this host maps it.
-                let at = Placed {
-                    pool: pool.uuid(),
-                    offset: e.offset,
-                    size: e.size,
-                };
-                if !self.authority.hold(&e.ns, &e.key, ino, &at)? {
-                    out.push(None); // removed there a moment ago
-                    continue;
-                }
-            }
             self.counters.add_bytes(Bytes::Retrieved, e.size);
             let f = pool.retrieve_fd(&e.loc(), !pool_fd_sent(e.pool))?;
             out.push(Some((e.located(f.is_some()), f)));
@@ -745,6 +737,7 @@ impl Store {
                         0
                     },
                     evictions: p.evictions,
+                    coherence: p.pool.coherence(),
                 }
             })
             .collect()

@@ -6,9 +6,10 @@ use maru::name::{check_component, split_ns};
 use maru::{Error, Result};
 
 use super::Store;
+use super::authority::{Authority, Placed};
 use super::entries::Removal;
 use super::policy::Perm;
-use super::state::{Entry, Invalidation};
+use super::state::{Entry, Invalidation, State};
 use crate::alloc::align_up;
 use crate::pool::ENTRY_ALIGN;
 
@@ -62,6 +63,7 @@ impl Store {
         };
         st.insert_entry(Entry {
             remote: true,
+            cold: true,
             ..Entry::new(ino, ns, key, pool as u32, offset, size, root)
         });
         let parent = st.ns.get(ns)?.ino;
@@ -113,5 +115,33 @@ impl Store {
             .filter(|e| e.remote)
             .map(|e| (e.ns.clone(), e.key.clone()))
             .collect()
+    }
+}
+
+impl State {
+    /// Readies entry `ino` for a client of this host to map or read, if another host
+    /// published it: records this host's hold at the authority (its publisher then keeps the
+    /// extent while this host maps it), and before the first read here drops this host's stale
+    /// cache lines of it (pools without coherence across hosts). False when it was removed
+    /// there meanwhile. This host's own entries need nothing.
+    pub fn ready_remote(&mut self, auth: &dyn Authority, ino: u64) -> Result<bool> {
+        let Some(e) = self.entries.get(&ino).filter(|e| e.remote) else {
+            return Ok(true);
+        };
+        let pool = &self.pools[e.pool as usize].pool;
+        let at = Placed {
+            pool: pool.uuid(),
+            offset: e.offset,
+            size: e.size,
+        };
+        if !auth.hold(&e.ns, &e.key, ino, &at)? {
+            return Ok(false);
+        }
+        let e = self.entries.get_mut(&ino).expect("present");
+        if std::mem::take(&mut e.cold) {
+            let (pool, offset, size) = (e.pool, e.offset, e.size);
+            self.pools[pool as usize].pool.invalidate(offset, size);
+        }
+        Ok(true)
     }
 }

@@ -49,6 +49,9 @@ pub struct Entry {
     /// Published by another host sharing the pool (cluster mode): its extent is not this
     /// host's to free, and this host never evicts it.
     pub remote: bool,
+    /// Another host's entry not read here yet: on a pool without coherence across hosts, its
+    /// stale cache lines are dropped before the first read ([`State::ready_remote`]).
+    pub cold: bool,
 }
 
 impl AsMut<Stamp> for Entry {
@@ -87,6 +90,7 @@ impl Entry {
             perm,
             mtime: SystemTime::now(),
             remote: false,
+            cold: false,
         }
     }
 

@@ -141,6 +141,13 @@ pub trait Pool: Send {
     }
     /// An entry another host published, at `[offset, offset + len)`, is gone.
     fn drop_remote(&mut self, _offset: u64, _len: u64) {}
+    /// Drops this host's cached copies of `[offset, offset + len)`, another host's entry,
+    /// before its first read here (pools without hardware coherence across hosts).
+    fn invalidate(&mut self, _offset: u64, _len: u64) {}
+    /// Cache maintenance so far (pools without hardware coherence across hosts).
+    fn coherence(&self) -> Option<maru::proto::Coherence> {
+        None
+    }
     /// Whether the mount serves its entries by passthrough to their own file.
     fn passthrough(&self) -> bool;
     /// Whether a retrieval must hold a lease on the entry's extent (raw pools: the extent is

@@ -9,7 +9,7 @@ use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use maru::proto::PoolKind;
+use maru::proto::{Coherence, PoolKind};
 use maru::{Error, Result};
 
 use super::super::authority::Authority;
@@ -71,6 +71,10 @@ pub struct Raw {
     /// Units another host claimed when this one tried to carve them: reserved in `extents`
     /// until the pool looks full, then tried again.
     foreign: Vec<(u64, u64)>,
+    /// Without hardware coherence across hosts (`coherent=false`): the daemon's read-only
+    /// mapping of the whole device, through which it writes back and invalidates entries'
+    /// cache lines, and what it did so far.
+    noncoherent: Option<(memmap2::Mmap, Coherence)>,
 }
 
 fn reopen(f: &File, write: bool) -> std::io::Result<File> {
@@ -99,6 +103,14 @@ impl Raw {
         };
         let ro = reopen(&file, false)?;
         let rw = reopen(&file, true)?;
+        let noncoherent = if spec.coherent {
+            None
+        } else {
+            // SAFETY: a shared read-only mapping of the device; the daemon only flushes cache
+            // lines through it (never reads a byte another host may be writing).
+            let m = unsafe { memmap2::MmapOptions::new().len(size as usize).map(&ro)? };
+            Some((m, Coherence::default()))
+        };
         let log_path = state_dir.join(format!("pool-{}.wal", header.uuid_string()));
         Ok(Raw {
             kind: spec.kind,
@@ -119,7 +131,19 @@ impl Raw {
             uuid: header.uuid_string(),
             remote_units: BTreeMap::new(),
             foreign: Vec::new(),
+            noncoherent,
         })
+    }
+
+    /// Writes back (and invalidates) the cache lines of `[offset, offset + len)` on a pool
+    /// without hardware coherence across hosts; nothing on a coherent one. Returns the bytes.
+    fn flush(&mut self, offset: u64, len: u64) -> u64 {
+        let Some((m, _)) = &self.noncoherent else {
+            return 0;
+        };
+        let (s, e) = (offset as usize, (offset + len).min(self.size) as usize);
+        crate::coherence::flush(&m[s.min(e)..e]);
+        (e - s.min(e)) as u64
     }
 
     fn log(&mut self, rec: &Record) -> Result<()> {
@@ -319,6 +343,17 @@ impl Pool for Raw {
         Ok(())
     }
 
+    fn invalidate(&mut self, offset: u64, len: u64) {
+        let n = self.flush(offset, len);
+        if let Some((_, c)) = &mut self.noncoherent {
+            c.invalidated += n;
+        }
+    }
+
+    fn coherence(&self) -> Option<Coherence> {
+        self.noncoherent.as_ref().map(|(_, c)| *c)
+    }
+
     fn drop_remote(&mut self, offset: u64, len: u64) {
         let (s, end) = (
             offset / REGION_ALIGN * REGION_ALIGN,
@@ -431,6 +466,12 @@ impl Pool for Raw {
                 return Err(Error::Protocol("a raw allocation with a file".into()));
             }
         };
+        // Without coherence across hosts: the writer's lines reach the device before any other
+        // host can learn of the entry.
+        let n = self.flush(offset, e.size);
+        if let Some((_, c)) = &mut self.noncoherent {
+            c.flushed += n;
+        }
         self.log(&Self::seal_record(e, offset))?;
         self.live_entries += 1;
         Ok(offset)

@@ -1,0 +1,76 @@
+//! Cache maintenance for pools that are not hardware-coherent across hosts (`coherent=false`
+//! in a raw pool's spec): a host's CPU caches may hold lines of the device that another host
+//! has since written, and a host's writes may sit in its caches where no other host sees
+//! them. So a writer writes an entry's lines back before it is published, and a reader drops
+//! its stale copies of another host's entry before its first read. Lines are tagged by
+//! physical address: doing it through the daemon's own mapping of the device covers every
+//! process of the host that maps the same pages.
+
+/// The cache line size this code steps by (x86-64 and Arm servers: 64 bytes).
+const LINE: usize = 64;
+
+/// Whether this CPU architecture has the instructions (x86-64: `clflush`; AArch64:
+/// `dc civac`).
+pub const SUPPORTED: bool = cfg!(any(target_arch = "x86_64", target_arch = "aarch64"));
+
+/// Writes back and invalidates every cache line of `bytes`, then waits until that is done.
+/// On a range nobody dirtied it only invalidates: the same call serves the writer's flush and
+/// the reader's invalidation.
+pub fn flush(bytes: &[u8]) {
+    let start = bytes.as_ptr() as usize & !(LINE - 1);
+    let end = bytes.as_ptr() as usize + bytes.len();
+    let mut p = start;
+    while p < end {
+        flush_line(p as *const u8);
+        p += LINE;
+    }
+    fence();
+}
+
+#[cfg(target_arch = "x86_64")]
+fn flush_line(p: *const u8) {
+    // SAFETY: `p` lies in (or in the line of) a live mapping the caller borrowed; clflush
+    // only needs the address to be readable.
+    unsafe { core::arch::x86_64::_mm_clflush(p) }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn fence() {
+    // SAFETY: a fence has no memory operands.
+    unsafe { core::arch::x86_64::_mm_mfence() }
+}
+
+#[cfg(target_arch = "aarch64")]
+fn flush_line(p: *const u8) {
+    // SAFETY: as above: clean and invalidate by virtual address to the point of coherency.
+    unsafe { core::arch::asm!("dc civac, {0}", in(reg) p, options(nostack, preserves_flags)) }
+}
+
+#[cfg(target_arch = "aarch64")]
+fn fence() {
+    // SAFETY: a barrier has no operands.
+    unsafe { core::arch::asm!("dsb ish", options(nostack, preserves_flags)) }
+}
+
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+fn flush_line(_p: *const u8) {}
+
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+fn fence() {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flushing_keeps_the_bytes_whatever_the_alignment() {
+        let mut v: Vec<u8> = (0..10_000u32).map(|i| (i * 7) as u8).collect();
+        let want = v.clone();
+        flush(&v[3..9_001]);
+        flush(&v[..0]);
+        assert_eq!(v, want);
+        v[5_000] = 1;
+        flush(&v);
+        assert_eq!(v[5_000], 1);
+    }
+}
