@@ -53,9 +53,9 @@ pub struct EtcdAuthority {
     /// Each publication of this host, by name: its etcd revision (a removal the watch reports
     /// from before it is an older entry's) and its offset.
     published: Mutex<HashMap<(String, String), (i64, u64)>>,
-    /// The revision that created each entry of another host this host serves (what a hold
-    /// checks).
-    remote: Mutex<HashMap<(String, String), i64>>,
+    /// Each entry of another host this host serves: the revision that created it (what a
+    /// hold checks) and its publisher.
+    remote: Mutex<HashMap<(String, String), (i64, String)>>,
     /// This host's holds on other hosts' entries, by inode here.
     holds: Mutex<HashMap<u64, Hold>>,
     next_tag: AtomicU64,
@@ -272,6 +272,7 @@ async fn watch_hosts(me: std::sync::Weak<EtcdAuthority>) {
                 .into_iter()
                 .map(|n| maru::proto::HostInfo {
                     claimed: claimed.get(&n.node).copied().unwrap_or(0),
+                    entries: 0, // counted when asked (cluster())
                     node: n.node,
                     address: n.address,
                     pid: n.pid,
@@ -390,7 +391,7 @@ impl Authority for EtcdAuthority {
             .remote
             .lock()
             .get(&(ns.to_owned(), key.to_owned()))
-            .copied()
+            .map(|(r, _)| *r)
         else {
             return Ok(false);
         };
@@ -539,7 +540,18 @@ impl Authority for EtcdAuthority {
             node: self.node.clone(),
             live,
             endpoints: self.endpoints.clone(),
-            hosts: self.hosts.lock().clone(),
+            hosts: {
+                let mut by_node: HashMap<&str, u64> = HashMap::new();
+                let remote = self.remote.lock();
+                for (_, node) in remote.values() {
+                    *by_node.entry(node).or_default() += 1;
+                }
+                let mut hosts = self.hosts.lock().clone();
+                for h in &mut hosts {
+                    h.entries = by_node.get(h.node.as_str()).copied().unwrap_or(0);
+                }
+                hosts
+            },
             ..Default::default()
         })
     }
@@ -701,9 +713,10 @@ fn file(
     rec: &EntryRecord,
     revision: i64,
 ) {
-    auth.remote
-        .lock()
-        .insert((ns.to_owned(), key.to_owned()), revision);
+    auth.remote.lock().insert(
+        (ns.to_owned(), key.to_owned()),
+        (revision, rec.node.clone()),
+    );
     if let Err(e) = store.file_remote(&auth.pool, ns, key, rec.offset, rec.len) {
         tracing::warn!(ns, key, node = %rec.node, "cannot serve another host's entry: {e}");
     }

@@ -209,6 +209,20 @@ pub fn render(s: &Stats) -> String {
                 h.claimed
             );
         }
+        head(
+            &mut o,
+            "maru_cluster_host_entries",
+            "gauge",
+            "Entries each live host published that this host serves.",
+        );
+        for h in &c.hosts {
+            let _ = writeln!(
+                o,
+                "maru_cluster_host_entries{{node=\"{}\"}} {}",
+                esc(&h.node),
+                h.entries
+            );
+        }
     }
     o
 }
@@ -295,6 +309,7 @@ mod tests {
                 address: "h".into(),
                 pid: 1,
                 claimed: 4 << 20,
+                entries: 5,
             }],
             entries_here: 3,
             entries_elsewhere: 5,
@@ -306,6 +321,7 @@ mod tests {
             "maru_cluster_entries{origin=\"here\"} 3",
             "maru_cluster_entries{origin=\"elsewhere\"} 5",
             "maru_cluster_claimed_bytes{node=\"a\\\"x\"} 4194304",
+            "maru_cluster_host_entries{node=\"a\\\"x\"} 5",
         ] {
             assert!(text.lines().any(|l| l == line), "{line} missing:\n{text}");
         }

@@ -410,6 +410,9 @@ pub struct HostInfo {
     pub pid: u32,
     /// Bytes of the pool it has claimed (2 MiB units).
     pub claimed: u64,
+    /// Entries it published that this host serves.
+    #[serde(default)]
+    pub entries: u64,
 }
 
 /// The body of a successful response.

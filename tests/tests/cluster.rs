@@ -216,6 +216,8 @@ fn an_entry_stored_on_one_host_is_served_by_the_other_from_the_same_pages() {
             && cl["entries_here"] == 0
             && hosts == ["a", "b"]
             && cl["hosts"][0]["claimed"].as_u64().unwrap_or(0) >= 4 << 20
+            && cl["hosts"][0]["entries"] == 1
+            && cl["hosts"][1]["entries"] == 0
     });
     let text = status(false);
     assert!(text.contains("cluster: node b (live)"), "{text}");

@@ -201,11 +201,12 @@ pub fn status(h: &maru::Handler) -> R {
         ));
         for host in &c.hosts {
             text.push_str(&format!(
-                "  host {:<16} {:<24} pid {:<8} claims {}\n",
+                "  host {:<16} {:<24} pid {:<8} claims {:>10}  entries {}\n",
                 host.node,
                 host.address,
                 host.pid,
-                format_size(host.claimed)
+                format_size(host.claimed),
+                host.entries
             ));
         }
     }

@@ -782,6 +782,9 @@ impl Store {
             let elsewhere = st.entries.values().filter(|e| e.remote).count() as u64;
             c.entries_elsewhere = elsewhere;
             c.entries_here = st.entries.len() as u64 - elsewhere;
+            for h in c.hosts.iter_mut().filter(|h| h.node == c.node) {
+                h.entries = c.entries_here;
+            }
             Box::new(c)
         });
         drop(st);
