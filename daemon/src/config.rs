@@ -28,8 +28,8 @@ pub const DEFAULT_POOL: &str = "memfs:/run/maru/pool0";
 #[command(name = "marud", version)]
 pub struct Cli {
     /// A pool: memfs:DIR[,size=N][,huge=within_size|always|never][,numa=N][,name=X],
-    /// devdax:/dev/daxX.Y[,name=X] or file:PATH,size=N[,name=X]. Repeatable; placement tries
-    /// pools in this order.
+    /// devdax:/dev/daxX.Y[,name=X][,coherent=false] or file:PATH,size=N[,name=X][,coherent=false].
+    /// Repeatable; placement tries pools in this order.
     #[arg(long = "pool", value_name = "SPEC")]
     pub pools: Vec<String>,
     /// Where to mount the filesystem.

@@ -485,6 +485,104 @@ fn on_a_pool_without_coherence_writers_write_back_and_readers_invalidate_once() 
     drop((a, b));
 }
 
+/// `tools/maru-cluster-sim`, as the walkthrough in doc/CLUSTER.md runs it.
+struct Sim {
+    dir: tempfile::TempDir,
+    name: String,
+}
+
+impl Sim {
+    fn run(&self, args: &[&str]) -> std::process::Output {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tools/maru-cluster-sim");
+        std::process::Command::new("bash")
+            .arg(script)
+            .args(args)
+            .env("MARU_SIM_DIR", self.dir.path().join("sim"))
+            .env("MARU_SIM_NAME", &self.name)
+            .env("MARUD", bin("marud"))
+            .env("MARUCTL", bin("maructl"))
+            .output()
+            .expect("maru-cluster-sim")
+    }
+
+    fn ok(&self, args: &[&str]) -> String {
+        let out = self.run(args);
+        assert!(
+            out.status.success(),
+            "maru-cluster-sim {args:?}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).expect("utf-8")
+    }
+}
+
+impl Drop for Sim {
+    fn drop(&mut self) {
+        self.run(&["stop"]);
+    }
+}
+
+#[test]
+fn the_simulation_script_runs_three_hosts_and_leaves_nothing_behind() {
+    require_root!();
+    // Without etcd the tests skip (outside CI); probe as the other cluster tests do.
+    let Some(probe) = Etcd::start() else { return };
+    drop(probe);
+    let sim = Sim {
+        dir: tempfile::tempdir_in("/dev/shm").expect("tempdir"),
+        name: format!("msim{}", std::process::id() % 100_000),
+    };
+    let status = sim.ok(&["start", "--hosts", "3", "--size", "256M"]);
+    for h in ["a", "b", "c"] {
+        assert!(status.contains(&format!("host {h}: pid")), "{status}");
+    }
+    let ctl = bin("maructl");
+    let ctl = ctl.to_str().expect("utf-8 path");
+    let kv = sim.dir.path().join("kv.bin");
+    std::fs::write(&kv, pattern(5, 3 << 20)).expect("write");
+    let kv = kv.to_str().expect("utf-8 path");
+    sim.ok(&["exec", "a", ctl, "mkdir", "llama"]);
+    sim.ok(&["exec", "a", ctl, "put", "llama/chunk-0", kv]);
+    // b by its socket, c through its own /maru (its mount namespace's): the same bytes.
+    eventually("b sees a's entry", || {
+        sim.run(&["exec", "b", ctl, "stat", "llama/chunk-0"])
+            .status
+            .success()
+    });
+    let got = sim.dir.path().join("got.bin");
+    let got_s = got.to_str().expect("utf-8 path");
+    sim.ok(&["exec", "b", ctl, "get", "llama/chunk-0", got_s]);
+    assert!(std::fs::read(&got).expect("read") == pattern(5, 3 << 20));
+    eventually("c sees a's entry", || {
+        sim.run(&["exec", "c", "cmp", "/maru/llama/chunk-0", kv])
+            .status
+            .success()
+    });
+    // Each host's /maru is its own: the test's mount namespace has none of them.
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
+    assert!(
+        !mounts
+            .lines()
+            .any(|l| l.contains(sim.dir.path().to_str().unwrap()))
+    );
+    let status = sim.ok(&["status"]);
+    assert!(
+        status.contains("claims") && status.contains("host c"),
+        "{status}"
+    );
+    sim.ok(&["stop"]);
+    let netns = std::process::Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .expect("ip");
+    assert!(
+        !String::from_utf8_lossy(&netns.stdout).contains(&sim.name),
+        "namespaces left behind"
+    );
+    assert!(!sim.dir.path().join("sim").exists(), "state left behind");
+}
+
 /// Fills the pool from `h` with 8 MiB entries until it is full; returns how many fit.
 fn fill(h: &maru::Handler, prefix: &str) -> u64 {
     let mut n = 0u64;
