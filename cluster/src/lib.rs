@@ -8,6 +8,7 @@
 //! | `regions/<unit, 16 hex digits>` | the claiming node's name | the claiming node's lease |
 //! | `entries/<namespace>/<entry name>` | [`EntryRecord`] (JSON) | nothing: sealed entries outlive hosts |
 //! | `maps/<unit>/<extent offset>/<node>/<tag>` | empty | the mapping node's lease |
+//! | `pins/<namespace>/<entry name>` | empty | nothing: a pin lasts until unpinned or removed |
 //!
 //! - **Membership**: [`Member::join`] grants a lease of `ttl` seconds, keeps it alive, and
 //!   creates `nodes/<node>` under it (refused while another live host holds the name).
@@ -24,6 +25,8 @@
 //!   entry is the one it knows); the publisher frees a removed entry's extent only once no
 //!   such key is left ([`Member::remove`] says whether any is, [`Member::held`] which still
 //!   are), and a fresh claim ([`Member::claim`]) is refused over a unit any host maps.
+//! - **Pins**: [`Member::pin`] records a pin only while the entry exists; a removal takes it
+//!   with the entry; [`Member::pins`] and [`Member::watch_pins`] keep every host's view.
 //! - **Visibility**: [`Member::snapshot`] reads every entry at one revision and
 //!   [`Member::watch_entries`] streams every change after it, so a host's view misses nothing.
 //!
@@ -204,6 +207,12 @@ impl Keys {
     fn entries(&self) -> String {
         format!("{}entries/", self.root)
     }
+    fn pin(&self, ns: &str, name: &str) -> String {
+        format!("{}pins/{ns}/{name}", self.root)
+    }
+    fn pins(&self) -> String {
+        format!("{}pins/", self.root)
+    }
     /// Every unit from `unit` on, in key order (fixed-width hex).
     fn maps_from(&self, unit: u64) -> String {
         format!("{}maps/{unit:016x}/", self.root)
@@ -217,10 +226,15 @@ impl Keys {
     }
     /// `(namespace, name)` of an entry key (names never contain `/`; namespaces may).
     fn split_entry(&self, key: &[u8]) -> Result<(String, String)> {
+        Self::split_name(&self.entries(), key)
+    }
+
+    /// `(namespace, name)` of a key under `prefix`.
+    fn split_name(prefix: &str, key: &[u8]) -> Result<(String, String)> {
         let s = std::str::from_utf8(key).map_err(|e| bad(key, e.to_string()))?;
         let rest = s
-            .strip_prefix(&self.entries())
-            .ok_or_else(|| bad(key, "outside the entries".into()))?;
+            .strip_prefix(prefix)
+            .ok_or_else(|| bad(key, format!("outside {prefix}")))?;
         let (ns, name) = rest
             .rsplit_once('/')
             .ok_or_else(|| bad(key, "no namespace".into()))?;
@@ -562,17 +576,14 @@ impl Member {
                 self.keys.maps_of(offset),
                 Some(GetOptions::new().with_prefix().with_count_only()),
             ),
+            TxnOp::delete(self.keys.pin(ns, name), None),
         ]);
         let r = self.client.clone().txn(txn).await?;
-        let (mut existed, mut held) = (false, false);
-        for op in r.op_responses() {
-            match op {
-                TxnOpResponse::Delete(d) => existed = d.deleted() > 0,
-                TxnOpResponse::Get(g) => held = g.count() > 0,
-                _ => {}
-            }
-        }
-        Ok(Removed { existed, held })
+        let ops = r.op_responses();
+        Ok(Removed {
+            existed: matches!(ops.first(), Some(TxnOpResponse::Delete(d)) if d.deleted() > 0),
+            held: matches!(ops.get(1), Some(TxnOpResponse::Get(g)) if g.count() > 0),
+        })
     }
 
     /// Records that this host maps entry `ns/name` (created at `revision`, its extent
@@ -691,6 +702,66 @@ impl Member {
         Ok((out, revision))
     }
 
+    /// Pins entry `ns/name` for every host (its publisher never evicts it), or unpins it.
+    /// False (nothing recorded) when pinning an entry that does not exist.
+    pub async fn pin(&self, ns: &str, name: &str, pinned: bool) -> Result<bool> {
+        check_ns(ns)?;
+        check_name(name)?;
+        let key = self.keys.pin(ns, name);
+        let txn = if pinned {
+            Txn::new()
+                .when([Compare::create_revision(
+                    self.keys.entry(ns, name),
+                    CompareOp::NotEqual,
+                    0,
+                )])
+                .and_then([TxnOp::put(key, Vec::new(), None)])
+        } else {
+            Txn::new().and_then([TxnOp::delete(key, None)])
+        };
+        Ok(self.client.clone().txn(txn).await?.succeeded())
+    }
+
+    /// Every pinned entry, read at one revision (returned): watch from the next one.
+    pub async fn pins(&self) -> Result<(Vec<(String, String)>, i64)> {
+        let r = self
+            .client
+            .clone()
+            .get(
+                self.keys.pins(),
+                Some(GetOptions::new().with_prefix().with_keys_only()),
+            )
+            .await?;
+        let revision = r.header().map_or(0, |h| h.revision());
+        let pins = r
+            .kvs()
+            .iter()
+            .map(|kv| Keys::split_name(&self.keys.pins(), kv.key()))
+            .collect::<Result<_>>()?;
+        Ok((pins, revision))
+    }
+
+    /// Streams every pin and unpin from `revision` on (inclusive).
+    pub async fn watch_pins(&self, revision: i64) -> Result<PinWatch> {
+        let stream = self
+            .client
+            .clone()
+            .watch(
+                self.keys.pins(),
+                Some(
+                    WatchOptions::new()
+                        .with_prefix()
+                        .with_start_revision(revision),
+                ),
+            )
+            .await?;
+        Ok(PinWatch {
+            stream,
+            prefix: self.keys.pins(),
+            queued: std::collections::VecDeque::new(),
+        })
+    }
+
     /// Streams every change to the entries from `revision` on (inclusive).
     pub async fn watch_entries(&self, revision: i64) -> Result<EntryWatch> {
         let stream = self
@@ -774,6 +845,42 @@ pub struct EntryWatch {
     queued: std::collections::VecDeque<EntryEvent>,
 }
 
+/// The next batch of events of a watch; `None` when it ended (etcd went away or compacted
+/// past it).
+async fn next_events(stream: &mut WatchStream) -> Result<Option<Vec<etcd_client::Event>>> {
+    match stream.message().await? {
+        Some(resp) if !resp.canceled() => Ok(Some(resp.events().to_vec())),
+        _ => Ok(None),
+    }
+}
+
+/// Pins and unpins, from [`Member::watch_pins`].
+pub struct PinWatch {
+    stream: WatchStream,
+    prefix: String,
+    queued: std::collections::VecDeque<(String, String, bool)>,
+}
+
+impl PinWatch {
+    /// The next change, as (namespace, name, pinned); `None` when the watch ended.
+    pub async fn next(&mut self) -> Result<Option<(String, String, bool)>> {
+        loop {
+            if let Some(e) = self.queued.pop_front() {
+                return Ok(Some(e));
+            }
+            let Some(events) = next_events(&mut self.stream).await? else {
+                return Ok(None);
+            };
+            for ev in events {
+                let Some(kv) = ev.kv() else { continue };
+                let (ns, name) = Keys::split_name(&self.prefix, kv.key())?;
+                self.queued
+                    .push_back((ns, name, ev.event_type() == EventType::Put));
+            }
+        }
+    }
+}
+
 impl EntryWatch {
     /// The next change; `None` when the watch ended (etcd went away or compacted past it).
     pub async fn next(&mut self) -> Result<Option<EntryEvent>> {
@@ -781,13 +888,10 @@ impl EntryWatch {
             if let Some(e) = self.queued.pop_front() {
                 return Ok(Some(e));
             }
-            let Some(resp) = self.stream.message().await? else {
+            let Some(events) = next_events(&mut self.stream).await? else {
                 return Ok(None);
             };
-            if resp.canceled() {
-                return Ok(None);
-            }
-            for ev in resp.events() {
+            for ev in events {
                 let Some(kv) = ev.kv() else { continue };
                 let (ns, name) = self.keys.split_entry(kv.key())?;
                 self.queued.push_back(match ev.event_type() {

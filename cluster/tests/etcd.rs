@@ -314,3 +314,45 @@ async fn an_extent_another_host_maps_is_freed_only_once_it_lets_go() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pins_hold_for_every_host_and_go_with_their_entry() {
+    let Some(etcd) = Etcd::start() else { return };
+    let a = member(&etcd, "a", 10).await;
+    let b = member(&etcd, "b", 10).await;
+    assert!(a.claim(0, UNIT).await.expect("claim"));
+    a.publish("ns", "k", &record("a", 4096))
+        .await
+        .expect("publish");
+    assert!(
+        !b.pin("ns", "absent", true).await.expect("pin"),
+        "pinned what is not there"
+    );
+    let (none, revision) = a.pins().await.expect("pins");
+    assert!(none.is_empty());
+    let mut watch = a.watch_pins(revision + 1).await.expect("watch");
+    assert!(b.pin("ns", "k", true).await.expect("pin"));
+    assert_eq!(
+        a.pins().await.expect("pins").0,
+        [("ns".to_owned(), "k".to_owned())]
+    );
+    assert!(b.pin("ns", "k", false).await.expect("unpin"));
+    assert!(b.pin("ns", "k", true).await.expect("pin"));
+    let removed = a.remove("ns", "k", 4096).await.expect("remove");
+    assert!(removed.existed);
+    let mut seen = Vec::new();
+    for _ in 0..4 {
+        let ev = tokio::time::timeout(Duration::from_secs(10), watch.next())
+            .await
+            .expect("the watch stalled")
+            .expect("watch")
+            .expect("the watch ended");
+        seen.push(ev.2);
+    }
+    assert_eq!(
+        seen,
+        [true, false, true, false],
+        "pin, unpin, pin, gone with the entry"
+    );
+    assert!(a.pins().await.expect("pins").0.is_empty());
+}

@@ -61,6 +61,8 @@ pub struct EtcdAuthority {
     next_tag: AtomicU64,
     /// Extents (offsets) this host removed that other hosts still map: freed once they let go.
     held: Mutex<HashSet<u64>>,
+    /// The entries pinned in the cluster (from etcd's watch).
+    pins: Mutex<HashSet<(String, String)>>,
     /// Regions (offsets) this host could not claim again after rejoining: another host took
     /// them while this one was cut off. Nothing more is placed there.
     lost: Mutex<HashSet<u64>>,
@@ -112,6 +114,7 @@ impl EtcdAuthority {
             holds: Mutex::new(HashMap::new()),
             next_tag: AtomicU64::new(1),
             held: Mutex::new(HashSet::new()),
+            pins: Mutex::new(HashSet::new()),
             lost: Mutex::new(HashSet::new()),
             endpoints: s.endpoints.clone(),
             hosts: Mutex::new(Vec::new()),
@@ -423,6 +426,28 @@ impl Authority for EtcdAuthority {
         Ok(true)
     }
 
+    fn pin(&self, ns: &str, key: &str, pinned: bool, at: &Placed<'_>) -> Result<()> {
+        if at.pool != Some(self.pool.as_str()) {
+            return Ok(());
+        }
+        let (m, n, k) = (self.member(), ns.to_owned(), key.to_owned());
+        match self.run(async move { m.read().await.pin(&n, &k, pinned).await }) {
+            Ok(true) => {
+                let name = (ns.to_owned(), key.to_owned());
+                if pinned {
+                    self.pins.lock().insert(name);
+                } else {
+                    self.pins.lock().remove(&name);
+                }
+                Ok(())
+            }
+            Ok(false) => Err(Error::NotFound(format!(
+                "{ns}/{key} (removed on another host)"
+            ))),
+            Err(e) => Err(unavailable(e)),
+        }
+    }
+
     fn unhold(&self, ino: u64) {
         let h = self.holds.lock().remove(&ino);
         if let Some(h) = h {
@@ -566,6 +591,10 @@ enum Change {
     Unheld(u64),
     /// Time to let go of idle holds.
     Tick,
+    /// Every pinned entry at a revision (after a (re)start of the pins' watch).
+    Pins(Vec<(String, String)>),
+    /// A pin or an unpin.
+    Pin(String, String, bool),
 }
 
 /// Feeds `store` with the entries the other hosts publish and remove: a snapshot, then the
@@ -608,6 +637,7 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
             }
         }
     });
+    auth.rt.spawn(watch_pins(auth.member(), tx2.clone()));
     auth.rt.spawn(tend_holds(Arc::downgrade(&auth), tx2));
     std::thread::Builder::new()
         .name("maru-cluster-apply".into())
@@ -617,6 +647,30 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
             }
         })?;
     Ok(())
+}
+
+/// Feeds the applier with the pins: all of them, then every change (again from all of them
+/// whenever the watch breaks).
+async fn watch_pins(m: Arc<RwLock<Member>>, tx: tokio::sync::mpsc::UnboundedSender<Change>) {
+    loop {
+        let snap = m.read().await.pins().await;
+        let Ok((all, rev)) = snap else {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            continue;
+        };
+        if tx.send(Change::Pins(all)).is_err() {
+            return;
+        }
+        let watch = m.read().await.watch_pins(rev + 1).await;
+        if let Ok(mut w) = watch {
+            while let Ok(Some((ns, key, pinned))) = w.next().await {
+                if tx.send(Change::Pin(ns, key, pinned)).is_err() {
+                    return;
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
 }
 
 /// Every 200 ms: records the holds etcd could not take, learns which removed extents of this
@@ -701,6 +755,25 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
             store.forget_remote(&ns, &name);
         }
         Change::Unheld(offset) => store.free_unheld(&auth.pool, offset),
+        Change::Pins(all) => {
+            let all: HashSet<(String, String)> = all.into_iter().collect();
+            let before = std::mem::replace(&mut *auth.pins.lock(), all.clone());
+            for (ns, key) in before.difference(&all) {
+                store.pin_elsewhere(ns, key, false);
+            }
+            for (ns, key) in &all {
+                store.pin_elsewhere(ns, key, true);
+            }
+        }
+        Change::Pin(ns, key, pinned) => {
+            let name = (ns, key);
+            if pinned {
+                auth.pins.lock().insert(name.clone());
+            } else {
+                auth.pins.lock().remove(&name);
+            }
+            store.pin_elsewhere(&name.0, &name.1, pinned);
+        }
         Change::Tick => store.drop_idle_holds(),
     }
 }
@@ -719,5 +792,10 @@ fn file(
     );
     if let Err(e) = store.file_remote(&auth.pool, ns, key, rec.offset, rec.len) {
         tracing::warn!(ns, key, node = %rec.node, "cannot serve another host's entry: {e}");
+        return;
+    }
+    // Pinned before this host learnt of it (the pins have a watch of their own).
+    if auth.pins.lock().contains(&(ns.to_owned(), key.to_owned())) {
+        store.pin_elsewhere(ns, key, true);
     }
 }

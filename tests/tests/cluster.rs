@@ -485,6 +485,45 @@ fn on_a_pool_without_coherence_writers_write_back_and_readers_invalidate_once() 
     drop((a, b));
 }
 
+#[test]
+fn a_pin_on_one_host_keeps_the_publisher_from_evicting_the_entry() {
+    require_root!();
+    let Some(c) = cluster() else { return };
+    let (ha, hb) = (c.a.handler(), c.b.handler());
+    ha.mkdir("ns", 0o777).expect("mkdir");
+    for i in 0..3 {
+        store(&ha, &format!("ns/k{i}"), &pattern(i, 1 << 20)).expect("store on a");
+    }
+    eventually("b sees a's entries", || hb.exists("ns/k2").unwrap_or(false));
+    hb.pin("ns/k1").expect("pin on b");
+    assert!(hb.is_pinned("ns/k1").expect("is_pinned"));
+    eventually("a learns of b's pin", || {
+        ha.is_pinned("ns/k1").unwrap_or(false)
+    });
+    // a evicts all it can: not what b pinned.
+    ha.evict(POOL_SIZE).expect("evict");
+    eventually("a's evictions reach b", || {
+        !hb.exists("ns/k0").unwrap_or(true)
+    });
+    for h in [&ha, &hb] {
+        assert!(!h.exists("ns/k0").expect("exists") && !h.exists("ns/k2").expect("exists"));
+        let m = h
+            .retrieve("ns/k1")
+            .expect("retrieve")
+            .expect("the pinned entry");
+        assert!(m.as_slice() == pattern(1, 1 << 20).as_slice());
+    }
+    // Unpinned on b, a may evict it.
+    hb.unpin("ns/k1").expect("unpin on b");
+    eventually("a learns of the unpin", || {
+        !ha.is_pinned("ns/k1").unwrap_or(true)
+    });
+    ha.trim();
+    hb.trim();
+    ha.evict(POOL_SIZE).expect("evict");
+    eventually("gone on b too", || !hb.exists("ns/k1").unwrap_or(true));
+}
+
 /// `tools/maru-cluster-sim`, as the walkthrough in doc/CLUSTER.md runs it.
 struct Sim {
     dir: tempfile::TempDir,

@@ -61,6 +61,12 @@ pub trait Authority: Send + Sync {
     fn hold(&self, _ns: &str, _key: &str, _ino: u64, _at: &Placed<'_>) -> Result<bool> {
         Ok(true)
     }
+    /// Pins (or unpins) published entry `ns/key`, placed at `at`, for every host sharing the
+    /// authority (its publisher never evicts it); fails, changing nothing, when that cannot be
+    /// recorded.
+    fn pin(&self, _ns: &str, _key: &str, _pinned: bool, _at: &Placed<'_>) -> Result<()> {
+        Ok(())
+    }
     /// Lets go of what [`Authority::hold`] recorded for `ino`.
     fn unhold(&self, _ino: u64) {}
     /// Lets go of the holds that no client maps any more (`leased(ino)` says which still are

@@ -610,21 +610,23 @@ impl Store {
         out
     }
 
-    /// Pins or unpins entry `ino` (the caller checked the policy).
+    /// Pins or unpins entry `ino` (the caller checked the policy), at the authority first
+    /// (for every host sharing it), then here.
     fn set_pin(&self, st: &mut State, ino: u64, pinned: bool) -> Result<()> {
         let e = st
             .entries
-            .get_mut(&ino)
+            .get(&ino)
             .ok_or_else(|| Error::NotFound("entry".into()))?;
         if e.pinned == pinned {
             return Ok(());
         }
-        st.pools[e.pool as usize]
-            .pool
-            .set_pinned(&e.loc(), pinned)?;
-        e.pinned = pinned;
-        st.index_flags(ino);
-        Ok(())
+        let at = Placed {
+            pool: st.pools[e.pool as usize].pool.uuid(),
+            offset: e.offset,
+            size: e.size,
+        };
+        self.authority.pin(&e.ns, &e.key, pinned, &at)?;
+        st.mark_pinned(ino, pinned)
     }
 
     /// Pins or unpins entries; one outcome per key.

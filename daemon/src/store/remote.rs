@@ -107,6 +107,18 @@ impl Store {
         });
     }
 
+    /// Pins or unpins `ns/key` here because a host sharing the authority did (nothing is
+    /// asked); an entry not here is left alone.
+    pub fn pin_elsewhere(&self, ns: &str, key: &str, pinned: bool) {
+        let mut st = self.st.lock();
+        let Some(ino) = st.ns.get(ns).ok().and_then(|n| n.entries.get(key).copied()) else {
+            return;
+        };
+        if let Err(e) = st.mark_pinned(ino, pinned) {
+            tracing::warn!(ns, key, "recording a pin of another host: {e}");
+        }
+    }
+
     /// The names of the entries other hosts published that this host serves.
     pub fn remote_names(&self) -> Vec<(String, String)> {
         let st = self.st.lock();
@@ -119,6 +131,26 @@ impl Store {
 }
 
 impl State {
+    /// Marks entry `ino` pinned or not here: its flag, its index slot, and (this host's own
+    /// entries) its pool's record.
+    pub fn mark_pinned(&mut self, ino: u64, pinned: bool) -> Result<()> {
+        let e = self
+            .entries
+            .get_mut(&ino)
+            .ok_or_else(|| Error::NotFound("entry".into()))?;
+        if e.pinned == pinned {
+            return Ok(());
+        }
+        if !e.remote {
+            self.pools[e.pool as usize]
+                .pool
+                .set_pinned(&e.loc(), pinned)?;
+        }
+        e.pinned = pinned;
+        self.index_flags(ino);
+        Ok(())
+    }
+
     /// Readies entry `ino` for a client of this host to map or read, if another host
     /// published it: records this host's hold at the authority (its publisher then keeps the
     /// extent while this host maps it), and before the first read here drops this host's stale
