@@ -9,6 +9,7 @@
 //! | `entries/<namespace>/<entry name>` | [`EntryRecord`] (JSON) | nothing: sealed entries outlive hosts |
 //! | `maps/<unit>/<extent offset>/<node>/<tag>` | empty | the mapping node's lease |
 //! | `pins/<namespace>/<entry name>` | empty | nothing: a pin lasts until unpinned or removed |
+//! | `access/<publisher>/<reader>` | the publisher's entries the reader used lately (JSON) | the reader's lease |
 //!
 //! - **Membership**: [`Member::join`] grants a lease of `ttl` seconds, keeps it alive, and
 //!   creates `nodes/<node>` under it (refused while another live host holds the name).
@@ -27,6 +28,9 @@
 //!   are), and a fresh claim ([`Member::claim`]) is refused over a unit any host maps.
 //! - **Pins**: [`Member::pin`] records a pin only while the entry exists; a removal takes it
 //!   with the entry; [`Member::pins`] and [`Member::watch_pins`] keep every host's view.
+//! - **Access reports**: a host reports in batches which of another host's entries it used
+//!   ([`Member::report_access`]); the publisher, which alone evicts them, watches its reports
+//!   ([`Member::watch_access`]) to keep one LRU order for the whole cluster.
 //! - **Visibility**: [`Member::snapshot`] reads every entry at one revision and
 //!   [`Member::watch_entries`] streams every change after it, so a host's view misses nothing.
 //!
@@ -212,6 +216,9 @@ impl Keys {
     }
     fn pins(&self) -> String {
         format!("{}pins/", self.root)
+    }
+    fn access_to(&self, publisher: &str) -> String {
+        format!("{}access/{publisher}/", self.root)
     }
     /// Every unit from `unit` on, in key order (fixed-width hex).
     fn maps_from(&self, unit: u64) -> String {
@@ -722,6 +729,32 @@ impl Member {
         Ok(self.client.clone().txn(txn).await?.succeeded())
     }
 
+    /// Reports to host `publisher` the entries of its that this host used since the last
+    /// report (the newest last), replacing that report.
+    pub async fn report_access(&self, publisher: &str, used: &[(String, String)]) -> Result<()> {
+        check_name(publisher)?;
+        let key = format!("{}{}", self.keys.access_to(publisher), self.info.node);
+        let value = serde_json::to_vec(used).expect("serializable");
+        self.client
+            .clone()
+            .put(key, value, Some(PutOptions::new().with_lease(self.lease)))
+            .await?;
+        Ok(())
+    }
+
+    /// Streams the access reports other hosts send this one, from now on.
+    pub async fn watch_access(&self) -> Result<AccessWatch> {
+        let stream = self
+            .client
+            .clone()
+            .watch(
+                self.keys.access_to(&self.info.node),
+                Some(WatchOptions::new().with_prefix()),
+            )
+            .await?;
+        Ok(AccessWatch { stream })
+    }
+
     /// Every pinned entry, read at one revision (returned): watch from the next one.
     pub async fn pins(&self) -> Result<(Vec<(String, String)>, i64)> {
         let r = self
@@ -851,6 +884,31 @@ async fn next_events(stream: &mut WatchStream) -> Result<Option<Vec<etcd_client:
     match stream.message().await? {
         Some(resp) if !resp.canceled() => Ok(Some(resp.events().to_vec())),
         _ => Ok(None),
+    }
+}
+
+/// Access reports, from [`Member::watch_access`].
+pub struct AccessWatch {
+    stream: WatchStream,
+}
+
+impl AccessWatch {
+    /// The entries the next reports name (oldest use first); `None` when the watch ended.
+    pub async fn next(&mut self) -> Result<Option<Vec<(String, String)>>> {
+        loop {
+            let Some(events) = next_events(&mut self.stream).await? else {
+                return Ok(None);
+            };
+            let mut used = Vec::new();
+            for ev in events {
+                if let (EventType::Put, Some(kv)) = (ev.event_type(), ev.kv()) {
+                    used.extend(decode::<Vec<(String, String)>>(kv.key(), kv.value())?);
+                }
+            }
+            if !used.is_empty() {
+                return Ok(Some(used));
+            }
+        }
     }
 }
 

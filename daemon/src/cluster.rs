@@ -27,6 +27,9 @@ use tokio::sync::RwLock;
 use crate::store::Store;
 use crate::store::authority::{Authority, Claim, LocalAuthority, Placed};
 
+/// An entry's name: (namespace, key).
+type Name = (String, String);
+
 /// `--cluster`, `--node`, `--cluster-ttl`.
 #[derive(Debug, Clone)]
 pub struct ClusterSettings {
@@ -63,6 +66,11 @@ pub struct EtcdAuthority {
     held: Mutex<HashSet<u64>>,
     /// The entries pinned in the cluster (from etcd's watch).
     pins: Mutex<HashSet<(String, String)>>,
+    /// Other hosts' entries used here since the last report, by publisher: name -> order.
+    used: Mutex<HashMap<String, HashMap<Name, u64>>>,
+    uses: AtomicU64,
+    /// Uses of this host's entries other hosts reported.
+    uses_reported: AtomicU64,
     /// Regions (offsets) this host could not claim again after rejoining: another host took
     /// them while this one was cut off. Nothing more is placed there.
     lost: Mutex<HashSet<u64>>,
@@ -115,6 +123,9 @@ impl EtcdAuthority {
             next_tag: AtomicU64::new(1),
             held: Mutex::new(HashSet::new()),
             pins: Mutex::new(HashSet::new()),
+            used: Mutex::new(HashMap::new()),
+            uses: AtomicU64::new(0),
+            uses_reported: AtomicU64::new(0),
             lost: Mutex::new(HashSet::new()),
             endpoints: s.endpoints.clone(),
             hosts: Mutex::new(Vec::new()),
@@ -448,6 +459,19 @@ impl Authority for EtcdAuthority {
         }
     }
 
+    fn accessed(&self, ns: &str, key: &str) {
+        let name = (ns.to_owned(), key.to_owned());
+        let Some(publisher) = self.remote.lock().get(&name).map(|(_, n)| n.clone()) else {
+            return;
+        };
+        let n = self.uses.fetch_add(1, Ordering::Relaxed);
+        self.used
+            .lock()
+            .entry(publisher)
+            .or_default()
+            .insert(name, n);
+    }
+
     fn unhold(&self, ino: u64) {
         let h = self.holds.lock().remove(&ino);
         if let Some(h) = h {
@@ -565,6 +589,7 @@ impl Authority for EtcdAuthority {
             node: self.node.clone(),
             live,
             endpoints: self.endpoints.clone(),
+            uses_reported: self.uses_reported.load(Ordering::Relaxed),
             hosts: {
                 let mut by_node: HashMap<&str, u64> = HashMap::new();
                 let remote = self.remote.lock();
@@ -595,6 +620,8 @@ enum Change {
     Pins(Vec<(String, String)>),
     /// A pin or an unpin.
     Pin(String, String, bool),
+    /// Entries of this host's that other hosts used (oldest use first).
+    Used(Vec<(String, String)>),
 }
 
 /// Feeds `store` with the entries the other hosts publish and remove: a snapshot, then the
@@ -638,6 +665,7 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
         }
     });
     auth.rt.spawn(watch_pins(auth.member(), tx2.clone()));
+    auth.rt.spawn(watch_uses(auth.member(), tx2.clone()));
     auth.rt.spawn(tend_holds(Arc::downgrade(&auth), tx2));
     std::thread::Builder::new()
         .name("maru-cluster-apply".into())
@@ -673,8 +701,49 @@ async fn watch_pins(m: Arc<RwLock<Member>>, tx: tokio::sync::mpsc::UnboundedSend
     }
 }
 
-/// Every 200 ms: records the holds etcd could not take, learns which removed extents of this
-/// host no other host maps any more, and has idle holds let go of.
+/// Feeds the applier with the uses of this host's entries other hosts report.
+async fn watch_uses(m: Arc<RwLock<Member>>, tx: tokio::sync::mpsc::UnboundedSender<Change>) {
+    loop {
+        let watch = m.read().await.watch_access().await;
+        if let Ok(mut w) = watch {
+            while let Ok(Some(used)) = w.next().await {
+                if tx.send(Change::Used(used)).is_err() {
+                    return;
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// At most this many uses go in one report to one host (the most recent).
+const REPORT_MAX: usize = 4096;
+
+impl EtcdAuthority {
+    /// Reports to each host the uses of its entries here since the last report.
+    async fn report_uses(&self) {
+        let batches = std::mem::take(&mut *self.used.lock());
+        for (publisher, used) in batches {
+            let mut used: Vec<((String, String), u64)> = used.into_iter().collect();
+            used.sort_by_key(|(_, n)| *n);
+            let from = used.len().saturating_sub(REPORT_MAX);
+            let names: Vec<(String, String)> = used.drain(from..).map(|(k, _)| k).collect();
+            let r = self
+                .member
+                .read()
+                .await
+                .report_access(&publisher, &names)
+                .await;
+            if let Err(e) = r {
+                tracing::debug!(publisher, "reporting uses: {e}"); // an approximation: dropped
+            }
+        }
+    }
+}
+
+/// Every 200 ms: records the holds etcd could not take and learns which removed extents of
+/// this host no other host maps any more; every second, reports uses of other hosts' entries
+/// and has idle holds let go of.
 async fn tend_holds(
     me: std::sync::Weak<EtcdAuthority>,
     tx: tokio::sync::mpsc::UnboundedSender<Change>,
@@ -697,8 +766,11 @@ async fn tend_holds(
             }
         }
         ticks += 1;
-        if ticks.is_multiple_of(5) && tx.send(Change::Tick).is_err() {
-            return;
+        if ticks.is_multiple_of(5) {
+            a.report_uses().await;
+            if tx.send(Change::Tick).is_err() {
+                return;
+            }
         }
     }
 }
@@ -764,6 +836,11 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
             for (ns, key) in &all {
                 store.pin_elsewhere(ns, key, true);
             }
+        }
+        Change::Used(used) => {
+            auth.uses_reported
+                .fetch_add(used.len() as u64, Ordering::Relaxed);
+            store.used_elsewhere(&used);
         }
         Change::Pin(ns, key, pinned) => {
             let name = (ns, key);

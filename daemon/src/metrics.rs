@@ -197,6 +197,13 @@ pub fn render(s: &Stats) -> String {
         );
         head(
             &mut o,
+            "maru_cluster_uses_reported_total",
+            "counter",
+            "Uses of this host's entries other hosts reported (cluster-wide LRU).",
+        );
+        let _ = writeln!(o, "maru_cluster_uses_reported_total {}", c.uses_reported);
+        head(
+            &mut o,
             "maru_cluster_claimed_bytes",
             "gauge",
             "Bytes of the shared pool each host has claimed.",
@@ -313,6 +320,7 @@ mod tests {
             }],
             entries_here: 3,
             entries_elsewhere: 5,
+            uses_reported: 9,
         }));
         let text = render(&s);
         for line in [
@@ -320,6 +328,7 @@ mod tests {
             "maru_cluster_hosts 1",
             "maru_cluster_entries{origin=\"here\"} 3",
             "maru_cluster_entries{origin=\"elsewhere\"} 5",
+            "maru_cluster_uses_reported_total 9",
             "maru_cluster_claimed_bytes{node=\"a\\\"x\"} 4194304",
             "maru_cluster_host_entries{node=\"a\\\"x\"} 5",
         ] {

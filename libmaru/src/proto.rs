@@ -397,6 +397,9 @@ pub struct ClusterInfo {
     pub entries_here: u64,
     /// Entries other hosts published that this host serves.
     pub entries_elsewhere: u64,
+    /// Uses of this host's entries that other hosts reported (for the LRU order here).
+    #[serde(default)]
+    pub uses_reported: u64,
 }
 
 /// A host of a cluster.

@@ -524,6 +524,43 @@ fn a_pin_on_one_host_keeps_the_publisher_from_evicting_the_entry() {
     eventually("gone on b too", || !hb.exists("ns/k1").unwrap_or(true));
 }
 
+#[test]
+fn reads_on_another_host_keep_an_entry_young_where_it_is_evicted() {
+    require_root!();
+    let Some(c) = cluster() else { return };
+    let (ha, hb) = (c.a.handler(), c.b.handler());
+    ha.mkdir("ns", 0o777).expect("mkdir");
+    // Four entries of a region each, k0 the oldest.
+    for i in 0..4 {
+        store(&ha, &format!("ns/k{i}"), &pattern(i, 2 << 20)).expect("store on a");
+    }
+    eventually("b sees a's entries", || hb.exists("ns/k3").unwrap_or(false));
+    // b keeps using k0; a hears of it (reports go every second).
+    eventually("a hears of b's uses", || {
+        hb.trim();
+        hb.retrieve("ns/k0").expect("retrieve").expect("found");
+        ha.stats()
+            .expect("stats")
+            .cluster
+            .is_some_and(|c| c.uses_reported > 0)
+    });
+    hb.trim();
+    hb.stats().expect("stats"); // b's client lets go of its mappings
+    // a evicts two entries' worth: the least recently used in the cluster, k1 and k2.
+    let p = &ha.stats().expect("stats").pools[0];
+    let free = p.capacity - p.used;
+    let (n, _) = ha.evict(free + (4 << 20)).expect("evict");
+    assert_eq!(n, 2, "evicted {n}");
+    let left: Vec<bool> = (0..4)
+        .map(|i| ha.exists(&format!("ns/k{i}")).expect("exists"))
+        .collect();
+    assert_eq!(
+        left,
+        [true, false, false, true],
+        "k0 was used on b: it is not the oldest"
+    );
+}
+
 /// `tools/maru-cluster-sim`, as the walkthrough in doc/CLUSTER.md runs it.
 struct Sim {
     dir: tempfile::TempDir,

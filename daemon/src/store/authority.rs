@@ -67,6 +67,9 @@ pub trait Authority: Send + Sync {
     fn pin(&self, _ns: &str, _key: &str, _pinned: bool, _at: &Placed<'_>) -> Result<()> {
         Ok(())
     }
+    /// Another host's entry `ns/key` was used here: reported, in batches, to the host that
+    /// evicts it (cluster-wide LRU).
+    fn accessed(&self, _ns: &str, _key: &str) {}
     /// Lets go of what [`Authority::hold`] recorded for `ino`.
     fn unhold(&self, _ino: u64) {}
     /// Lets go of the holds that no client maps any more (`leased(ino)` says which still are

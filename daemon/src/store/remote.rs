@@ -119,6 +119,18 @@ impl Store {
         }
     }
 
+    /// Makes this host's entries that other hosts used (their batched reports, oldest use
+    /// first) the most recently used here, where they are evicted.
+    pub fn used_elsewhere(&self, used: &[(String, String)]) {
+        let mut st = self.st.lock();
+        for (ns, key) in used {
+            let ino = st.ns.get(ns).ok().and_then(|n| n.entries.get(key).copied());
+            if let Some(ino) = ino.filter(|i| st.entries.get(i).is_some_and(|e| !e.remote)) {
+                st.touch(ino);
+            }
+        }
+    }
+
     /// The names of the entries other hosts published that this host serves.
     pub fn remote_names(&self) -> Vec<(String, String)> {
         let st = self.st.lock();
@@ -169,6 +181,7 @@ impl State {
         if !auth.hold(&e.ns, &e.key, ino, &at)? {
             return Ok(false);
         }
+        auth.accessed(&e.ns, &e.key);
         let e = self.entries.get_mut(&ino).expect("present");
         if std::mem::take(&mut e.cold) {
             let (pool, offset, size) = (e.pool, e.offset, e.size);
