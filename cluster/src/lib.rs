@@ -9,6 +9,7 @@
 //! | `entries/<namespace>/<entry name>` | [`EntryRecord`] (JSON) | nothing: sealed entries outlive hosts |
 //! | `maps/<unit>/<extent offset>/<node>/<tag>` | empty | the mapping node's lease |
 //! | `pins/<namespace>/<entry name>` | empty | nothing: a pin lasts until unpinned or removed |
+//! | `quotas/<namespace>` | bytes (decimal) | nothing: until cleared |
 //! | `access/<publisher>/<reader>` | the publisher's entries the reader used lately (JSON) | the reader's lease |
 //!
 //! - **Membership**: [`Member::join`] grants a lease of `ttl` seconds, keeps it alive, and
@@ -216,6 +217,12 @@ impl Keys {
     }
     fn pins(&self) -> String {
         format!("{}pins/", self.root)
+    }
+    fn quota(&self, ns: &str) -> String {
+        format!("{}quotas/{ns}", self.root)
+    }
+    fn quotas(&self) -> String {
+        format!("{}quotas/", self.root)
     }
     fn access_to(&self, publisher: &str) -> String {
         format!("{}access/{publisher}/", self.root)
@@ -776,11 +783,59 @@ impl Member {
 
     /// Streams every pin and unpin from `revision` on (inclusive).
     pub async fn watch_pins(&self, revision: i64) -> Result<PinWatch> {
+        Ok(PinWatch(
+            self.watch_prefix(self.keys.pins(), revision).await?,
+        ))
+    }
+
+    /// Sets (or clears) the quota of namespace `ns` for every host: bytes of sealed entries
+    /// in it and under it, wherever they were published.
+    pub async fn set_quota(&self, ns: &str, bytes: Option<u64>) -> Result<()> {
+        check_ns(ns)?;
+        let key = self.keys.quota(ns);
+        let mut c = self.client.clone();
+        match bytes {
+            Some(b) => {
+                c.put(key, b.to_string(), None).await?;
+            }
+            None => {
+                c.delete(key, None).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Every quota, read at one revision (returned): watch from the next one.
+    pub async fn quotas(&self) -> Result<(Vec<(String, u64)>, i64)> {
+        let prefix = self.keys.quotas();
+        let r = self
+            .client
+            .clone()
+            .get(prefix.clone(), Some(GetOptions::new().with_prefix()))
+            .await?;
+        let revision = r.header().map_or(0, |h| h.revision());
+        let quotas = r
+            .kvs()
+            .iter()
+            .map(|kv| parse_quota(&prefix, kv.key(), Some(kv.value())))
+            .map(|q| q.map(|(ns, b)| (ns, b.unwrap_or(0))))
+            .collect::<Result<_>>()?;
+        Ok((quotas, revision))
+    }
+
+    /// Streams every change of a quota from `revision` on (inclusive).
+    pub async fn watch_quotas(&self, revision: i64) -> Result<QuotaWatch> {
+        Ok(QuotaWatch(
+            self.watch_prefix(self.keys.quotas(), revision).await?,
+        ))
+    }
+
+    async fn watch_prefix(&self, prefix: String, revision: i64) -> Result<PrefixWatch> {
         let stream = self
             .client
             .clone()
             .watch(
-                self.keys.pins(),
+                prefix.clone(),
                 Some(
                     WatchOptions::new()
                         .with_prefix()
@@ -788,9 +843,9 @@ impl Member {
                 ),
             )
             .await?;
-        Ok(PinWatch {
+        Ok(PrefixWatch {
             stream,
-            prefix: self.keys.pins(),
+            prefix,
             queued: std::collections::VecDeque::new(),
         })
     }
@@ -912,16 +967,15 @@ impl AccessWatch {
     }
 }
 
-/// Pins and unpins, from [`Member::watch_pins`].
-pub struct PinWatch {
+/// The changes under one prefix: each key, and its new value (None: deleted).
+struct PrefixWatch {
     stream: WatchStream,
     prefix: String,
-    queued: std::collections::VecDeque<(String, String, bool)>,
+    queued: std::collections::VecDeque<(Vec<u8>, Option<Vec<u8>>)>,
 }
 
-impl PinWatch {
-    /// The next change, as (namespace, name, pinned); `None` when the watch ended.
-    pub async fn next(&mut self) -> Result<Option<(String, String, bool)>> {
+impl PrefixWatch {
+    async fn next(&mut self) -> Result<Option<(Vec<u8>, Option<Vec<u8>>)>> {
         loop {
             if let Some(e) = self.queued.pop_front() {
                 return Ok(Some(e));
@@ -931,12 +985,55 @@ impl PinWatch {
             };
             for ev in events {
                 let Some(kv) = ev.kv() else { continue };
-                let (ns, name) = Keys::split_name(&self.prefix, kv.key())?;
-                self.queued
-                    .push_back((ns, name, ev.event_type() == EventType::Put));
+                let value = (ev.event_type() == EventType::Put).then(|| kv.value().to_vec());
+                self.queued.push_back((kv.key().to_vec(), value));
             }
         }
     }
+}
+
+/// Pins and unpins, from [`Member::watch_pins`].
+pub struct PinWatch(PrefixWatch);
+
+impl PinWatch {
+    /// The next change, as (namespace, name, pinned); `None` when the watch ended.
+    pub async fn next(&mut self) -> Result<Option<(String, String, bool)>> {
+        let Some((key, value)) = self.0.next().await? else {
+            return Ok(None);
+        };
+        let (ns, name) = Keys::split_name(&self.0.prefix, &key)?;
+        Ok(Some((ns, name, value.is_some())))
+    }
+}
+
+/// Quota changes, from [`Member::watch_quotas`].
+pub struct QuotaWatch(PrefixWatch);
+
+impl QuotaWatch {
+    /// The next change, as (namespace, quota; None: cleared); `None` when the watch ended.
+    pub async fn next(&mut self) -> Result<Option<(String, Option<u64>)>> {
+        let Some((key, value)) = self.0.next().await? else {
+            return Ok(None);
+        };
+        parse_quota(&self.0.prefix, &key, value.as_deref()).map(Some)
+    }
+}
+
+/// A quota key's namespace and value.
+fn parse_quota(prefix: &str, key: &[u8], value: Option<&[u8]>) -> Result<(String, Option<u64>)> {
+    let ns = std::str::from_utf8(key)
+        .ok()
+        .and_then(|k| k.strip_prefix(prefix))
+        .ok_or_else(|| bad(key, format!("outside {prefix}")))?;
+    let bytes = value
+        .map(|v| {
+            std::str::from_utf8(v)
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .ok_or_else(|| bad(key, "not a number of bytes".into()))
+        })
+        .transpose()?;
+    Ok((ns.to_owned(), bytes))
 }
 
 impl EntryWatch {

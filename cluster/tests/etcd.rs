@@ -356,3 +356,38 @@ async fn pins_hold_for_every_host_and_go_with_their_entry() {
     );
     assert!(a.pins().await.expect("pins").0.is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quotas_are_one_record_for_every_host() {
+    let Some(etcd) = Etcd::start() else { return };
+    let a = member(&etcd, "a", 10).await;
+    let b = member(&etcd, "b", 10).await;
+    let (none, revision) = b.quotas().await.expect("quotas");
+    assert!(none.is_empty());
+    let mut watch = b.watch_quotas(revision + 1).await.expect("watch");
+    a.set_quota("team/x", Some(5 << 20)).await.expect("set");
+    a.set_quota("team/x", None).await.expect("clear");
+    a.set_quota("team", Some(7)).await.expect("set");
+    assert_eq!(
+        b.quotas().await.expect("quotas").0,
+        [("team".to_owned(), 7)]
+    );
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        seen.push(
+            tokio::time::timeout(Duration::from_secs(10), watch.next())
+                .await
+                .expect("the watch stalled")
+                .expect("watch")
+                .expect("the watch ended"),
+        );
+    }
+    assert_eq!(
+        seen,
+        [
+            ("team/x".to_owned(), Some(5 << 20)),
+            ("team/x".to_owned(), None),
+            ("team".to_owned(), Some(7)),
+        ]
+    );
+}

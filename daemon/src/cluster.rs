@@ -66,6 +66,8 @@ pub struct EtcdAuthority {
     held: Mutex<HashSet<u64>>,
     /// The entries pinned in the cluster (from etcd's watch).
     pins: Mutex<HashSet<(String, String)>>,
+    /// The namespaces with a quota in the cluster (from etcd's watch).
+    quotas: Mutex<HashSet<String>>,
     /// Other hosts' entries used here since the last report, by publisher: name -> order.
     used: Mutex<HashMap<String, HashMap<Name, u64>>>,
     uses: AtomicU64,
@@ -123,6 +125,7 @@ impl EtcdAuthority {
             next_tag: AtomicU64::new(1),
             held: Mutex::new(HashSet::new()),
             pins: Mutex::new(HashSet::new()),
+            quotas: Mutex::new(HashSet::new()),
             used: Mutex::new(HashMap::new()),
             uses: AtomicU64::new(0),
             uses_reported: AtomicU64::new(0),
@@ -459,6 +462,12 @@ impl Authority for EtcdAuthority {
         }
     }
 
+    fn set_quota(&self, ns: &str, bytes: Option<u64>) -> Result<()> {
+        let (m, n) = (self.member(), ns.to_owned());
+        self.run(async move { m.read().await.set_quota(&n, bytes).await })
+            .map_err(unavailable)
+    }
+
     fn accessed(&self, ns: &str, key: &str) {
         let name = (ns.to_owned(), key.to_owned());
         let Some(publisher) = self.remote.lock().get(&name).map(|(_, n)| n.clone()) else {
@@ -622,6 +631,10 @@ enum Change {
     Pin(String, String, bool),
     /// Entries of this host's that other hosts used (oldest use first).
     Used(Vec<(String, String)>),
+    /// Every quota at a revision (after a (re)start of the quotas' watch).
+    Quotas(Vec<(String, u64)>),
+    /// A quota set (or cleared).
+    Quota(String, Option<u64>),
 }
 
 /// Feeds `store` with the entries the other hosts publish and remove: a snapshot, then the
@@ -666,6 +679,7 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
     });
     auth.rt.spawn(watch_pins(auth.member(), tx2.clone()));
     auth.rt.spawn(watch_uses(auth.member(), tx2.clone()));
+    auth.rt.spawn(watch_quotas(auth.member(), tx2.clone()));
     auth.rt.spawn(tend_holds(Arc::downgrade(&auth), tx2));
     std::thread::Builder::new()
         .name("maru-cluster-apply".into())
@@ -693,6 +707,30 @@ async fn watch_pins(m: Arc<RwLock<Member>>, tx: tokio::sync::mpsc::UnboundedSend
         if let Ok(mut w) = watch {
             while let Ok(Some((ns, key, pinned))) = w.next().await {
                 if tx.send(Change::Pin(ns, key, pinned)).is_err() {
+                    return;
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// Feeds the applier with the quotas: all of them, then every change (again from all of them
+/// whenever the watch breaks).
+async fn watch_quotas(m: Arc<RwLock<Member>>, tx: tokio::sync::mpsc::UnboundedSender<Change>) {
+    loop {
+        let snap = m.read().await.quotas().await;
+        let Ok((all, rev)) = snap else {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            continue;
+        };
+        if tx.send(Change::Quotas(all)).is_err() {
+            return;
+        }
+        let watch = m.read().await.watch_quotas(rev + 1).await;
+        if let Ok(mut w) = watch {
+            while let Ok(Some((ns, bytes))) = w.next().await {
+                if tx.send(Change::Quota(ns, bytes)).is_err() {
                     return;
                 }
             }
@@ -841,6 +879,24 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
             auth.uses_reported
                 .fetch_add(used.len() as u64, Ordering::Relaxed);
             store.used_elsewhere(&used);
+        }
+        Change::Quotas(all) => {
+            let now: HashSet<String> = all.iter().map(|(ns, _)| ns.clone()).collect();
+            let before = std::mem::replace(&mut *auth.quotas.lock(), now.clone());
+            for ns in before.difference(&now) {
+                store.quota_elsewhere(ns, None);
+            }
+            for (ns, bytes) in all {
+                store.quota_elsewhere(&ns, Some(bytes));
+            }
+        }
+        Change::Quota(ns, bytes) => {
+            if bytes.is_some() {
+                auth.quotas.lock().insert(ns.clone());
+            } else {
+                auth.quotas.lock().remove(&ns);
+            }
+            store.quota_elsewhere(&ns, bytes);
         }
         Change::Pin(ns, key, pinned) => {
             let name = (ns, key);

@@ -561,6 +561,40 @@ fn reads_on_another_host_keep_an_entry_young_where_it_is_evicted() {
     );
 }
 
+#[test]
+fn a_quota_set_on_one_host_holds_on_every_host_over_every_hosts_entries() {
+    require_root!();
+    let Some(c) = cluster() else { return };
+    let (ha, hb) = (c.a.handler(), c.b.handler());
+    ha.mkdir("team", 0o777).expect("mkdir");
+    ha.set_quota("team", Some(3 << 20)).expect("quota on a");
+    // b has no namespace of that name yet: the quota makes it.
+    let quota_on_b = || {
+        hb.list("team")
+            .ok()
+            .and_then(|(me, _, _)| me)
+            .and_then(|n| n.quota)
+    };
+    eventually("b learns of the quota", || quota_on_b() == Some(3 << 20));
+    store(&ha, "team/k0", &pattern(0, 2 << 20)).expect("store on a");
+    eventually("b sees a's entry", || hb.exists("team/k0").unwrap_or(false));
+    // a's 2 MiB count on b: 2 more would exceed 3 MiB there, half a MiB does not.
+    match store(&hb, "team/k1", &pattern(1, 2 << 20)) {
+        Err(Error::Quota(_)) => {}
+        other => panic!("b stored past the cluster's quota: {other:?}"),
+    }
+    store(&hb, "team/k1", &pattern(1, 512 << 10)).expect("store on b within the quota");
+    // Cleared on b, for a too.
+    hb.set_quota("team", None).expect("clear on b");
+    eventually("a learns the quota is gone", || {
+        ha.list("team")
+            .ok()
+            .and_then(|(me, _, _)| me)
+            .is_some_and(|n| n.quota.is_none())
+    });
+    store(&ha, "team/k2", &pattern(2, 2 << 20)).expect("store on a without a quota");
+}
+
 /// `tools/maru-cluster-sim`, as the walkthrough in doc/CLUSTER.md runs it.
 struct Sim {
     dir: tempfile::TempDir,

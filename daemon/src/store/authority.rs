@@ -67,6 +67,11 @@ pub trait Authority: Send + Sync {
     fn pin(&self, _ns: &str, _key: &str, _pinned: bool, _at: &Placed<'_>) -> Result<()> {
         Ok(())
     }
+    /// Sets (or clears) namespace `ns`'s quota for every host sharing the authority; fails,
+    /// changing nothing, when that cannot be recorded.
+    fn set_quota(&self, _ns: &str, _bytes: Option<u64>) -> Result<()> {
+        Ok(())
+    }
     /// Another host's entry `ns/key` was used here: reported, in batches, to the host that
     /// evicts it (cluster-wide LRU).
     fn accessed(&self, _ns: &str, _key: &str) {}

@@ -206,6 +206,8 @@ impl Store {
         split_ns(ns)?;
         let mut st = self.st.lock();
         Self::allow(&st, c, ns, Access::SetQuota)?;
+        st.ns.get(ns)?;
+        self.authority.set_quota(ns, bytes)?;
         st.ns.get_mut(ns)?.quota = bytes;
         st.ns.save();
         Ok(())

@@ -37,20 +37,10 @@ impl Store {
         if st.ns.get(ns).is_ok_and(|n| n.entries.contains_key(key)) {
             return Ok(());
         }
-        let mut next = st.next_ino;
-        let made = st.ns.ensure_path(ns, || {
-            next += 1;
-            next - 1
-        });
-        st.next_ino = next;
-        made?;
+        st.ensure_ns_here(ns)?;
         if st.ns.get(ns)?.children.contains_key(key) {
             return Err(Error::Exists(format!("{ns}/{key} is a namespace here")));
         }
-        for p in &mut st.pools {
-            p.pool.ensure_ns(ns)?;
-        }
-        st.ns.save();
         st.pools[pool]
             .pool
             .adopt_remote(offset, align_up(size.max(1), ENTRY_ALIGN))?;
@@ -107,6 +97,22 @@ impl Store {
         });
     }
 
+    /// Sets (or clears) namespace `ns`'s quota here because a host sharing the authority did
+    /// (nothing is asked); the namespace is created if this host has none of that name.
+    pub fn quota_elsewhere(&self, ns: &str, bytes: Option<u64>) {
+        let mut st = self.st.lock();
+        let set = split_ns(ns)
+            .and_then(|_| st.ensure_ns_here(ns))
+            .and_then(|()| {
+                st.ns.get_mut(ns)?.quota = bytes;
+                Ok(())
+            });
+        match set {
+            Ok(()) => st.ns.save(),
+            Err(e) => tracing::warn!(ns, "a quota set on another host: {e}"),
+        }
+    }
+
     /// Pins or unpins `ns/key` here because a host sharing the authority did (nothing is
     /// asked); an entry not here is left alone.
     pub fn pin_elsewhere(&self, ns: &str, key: &str, pinned: bool) {
@@ -143,6 +149,23 @@ impl Store {
 }
 
 impl State {
+    /// Creates namespace `ns` (and those above it) here if absent, as another host's entry or
+    /// quota needs it: owned by root, mode 0755.
+    fn ensure_ns_here(&mut self, ns: &str) -> Result<()> {
+        let mut next = self.next_ino;
+        let made = self.ns.ensure_path(ns, || {
+            next += 1;
+            next - 1
+        });
+        self.next_ino = next;
+        made?;
+        for p in &mut self.pools {
+            p.pool.ensure_ns(ns)?;
+        }
+        self.ns.save();
+        Ok(())
+    }
+
     /// Marks entry `ino` pinned or not here: its flag, its index slot, and (this host's own
     /// entries) its pool's record.
     pub fn mark_pinned(&mut self, ino: u64, pinned: bool) -> Result<()> {
