@@ -9,6 +9,7 @@
 //! | `entries/<namespace>/<entry name>` | [`EntryRecord`] (JSON) | nothing: sealed entries outlive hosts |
 //! | `maps/<unit>/<extent offset>/<node>/<tag>` | empty | the mapping node's lease |
 //! | `pins/<namespace>/<entry name>` | empty | nothing: a pin lasts until unpinned or removed |
+//! | `reserved/<namespace>/<entry name>` | the node writing it | that node's lease |
 //! | `quotas/<namespace>` | bytes (decimal) | nothing: until cleared |
 //! | `access/<publisher>/<reader>` | the publisher's entries the reader used lately (JSON) | the reader's lease |
 //!
@@ -134,6 +135,8 @@ pub enum Published {
     New { revision: i64 },
     /// The key existed: the first writer's record (the caller frees its allocation).
     Exists(EntryRecord),
+    /// Another host reserved the name for a writer of its own ([`Member::reserve`]).
+    Reserved(String),
 }
 
 /// An entry as [`Member::snapshot`] read it.
@@ -217,6 +220,9 @@ impl Keys {
     }
     fn pins(&self) -> String {
         format!("{}pins/", self.root)
+    }
+    fn reservation(&self, ns: &str, name: &str) -> String {
+        format!("{}reserved/{ns}/{name}", self.root)
     }
     fn quota(&self, ns: &str) -> String {
         format!("{}quotas/{ns}", self.root)
@@ -506,13 +512,40 @@ impl Member {
     /// [`Error::LeaseLost`]: nothing was published; [`Error::Etcd`]: the outcome is unknown
     /// only if etcd failed after applying it (read the key to learn).
     pub async fn publish(&self, ns: &str, name: &str, record: &EntryRecord) -> Result<Published> {
+        self.publish_as(ns, name, record, false).await
+    }
+
+    /// Publishes entry `ns/name`, which this host reserved ([`Member::reserve`]), as
+    /// [`Member::publish`] does; the reservation goes in the same transaction.
+    pub async fn publish_reserved(
+        &self,
+        ns: &str,
+        name: &str,
+        record: &EntryRecord,
+    ) -> Result<Published> {
+        self.publish_as(ns, name, record, true).await
+    }
+
+    async fn publish_as(
+        &self,
+        ns: &str,
+        name: &str,
+        record: &EntryRecord,
+        reserved: bool,
+    ) -> Result<Published> {
         check_ns(ns)?;
         check_name(name)?;
         let key = self.keys.entry(ns, name);
+        let rkey = self.keys.reservation(ns, name);
         let value = serde_json::to_vec(record).expect("serializable");
         let mut when = vec![
             self.alive_cmp(),
             Compare::create_revision(key.clone(), CompareOp::Equal, 0),
+            if reserved {
+                Compare::value(rkey.clone(), CompareOp::Equal, self.info.node.clone())
+            } else {
+                Compare::create_revision(rkey.clone(), CompareOp::Equal, 0)
+            },
         ];
         for u in held_units(record.offset, record.len) {
             when.push(Compare::value(
@@ -523,10 +556,14 @@ impl Member {
         }
         let txn = Txn::new()
             .when(when)
-            .and_then([TxnOp::put(key.clone(), value, None)])
+            .and_then([
+                TxnOp::put(key.clone(), value, None),
+                TxnOp::delete(rkey.clone(), None),
+            ])
             .or_else([
                 TxnOp::get(self.keys.node(&self.info.node), None),
                 TxnOp::get(key.clone(), None),
+                TxnOp::get(rkey, None),
             ]);
         let r = self.client.clone().txn(txn).await?;
         if r.succeeded() {
@@ -535,17 +572,80 @@ impl Member {
         }
         let ops = r.op_responses();
         self.check_alive(&ops)?;
-        match ops.get(1) {
-            Some(TxnOpResponse::Get(g)) if !g.kvs().is_empty() => {
-                let kv = &g.kvs()[0];
-                Ok(Published::Exists(decode(kv.key(), kv.value())?))
-            }
-            // Alive, the name free: the entry is not (all) in units this host holds.
-            _ => Err(Error::NotClaimed {
-                offset: record.offset,
-                len: record.len,
-            }),
+        if let Some(p) = self.name_taken(&ops)? {
+            return Ok(p);
         }
+        // Alive, the name free: the entry is not (all) in units this host holds.
+        Err(Error::NotClaimed {
+            offset: record.offset,
+            len: record.len,
+        })
+    }
+
+    /// From a failed transaction's reads (this node, the entry, its reservation): who took
+    /// the name, if anyone did.
+    fn name_taken(&self, ops: &[TxnOpResponse]) -> Result<Option<Published>> {
+        if let Some(TxnOpResponse::Get(g)) = ops.get(1)
+            && let Some(kv) = g.kvs().first()
+        {
+            return Ok(Some(Published::Exists(decode(kv.key(), kv.value())?)));
+        }
+        if let Some(TxnOpResponse::Get(g)) = ops.get(2)
+            && let Some(kv) = g.kvs().first()
+            && kv.value() != self.info.node.as_bytes()
+        {
+            let holder = String::from_utf8_lossy(kv.value()).into_owned();
+            return Ok(Some(Published::Reserved(holder)));
+        }
+        Ok(None)
+    }
+
+    /// Reserves name `ns/name` for a writer of this host whose publication follows later (a
+    /// writer through the mount: its `close` reports the outcome, its release publishes):
+    /// no other host can publish or reserve it meanwhile. Bound to this host's lease; a
+    /// reservation this host holds already is kept. `None` when reserved; otherwise who has
+    /// the name ([`Published::Exists`] or [`Published::Reserved`]).
+    pub async fn reserve(&self, ns: &str, name: &str) -> Result<Option<Published>> {
+        check_ns(ns)?;
+        check_name(name)?;
+        let (key, rkey) = (self.keys.entry(ns, name), self.keys.reservation(ns, name));
+        let txn = Txn::new()
+            .when([
+                self.alive_cmp(),
+                Compare::create_revision(key.clone(), CompareOp::Equal, 0),
+                Compare::create_revision(rkey.clone(), CompareOp::Equal, 0),
+            ])
+            .and_then([TxnOp::put(
+                rkey.clone(),
+                self.info.node.clone(),
+                Some(PutOptions::new().with_lease(self.lease)),
+            )])
+            .or_else([
+                TxnOp::get(self.keys.node(&self.info.node), None),
+                TxnOp::get(key, None),
+                TxnOp::get(rkey, None),
+            ]);
+        let r = self.client.clone().txn(txn).await?;
+        if r.succeeded() {
+            return Ok(None);
+        }
+        let ops = r.op_responses();
+        self.check_alive(&ops)?;
+        self.name_taken(&ops)
+    }
+
+    /// Gives back a reservation of this host's (another's is left alone).
+    pub async fn unreserve(&self, ns: &str, name: &str) -> Result<()> {
+        let rkey = self.keys.reservation(ns, name);
+        let txn = Txn::new()
+            .when([Compare::value(
+                rkey.clone(),
+                CompareOp::Equal,
+                self.info.node.clone(),
+            )])
+            .and_then([TxnOp::delete(rkey, None)]);
+        self.client.clone().txn(txn).await?;
+        Ok(())
     }
 
     /// From a failed transaction's first read (this node's record): LeaseLost unless the

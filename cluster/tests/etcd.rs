@@ -391,3 +391,42 @@ async fn quotas_are_one_record_for_every_host() {
         ]
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reserved_name_is_no_one_elses_until_published_or_given_back() {
+    let Some(etcd) = Etcd::start() else { return };
+    let a = member(&etcd, "a", 10).await;
+    let b = member(&etcd, "b", 10).await;
+    assert!(a.claim(0, UNIT).await.expect("claim"));
+    assert!(b.claim(UNIT, UNIT).await.expect("claim"));
+    assert_eq!(a.reserve("ns", "k").await.expect("reserve"), None);
+    assert_eq!(
+        a.reserve("ns", "k").await.expect("again"),
+        None,
+        "a keeps its own"
+    );
+    assert_eq!(
+        b.reserve("ns", "k").await.expect("reserve"),
+        Some(Published::Reserved("a".into()))
+    );
+    assert_eq!(
+        b.publish("ns", "k", &record("b", UNIT))
+            .await
+            .expect("publish"),
+        Published::Reserved("a".into())
+    );
+    assert!(matches!(
+        a.publish_reserved("ns", "k", &record("a", 4096)).await,
+        Ok(Published::New { .. })
+    ));
+    assert!(matches!(
+        b.reserve("ns", "k").await.expect("reserve"),
+        Some(Published::Exists(r)) if r.node == "a"
+    ));
+    // Given back, the name is free; a dead host's reservations go with its lease.
+    assert_eq!(a.reserve("ns", "k2").await.expect("reserve"), None);
+    a.unreserve("ns", "k2").await.expect("unreserve");
+    assert_eq!(b.reserve("ns", "k2").await.expect("reserve"), None);
+    b.leave().await.expect("leave");
+    assert_eq!(a.reserve("ns", "k2").await.expect("reserve"), None);
+}

@@ -64,6 +64,8 @@ pub struct EtcdAuthority {
     next_tag: AtomicU64,
     /// Extents (offsets) this host removed that other hosts still map: freed once they let go.
     held: Mutex<HashSet<u64>>,
+    /// Names this host reserved in etcd for writers through its mount.
+    reserved: Mutex<HashSet<Name>>,
     /// The entries pinned in the cluster (from etcd's watch).
     pins: Mutex<HashSet<(String, String)>>,
     /// The namespaces with a quota in the cluster (from etcd's watch).
@@ -124,6 +126,7 @@ impl EtcdAuthority {
             holds: Mutex::new(HashMap::new()),
             next_tag: AtomicU64::new(1),
             held: Mutex::new(HashSet::new()),
+            reserved: Mutex::new(HashSet::new()),
             pins: Mutex::new(HashSet::new()),
             quotas: Mutex::new(HashSet::new()),
             used: Mutex::new(HashMap::new()),
@@ -159,6 +162,21 @@ impl EtcdAuthority {
             .lock()
             .get(&(ns.to_owned(), key.to_owned()))
             .is_some_and(|&(r, _)| r > revision)
+    }
+
+    /// Gives back this host's reservation of `ns/key` in etcd, if it has one (in the
+    /// background: a late one only keeps the name a moment longer).
+    fn drop_reservation(&self, ns: &str, key: &str) {
+        let name = (ns.to_owned(), key.to_owned());
+        if !self.reserved.lock().remove(&name) {
+            return;
+        }
+        let m = self.member();
+        self.rt.spawn(async move {
+            if let Err(e) = m.read().await.unreserve(&name.0, &name.1).await {
+                tracing::warn!(ns = %name.0, key = %name.1, "giving a reservation back: {e}");
+            }
+        });
     }
 
     /// Records the holds that could not be recorded when they were taken (etcd unreachable);
@@ -308,6 +326,28 @@ impl Authority for EtcdAuthority {
         self.local.reserve(ns, key, id)
     }
 
+    fn reserve_everywhere(&self, ns: &str, key: &str, id: u64, pool: Option<&str>) -> Result<()> {
+        self.local.reserve(ns, key, id)?;
+        let name = (ns.to_owned(), key.to_owned());
+        if pool != Some(self.pool.as_str()) || self.reserved.lock().contains(&name) {
+            return Ok(());
+        }
+        let (m, n, k) = (self.member(), ns.to_owned(), key.to_owned());
+        let e = match self.run(async move { m.read().await.reserve(&n, &k).await }) {
+            Ok(None) => {
+                self.reserved.lock().insert(name);
+                return Ok(());
+            }
+            Ok(Some(taken)) => taken_error(ns, key, &taken),
+            Err(maru_cluster::Error::LeaseLost(_)) => {
+                Error::Busy("this host lost its cluster lease; retry once it has rejoined".into())
+            }
+            Err(e) => unavailable(e),
+        };
+        self.local.release(ns, key, id);
+        Err(e)
+    }
+
     fn publish(&self, ns: &str, key: &str, id: u64, at: &Placed<'_>) -> Result<()> {
         self.local.publish(ns, key, id, at)?;
         if at.pool != Some(self.pool.as_str()) {
@@ -319,8 +359,20 @@ impl Authority for EtcdAuthority {
             node: self.node.clone(),
             alloc: id,
         };
+        let name = (ns.to_owned(), key.to_owned());
+        let reserved = self.reserved.lock().contains(&name);
         let (m, n, k, r) = (self.member(), ns.to_owned(), key.to_owned(), rec.clone());
-        let outcome = self.run(async move { m.read().await.publish(&n, &k, &r).await });
+        let outcome = self.run(async move {
+            let m = m.read().await;
+            if reserved {
+                m.publish_reserved(&n, &k, &r).await
+            } else {
+                m.publish(&n, &k, &r).await
+            }
+        });
+        if matches!(outcome, Ok(Published::New { .. })) {
+            self.reserved.lock().remove(&name);
+        }
         let refused = match outcome {
             Ok(Published::New { revision }) => {
                 self.published
@@ -332,9 +384,7 @@ impl Authority for EtcdAuthority {
             Ok(Published::Exists(r)) if r.node == self.node && r.offset == at.offset => {
                 return Ok(());
             }
-            Ok(Published::Exists(r)) => {
-                Error::Exists(format!("{ns}/{key} (published by host {})", r.node))
-            }
+            Ok(taken) => taken_error(ns, key, &taken),
             Err(maru_cluster::Error::LeaseLost(_)) => {
                 Error::Busy("this host lost its cluster lease; retry once it has rejoined".into())
             }
@@ -355,11 +405,15 @@ impl Authority for EtcdAuthority {
                 unavailable(e)
             }
         };
+        self.drop_reservation(ns, key);
         self.local.release(ns, key, id);
         Err(refused)
     }
 
     fn release(&self, ns: &str, key: &str, id: u64) {
+        if self.local.holder(ns, key) == Some(Claim::Reserved(id)) {
+            self.drop_reservation(ns, key);
+        }
         let published = self.local.holder(ns, key) == Some(Claim::Published(id));
         let name = (ns.to_owned(), key.to_owned());
         let offset = self.published.lock().get(&name).map(|&(_, o)| o);
@@ -613,6 +667,15 @@ impl Authority for EtcdAuthority {
             },
             ..Default::default()
         })
+    }
+}
+
+/// The error for a name another host has.
+fn taken_error(ns: &str, key: &str, taken: &Published) -> Error {
+    match taken {
+        Published::Exists(r) => Error::Exists(format!("{ns}/{key} (published by host {})", r.node)),
+        Published::Reserved(n) => Error::Exists(format!("{ns}/{key} (being written on host {n})")),
+        Published::New { .. } => unreachable!("a new publication takes no name"),
     }
 }
 

@@ -595,6 +595,48 @@ fn a_quota_set_on_one_host_holds_on_every_host_over_every_hosts_entries() {
     store(&ha, "team/k2", &pattern(2, 2 << 20)).expect("store on a without a quota");
 }
 
+#[test]
+fn two_hosts_writing_one_name_through_their_mounts_one_close_fails() {
+    use std::io::Write;
+    use std::os::fd::IntoRawFd;
+    require_root!();
+    let Some(c) = cluster() else { return };
+    let (ha, hb) = (c.a.handler(), c.b.handler());
+    ha.mkdir("ns", 0o777).expect("mkdir on a");
+    hb.mkdir("ns", 0o777).expect("mkdir on b");
+    let close = |f: std::fs::File| {
+        // SAFETY: the descriptor was just taken out of its File.
+        let r = unsafe { libc::close(f.into_raw_fd()) };
+        (r == 0)
+            .then_some(())
+            .ok_or_else(std::io::Error::last_os_error)
+    };
+    for round in 0..5 {
+        let name = format!("ns/same{round}");
+        let mut fa = std::fs::File::create(c.a.path(&name)).expect("create on a");
+        let mut fb = std::fs::File::create(c.b.path(&name)).expect("create on b");
+        fa.write_all(b"from a").expect("write");
+        fb.write_all(b"from b").expect("write");
+        // Whoever closes first has the name for every host; the other's close says so.
+        let (first, second, winner) = if round % 2 == 0 {
+            (fa, fb, b"from a")
+        } else {
+            (fb, fa, b"from b")
+        };
+        close(first).expect("the first close");
+        let e = close(second).expect_err("both writers' closes succeeded");
+        assert_eq!(e.raw_os_error(), Some(libc::EEXIST), "{e}");
+        for h in [&ha, &hb] {
+            eventually("the winner's bytes everywhere", || {
+                h.retrieve(&name)
+                    .ok()
+                    .flatten()
+                    .is_some_and(|m| m.as_slice() == winner)
+            });
+        }
+    }
+}
+
 /// `tools/maru-cluster-sim`, as the walkthrough in doc/CLUSTER.md runs it.
 struct Sim {
     dir: tempfile::TempDir,

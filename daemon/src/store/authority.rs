@@ -37,6 +37,12 @@ pub trait Authority: Send + Sync {
     /// [`Error::Exists`] when another entry holds it. Reserving a name one already holds is a
     /// no-op.
     fn reserve(&self, ns: &str, key: &str, id: u64) -> Result<()>;
+    /// Reserves `ns/key` as [`Authority::reserve`] does, for every host sharing the authority
+    /// when the entry goes to raw pool `pool` (its UUID): for a writer whose publication
+    /// follows later (through the mount, reported at its `close`).
+    fn reserve_everywhere(&self, ns: &str, key: &str, id: u64, _pool: Option<&str>) -> Result<()> {
+        self.reserve(ns, key, id)
+    }
     /// Publishes `ns/key` as entry `id`, placed at `at` (reserving it first if needed).
     fn publish(&self, ns: &str, key: &str, id: u64, at: &Placed<'_>) -> Result<()>;
     /// Gives `ns/key` back, if `id` holds it: a reservation, or a publication being undone

@@ -87,7 +87,8 @@ impl Store {
             return Err(Error::Exists(format!("{ns}/{key}: published meanwhile")));
         }
         st.ns.check_quota(&ns, len.saturating_sub(reserved))?;
-        self.authority.reserve(&ns, &key, ino)?;
+        let uuid = st.pools[pool as usize].pool.uuid();
+        self.authority.reserve_everywhere(&ns, &key, ino, uuid)?;
         let a = st.allocs.get_mut(&ino).expect("present");
         st.pools[pool as usize]
             .pool
@@ -816,7 +817,10 @@ impl Backend for StoreFs {
         if committed {
             // Its publication was reserved under the old name: reserve the new one first.
             st.ns.check_quota(&np, if np == p { 0 } else { reserved })?;
-            self.0.authority.reserve(&np, newname, id)?;
+            let uuid = st.pools[st.allocs[&id].pool as usize].pool.uuid();
+            self.0
+                .authority
+                .reserve_everywhere(&np, newname, id, uuid)?;
             self.0.authority.release(&p, name, id);
             let src = st.ns.get_mut(&p)?;
             src.reserved -= reserved;
