@@ -3,7 +3,8 @@
 //! CXL device) and a private etcd on loopback; the TCP baseline runs between network
 //! namespaces. The figures are issue 19's targets, side by side in one run.
 //!
-//!     sudo ./target/release/maru-cluster-bench [--rounds 200] [--chunks 64] [--out-json F]
+//!     sudo ./target/release/maru-cluster-bench [--rounds 200] [--chunks 64] [--pages 2m|4k]
+//!         [--out-json F]
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -25,6 +26,10 @@ struct Cli {
     /// Llama-3.1-8B).
     #[arg(long, default_value_t = 64)]
     chunks: usize,
+    /// The pages of the tmpfs holding the pool file: `2m` (a tmpfs of the benchmark's own,
+    /// `huge=always`: mapped in 2 MiB pages, as a devdax device is) or `4k` (/dev/shm).
+    #[arg(long, default_value = "2m", value_parser = ["2m", "4k"])]
+    pages: String,
     /// Also write the rows as JSON here.
     #[arg(long = "out-json", value_name = "FILE")]
     out_json: Option<PathBuf>,
@@ -44,7 +49,12 @@ fn main() -> anyhow::Result<()> {
     );
     print!(
         "{}",
-        cluster(cli.rounds, cli.chunks, cli.out_json.as_deref())?
+        cluster(
+            cli.rounds,
+            cli.chunks,
+            cli.pages == "2m",
+            cli.out_json.as_deref()
+        )?
     );
     Ok(())
 }
@@ -61,12 +71,58 @@ fn read_all(bytes: &[u8]) -> u64 {
     std::hint::black_box(acc)
 }
 
+/// Where the pool file lives: a tmpfs of its own in 2 MiB pages (unmounted when dropped), or
+/// a directory in /dev/shm (4 KiB pages).
+struct PoolDir {
+    dir: tempfile::TempDir,
+    mounted: bool,
+}
+
+impl PoolDir {
+    fn new(huge: bool, size: u64) -> anyhow::Result<PoolDir> {
+        let prefix = "maru-cluster-pool-";
+        if !huge {
+            let dir = tempfile::Builder::new().prefix(prefix).tempdir_in("/dev/shm")?;
+            return Ok(PoolDir {
+                dir,
+                mounted: false,
+            });
+        }
+        let dir = tempfile::Builder::new().prefix(prefix).tempdir()?;
+        let opts = format!("size={size},huge=always,mode=0700");
+        nix::mount::mount(
+            Some("maru-bench"),
+            dir.path(),
+            Some("tmpfs"),
+            nix::mount::MsFlags::MS_NOSUID | nix::mount::MsFlags::MS_NODEV,
+            Some(opts.as_str()),
+        )
+        .context("mounting a tmpfs for the pool")?;
+        Ok(PoolDir { dir, mounted: true })
+    }
+}
+
+impl Drop for PoolDir {
+    fn drop(&mut self) {
+        if self.mounted
+            && let Err(e) = nix::mount::umount2(self.dir.path(), nix::mount::MntFlags::MNT_DETACH)
+        {
+            eprintln!("unmounting {}: {e}", self.dir.path().display());
+        }
+    }
+}
+
 fn quantile(v: &mut [Duration], q: f64) -> Duration {
     v.sort();
     v[((v.len() - 1) as f64 * q).round() as usize]
 }
 
-fn cluster(rounds: usize, chunks: usize, json: Option<&Path>) -> anyhow::Result<String> {
+fn cluster(
+    rounds: usize,
+    chunks: usize,
+    huge: bool,
+    json: Option<&Path>,
+) -> anyhow::Result<String> {
     anyhow::ensure!(
         rounds >= 2 && chunks >= 1,
         "--rounds >= 2 and --chunks >= 1"
@@ -75,11 +131,9 @@ fn cluster(rounds: usize, chunks: usize, json: Option<&Path>) -> anyhow::Result<
         .context("cluster mode needs etcd: apt-get install etcd-server")?;
     let tmp = scratch()?;
     // The shared pool: a file in a tmpfs, its header written once as on a real device.
-    let shm = tempfile::Builder::new()
-        .prefix("maru-cluster-pool-")
-        .tempdir_in("/dev/shm")?;
-    let pool = shm.path().join("cxl.img");
     let size = (chunks as u64 * CHUNK as u64) * 5 / 4 + (512 << 20);
+    let shm = PoolDir::new(huge, size + (64 << 20))?;
+    let pool = shm.dir.path().join("cxl.img");
     let f = std::fs::File::create(&pool)?;
     f.set_len(size)?;
     maru::format::init_header(&f)?;
@@ -301,8 +355,9 @@ fn cluster(rounds: usize, chunks: usize, json: Option<&Path>) -> anyhow::Result<
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut out = String::from("# maru-cluster-bench\n");
     out.push_str(&format!(
-        "\nThree marud processes (hosts a, b, c) on one `file:` pool in a tmpfs, etcd on loopback; \
-         {rounds} rounds; this machine ({cpus} CPUs).\n"
+        "\nThree marud processes (hosts a, b, c) on one `file:` pool in a tmpfs ({}), etcd on \
+         loopback; {rounds} rounds; this machine ({cpus} CPUs).\n",
+        if huge { "2 MiB pages" } else { "4 KiB pages" }
     ));
     out.push_str(&fmt_table("Measured", &rows));
     let check = |ok: bool| if ok { "met" } else { "NOT met" };
