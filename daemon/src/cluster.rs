@@ -62,6 +62,9 @@ pub struct EtcdAuthority {
     /// This host's holds on other hosts' entries, by inode here.
     holds: Mutex<HashMap<u64, Hold>>,
     next_tag: AtomicU64,
+    /// A hold could not be recorded lately (etcd unreachable): new ones are queued at once,
+    /// not tried on the retrieve's path, until the background recorder gets through.
+    holds_stalled: std::sync::atomic::AtomicBool,
     /// Extents (offsets) this host removed that other hosts still map: freed once they let go.
     held: Mutex<HashSet<u64>>,
     /// Names this host reserved in etcd for writers through its mount.
@@ -125,6 +128,7 @@ impl EtcdAuthority {
             remote: Mutex::new(HashMap::new()),
             holds: Mutex::new(HashMap::new()),
             next_tag: AtomicU64::new(1),
+            holds_stalled: std::sync::atomic::AtomicBool::new(false),
             held: Mutex::new(HashSet::new()),
             reserved: Mutex::new(HashSet::new()),
             pins: Mutex::new(HashSet::new()),
@@ -205,7 +209,10 @@ impl EtcdAuthority {
                         continue;
                     }
                     // Let go of meanwhile: take the record back.
-                    self.forget_hold(h);
+                    self.forget_hold(Hold {
+                        recorded: true,
+                        ..h
+                    });
                 }
                 Ok(false) => {
                     tracing::warn!(
@@ -218,6 +225,7 @@ impl EtcdAuthority {
                 Err(_) => return, // still unreachable: next time
             }
         }
+        self.holds_stalled.store(false, Ordering::Release);
     }
 
     /// Deletes hold `h`'s record in etcd, in the background (a late deletion only keeps an
@@ -281,6 +289,22 @@ async fn keep_membership(me: std::sync::Weak<EtcdAuthority>) {
                     a.lost.lock().insert(off);
                 }
                 Err(e) => tracing::warn!(off, len, "claiming a region again: {e}"),
+            }
+        }
+        // What the old lease held is gone: the holds are recorded again (in the background),
+        // the mount writers' reservations taken again where no one took the name meanwhile.
+        for h in a.holds.lock().values_mut() {
+            h.recorded = false;
+        }
+        let names: Vec<Name> = a.reserved.lock().iter().cloned().collect();
+        for (ns, key) in names {
+            if !matches!(m.reserve(&ns, &key).await, Ok(None)) {
+                tracing::warn!(
+                    ns,
+                    key,
+                    "a name reserved before the cut is taken: its writer's entry will not be published"
+                );
+                a.reserved.lock().remove(&(ns, key));
             }
         }
         tracing::info!(node = %a.node, lease = m.lease(), "rejoined the cluster");
@@ -476,19 +500,25 @@ impl Authority for EtcdAuthority {
             recorded: false,
             used: Instant::now(),
         };
-        let (m, c) = (self.member(), h.clone());
-        let r = self.run(async move {
-            m.read()
-                .await
-                .hold(&c.ns, &c.key, c.revision, (c.offset, c.len), c.tag)
-                .await
-        });
-        match r {
-            Ok(true) => h.recorded = true,
-            Ok(false) => return Ok(false),
-            // etcd unreachable (or this host cut off): reads go on; the hold is recorded
-            // once etcd answers again (doc/CLUSTER.md, "Leases on extents").
-            Err(e) => tracing::warn!(ns, key, "cannot record a hold yet: {e}"),
+        // etcd unreachable (or this host cut off): reads go on; the hold is recorded once
+        // etcd answers again (doc/CLUSTER.md, "Leases on extents across hosts").
+        let live = self.member.try_read().is_ok_and(|m| m.is_live());
+        if live && !self.holds_stalled.load(Ordering::Acquire) {
+            let (m, c) = (self.member(), h.clone());
+            let r = self.run(async move {
+                m.read()
+                    .await
+                    .hold(&c.ns, &c.key, c.revision, (c.offset, c.len), c.tag)
+                    .await
+            });
+            match r {
+                Ok(true) => h.recorded = true,
+                Ok(false) => return Ok(false),
+                Err(e) => {
+                    tracing::warn!(ns, key, "cannot record a hold yet: {e}");
+                    self.holds_stalled.store(true, Ordering::Release);
+                }
+            }
         }
         self.holds.lock().insert(ino, h);
         Ok(true)

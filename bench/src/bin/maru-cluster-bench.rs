@@ -82,7 +82,9 @@ impl PoolDir {
     fn new(huge: bool, size: u64) -> anyhow::Result<PoolDir> {
         let prefix = "maru-cluster-pool-";
         if !huge {
-            let dir = tempfile::Builder::new().prefix(prefix).tempdir_in("/dev/shm")?;
+            let dir = tempfile::Builder::new()
+                .prefix(prefix)
+                .tempdir_in("/dev/shm")?;
             return Ok(PoolDir {
                 dir,
                 mounted: false,
