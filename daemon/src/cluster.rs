@@ -145,9 +145,14 @@ impl EtcdAuthority {
         Ok(me)
     }
 
-    /// Runs `f` on the cluster runtime and waits for it (from any thread, the runtime's own
-    /// included: the future runs on a worker, this thread only waits).
+    /// Runs `f` on the cluster runtime and waits for it: driven on this thread when it is not
+    /// one of a runtime's; from a runtime's thread, on a worker while this thread waits.
     fn run<T: Send + 'static>(&self, f: impl Future<Output = T> + Send + 'static) -> T {
+        if tokio::runtime::Handle::try_current().is_err() {
+            // Not a runtime's thread (a client's connection, the applier): drive the future
+            // here, with no hop to a worker and back.
+            return self.rt.block_on(f);
+        }
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
         self.rt.spawn(async move {
             let _ = tx.send(f.await);
