@@ -167,7 +167,7 @@ fn run(s: Settings) -> anyhow::Result<()> {
             })?;
             let auth = maru_daemon::cluster::EtcdAuthority::join(c, &header.uuid_string())?;
             let store = Store::open_with(store_cfg, &s.pools, auth.clone())?;
-            maru_daemon::cluster::start_applier(store.clone(), auth)?;
+            maru_daemon::cluster::applier::start_applier(store.clone(), auth)?;
             store
         }
     };

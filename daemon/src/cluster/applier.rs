@@ -1,0 +1,330 @@
+//! The applier: keeps the store fed with what the other hosts do, from etcd's watches (entries,
+//! pins, quotas, reports of use), and tends this host's holds.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use maru_cluster::{EntryEvent, EntryRecord, Listed, Member};
+use tokio::sync::RwLock;
+
+use super::EtcdAuthority;
+use crate::store::Store;
+
+/// What the watch hands the applier thread.
+enum Change {
+    /// Every entry at a revision (after a (re)start of the watch).
+    All(Vec<Listed>),
+    Event(EntryEvent),
+    /// No host maps this removed extent of this host's any more.
+    Unheld(u64),
+    /// Time to let go of idle holds.
+    Tick,
+    /// Every pinned entry at a revision (after a (re)start of the pins' watch).
+    Pins(Vec<(String, String)>),
+    /// A pin or an unpin.
+    Pin(String, String, bool),
+    /// Entries of this host's that other hosts used (oldest use first).
+    Used(Vec<(String, String)>),
+    /// Every quota at a revision (after a (re)start of the quotas' watch).
+    Quotas(Vec<(String, u64)>),
+    /// A quota set (or cleared).
+    Quota(String, Option<u64>),
+}
+
+/// Feeds `store` with the entries the other hosts publish and remove: a snapshot, then the
+/// watch from the next revision (again from a fresh snapshot whenever the watch breaks).
+pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Result<()> {
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Change>();
+    let tx2 = tx.clone();
+    let m = auth.member();
+    auth.rt.spawn(async move {
+        loop {
+            let snap = m.read().await.snapshot().await;
+            let (all, rev) = match snap {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!("cluster: reading the entries: {e}");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    continue;
+                }
+            };
+            if tx.send(Change::All(all)).is_err() {
+                return;
+            }
+            let watch = m.read().await.watch_entries(rev + 1).await;
+            let Ok(mut w) = watch else {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            };
+            loop {
+                match w.next().await {
+                    Ok(Some(ev)) => {
+                        if tx.send(Change::Event(ev)).is_err() {
+                            return;
+                        }
+                    }
+                    Ok(None) | Err(_) => {
+                        tracing::warn!("cluster: the entry watch ended; reading the entries again");
+                        break;
+                    }
+                }
+            }
+        }
+    });
+    auth.rt.spawn(watch_pins(auth.member(), tx2.clone()));
+    auth.rt.spawn(watch_uses(auth.member(), tx2.clone()));
+    auth.rt.spawn(watch_quotas(auth.member(), tx2.clone()));
+    auth.rt.spawn(tend_holds(Arc::downgrade(&auth), tx2));
+    std::thread::Builder::new()
+        .name("maru-cluster-apply".into())
+        .spawn(move || {
+            while let Some(c) = rx.blocking_recv() {
+                apply(&store, &auth, c);
+            }
+        })?;
+    Ok(())
+}
+
+/// Feeds the applier with the pins: all of them, then every change (again from all of them
+/// whenever the watch breaks).
+async fn watch_pins(m: Arc<RwLock<Member>>, tx: tokio::sync::mpsc::UnboundedSender<Change>) {
+    loop {
+        let snap = m.read().await.pins().await;
+        let Ok((all, rev)) = snap else {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            continue;
+        };
+        if tx.send(Change::Pins(all)).is_err() {
+            return;
+        }
+        let watch = m.read().await.watch_pins(rev + 1).await;
+        if let Ok(mut w) = watch {
+            while let Ok(Some((ns, key, pinned))) = w.next().await {
+                if tx.send(Change::Pin(ns, key, pinned)).is_err() {
+                    return;
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// Feeds the applier with the quotas: all of them, then every change (again from all of them
+/// whenever the watch breaks).
+async fn watch_quotas(m: Arc<RwLock<Member>>, tx: tokio::sync::mpsc::UnboundedSender<Change>) {
+    loop {
+        let snap = m.read().await.quotas().await;
+        let Ok((all, rev)) = snap else {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            continue;
+        };
+        if tx.send(Change::Quotas(all)).is_err() {
+            return;
+        }
+        let watch = m.read().await.watch_quotas(rev + 1).await;
+        if let Ok(mut w) = watch {
+            while let Ok(Some((ns, bytes))) = w.next().await {
+                if tx.send(Change::Quota(ns, bytes)).is_err() {
+                    return;
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// Feeds the applier with the uses of this host's entries other hosts report.
+async fn watch_uses(m: Arc<RwLock<Member>>, tx: tokio::sync::mpsc::UnboundedSender<Change>) {
+    loop {
+        let watch = m.read().await.watch_access().await;
+        if let Ok(mut w) = watch {
+            while let Ok(Some(used)) = w.next().await {
+                if tx.send(Change::Used(used)).is_err() {
+                    return;
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// At most this many uses go in one report to one host (the most recent).
+const REPORT_MAX: usize = 4096;
+
+impl EtcdAuthority {
+    /// Reports to each host the uses of its entries here since the last report.
+    async fn report_uses(&self) {
+        let batches = std::mem::take(&mut *self.used.lock());
+        for (publisher, used) in batches {
+            let mut used: Vec<((String, String), u64)> = used.into_iter().collect();
+            used.sort_by_key(|(_, n)| *n);
+            let from = used.len().saturating_sub(REPORT_MAX);
+            let names: Vec<(String, String)> = used.drain(from..).map(|(k, _)| k).collect();
+            let r = self
+                .member
+                .read()
+                .await
+                .report_access(&publisher, &names)
+                .await;
+            if let Err(e) = r {
+                tracing::debug!(publisher, "reporting uses: {e}"); // an approximation: dropped
+            }
+        }
+    }
+}
+
+/// Every 200 ms: records the holds etcd could not take and learns which removed extents of
+/// this host no other host maps any more; every second, reports uses of other hosts' entries
+/// and has idle holds let go of.
+async fn tend_holds(
+    me: std::sync::Weak<EtcdAuthority>,
+    tx: tokio::sync::mpsc::UnboundedSender<Change>,
+) {
+    let mut ticks = 0u32;
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let Some(a) = me.upgrade() else { return };
+        a.record_holds().await;
+        let held: Vec<u64> = a.held.lock().iter().copied().collect();
+        if !held.is_empty() {
+            let still = a.member.read().await.held(&held).await;
+            if let Ok(still) = still {
+                for o in held.into_iter().filter(|o| !still.contains(o)) {
+                    a.held.lock().remove(&o);
+                    if tx.send(Change::Unheld(o)).is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+        ticks += 1;
+        if ticks.is_multiple_of(5) {
+            a.report_uses().await;
+            if tx.send(Change::Tick).is_err() {
+                return;
+            }
+        }
+    }
+}
+
+fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
+    match c {
+        Change::All(all) => {
+            let mut seen = HashSet::new();
+            for l in all {
+                if l.record.node != auth.node {
+                    file(store, auth, &l.ns, &l.name, &l.record, l.revision);
+                }
+                seen.insert((l.ns, l.name));
+            }
+            // Removed while the watch was down.
+            for (ns, key) in store.remote_names() {
+                if !seen.contains(&(ns.clone(), key.clone())) {
+                    store.forget_remote(&ns, &key);
+                }
+            }
+        }
+        Change::Event(EntryEvent::Put {
+            ns,
+            name,
+            record,
+            revision,
+        }) => {
+            if record.node != auth.node {
+                file(store, auth, &ns, &name, &record, revision);
+            }
+        }
+        Change::Event(EntryEvent::Delete { ns, name, revision }) => {
+            if auth.stale_removal(&ns, &name, revision) {
+                return;
+            }
+            // An entry of this host's that another host removed: its extent stays while any
+            // host maps it (asked before the store forgets it, outside the store's lock).
+            let own = auth
+                .published
+                .lock()
+                .get(&(ns.clone(), name.clone()))
+                .map(|&(_, o)| o);
+            if let Some(offset) = own {
+                let m = auth.member();
+                let held = auth.run(async move { m.read().await.held(&[offset]).await });
+                match held {
+                    Ok(h) if !h.contains(&offset) => {}
+                    // Held, or unknown (etcd gone again): kept until asked again.
+                    _ => {
+                        auth.held.lock().insert(offset);
+                    }
+                }
+            }
+            store.forget_remote(&ns, &name);
+        }
+        Change::Unheld(offset) => store.free_unheld(&auth.pool, offset),
+        Change::Pins(all) => {
+            let all: HashSet<(String, String)> = all.into_iter().collect();
+            let before = std::mem::replace(&mut *auth.pins.lock(), all.clone());
+            for (ns, key) in before.difference(&all) {
+                store.pin_elsewhere(ns, key, false);
+            }
+            for (ns, key) in &all {
+                store.pin_elsewhere(ns, key, true);
+            }
+        }
+        Change::Used(used) => {
+            auth.uses_reported
+                .fetch_add(used.len() as u64, Ordering::Relaxed);
+            store.used_elsewhere(&used);
+        }
+        Change::Quotas(all) => {
+            let now: HashSet<String> = all.iter().map(|(ns, _)| ns.clone()).collect();
+            let before = std::mem::replace(&mut *auth.quotas.lock(), now.clone());
+            for ns in before.difference(&now) {
+                store.quota_elsewhere(ns, None);
+            }
+            for (ns, bytes) in all {
+                store.quota_elsewhere(&ns, Some(bytes));
+            }
+        }
+        Change::Quota(ns, bytes) => {
+            if bytes.is_some() {
+                auth.quotas.lock().insert(ns.clone());
+            } else {
+                auth.quotas.lock().remove(&ns);
+            }
+            store.quota_elsewhere(&ns, bytes);
+        }
+        Change::Pin(ns, key, pinned) => {
+            let name = (ns, key);
+            if pinned {
+                auth.pins.lock().insert(name.clone());
+            } else {
+                auth.pins.lock().remove(&name);
+            }
+            store.pin_elsewhere(&name.0, &name.1, pinned);
+        }
+        Change::Tick => store.drop_idle_holds(),
+    }
+}
+
+fn file(
+    store: &Store,
+    auth: &EtcdAuthority,
+    ns: &str,
+    key: &str,
+    rec: &EntryRecord,
+    revision: i64,
+) {
+    auth.remote.lock().insert(
+        (ns.to_owned(), key.to_owned()),
+        (revision, rec.node.clone()),
+    );
+    if let Err(e) = store.file_remote(&auth.pool, ns, key, rec.offset, rec.len) {
+        tracing::warn!(ns, key, node = %rec.node, "cannot serve another host's entry: {e}");
+        return;
+    }
+    // Pinned before this host learnt of it (the pins have a watch of their own).
+    if auth.pins.lock().contains(&(ns.to_owned(), key.to_owned())) {
+        store.pin_elsewhere(ns, key, true);
+    }
+}
