@@ -458,16 +458,21 @@ impl Member {
 
     async fn release_units(&self, units: &[u64]) -> Result<()> {
         for &u in units {
-            let key = self.keys.region(u);
-            let txn = Txn::new()
-                .when([Compare::value(
-                    key.clone(),
-                    CompareOp::Equal,
-                    self.info.node.clone(),
-                )])
-                .and_then([TxnOp::delete(key, None)]);
-            self.client.clone().txn(txn).await?;
+            self.delete_if_mine(self.keys.region(u)).await?;
         }
+        Ok(())
+    }
+
+    /// Deletes `key` if its value is this node's name (a claim or reservation of its own).
+    async fn delete_if_mine(&self, key: String) -> Result<()> {
+        let txn = Txn::new()
+            .when([Compare::value(
+                key.clone(),
+                CompareOp::Equal,
+                self.info.node.clone(),
+            )])
+            .and_then([TxnOp::delete(key, None)]);
+        self.client.clone().txn(txn).await?;
         Ok(())
     }
 
@@ -636,16 +641,7 @@ impl Member {
 
     /// Gives back a reservation of this host's (another's is left alone).
     pub async fn unreserve(&self, ns: &str, name: &str) -> Result<()> {
-        let rkey = self.keys.reservation(ns, name);
-        let txn = Txn::new()
-            .when([Compare::value(
-                rkey.clone(),
-                CompareOp::Equal,
-                self.info.node.clone(),
-            )])
-            .and_then([TxnOp::delete(rkey, None)]);
-        self.client.clone().txn(txn).await?;
-        Ok(())
+        self.delete_if_mine(self.keys.reservation(ns, name)).await
     }
 
     /// From a failed transaction's first read (this node's record): LeaseLost unless the

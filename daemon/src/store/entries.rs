@@ -68,7 +68,7 @@ impl State {
     }
 
     /// Where sealed entry `e` is, as the authority knows it.
-    fn placed<'a>(&'a self, e: &Entry) -> Placed<'a> {
+    pub fn placed<'a>(&'a self, e: &Entry) -> Placed<'a> {
         Placed {
             pool: self.pools[e.pool as usize].pool.uuid(),
             offset: e.offset,

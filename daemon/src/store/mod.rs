@@ -622,12 +622,7 @@ impl Store {
         if e.pinned == pinned {
             return Ok(());
         }
-        let at = Placed {
-            pool: st.pools[e.pool as usize].pool.uuid(),
-            offset: e.offset,
-            size: e.size,
-        };
-        self.authority.pin(&e.ns, &e.key, pinned, &at)?;
+        self.authority.pin(&e.ns, &e.key, pinned, &st.placed(e))?;
         st.mark_pinned(ino, pinned)
     }
 

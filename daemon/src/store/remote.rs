@@ -6,7 +6,7 @@ use maru::name::{check_component, split_ns};
 use maru::{Error, Result};
 
 use super::Store;
-use super::authority::{Authority, Placed};
+use super::authority::Authority;
 use super::entries::Removal;
 use super::policy::Perm;
 use super::state::{Entry, Invalidation, State};
@@ -195,13 +195,7 @@ impl State {
         let Some(e) = self.entries.get(&ino).filter(|e| e.remote) else {
             return Ok(true);
         };
-        let pool = &self.pools[e.pool as usize].pool;
-        let at = Placed {
-            pool: pool.uuid(),
-            offset: e.offset,
-            size: e.size,
-        };
-        if !auth.hold(&e.ns, &e.key, ino, &at)? {
+        if !auth.hold(&e.ns, &e.key, ino, &self.placed(e))? {
             return Ok(false);
         }
         auth.accessed(&e.ns, &e.key);
