@@ -8,6 +8,7 @@
 //! | `regions/<unit, 16 hex digits>` | the claiming node's name | the claiming node's lease |
 //! | `entries/<namespace>/<entry name>` | [`EntryRecord`] (JSON) | nothing: sealed entries outlive hosts |
 //! | `maps/<unit>/<extent offset>/<node>/<tag>` | empty | the mapping node's lease |
+//! | `acks/<node>` | the revision of entries the node has applied (decimal) | the node's lease |
 //! | `pins/<namespace>/<entry name>` | empty | nothing: a pin lasts until unpinned or removed |
 //! | `reserved/<namespace>/<entry name>` | the node writing it | that node's lease |
 //! | `quotas/<namespace>` | bytes (decimal) | nothing: until cleared |
@@ -23,11 +24,13 @@
 //!   entry's units are claimed by this host: one transaction, so of two hosts publishing a
 //!   key at once exactly one wins, a host whose lease expired publishes nothing (it must
 //!   [`Member::rejoin`]), and no entry is published into units another host took meanwhile.
-//! - **Leases on extents**: a host serving another host's entry first records that it maps
-//!   it ([`Member::hold`]: a key per 2 MiB unit of the extent, under its lease, only while the
-//!   entry is the one it knows); the publisher frees a removed entry's extent only once no
-//!   such key is left ([`Member::remove`] says whether any is, [`Member::held`] which still
-//!   are), and a fresh claim ([`Member::claim`]) is refused over a unit any host maps.
+//! - **Leases on extents**: a removal ([`Member::remove`]) is acknowledged by every other
+//!   live host once it has applied it ([`Member::acknowledge`], `acks/<node>`), and a host
+//!   whose clients still map the removed extent records, in the same step and before its
+//!   acknowledgement, a *hold* on it (a key per 2 MiB unit of the extent, under its lease).
+//!   The publisher frees a removed entry's extent only once every live host acknowledged the
+//!   removal ([`Member::acknowledged`]) and no hold is left ([`Member::held`]); a fresh claim
+//!   ([`Member::claim`]) is refused over a unit any host holds.
 //! - **Pins**: [`Member::pin`] records a pin only while the entry exists; a removal takes it
 //!   with the entry; [`Member::pins`] and [`Member::watch_pins`] keep every host's view.
 //! - **Access reports**: a host reports in batches which of another host's entries it used
@@ -145,7 +148,7 @@ pub struct Listed {
     pub ns: String,
     pub name: String,
     pub record: EntryRecord,
-    /// The revision that created it (its key is written once): what [`Member::hold`] checks.
+    /// The revision that created it (its key is written once).
     pub revision: i64,
 }
 
@@ -154,9 +157,9 @@ pub struct Listed {
 pub struct Removed {
     /// The entry was there (and is gone now).
     pub existed: bool,
-    /// Other hosts still map its extent: the publisher frees it once [`Member::held`] no
-    /// longer names it.
-    pub held: bool,
+    /// The revision of the removal: the publisher frees the extent once every other live
+    /// host acknowledged it ([`Member::acknowledged`]) and none holds it ([`Member::held`]).
+    pub revision: i64,
 }
 
 /// A change to the entries, from [`EntryWatch::next`].
@@ -172,7 +175,12 @@ pub enum EntryEvent {
     Delete {
         ns: String,
         name: String,
+        /// The revision of the removal.
         revision: i64,
+        /// The revision that created the entry removed.
+        created: i64,
+        /// The record removed (None if etcd no longer had it to tell).
+        record: Option<EntryRecord>,
     },
 }
 
@@ -229,6 +237,12 @@ impl Keys {
     }
     fn quotas(&self) -> String {
         format!("{}quotas/", self.root)
+    }
+    fn ack(&self, node: &str) -> String {
+        format!("{}acks/{node}", self.root)
+    }
+    fn acks(&self) -> String {
+        format!("{}acks/", self.root)
     }
     fn access_to(&self, publisher: &str) -> String {
         format!("{}access/{publisher}/", self.root)
@@ -674,61 +688,48 @@ impl Member {
         Ok(self.client.clone().txn(txn).await?.succeeded())
     }
 
-    /// Removes entry `ns/name`, whose extent starts at `offset`, and says whether other hosts
-    /// still map that extent (read in the same transaction: a host's [`Member::hold`] either
-    /// came before, and is seen, or finds the entry gone).
-    pub async fn remove(&self, ns: &str, name: &str, offset: u64) -> Result<Removed> {
+    /// Removes entry `ns/name` (and its pin), at the revision returned.
+    pub async fn remove(&self, ns: &str, name: &str) -> Result<Removed> {
         check_ns(ns)?;
         check_name(name)?;
         let txn = Txn::new().and_then([
             TxnOp::delete(self.keys.entry(ns, name), None),
-            TxnOp::get(
-                self.keys.maps_of(offset),
-                Some(GetOptions::new().with_prefix().with_count_only()),
-            ),
             TxnOp::delete(self.keys.pin(ns, name), None),
         ]);
         let r = self.client.clone().txn(txn).await?;
-        let ops = r.op_responses();
         Ok(Removed {
-            existed: matches!(ops.first(), Some(TxnOpResponse::Delete(d)) if d.deleted() > 0),
-            held: matches!(ops.get(1), Some(TxnOpResponse::Get(g)) if g.count() > 0),
+            existed: matches!(r.op_responses().first(), Some(TxnOpResponse::Delete(d)) if d.deleted() > 0),
+            revision: r.header().map_or(0, |h| h.revision()),
         })
     }
 
-    /// Records that this host maps entry `ns/name` (created at `revision`, its extent
-    /// `[offset, offset + len)`), as `tag` (unique on this host): a key per 2 MiB unit of the
-    /// extent, under this host's lease, written only while the entry is still the one created
-    /// at `revision`. False (nothing recorded) when it is gone or another took its name.
+    /// Acknowledges every change to the entries up to `revision` (this host applied them):
+    /// first records `holds`, each an extent `(offset, len)` of a removed entry that clients
+    /// here still map, as `tag` (unique on this host; a key per 2 MiB unit, under this host's
+    /// lease), then `acks/<node>`. The publisher of a removed entry frees its extent only once
+    /// every live host acknowledged the removal and no hold is left, so an extent a client
+    /// maps is never carved again while it does.
     ///
     /// # Errors
     ///
     /// [`Error::LeaseLost`] when this host's lease is gone.
-    pub async fn hold(
-        &self,
-        ns: &str,
-        name: &str,
-        revision: i64,
-        (offset, len): (u64, u64),
-        tag: u64,
-    ) -> Result<bool> {
-        check_ns(ns)?;
-        check_name(name)?;
-        let entry = self.keys.entry(ns, name);
-        let keys = self.hold_keys(offset, len, tag);
-        for (i, piece) in keys.chunks(UNITS_PER_TXN).enumerate() {
+    pub async fn acknowledge(&self, revision: i64, holds: &[(u64, u64, u64)]) -> Result<()> {
+        let mut puts: Vec<(String, String)> = holds
+            .iter()
+            .flat_map(|&(offset, len, tag)| self.hold_keys(offset, len, tag))
+            .map(|k| (k, String::new()))
+            .collect();
+        puts.push((self.keys.ack(&self.info.node), revision.to_string()));
+        for piece in puts.chunks(UNITS_PER_TXN) {
             let txn = Txn::new()
-                .when([
-                    self.alive_cmp(),
-                    Compare::create_revision(entry.clone(), CompareOp::Equal, revision),
-                ])
+                .when([self.alive_cmp()])
                 .and_then(
                     piece
                         .iter()
-                        .map(|k| {
+                        .map(|(k, v)| {
                             TxnOp::put(
                                 k.clone(),
-                                Vec::new(),
+                                v.clone(),
                                 Some(PutOptions::new().with_lease(self.lease)),
                             )
                         })
@@ -737,15 +738,63 @@ impl Member {
                 .or_else([TxnOp::get(self.keys.node(&self.info.node), None)]);
             let r = self.client.clone().txn(txn).await?;
             if !r.succeeded() {
-                self.delete_keys(&keys[..i * UNITS_PER_TXN]).await?;
                 self.check_alive(&r.op_responses())?;
-                return Ok(false);
             }
         }
-        Ok(true)
+        Ok(())
     }
 
-    /// Lets go of what [`Member::hold`] recorded as `tag`.
+    /// The least revision the other live hosts acknowledged ([`Member::acknowledge`]); a host
+    /// that has acknowledged nothing yet counts as 0. None when no other host is live.
+    pub async fn acknowledged(&self) -> Result<Option<i64>> {
+        let txn = Txn::new().and_then([
+            TxnOp::get(
+                self.keys.nodes(),
+                Some(GetOptions::new().with_prefix().with_keys_only()),
+            ),
+            TxnOp::get(self.keys.acks(), Some(GetOptions::new().with_prefix())),
+        ]);
+        let r = self.client.clone().txn(txn).await?;
+        let ops = r.op_responses();
+        let (Some(TxnOpResponse::Get(nodes)), Some(TxnOpResponse::Get(acks))) =
+            (ops.first(), ops.get(1))
+        else {
+            return Err(bad(
+                self.keys.acks().as_bytes(),
+                "an unexpected reply".into(),
+            ));
+        };
+        let acked: std::collections::HashMap<&[u8], i64> = acks
+            .kvs()
+            .iter()
+            .filter_map(|kv| {
+                let node = kv.key().strip_prefix(self.keys.acks().as_bytes())?;
+                let rev = std::str::from_utf8(kv.value()).ok()?.parse().ok()?;
+                Some((node, rev))
+            })
+            .collect();
+        let me = self.keys.node(&self.info.node);
+        Ok(nodes
+            .kvs()
+            .iter()
+            .filter(|kv| kv.key() != me.as_bytes())
+            .filter_map(|kv| kv.key().strip_prefix(self.keys.nodes().as_bytes()))
+            .map(|node| acked.get(node).copied().unwrap_or(0))
+            .min())
+    }
+
+    /// Streams a wakeup for every change to the acknowledgements (a host acknowledged, or
+    /// left), from now on.
+    pub async fn watch_acks(&self) -> Result<AckWatch> {
+        let stream = self
+            .client
+            .clone()
+            .watch(self.keys.acks(), Some(WatchOptions::new().with_prefix()))
+            .await?;
+        Ok(AckWatch { stream })
+    }
+
+    /// Lets go of a hold [`Member::acknowledge`] recorded as `tag`.
     pub async fn unhold(&self, offset: u64, len: u64, tag: u64) -> Result<()> {
         self.delete_keys(&self.hold_keys(offset, len, tag)).await
     }
@@ -946,7 +995,8 @@ impl Member {
         })
     }
 
-    /// Streams every change to the entries from `revision` on (inclusive).
+    /// Streams every change to the entries from `revision` on (inclusive); a removal carries
+    /// the record removed.
     pub async fn watch_entries(&self, revision: i64) -> Result<EntryWatch> {
         let stream = self
             .client
@@ -956,6 +1006,7 @@ impl Member {
                 Some(
                     WatchOptions::new()
                         .with_prefix()
+                        .with_prev_key()
                         .with_start_revision(revision),
                 ),
             )
@@ -1035,6 +1086,18 @@ async fn next_events(stream: &mut WatchStream) -> Result<Option<Vec<etcd_client:
     match stream.message().await? {
         Some(resp) if !resp.canceled() => Ok(Some(resp.events().to_vec())),
         _ => Ok(None),
+    }
+}
+
+/// Changes to the acknowledgements, from [`Member::watch_acks`].
+pub struct AckWatch {
+    stream: WatchStream,
+}
+
+impl AckWatch {
+    /// Waits for the next change; false when the watch ended.
+    pub async fn next(&mut self) -> Result<bool> {
+        Ok(next_events(&mut self.stream).await?.is_some())
     }
 }
 
@@ -1152,11 +1215,16 @@ impl EntryWatch {
                         record: decode(kv.key(), kv.value())?,
                         revision: kv.create_revision(),
                     },
-                    EventType::Delete => EntryEvent::Delete {
-                        ns,
-                        name,
-                        revision: kv.mod_revision(),
-                    },
+                    EventType::Delete => {
+                        let prev = ev.prev_kv();
+                        EntryEvent::Delete {
+                            ns,
+                            name,
+                            revision: kv.mod_revision(),
+                            created: prev.map_or(0, |p| p.create_revision()),
+                            record: prev.and_then(|p| decode(p.key(), p.value()).ok()),
+                        }
+                    }
                 });
             }
         }

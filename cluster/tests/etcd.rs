@@ -202,8 +202,8 @@ async fn a_snapshot_and_its_watch_miss_nothing() {
                 .expect("publish");
             stamps.push(Instant::now());
         }
-        let gone = a.remove("team/ns", "e3", 3 << 12).await.expect("remove");
-        assert!(gone.existed && !gone.held);
+        let gone = a.remove("team/ns", "e3").await.expect("remove");
+        assert!(gone.existed);
         stamps
     });
     let mut got = Vec::new();
@@ -220,7 +220,17 @@ async fn a_snapshot_and_its_watch_miss_nothing() {
                 assert_eq!(record.node, "a");
                 got.push((name, Instant::now()));
             }
-            EntryEvent::Delete { name, .. } => deleted = Some(name),
+            EntryEvent::Delete {
+                name,
+                record: removed,
+                created,
+                ..
+            } => {
+                // A removal carries what it removed: the record, and its creation.
+                assert_eq!(removed, Some(record("a", 3 << 12)));
+                assert!(created > 0 && created <= revision, "created at {created}");
+                deleted = Some(name);
+            }
         }
     }
     let stamps = writer.await.expect("writer");
@@ -241,9 +251,10 @@ async fn a_snapshot_and_its_watch_miss_nothing() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_extent_another_host_maps_is_freed_only_once_it_lets_go() {
+async fn a_removed_extent_is_free_once_every_host_acknowledged_and_none_holds_it() {
     let Some(etcd) = Etcd::start() else { return };
     let a = member(&etcd, "a", 10).await;
+    assert_eq!(a.acknowledged().await.expect("acks"), None, "alone");
     let b = member(&etcd, "b", 2).await;
     assert!(a.claim(2 * UNIT, 4 * UNIT).await.expect("claim"));
     // A 5 MiB entry across units 2..=4, and a small one in unit 5.
@@ -256,31 +267,29 @@ async fn an_extent_another_host_maps_is_freed_only_once_it_lets_go() {
     let small = record("a", 5 * UNIT);
     a.publish("ns", "big", &big).await.expect("publish");
     a.publish("ns", "small", &small).await.expect("publish");
-    let (all, _) = b.snapshot().await.expect("snapshot");
-    let rev = |n: &str| all.iter().find(|l| l.name == n).expect("listed").revision;
-    // b maps both; a hold on a revision that is not the entry's records nothing.
-    assert!(
-        !b.hold("ns", "big", rev("big") + 100, (big.offset, big.len), 1)
-            .await
-            .expect("hold")
-    );
-    assert!(
-        b.hold("ns", "big", rev("big"), (big.offset, big.len), 2)
-            .await
-            .expect("hold")
-    );
-    assert!(
-        b.hold("ns", "small", rev("small"), (small.offset, small.len), 3)
-            .await
-            .expect("hold")
-    );
-    let r = a.remove("ns", "big", big.offset).await.expect("remove");
-    assert!(r.existed && r.held);
-    // Gone: nobody can hold it any more.
-    assert!(
-        !b.hold("ns", "big", rev("big"), (big.offset, big.len), 4)
-            .await
-            .expect("hold")
+    // b is live and has acknowledged nothing: a waits for it.
+    assert_eq!(a.acknowledged().await.expect("acks"), Some(0));
+    let (_, seen) = b.snapshot().await.expect("snapshot");
+    b.acknowledge(seen, &[]).await.expect("acknowledge");
+    assert_eq!(a.acknowledged().await.expect("acks"), Some(seen));
+    let gone = a.remove("ns", "big").await.expect("remove");
+    assert!(gone.existed && gone.revision > seen);
+    let gone_too = a.remove("ns", "small").await.expect("remove");
+    assert!(gone_too.revision > gone.revision);
+    assert!(!a.remove("ns", "small").await.expect("remove").existed);
+    // Not yet seen by b.
+    assert!(a.acknowledged().await.expect("acks") < Some(gone.revision));
+    // b applies both removals while clients of b map both extents: it holds them, and only
+    // then acknowledges.
+    b.acknowledge(
+        gone_too.revision,
+        &[(big.offset, big.len, 2), (small.offset, small.len, 3)],
+    )
+    .await
+    .expect("acknowledge");
+    assert_eq!(
+        a.acknowledged().await.expect("acks"),
+        Some(gone_too.revision)
     );
     assert_eq!(
         a.held(&[big.offset, small.offset, 7 * UNIT])
@@ -301,12 +310,12 @@ async fn an_extent_another_host_maps_is_freed_only_once_it_lets_go() {
         Default::default()
     );
     assert!(b.claim(2 * UNIT, 3 * UNIT).await.expect("claim"));
-    // A host's holds go with its lease.
-    let r = a.remove("ns", "small", small.offset).await.expect("remove");
-    assert!(r.held);
+    // A host's holds and acknowledgement go with its lease.
     drop(b);
     let t = Instant::now();
-    while !a.held(&[small.offset]).await.expect("held").is_empty() {
+    while !a.held(&[small.offset]).await.expect("held").is_empty()
+        || a.acknowledged().await.expect("acks").is_some()
+    {
         assert!(
             t.elapsed() < Duration::from_secs(10),
             "b's holds outlived its lease"
@@ -338,7 +347,7 @@ async fn pins_hold_for_every_host_and_go_with_their_entry() {
     );
     assert!(b.pin("ns", "k", false).await.expect("unpin"));
     assert!(b.pin("ns", "k", true).await.expect("pin"));
-    let removed = a.remove("ns", "k", 4096).await.expect("remove");
+    let removed = a.remove("ns", "k").await.expect("remove");
     assert!(removed.existed);
     let mut seen = Vec::new();
     for _ in 0..4 {

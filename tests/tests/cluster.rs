@@ -444,6 +444,76 @@ fn an_entry_another_host_maps_keeps_its_bytes_after_a_delete_until_that_host_let
     store(&ha, "ns/after1", &pattern(9, 8 << 20)).expect("the whole extent came back");
 }
 
+/// Host `pid` stopped (SIGSTOP) until dropped (SIGCONT), panics included.
+struct Stopped(nix::unistd::Pid);
+
+impl Stopped {
+    fn new(d: &Daemon) -> Stopped {
+        let pid = nix::unistd::Pid::from_raw(d.pid() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).expect("SIGSTOP");
+        Stopped(pid)
+    }
+}
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(self.0, nix::sys::signal::Signal::SIGCONT);
+    }
+}
+
+#[test]
+fn a_removed_extent_is_not_carved_again_until_every_host_has_seen_the_removal() {
+    require_root!();
+    let Some(c) = cluster() else { return };
+    let (ha, hb) = (c.a.handler(), c.b.handler());
+    ha.mkdir("ns", 0o777).expect("mkdir");
+    let bytes = pattern(11, 16 << 20);
+    store(&ha, "ns/kv", &bytes).expect("store on a");
+    eventually("b sees it", || hb.exists("ns/kv").unwrap_or(false));
+    // b hands its client a's entry with nothing recorded in etcd...
+    let mapped = hb.retrieve("ns/kv").expect("retrieve").expect("found");
+    // ...and stops (well within its lease): it can neither learn of a removal nor
+    // acknowledge one.
+    let stopped = Stopped::new(&c.b);
+    let t = Instant::now();
+    ha.delete("ns/kv").expect("delete on a");
+    assert!(!ha.exists("ns/kv").expect("exists"));
+    // a cannot carve the extent again: b has not acknowledged the removal.
+    let filled = fill(&ha, "ns/fill");
+    let room = POOL_SIZE - (2 << 20) - (16 << 20);
+    assert!(
+        filled * (8 << 20) <= room,
+        "a stored {filled} x 8 MiB: the removed extent was carved again"
+    );
+    assert!(
+        mapped.as_slice() == bytes.as_slice(),
+        "another host's mapping was overwritten before it saw the removal"
+    );
+    assert!(
+        t.elapsed() < TTL,
+        "took {:?}, past b's lease: the test proves nothing",
+        t.elapsed()
+    );
+    // b resumes: it applies the removal while its client maps the extent, so it holds it
+    // before it acknowledges: still not a's to carve.
+    drop(stopped);
+    eventually("b forgets it", || !hb.exists("ns/kv").unwrap_or(true));
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(matches!(
+        store(&ha, "ns/early", &pattern(12, 8 << 20)),
+        Err(Error::NoSpace(_))
+    ));
+    assert!(mapped.as_slice() == bytes.as_slice());
+    // b lets go: a gets the 16 MiB back.
+    drop(mapped);
+    hb.trim();
+    hb.stats().expect("stats");
+    eventually("a stores into the extent b let go of", || {
+        store(&ha, "ns/after0", &pattern(13, 8 << 20)).is_ok()
+    });
+    store(&ha, "ns/after1", &pattern(14, 8 << 20)).expect("the whole extent came back");
+}
+
 #[test]
 fn on_a_pool_without_coherence_writers_write_back_and_readers_invalidate_once() {
     require_root!();

@@ -1,5 +1,6 @@
 //! The applier: keeps the store fed with what the other hosts do, from etcd's watches (entries,
-//! pins, quotas, reports of use), and tends this host's holds.
+//! pins, quotas, reports of use), and frees this host's removed extents once every host has
+//! let go of them.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -14,13 +15,12 @@ use crate::store::Store;
 
 /// What the watch hands the applier thread.
 enum Change {
-    /// Every entry at a revision (after a (re)start of the watch).
-    All(Vec<Listed>),
+    /// Every entry at a revision (after a (re)start of the watch); `done` once applied (and
+    /// acknowledged).
+    All(Vec<Listed>, i64, tokio::sync::oneshot::Sender<()>),
     Event(EntryEvent),
     /// No host maps this removed extent of this host's any more.
     Unheld(u64),
-    /// Time to let go of idle holds.
-    Tick,
     /// Every pinned entry at a revision (after a (re)start of the pins' watch).
     Pins(Vec<(String, String)>),
     /// A pin or an unpin.
@@ -39,6 +39,7 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Change>();
     let tx2 = tx.clone();
     let m = auth.member();
+    let me = Arc::downgrade(&auth);
     auth.rt.spawn(async move {
         loop {
             let snap = m.read().await.snapshot().await;
@@ -50,7 +51,10 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
                     continue;
                 }
             };
-            if tx.send(Change::All(all)).is_err() {
+            // Applied before anything later is acknowledged: what the snapshot no longer has
+            // was removed while the watch was down, and only the store knows who maps it.
+            let (done, applied) = tokio::sync::oneshot::channel();
+            if tx.send(Change::All(all, rev, done)).is_err() || applied.await.is_err() {
                 return;
             }
             let watch = m.read().await.watch_entries(rev + 1).await;
@@ -61,8 +65,31 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
             loop {
                 match w.next().await {
                     Ok(Some(ev)) => {
+                        // A removal is acknowledged from here, not after the store applied it
+                        // (which may wait for the store's lock, held by a removal of this host
+                        // waiting for the acknowledgements of others).
+                        let removal = match &ev {
+                            EntryEvent::Delete {
+                                revision,
+                                created,
+                                record: Some(rec),
+                                ..
+                            } => Some((*revision, *created, rec.clone())),
+                            EntryEvent::Delete { ns, name, .. } => {
+                                tracing::warn!(ns, name, "cluster: a removal without its record; reading the entries again");
+                                break;
+                            }
+                            EntryEvent::Put { .. } => None,
+                        };
+                        let Some(a) = me.upgrade() else { return };
+                        if let Some((_, created, rec)) = &removal {
+                            a.on_removal(*created, rec);
+                        }
                         if tx.send(Change::Event(ev)).is_err() {
                             return;
+                        }
+                        if let Some((revision, ..)) = removal {
+                            a.applied(revision);
                         }
                     }
                     Ok(None) | Err(_) => {
@@ -76,7 +103,7 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
     auth.rt.spawn(watch_pins(auth.member(), tx2.clone()));
     auth.rt.spawn(watch_uses(auth.member(), tx2.clone()));
     auth.rt.spawn(watch_quotas(auth.member(), tx2.clone()));
-    auth.rt.spawn(tend_holds(Arc::downgrade(&auth), tx2));
+    auth.rt.spawn(tend(Arc::downgrade(&auth), tx2));
     std::thread::Builder::new()
         .name("maru-cluster-apply".into())
         .spawn(move || {
@@ -175,43 +202,47 @@ impl EtcdAuthority {
     }
 }
 
-/// Every 200 ms: records the holds etcd could not take and learns which removed extents of
-/// this host no other host maps any more; every second, reports uses of other hosts' entries
-/// and has idle holds let go of.
-async fn tend_holds(
-    me: std::sync::Weak<EtcdAuthority>,
-    tx: tokio::sync::mpsc::UnboundedSender<Change>,
-) {
-    let mut ticks = 0u32;
+/// Every 200 ms, and whenever another host acknowledges: frees the removed extents of this
+/// host that every live host acknowledged the removal of and none holds; every second,
+/// reports uses of other hosts' entries.
+async fn tend(me: std::sync::Weak<EtcdAuthority>, tx: tokio::sync::mpsc::UnboundedSender<Change>) {
+    let Some(mut seen) = me.upgrade().map(|a| a.acks_seen.subscribe()) else {
+        return;
+    };
+    let mut next_report = tokio::time::Instant::now() + Duration::from_secs(1);
     loop {
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        let _ = tokio::time::timeout(Duration::from_millis(200), seen.changed()).await;
         let Some(a) = me.upgrade() else { return };
-        a.record_holds().await;
-        let held: Vec<u64> = a.held.lock().iter().copied().collect();
-        if !held.is_empty() {
-            let still = a.member.read().await.held(&held).await;
-            if let Ok(still) = still {
-                for o in held.into_iter().filter(|o| !still.contains(o)) {
-                    a.held.lock().remove(&o);
-                    if tx.send(Change::Unheld(o)).is_err() {
+        let pending: Vec<(u64, i64)> = a.held.lock().iter().map(|(o, r)| (*o, *r)).collect();
+        if pending.is_empty() {
+            a.settle_stalled.store(false, Ordering::Release);
+        } else {
+            let m = a.member.read().await;
+            if let Ok(acked) = m.acknowledged().await {
+                if pending.iter().all(|(_, r)| acked.is_none_or(|x| x >= *r)) {
+                    a.settle_stalled.store(false, Ordering::Release);
+                }
+                for o in super::free_of(&m, &pending, acked)
+                    .await
+                    .unwrap_or_default()
+                {
+                    let mine = a.held.lock().remove(&o).is_some(); // not freed by a `settle`
+                    if mine && tx.send(Change::Unheld(o)).is_err() {
                         return;
                     }
                 }
             }
         }
-        ticks += 1;
-        if ticks.is_multiple_of(5) {
+        if tokio::time::Instant::now() >= next_report {
+            next_report += Duration::from_secs(1);
             a.report_uses().await;
-            if tx.send(Change::Tick).is_err() {
-                return;
-            }
         }
     }
 }
 
 fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
     match c {
-        Change::All(all) => {
+        Change::All(all, revision, done) => {
             let mut seen = HashSet::new();
             for l in all {
                 if l.record.node != auth.node {
@@ -225,6 +256,8 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
                     store.forget_remote(&ns, &key);
                 }
             }
+            auth.applied(revision);
+            let _ = done.send(());
         }
         Change::Event(EntryEvent::Put {
             ns,
@@ -236,29 +269,28 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
                 file(store, auth, &ns, &name, &record, revision);
             }
         }
-        Change::Event(EntryEvent::Delete { ns, name, revision }) => {
-            if auth.stale_removal(&ns, &name, revision) {
-                return;
-            }
-            // An entry of this host's that another host removed: its extent stays while any
-            // host maps it (asked before the store forgets it, outside the store's lock).
-            let own = auth
-                .published
-                .lock()
-                .get(&(ns.clone(), name.clone()))
-                .map(|&(_, o)| o);
-            if let Some(offset) = own {
-                let m = auth.member();
-                let held = auth.run(async move { m.read().await.held(&[offset]).await });
-                match held {
-                    Ok(h) if !h.contains(&offset) => {}
-                    // Held, or unknown (etcd gone again): kept until asked again.
-                    _ => {
-                        auth.held.lock().insert(offset);
-                    }
+        Change::Event(EntryEvent::Delete {
+            ns,
+            name,
+            revision,
+            created,
+            ..
+        }) => {
+            if !auth.stale_removal(&ns, &name, revision) {
+                // An entry of this host's that another host removed: its extent stays until
+                // every live host acknowledged the removal and none holds it.
+                let own = auth
+                    .published
+                    .lock()
+                    .get(&(ns.clone(), name.clone()))
+                    .map(|&(_, o)| o);
+                if let Some(offset) = own {
+                    auth.held.lock().insert(offset, revision);
                 }
+                // Another host's: this host holds it already if clients here map it.
+                store.forget_remote(&ns, &name);
             }
-            store.forget_remote(&ns, &name);
+            auth.removal_applied(created);
         }
         Change::Unheld(offset) => store.free_unheld(&auth.pool, offset),
         Change::Pins(all) => {
@@ -303,23 +335,14 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
             }
             store.pin_elsewhere(&name.0, &name.1, pinned);
         }
-        Change::Tick => store.drop_idle_holds(),
     }
 }
 
-fn file(
-    store: &Store,
-    auth: &EtcdAuthority,
-    ns: &str,
-    key: &str,
-    rec: &EntryRecord,
-    revision: i64,
-) {
-    auth.remote.lock().insert(
-        (ns.to_owned(), key.to_owned()),
-        (revision, rec.node.clone()),
-    );
-    if let Err(e) = store.file_remote(&auth.pool, ns, key, rec.offset, rec.len) {
+fn file(store: &Store, auth: &EtcdAuthority, ns: &str, key: &str, rec: &EntryRecord, created: i64) {
+    auth.remote
+        .lock()
+        .insert((ns.to_owned(), key.to_owned()), rec.node.clone());
+    if let Err(e) = store.file_remote(&auth.pool, ns, key, rec.offset, rec.len, created) {
         tracing::warn!(ns, key, node = %rec.node, "cannot serve another host's entry: {e}");
         return;
     }

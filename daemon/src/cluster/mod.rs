@@ -16,8 +16,8 @@
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::time::Duration;
 
 use maru::{Error, Result};
 use maru_cluster::{EntryRecord, Member, NodeInfo, Published};
@@ -57,17 +57,24 @@ pub struct EtcdAuthority {
     /// Each publication of this host, by name: its etcd revision (a removal the watch reports
     /// from before it is an older entry's) and its offset.
     published: Mutex<HashMap<(String, String), (i64, u64)>>,
-    /// Each entry of another host this host serves: the revision that created it (what a
-    /// hold checks) and its publisher.
-    remote: Mutex<HashMap<(String, String), (i64, String)>>,
-    /// This host's holds on other hosts' entries, by inode here.
-    holds: Mutex<HashMap<u64, Hold>>,
+    /// Each entry of another host this host serves: its publisher.
+    remote: Mutex<HashMap<(String, String), String>>,
+    /// What clients of this host use of other hosts' entries, and the holds that follow.
+    readers: Mutex<Readers>,
     next_tag: AtomicU64,
-    /// A hold could not be recorded lately (etcd unreachable): new ones are queued at once,
-    /// not tried on the retrieve's path, until the background recorder gets through.
-    holds_stalled: std::sync::atomic::AtomicBool,
-    /// Extents (offsets) this host removed that other hosts still map: freed once they let go.
-    held: Mutex<HashSet<u64>>,
+    /// The revision of entries up to which the applier has applied every removal: what the
+    /// acknowledger writes to etcd next (after the holds those removals took).
+    applied: AtomicI64,
+    /// Wakes the acknowledger.
+    ack_kick: Arc<tokio::sync::Notify>,
+    /// Bumped at every change to the other hosts' acknowledgements (etcd's watch).
+    acks_seen: tokio::sync::watch::Sender<u64>,
+    /// Extents (offsets) this host removed, with the removal's revision: freed once every
+    /// other live host acknowledged that revision and none holds the extent.
+    held: Mutex<HashMap<u64, i64>>,
+    /// An eviction's wait for the acknowledgements ran out (a host slow or cut off): the next
+    /// ones do not wait, until the background settler has seen every removal acknowledged.
+    settle_stalled: AtomicBool,
     /// Names this host reserved in etcd for writers through its mount.
     reserved: Mutex<HashSet<Name>>,
     /// The entries pinned in the cluster (from etcd's watch).
@@ -127,10 +134,13 @@ impl EtcdAuthority {
             pool: pool_uuid.to_owned(),
             published: Mutex::new(HashMap::new()),
             remote: Mutex::new(HashMap::new()),
-            holds: Mutex::new(HashMap::new()),
+            readers: Mutex::new(Readers::default()),
             next_tag: AtomicU64::new(1),
-            holds_stalled: std::sync::atomic::AtomicBool::new(false),
-            held: Mutex::new(HashSet::new()),
+            applied: AtomicI64::new(0),
+            ack_kick: Arc::new(tokio::sync::Notify::new()),
+            acks_seen: tokio::sync::watch::Sender::new(0),
+            held: Mutex::new(HashMap::new()),
+            settle_stalled: AtomicBool::new(false),
             reserved: Mutex::new(HashSet::new()),
             pins: Mutex::new(HashSet::new()),
             quotas: Mutex::new(HashSet::new()),
@@ -143,6 +153,8 @@ impl EtcdAuthority {
         });
         me.rt.spawn(keep_membership(Arc::downgrade(&me)));
         me.rt.spawn(watch_hosts(Arc::downgrade(&me)));
+        me.rt.spawn(acknowledge(Arc::downgrade(&me)));
+        me.rt.spawn(watch_acks(Arc::downgrade(&me)));
         Ok(me)
     }
 
@@ -189,49 +201,33 @@ impl EtcdAuthority {
         });
     }
 
-    /// Records the holds that could not be recorded when they were taken (etcd unreachable);
-    /// forgets those whose entry went meanwhile.
-    async fn record_holds(&self) {
-        let todo: Vec<(u64, Hold)> = self
-            .holds
-            .lock()
-            .iter()
-            .filter(|(_, h)| !h.recorded)
-            .map(|(i, h)| (*i, h.clone()))
-            .collect();
-        for (ino, h) in todo {
-            let r = self
-                .member
-                .read()
-                .await
-                .hold(&h.ns, &h.key, h.revision, (h.offset, h.len), h.tag)
-                .await;
-            match r {
-                Ok(true) => {
-                    if let Some(x) = self.holds.lock().get_mut(&ino)
-                        && x.tag == h.tag
-                    {
-                        x.recorded = true;
-                        continue;
-                    }
-                    // Let go of meanwhile: take the record back.
-                    self.forget_hold(Hold {
-                        recorded: true,
-                        ..h
-                    });
-                }
-                Ok(false) => {
-                    tracing::warn!(
-                        ns = %h.ns, key = %h.key,
-                        "another host removed an entry a client here mapped while etcd was \
-                         unreachable: its extent is no longer kept for it"
-                    );
-                    self.holds.lock().remove(&ino);
-                }
-                Err(_) => return, // still unreachable: next time
-            }
+    /// The applier applied every change to the entries up to `revision`: acknowledged (in
+    /// the background, after the holds those changes took) for the publishers of removed
+    /// entries, which free an extent only once every live host has.
+    fn applied(&self, revision: i64) {
+        if self.applied.fetch_max(revision, Ordering::AcqRel) < revision {
+            self.ack_kick.notify_one();
         }
-        self.holds_stalled.store(false, Ordering::Release);
+    }
+
+    /// A removal of entry `created` (`rec`) reached this host, from etcd's watch: new readers
+    /// here are refused it, and if clients here map it this host holds its extent. Both
+    /// before the removal is acknowledged, and before the store applies it (which may wait
+    /// for the store's lock: an acknowledgement never does).
+    fn on_removal(&self, created: i64, rec: &EntryRecord) {
+        let tag = self.next_tag.fetch_add(1, Ordering::Relaxed);
+        if self
+            .readers
+            .lock()
+            .removal(created, rec.offset, rec.len, tag)
+        {
+            self.ack_kick.notify_one();
+        }
+    }
+
+    /// The store applied the removal of entry `created`.
+    fn removal_applied(&self, created: i64) {
+        self.readers.lock().removed.remove(&created);
     }
 
     /// Deletes hold `h`'s record in etcd, in the background (a late deletion only keeps an
@@ -249,24 +245,159 @@ impl EtcdAuthority {
     }
 }
 
-/// A hold of this host on another host's entry (see [`Authority::hold`]).
+/// Of this host's removed extents `pending` (offset, revision of the removal), those free to
+/// carve again: every other live host acknowledged the removal (`acked` is the least
+/// acknowledgement, None with no other live host) and none holds the extent.
+async fn free_of(
+    m: &Member,
+    pending: &[(u64, i64)],
+    acked: Option<i64>,
+) -> maru_cluster::Result<Vec<u64>> {
+    let seen: Vec<u64> = pending
+        .iter()
+        .filter(|(_, r)| acked.is_none_or(|a| a >= *r))
+        .map(|(o, _)| *o)
+        .collect();
+    let held = m.held(&seen).await?;
+    Ok(seen.into_iter().filter(|o| !held.contains(o)).collect())
+}
+
+/// Other hosts' entries, by the revision that created each, as clients of this host use them.
+#[derive(Debug, Default)]
+struct Readers {
+    /// Mapped or read here now (leases): a removal of one makes this host hold its extent.
+    used: HashSet<i64>,
+    /// Removals that reached this host and that its store has not applied yet: refused to
+    /// new readers (this host may already have acknowledged them).
+    removed: HashSet<i64>,
+    /// Holds on removed entries that clients here still map.
+    holds: HashMap<i64, Hold>,
+}
+
+impl Readers {
+    /// A client here is about to use entry `created`: false once its removal has arrived.
+    fn start(&mut self, created: i64) -> bool {
+        if self.removed.contains(&created) {
+            return false;
+        }
+        self.used.insert(created);
+        true
+    }
+
+    /// No client here uses entry `created` any more: its hold, if any, to let go of.
+    fn stop(&mut self, created: i64) -> Option<Hold> {
+        self.used.remove(&created);
+        self.holds.remove(&created)
+    }
+
+    /// The removal of entry `created` (its extent `[offset, offset + len)`) arrived: new
+    /// users are refused, and if clients here use it, it is held (as `tag`). True when a hold
+    /// was taken.
+    fn removal(&mut self, created: i64, offset: u64, len: u64, tag: u64) -> bool {
+        self.removed.insert(created);
+        self.used.contains(&created) && self.hold(created, offset, len, tag)
+    }
+
+    /// Holds the extent of removed entry `created` for clients here (recorded with the next
+    /// acknowledgement), unless it is held already; true when it was not.
+    fn hold(&mut self, created: i64, offset: u64, len: u64, tag: u64) -> bool {
+        self.used.insert(created);
+        if self.holds.contains_key(&created) {
+            return false;
+        }
+        let h = Hold {
+            offset,
+            len,
+            tag,
+            recorded: false,
+        };
+        self.holds.insert(created, h);
+        true
+    }
+}
+
+/// A hold of this host on another host's removed entry (see [`Authority::hold`]).
 #[derive(Debug, Clone)]
 struct Hold {
-    ns: String,
-    key: String,
-    revision: i64,
     offset: u64,
     len: u64,
     /// Its records' tag (unique here): a new hold on the same extent never meets an old one's
     /// late deletion.
     tag: u64,
-    /// In etcd (false while etcd is unreachable: recorded when it is back).
+    /// In etcd (recorded with the next acknowledgement; again after a rejoin).
     recorded: bool,
-    used: Instant,
 }
 
-/// Holds unused this long, with no client mapping their entry, are let go of.
-const IDLE_HOLD: Duration = Duration::from_secs(2);
+/// How long an eviction waits for every live host's acknowledgement of its removals before
+/// it leaves their extents to be freed in the background.
+const SETTLE_WAIT: Duration = Duration::from_millis(100);
+
+/// Writes this host's acknowledgements: whenever the applier has applied further removals
+/// (or this host rejoined, or a hold is not recorded yet), records the new holds and then the
+/// revision applied, in that order (`Member::acknowledge`). Retries every 200 ms while etcd
+/// does not answer.
+async fn acknowledge(me: std::sync::Weak<EtcdAuthority>) {
+    let Some(kick) = me.upgrade().map(|a| a.ack_kick.clone()) else {
+        return;
+    };
+    let mut acked = (0i64, 0i64); // (lease, revision)
+    loop {
+        let _ = tokio::time::timeout(Duration::from_millis(200), kick.notified()).await;
+        let Some(a) = me.upgrade() else { return };
+        let want = a.applied.load(Ordering::Acquire);
+        let todo: Vec<(i64, Hold)> = a
+            .readers
+            .lock()
+            .holds
+            .iter()
+            .filter(|(_, h)| !h.recorded)
+            .map(|(i, h)| (*i, h.clone()))
+            .collect();
+        let m = a.member.read().await;
+        if want == 0 || ((m.lease(), want) == acked && todo.is_empty()) {
+            continue;
+        }
+        let extents: Vec<(u64, u64, u64)> =
+            todo.iter().map(|(_, h)| (h.offset, h.len, h.tag)).collect();
+        if let Err(e) = m.acknowledge(want, &extents).await {
+            tracing::debug!(revision = want, "acknowledging removals: {e}");
+            continue;
+        }
+        acked = (m.lease(), want);
+        drop(m);
+        for (created, h) in todo {
+            let mut r = a.readers.lock();
+            match r.holds.get_mut(&created) {
+                Some(x) if x.tag == h.tag => x.recorded = true,
+                _ => {
+                    // Let go of meanwhile: take the record back.
+                    drop(r);
+                    a.forget_hold(Hold {
+                        recorded: true,
+                        ..h
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// Wakes removals waiting for acknowledgements (`EtcdAuthority::settle`) whenever another
+/// host acknowledges or leaves.
+async fn watch_acks(me: std::sync::Weak<EtcdAuthority>) {
+    loop {
+        let Some(a) = me.upgrade() else { return };
+        let (m, seen) = (a.member(), a.acks_seen.clone());
+        drop(a);
+        let w = m.read().await.watch_acks().await;
+        if let Ok(mut w) = w {
+            while let Ok(true) = w.next().await {
+                seen.send_modify(|n| *n += 1);
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
 
 /// Rejoins when the lease is lost, then claims this host's regions again.
 async fn keep_membership(me: std::sync::Weak<EtcdAuthority>) {
@@ -299,7 +430,7 @@ async fn keep_membership(me: std::sync::Weak<EtcdAuthority>) {
         }
         // What the old lease held is gone: the holds are recorded again (in the background),
         // the mount writers' reservations taken again where no one took the name meanwhile.
-        for h in a.holds.lock().values_mut() {
+        for h in a.readers.lock().holds.values_mut() {
             h.recorded = false;
         }
         let names: Vec<Name> = a.reserved.lock().iter().cloned().collect();
@@ -446,10 +577,9 @@ impl Authority for EtcdAuthority {
         }
         let published = self.local.holder(ns, key) == Some(Claim::Published(id));
         let name = (ns.to_owned(), key.to_owned());
-        let offset = self.published.lock().get(&name).map(|&(_, o)| o);
-        if let (true, Some(offset)) = (published, offset) {
+        if published && self.published.lock().contains_key(&name) {
             let (m, n, k) = (self.member(), ns.to_owned(), key.to_owned());
-            if let Err(e) = self.run(async move { m.read().await.remove(&n, &k, offset).await }) {
+            if let Err(e) = self.run(async move { m.read().await.remove(&n, &k).await }) {
                 tracing::error!(ns, key, "removing the entry from the cluster: {e}");
             }
             self.published.lock().remove(&name);
@@ -465,69 +595,83 @@ impl Authority for EtcdAuthority {
             self.local.release(ns, key, id);
             return Ok(false);
         }
-        let (m, n, k, offset) = (self.member(), ns.to_owned(), key.to_owned(), at.offset);
+        let (m, n, k) = (self.member(), ns.to_owned(), key.to_owned());
         let removed = self
-            .run(async move { m.read().await.remove(&n, &k, offset).await })
+            .run(async move { m.read().await.remove(&n, &k).await })
             .map_err(unavailable)?;
         self.published.lock().remove(&name);
-        // Only this host's own extents are its to keep for the others.
+        // Only this host's own extents are its to free (another host's: its publisher's).
         let own = self.remote.lock().remove(&name).is_none();
         self.local.release(ns, key, id);
-        if removed.held && own {
-            self.held.lock().insert(at.offset);
+        if own {
+            // Freed once every other live host acknowledged the removal and none holds it
+            // (`settle`, or in the background).
+            self.held.lock().insert(at.offset, removed.revision);
         }
-        Ok(removed.held && own)
+        Ok(own)
+    }
+
+    fn settle(&self) -> Vec<(String, u64)> {
+        let pending: Vec<(u64, i64)> = self.held.lock().iter().map(|(o, r)| (*o, *r)).collect();
+        let Some(newest) = pending.iter().map(|(_, r)| *r).max() else {
+            return Vec::new();
+        };
+        if self.settle_stalled.load(Ordering::Acquire) {
+            return Vec::new();
+        }
+        let (m, mut seen) = (self.member(), self.acks_seen.subscribe());
+        let deadline = tokio::time::Instant::now() + SETTLE_WAIT;
+        let (free, complete) = self.run(async move {
+            loop {
+                seen.borrow_and_update();
+                let Ok(acked) = m.read().await.acknowledged().await else {
+                    return (Vec::new(), false);
+                };
+                let complete = acked.is_none_or(|a| a >= newest);
+                if complete || tokio::time::Instant::now() >= deadline {
+                    let free = free_of(&*m.read().await, &pending, acked).await;
+                    return (free.unwrap_or_default(), complete);
+                }
+                let _ = tokio::time::timeout_at(deadline, seen.changed()).await;
+            }
+        });
+        if !complete {
+            tracing::info!(
+                revision = newest,
+                "a removal is not acknowledged by every host yet: its extent is freed later"
+            );
+            self.settle_stalled.store(true, Ordering::Release);
+        }
+        let mut held = self.held.lock();
+        free.into_iter()
+            .filter(|o| held.remove(o).is_some())
+            .map(|o| (self.pool.clone(), o))
+            .collect()
     }
 
     fn held_elsewhere(&self, pool: &str, offset: u64) -> bool {
-        pool == self.pool && self.held.lock().contains(&offset)
+        pool == self.pool && self.held.lock().contains_key(&offset)
     }
 
-    fn hold(&self, ns: &str, key: &str, ino: u64, at: &Placed<'_>) -> Result<bool> {
-        if let Some(h) = self.holds.lock().get_mut(&ino) {
-            h.used = Instant::now();
-            return Ok(true);
+    fn use_remote(&self, created: i64) -> bool {
+        self.readers.lock().start(created)
+    }
+
+    fn idle_remote(&self, created: i64) {
+        let h = self.readers.lock().stop(created);
+        if let Some(h) = h {
+            self.forget_hold(h);
         }
-        let Some(revision) = self
-            .remote
-            .lock()
-            .get(&(ns.to_owned(), key.to_owned()))
-            .map(|(r, _)| *r)
-        else {
-            return Ok(false);
-        };
-        let mut h = Hold {
-            ns: ns.to_owned(),
-            key: key.to_owned(),
-            revision,
-            offset: at.offset,
-            len: at.size,
-            tag: self.next_tag.fetch_add(1, Ordering::Relaxed),
-            recorded: false,
-            used: Instant::now(),
-        };
-        // etcd unreachable (or this host cut off): reads go on; the hold is recorded once
-        // etcd answers again (doc/CLUSTER.md, "Leases on extents across hosts").
-        let live = self.member.try_read().is_ok_and(|m| m.is_live());
-        if live && !self.holds_stalled.load(Ordering::Acquire) {
-            let (m, c) = (self.member(), h.clone());
-            let r = self.run(async move {
-                m.read()
-                    .await
-                    .hold(&c.ns, &c.key, c.revision, (c.offset, c.len), c.tag)
-                    .await
-            });
-            match r {
-                Ok(true) => h.recorded = true,
-                Ok(false) => return Ok(false),
-                Err(e) => {
-                    tracing::warn!(ns, key, "cannot record a hold yet: {e}");
-                    self.holds_stalled.store(true, Ordering::Release);
-                }
-            }
+    }
+
+    fn hold(&self, created: i64, at: &Placed<'_>) {
+        if at.pool != Some(self.pool.as_str()) {
+            return;
         }
-        self.holds.lock().insert(ino, h);
-        Ok(true)
+        let tag = self.next_tag.fetch_add(1, Ordering::Relaxed);
+        if self.readers.lock().hold(created, at.offset, at.size, tag) {
+            self.ack_kick.notify_one();
+        }
     }
 
     fn pin(&self, ns: &str, key: &str, pinned: bool, at: &Placed<'_>) -> Result<()> {
@@ -560,7 +704,7 @@ impl Authority for EtcdAuthority {
 
     fn accessed(&self, ns: &str, key: &str) {
         let name = (ns.to_owned(), key.to_owned());
-        let Some(publisher) = self.remote.lock().get(&name).map(|(_, n)| n.clone()) else {
+        let Some(publisher) = self.remote.lock().get(&name).cloned() else {
             return;
         };
         let n = self.uses.fetch_add(1, Ordering::Relaxed);
@@ -569,28 +713,6 @@ impl Authority for EtcdAuthority {
             .entry(publisher)
             .or_default()
             .insert(name, n);
-    }
-
-    fn unhold(&self, ino: u64) {
-        let h = self.holds.lock().remove(&ino);
-        if let Some(h) = h {
-            self.forget_hold(h);
-        }
-    }
-
-    fn drop_idle_holds(&self, leased: &dyn Fn(u64) -> bool) {
-        let idle: Vec<Hold> = {
-            let mut holds = self.holds.lock();
-            let inos: Vec<u64> = holds
-                .iter()
-                .filter(|(i, h)| h.used.elapsed() >= IDLE_HOLD && !leased(**i))
-                .map(|(i, _)| *i)
-                .collect();
-            inos.iter().filter_map(|i| holds.remove(i)).collect()
-        };
-        for h in idle {
-            self.forget_hold(h);
-        }
     }
 
     fn adopt(&self, ns: &str, key: &str, id: u64) {
@@ -692,7 +814,7 @@ impl Authority for EtcdAuthority {
             hosts: {
                 let mut by_node: HashMap<&str, u64> = HashMap::new();
                 let remote = self.remote.lock();
-                for (_, node) in remote.values() {
+                for node in remote.values() {
                     *by_node.entry(node).or_default() += 1;
                 }
                 let mut hosts = self.hosts.lock().clone();
@@ -712,5 +834,36 @@ fn taken_error(ns: &str, key: &str, taken: &Published) -> Error {
         Published::Exists(r) => Error::Exists(format!("{ns}/{key} (published by host {})", r.node)),
         Published::Reserved(n) => Error::Exists(format!("{ns}/{key} (being written on host {n})")),
         Published::New { .. } => unreachable!("a new publication takes no name"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Readers;
+
+    #[test]
+    fn a_removal_holds_what_clients_use_and_refuses_new_users() {
+        let mut r = Readers::default();
+        // Used when its removal arrives: held, and refused to anyone new.
+        assert!(r.start(10));
+        assert!(r.removal(10, 4096, 8192, 1));
+        assert!(!r.start(10));
+        assert!(!r.hold(10, 4096, 8192, 2), "held once");
+        let h = r.stop(10).expect("held");
+        assert_eq!((h.offset, h.len, h.tag, h.recorded), (4096, 8192, 1, false));
+        assert!(r.holds.is_empty() && r.used.is_empty());
+        // Used, then let go of, before its removal: nothing held.
+        assert!(r.start(20));
+        assert!(r.stop(20).is_none());
+        assert!(!r.removal(20, 0, 4096, 3));
+        assert!(!r.start(20));
+        // Not used at all: nothing held; a removal the store applied is forgotten.
+        assert!(!r.removal(30, 0, 4096, 4));
+        assert_eq!(r.removed, [10, 20, 30].into_iter().collect());
+        assert!(r.holds.is_empty());
+        // Removed on this host (its store first): held for its clients, then let go of.
+        assert!(r.hold(40, 0, 4096, 5));
+        assert!(!r.removal(40, 0, 4096, 6), "held already");
+        assert_eq!(r.stop(40).map(|h| h.tag), Some(5));
     }
 }

@@ -49,24 +49,40 @@ pub trait Authority: Send + Sync {
     /// (its removal, for every host sharing the authority, as far as it can be done).
     fn release(&self, ns: &str, key: &str, id: u64);
     /// Removes published entry `ns/key` (`id`, placed at `at`), for every host sharing the
-    /// authority: fails, keeping it, when that cannot be recorded. True when other hosts still
-    /// map its extent: it is freed only once [`Authority::held_elsewhere`] says no more.
+    /// authority: fails, keeping it, when that cannot be recorded. True when other hosts may
+    /// still map its extent: it is freed only once [`Authority::held_elsewhere`] says no more.
     fn unpublish(&self, ns: &str, key: &str, id: u64, _at: &Placed<'_>) -> Result<bool> {
         self.release(ns, key, id);
         Ok(false)
     }
-    /// Whether other hosts still map the extent at `offset` of raw pool `pool`, which this
-    /// host published and has removed.
+    /// Waits a moment (the space is wanted now, as for an eviction) until every host sharing
+    /// the authority has acknowledged this host's removals; returns the removed extents, as
+    /// (raw pool UUID, offset), that no host maps any more: no longer
+    /// [`Authority::held_elsewhere`], the caller frees them.
+    fn settle(&self) -> Vec<(String, u64)> {
+        Vec::new()
+    }
+    /// Whether other hosts may still map the extent at `offset` of raw pool `pool`, which
+    /// this host published and has removed.
     fn held_elsewhere(&self, _pool: &str, _offset: u64) -> bool {
         false
     }
-    /// Records that this host maps entry `ns/key` (`ino` here) that another host published
-    /// at `at`, before a client of this host is handed it: its publisher then keeps the extent
-    /// after a removal until this host lets go ([`Authority::unhold`]). False when the entry
-    /// is gone (the caller answers as if it were absent).
-    fn hold(&self, _ns: &str, _key: &str, _ino: u64, _at: &Placed<'_>) -> Result<bool> {
-        Ok(true)
+    /// A client of this host is about to map or read another host's entry, created at the
+    /// authority at revision `created`: false when its removal has reached this host (the
+    /// caller answers as if it were absent). Otherwise, until [`Authority::idle_remote`], a
+    /// removal of it that arrives makes this host hold the extent — recorded before this host
+    /// acknowledges the removal, so its publisher keeps the extent until this host lets go.
+    /// Called under the store's lock; asks nothing remote.
+    fn use_remote(&self, _created: i64) -> bool {
+        true
     }
+    /// No client of this host maps another host's entry `created` any more (its last lease
+    /// went): a hold on it is let go of.
+    fn idle_remote(&self, _created: i64) {}
+    /// Clients of this host map another host's entry `created`, placed at `at`, which is
+    /// removed: this host holds the extent until [`Authority::idle_remote`] (a no-op when it
+    /// does already). Called under the store's lock.
+    fn hold(&self, _created: i64, _at: &Placed<'_>) {}
     /// Pins (or unpins) published entry `ns/key`, placed at `at`, for every host sharing the
     /// authority (its publisher never evicts it); fails, changing nothing, when that cannot be
     /// recorded.
@@ -81,11 +97,6 @@ pub trait Authority: Send + Sync {
     /// Another host's entry `ns/key` was used here: reported, in batches, to the host that
     /// evicts it (cluster-wide LRU).
     fn accessed(&self, _ns: &str, _key: &str) {}
-    /// Lets go of what [`Authority::hold`] recorded for `ino`.
-    fn unhold(&self, _ino: u64) {}
-    /// Lets go of the holds that no client maps any more (`leased(ino)` says which still are
-    /// mapped) and that were not used for a while. Called under the store's lock, as `hold`.
-    fn drop_idle_holds(&self, _leased: &dyn Fn(u64) -> bool) {}
     /// Files `ns/key` as entry `id` that another host published (nothing is asked).
     fn adopt(&self, ns: &str, key: &str, id: u64);
     /// Forgets `ns/key`, which another host removed (nothing is asked).

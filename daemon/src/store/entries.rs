@@ -127,12 +127,17 @@ impl State {
             ps.evictions += 1;
         }
         let parent = self.ns.get(&e.ns).map_or(0, |n| n.ino);
-        if e.remote {
+        if let Some(created) = e.remote {
             ps.pool.drop_remote(e.offset, e.asize);
             if e.leases > 0 {
+                // Clients here map it: its publisher must keep the extent until they let go.
+                let at = Placed {
+                    pool: ps.pool.uuid(),
+                    offset: e.offset,
+                    size: e.size,
+                };
+                auth.hold(created, &at);
                 self.zombies.insert(e.ino, e.clone());
-            } else {
-                auth.unhold(e.ino);
             }
         } else if !ps.pool.delete(&e.loc(), e.leases > 0 || held) {
             self.zombies.insert(e.ino, e.clone());
@@ -187,6 +192,9 @@ impl State {
     pub fn unlease(&mut self, auth: &dyn Authority, ino: u64, n: u32) {
         if let Some(e) = self.entries.get_mut(&ino) {
             e.leases = e.leases.saturating_sub(n);
+            if let (0, Some(created)) = (e.leases, e.remote) {
+                auth.idle_remote(created);
+            }
             return;
         }
         let Some(z) = self.zombies.get_mut(&ino) else {
@@ -196,9 +204,9 @@ impl State {
         if z.leases > 0 {
             return;
         }
-        if z.remote {
+        if let Some(created) = z.remote {
             self.zombies.remove(&ino);
-            auth.unhold(ino);
+            auth.idle_remote(created);
             return;
         }
         let pool = &self.pools[z.pool as usize].pool;
@@ -212,11 +220,19 @@ impl State {
         self.pools[z.pool as usize].pool.free_extent(z.offset);
     }
 
+    /// Frees the removed entries of this host that no other host may map any more, waiting a
+    /// moment for the others to acknowledge the removals ([`Authority::settle`]).
+    pub fn free_settled(&mut self, auth: &dyn Authority) {
+        for (pool, offset) in auth.settle() {
+            self.free_unheld(&pool, offset);
+        }
+    }
+
     /// Frees the removed entry of this host at `offset` of raw pool `pool` that no host maps
     /// any more (the authority said so), unless clients here still do.
     pub fn free_unheld(&mut self, pool: &str, offset: u64) {
         let found = self.zombies.iter().find(|(_, z)| {
-            !z.remote
+            z.remote.is_none()
                 && z.leases == 0
                 && z.offset == offset
                 && self.pools[z.pool as usize].pool.uuid() == Some(pool)

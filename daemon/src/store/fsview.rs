@@ -327,7 +327,7 @@ impl Backend for StoreFs {
             let (ns, perm, pool) = (e.ns.clone(), e.perm, e.pool);
             Store::allow(&st, c, &ns, Access::Read(&perm))?;
             st.touch(ino);
-            if !st.ready_remote(&*self.0.authority, ino)? {
+            if !st.ready_remote(&*self.0.authority, ino) {
                 return Err(Error::NotFound(format!("{ns}: removed on another host")));
             }
             let e = &st.entries[&ino];

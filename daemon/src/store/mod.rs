@@ -505,7 +505,7 @@ impl Store {
                 continue;
             };
             st.touch(ino);
-            if !st.ready_remote(&*self.authority, ino)? {
+            if !st.ready_remote(&*self.authority, ino) {
                 out.push(None); // another host's, removed there a moment ago
                 continue;
             }
@@ -778,7 +778,7 @@ impl Store {
         clients.sort_by_key(|c| c.session);
         let pools = Self::pool_infos(&st);
         let cluster = self.authority.cluster().map(|mut c| {
-            let elsewhere = st.entries.values().filter(|e| e.remote).count() as u64;
+            let elsewhere = st.entries.values().filter(|e| e.remote.is_some()).count() as u64;
             c.entries_elsewhere = elsewhere;
             c.entries_here = st.entries.len() as u64 - elsewhere;
             for h in c.hosts.iter_mut().filter(|h| h.node == c.node) {

@@ -48,6 +48,11 @@ impl Store {
                 }
             }
         }
+        if count > 0 {
+            // Hosts sharing the pool may map what was evicted: the space comes back once each
+            // acknowledged the removals (one wait for the whole batch).
+            st.free_settled(&*self.authority);
+        }
         (count, freed)
     }
 

@@ -25,6 +25,7 @@ impl Store {
         key: &str,
         offset: u64,
         size: u64,
+        created: i64,
     ) -> Result<()> {
         split_ns(ns)?;
         check_component(key.as_bytes())?;
@@ -52,7 +53,7 @@ impl Store {
             mode: 0o644,
         };
         st.insert_entry(Entry {
-            remote: true,
+            remote: Some(created),
             cold: true,
             ..Entry::new(ino, ns, key, pool as u32, offset, size, root)
         });
@@ -89,14 +90,6 @@ impl Store {
         self.st.lock().free_unheld(pool, offset);
     }
 
-    /// Lets the authority drop its holds on other hosts' entries that no client here maps.
-    pub fn drop_idle_holds(&self) {
-        let st = self.st.lock();
-        self.authority.drop_idle_holds(&|ino| {
-            st.entries.get(&ino).is_some_and(|e| e.leases > 0) || st.zombies.contains_key(&ino)
-        });
-    }
-
     /// Sets (or clears) namespace `ns`'s quota here because a host sharing the authority did
     /// (nothing is asked); the namespace is created if this host has none of that name.
     pub fn quota_elsewhere(&self, ns: &str, bytes: Option<u64>) {
@@ -131,7 +124,8 @@ impl Store {
         let mut st = self.st.lock();
         for (ns, key) in used {
             let ino = st.ns.get(ns).ok().and_then(|n| n.entries.get(key).copied());
-            if let Some(ino) = ino.filter(|i| st.entries.get(i).is_some_and(|e| !e.remote)) {
+            if let Some(ino) = ino.filter(|i| st.entries.get(i).is_some_and(|e| e.remote.is_none()))
+            {
                 st.touch(ino);
             }
         }
@@ -142,7 +136,7 @@ impl Store {
         let st = self.st.lock();
         st.entries
             .values()
-            .filter(|e| e.remote)
+            .filter(|e| e.remote.is_some())
             .map(|e| (e.ns.clone(), e.key.clone()))
             .collect()
     }
@@ -176,7 +170,7 @@ impl State {
         if e.pinned == pinned {
             return Ok(());
         }
-        if !e.remote {
+        if e.remote.is_none() {
             self.pools[e.pool as usize]
                 .pool
                 .set_pinned(&e.loc(), pinned)?;
@@ -186,24 +180,28 @@ impl State {
         Ok(())
     }
 
-    /// Readies entry `ino` for a client of this host to map or read, if another host
-    /// published it: records this host's hold at the authority (its publisher then keeps the
-    /// extent while this host maps it), and before the first read here drops this host's stale
-    /// cache lines of it (pools without coherence across hosts). False when it was removed
-    /// there meanwhile. This host's own entries need nothing.
-    pub fn ready_remote(&mut self, auth: &dyn Authority, ino: u64) -> Result<bool> {
-        let Some(e) = self.entries.get(&ino).filter(|e| e.remote) else {
-            return Ok(true);
+    /// Readies entry `ino` for a client of this host to map or read (the caller then counts a
+    /// lease on it), if another host published it: tells the authority, which answers false
+    /// when the entry's removal has arrived (the caller answers as if it were absent) and
+    /// otherwise makes this host hold the extent should the removal arrive while clients
+    /// here map it ([`Authority::use_remote`]); notes the use for its publisher's LRU order;
+    /// and before the first read here drops this host's stale cache lines of it (pools
+    /// without coherence across hosts). No round trip. This host's own entries need nothing.
+    pub fn ready_remote(&mut self, auth: &dyn Authority, ino: u64) -> bool {
+        let Some(e) = self.entries.get_mut(&ino) else {
+            return true;
         };
-        if !auth.hold(&e.ns, &e.key, ino, &self.placed(e))? {
-            return Ok(false);
+        let Some(created) = e.remote else {
+            return true;
+        };
+        if !auth.use_remote(created) {
+            return false;
         }
         auth.accessed(&e.ns, &e.key);
-        let e = self.entries.get_mut(&ino).expect("present");
         if std::mem::take(&mut e.cold) {
             let (pool, offset, size) = (e.pool, e.offset, e.size);
             self.pools[pool as usize].pool.invalidate(offset, size);
         }
-        Ok(true)
+        true
     }
 }

@@ -46,9 +46,10 @@ pub struct Entry {
     pub perm: Perm,
     /// Publication time.
     pub mtime: SystemTime,
-    /// Published by another host sharing the pool (cluster mode): its extent is not this
-    /// host's to free, and this host never evicts it.
-    pub remote: bool,
+    /// Published by another host sharing the pool (cluster mode): the revision at which the
+    /// authority created it (its identity there). Its extent is not this host's to free, and
+    /// this host never evicts it.
+    pub remote: Option<i64>,
     /// Another host's entry not read here yet: on a pool without coherence across hosts, its
     /// stale cache lines are dropped before the first read ([`State::ready_remote`]).
     pub cold: bool,
@@ -89,7 +90,7 @@ impl Entry {
             leases: 0,
             perm,
             mtime: SystemTime::now(),
-            remote: false,
+            remote: None,
             cold: false,
         }
     }
@@ -148,7 +149,7 @@ impl Entry {
 
     /// Whether eviction must pass it by: pinned, held, leased, or another host's.
     pub fn protected(&self) -> bool {
-        self.pinned || self.holds > 0 || self.leases > 0 || self.remote
+        self.pinned || self.holds > 0 || self.leases > 0 || self.remote.is_some()
     }
 
     /// Where it is, for a client.
