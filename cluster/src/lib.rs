@@ -10,6 +10,7 @@
 //! | `maps/<unit>/<extent offset>/<node>/<tag>` | empty | the mapping node's lease |
 //! | `acks/<node>` | the revision of entries the node has applied (decimal) | the node's lease |
 //! | `pins/<namespace>/<entry name>` | empty | nothing: a pin lasts until unpinned or removed |
+//! | `clientpins/<namespace>/<entry name>/<node>` | empty: clients of the node pin the entry | the node's lease |
 //! | `reserved/<namespace>/<entry name>` | the node writing it | that node's lease |
 //! | `quotas/<namespace>` | bytes (decimal) | nothing: until cleared |
 //! | `access/<publisher>/<reader>` | the publisher's entries the reader used lately (JSON) | the reader's lease |
@@ -33,6 +34,10 @@
 //!   ([`Member::claim`]) is refused over a unit any host holds.
 //! - **Pins**: [`Member::pin`] records a pin only while the entry exists; a removal takes it
 //!   with the entry; [`Member::pins`] and [`Member::watch_pins`] keep every host's view.
+//! - **Client pins**: a host whose clients pin another host's entry (the original API's pin
+//!   counts) records it under its lease ([`Member::pin_for_clients`]); the publisher follows
+//!   them ([`Member::client_pins`], [`Member::watch_client_pins`]) and does not evict an entry
+//!   any host's clients pin.
 //! - **Access reports**: a host reports in batches which of another host's entries it used
 //!   ([`Member::report_access`]); the publisher, which alone evicts them, watches its reports
 //!   ([`Member::watch_access`]) to keep one LRU order for the whole cluster.
@@ -228,6 +233,20 @@ impl Keys {
     }
     fn pins(&self) -> String {
         format!("{}pins/", self.root)
+    }
+    fn client_pin(&self, ns: &str, name: &str, node: &str) -> String {
+        format!("{}clientpins/{ns}/{name}/{node}", self.root)
+    }
+    fn client_pins(&self) -> String {
+        format!("{}clientpins/", self.root)
+    }
+    /// `(namespace, name, node)` of a client pin's key.
+    fn split_client_pin(&self, key: &[u8]) -> Result<(String, String, String)> {
+        let (rest, node) = Self::split_name(&self.client_pins(), key)?;
+        let (ns, name) = rest
+            .rsplit_once('/')
+            .ok_or_else(|| bad(key, "no namespace".into()))?;
+        Ok((ns.to_owned(), name.to_owned(), node))
     }
     fn reservation(&self, ns: &str, name: &str) -> String {
         format!("{}reserved/{ns}/{name}", self.root)
@@ -881,6 +900,78 @@ impl Member {
         Ok(self.client.clone().txn(txn).await?.succeeded())
     }
 
+    /// Records (`pinned`) or takes back that clients of this host pin entries `names`: their
+    /// publisher does not evict an entry while any host's clients pin it. Bound to this
+    /// host's lease.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LeaseLost`] when this host's lease is gone.
+    pub async fn pin_for_clients(&self, names: &[(String, String)], pinned: bool) -> Result<()> {
+        for (ns, name) in names {
+            check_ns(ns)?;
+            check_name(name)?;
+        }
+        for piece in names.chunks(UNITS_PER_TXN) {
+            let ops: Vec<TxnOp> = piece
+                .iter()
+                .map(|(ns, name)| {
+                    let key = self.keys.client_pin(ns, name, &self.info.node);
+                    if pinned {
+                        TxnOp::put(key, "", Some(PutOptions::new().with_lease(self.lease)))
+                    } else {
+                        TxnOp::delete(key, None)
+                    }
+                })
+                .collect();
+            let txn = Txn::new()
+                .when([self.alive_cmp()])
+                .and_then(ops)
+                .or_else([TxnOp::get(self.keys.node(&self.info.node), None)]);
+            let r = self.client.clone().txn(txn).await?;
+            if !r.succeeded() {
+                self.check_alive(&r.op_responses())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Every entry some host's clients pin, as (namespace, name, node), read at one revision
+    /// (returned): watch from the next one.
+    pub async fn client_pins(&self) -> Result<(Vec<(String, String, String)>, i64)> {
+        let (keys, revision) = self.keys_under(self.keys.client_pins()).await?;
+        let pins = keys
+            .iter()
+            .map(|k| self.keys.split_client_pin(k))
+            .collect::<Result<_>>()?;
+        Ok((pins, revision))
+    }
+
+    /// The keys under `prefix`, read at one revision (returned).
+    async fn keys_under(&self, prefix: String) -> Result<(Vec<Vec<u8>>, i64)> {
+        let r = self
+            .client
+            .clone()
+            .get(
+                prefix,
+                Some(GetOptions::new().with_prefix().with_keys_only()),
+            )
+            .await?;
+        let revision = r.header().map_or(0, |h| h.revision());
+        Ok((
+            r.kvs().iter().map(|kv| kv.key().to_vec()).collect(),
+            revision,
+        ))
+    }
+
+    /// Streams every client pin recorded or taken back from `revision` on (inclusive).
+    pub async fn watch_client_pins(&self, revision: i64) -> Result<ClientPinWatch> {
+        Ok(ClientPinWatch(
+            self.watch_prefix(self.keys.client_pins(), revision).await?,
+            self.keys.clone(),
+        ))
+    }
+
     /// Reports to host `publisher` the entries of its that this host used since the last
     /// report (the newest last), replacing that report.
     pub async fn report_access(&self, publisher: &str, used: &[(String, String)]) -> Result<()> {
@@ -909,19 +1000,10 @@ impl Member {
 
     /// Every pinned entry, read at one revision (returned): watch from the next one.
     pub async fn pins(&self) -> Result<(Vec<(String, String)>, i64)> {
-        let r = self
-            .client
-            .clone()
-            .get(
-                self.keys.pins(),
-                Some(GetOptions::new().with_prefix().with_keys_only()),
-            )
-            .await?;
-        let revision = r.header().map_or(0, |h| h.revision());
-        let pins = r
-            .kvs()
+        let (keys, revision) = self.keys_under(self.keys.pins()).await?;
+        let pins = keys
             .iter()
-            .map(|kv| Keys::split_name(&self.keys.pins(), kv.key()))
+            .map(|k| Keys::split_name(&self.keys.pins(), k))
             .collect::<Result<_>>()?;
         Ok((pins, revision))
     }
@@ -1162,6 +1244,20 @@ impl PinWatch {
         };
         let (ns, name) = Keys::split_name(&self.0.prefix, &key)?;
         Ok(Some((ns, name, value.is_some())))
+    }
+}
+
+/// Client pins recorded and taken back, from [`Member::watch_client_pins`].
+pub struct ClientPinWatch(PrefixWatch, Keys);
+
+impl ClientPinWatch {
+    /// The next change, as (namespace, name, node, pinned); `None` when the watch ended.
+    pub async fn next(&mut self) -> Result<Option<(String, String, String, bool)>> {
+        let Some((key, value)) = self.0.next().await? else {
+            return Ok(None);
+        };
+        let (ns, name, node) = self.1.split_client_pin(&key)?;
+        Ok(Some((ns, name, node, value.is_some())))
     }
 }
 

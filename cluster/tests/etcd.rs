@@ -8,6 +8,23 @@ use maru_cluster::{EntryEvent, EntryRecord, Error, Member, NodeInfo, Published, 
 
 const POOL: &str = "5f0c1d2e-0000-4000-8000-00000000c1a5";
 
+/// The next `n` changes a watch reports (10 s at most each).
+macro_rules! next_changes {
+    ($watch:expr, $n:expr) => {{
+        let mut seen = Vec::new();
+        for _ in 0..$n {
+            seen.push(
+                tokio::time::timeout(Duration::from_secs(10), $watch.next())
+                    .await
+                    .expect("the watch stalled")
+                    .expect("watch")
+                    .expect("the watch ended"),
+            );
+        }
+        seen
+    }};
+}
+
 async fn member(etcd: &Etcd, node: &str, ttl_s: u64) -> Member {
     Member::join(
         &etcd.endpoints(),
@@ -349,15 +366,7 @@ async fn pins_hold_for_every_host_and_go_with_their_entry() {
     assert!(b.pin("ns", "k", true).await.expect("pin"));
     let removed = a.remove("ns", "k").await.expect("remove");
     assert!(removed.existed);
-    let mut seen = Vec::new();
-    for _ in 0..4 {
-        let ev = tokio::time::timeout(Duration::from_secs(10), watch.next())
-            .await
-            .expect("the watch stalled")
-            .expect("watch")
-            .expect("the watch ended");
-        seen.push(ev.2);
-    }
+    let seen: Vec<bool> = next_changes!(watch, 4).into_iter().map(|e| e.2).collect();
     assert_eq!(
         seen,
         [true, false, true, false],
@@ -381,16 +390,7 @@ async fn quotas_are_one_record_for_every_host() {
         b.quotas().await.expect("quotas").0,
         [("team".to_owned(), 7)]
     );
-    let mut seen = Vec::new();
-    for _ in 0..3 {
-        seen.push(
-            tokio::time::timeout(Duration::from_secs(10), watch.next())
-                .await
-                .expect("the watch stalled")
-                .expect("watch")
-                .expect("the watch ended"),
-        );
-    }
+    let seen = next_changes!(watch, 3);
     assert_eq!(
         seen,
         [
@@ -438,4 +438,54 @@ async fn a_reserved_name_is_no_one_elses_until_published_or_given_back() {
     assert_eq!(b.reserve("ns", "k2").await.expect("reserve"), None);
     b.leave().await.expect("leave");
     assert_eq!(a.reserve("ns", "k2").await.expect("reserve"), None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_pins_are_per_host_and_go_with_its_lease() {
+    let Some(etcd) = Etcd::start() else { return };
+    let a = member(&etcd, "a", 10).await;
+    let b = member(&etcd, "b", 2).await;
+    let c = member(&etcd, "c", 10).await;
+    let (none, revision) = a.client_pins().await.expect("client pins");
+    assert!(none.is_empty());
+    let mut watch = a.watch_client_pins(revision + 1).await.expect("watch");
+    let names = |v: &[(&str, &str)]| -> Vec<(String, String)> {
+        v.iter()
+            .map(|(n, k)| (n.to_string(), k.to_string()))
+            .collect()
+    };
+    b.pin_for_clients(&names(&[("team/ns", "k1"), ("team/ns", "k2")]), true)
+        .await
+        .expect("pin");
+    c.pin_for_clients(&names(&[("team/ns", "k1")]), true)
+        .await
+        .expect("pin");
+    b.pin_for_clients(&names(&[("team/ns", "k2")]), false)
+        .await
+        .expect("unpin");
+    let seen = next_changes!(watch, 4);
+    let ev = |k: &str, n: &str, on: bool| ("team/ns".to_owned(), k.to_owned(), n.to_owned(), on);
+    assert_eq!(
+        seen,
+        [
+            ev("k1", "b", true),
+            ev("k2", "b", true),
+            ev("k1", "c", true),
+            ev("k2", "b", false)
+        ]
+    );
+    let mut all = a.client_pins().await.expect("client pins").0;
+    all.sort();
+    let pin = |k: &str, n: &str| ("team/ns".to_owned(), k.to_owned(), n.to_owned());
+    assert_eq!(all, [pin("k1", "b"), pin("k1", "c")]);
+    // b's pins go with its lease.
+    drop(b);
+    let t = Instant::now();
+    while a.client_pins().await.expect("client pins").0 != [pin("k1", "c")] {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "b's pins outlived it"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }

@@ -595,6 +595,54 @@ fn a_pin_on_one_host_keeps_the_publisher_from_evicting_the_entry() {
 }
 
 #[test]
+fn a_client_pin_on_one_host_keeps_the_publisher_from_evicting_until_it_goes() {
+    require_root!();
+    let Some(mut c) = cluster() else { return };
+    let (ha, hb) = (c.a.handler(), c.b.handler());
+    ha.mkdir("ns", 0o777).expect("mkdir");
+    for i in 0..4 {
+        store(&ha, &format!("ns/k{i}"), &pattern(20 + i, 1 << 20)).expect("store on a");
+    }
+    eventually("b sees a's entries", || hb.exists("ns/k3").unwrap_or(false));
+    let held_on_a = |k: &str| ha.stat(k).ok().flatten().is_some_and(|i| i.held);
+    // Two clients of b hold k1 (the original API's pin counts), a third holds k2.
+    let (b1, b2, b3) = (c.b.handler(), c.b.handler(), c.b.handler());
+    b1.hold("ns/k1").expect("hold");
+    b2.hold("ns/k1").expect("hold");
+    b3.hold("ns/k2").expect("hold");
+    eventually("a learns of b's holds", || {
+        held_on_a("ns/k1") && held_on_a("ns/k2")
+    });
+    // a evicts all it can: not what clients of b hold.
+    ha.evict(POOL_SIZE).expect("evict");
+    eventually("a's evictions reach b", || {
+        !hb.exists("ns/k0").unwrap_or(true)
+    });
+    for k in ["ns/k1", "ns/k2"] {
+        assert!(ha.exists(k).expect("exists") && hb.exists(k).expect("exists"));
+    }
+    assert!(!ha.exists("ns/k3").expect("exists"));
+    // One of k1's two clients lets go: still held. The other goes away (its connection
+    // closes): a may evict k1.
+    b1.unhold("ns/k1").expect("unhold");
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(held_on_a("ns/k1"));
+    drop(b2);
+    eventually("a learns k1 is no longer held", || !held_on_a("ns/k1"));
+    ha.trim();
+    hb.trim();
+    ha.evict(POOL_SIZE).expect("evict");
+    assert!(!ha.exists("ns/k1").expect("exists") && ha.exists("ns/k2").expect("exists"));
+    // b dies: its clients' holds go with its lease.
+    drop(hb);
+    c.b.kill9();
+    eventually("a learns b's holds are gone", || !held_on_a("ns/k2"));
+    ha.evict(POOL_SIZE).expect("evict");
+    assert!(!ha.exists("ns/k2").expect("exists"));
+    drop(b3);
+}
+
+#[test]
 fn reads_on_another_host_keep_an_entry_young_where_it_is_evicted() {
     require_root!();
     let Some(c) = cluster() else { return };

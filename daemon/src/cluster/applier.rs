@@ -2,7 +2,8 @@
 //! pins, quotas, reports of use), and frees this host's removed extents once every host has
 //! let go of them.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -10,7 +11,7 @@ use std::time::Duration;
 use maru_cluster::{EntryEvent, EntryRecord, Listed, Member};
 use tokio::sync::RwLock;
 
-use super::EtcdAuthority;
+use super::{EtcdAuthority, Name};
 use crate::store::Store;
 
 /// What the watch hands the applier thread.
@@ -31,6 +32,11 @@ enum Change {
     Quotas(Vec<(String, u64)>),
     /// A quota set (or cleared).
     Quota(String, Option<u64>),
+    /// Every entry clients pin, as (namespace, name, node), at a revision (after a (re)start
+    /// of the client pins' watch).
+    ClientPins(Vec<(String, String, String)>),
+    /// Clients of a node pinned an entry, or no longer do.
+    ClientPin(String, String, String, bool),
 }
 
 /// Feeds `store` with the entries the other hosts publish and remove: a snapshot, then the
@@ -100,9 +106,11 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
             }
         }
     });
-    auth.rt.spawn(watch_pins(auth.member(), tx2.clone()));
+    auth.rt.spawn(follow::<Pins>(auth.member(), tx2.clone()));
+    auth.rt.spawn(follow::<Quotas>(auth.member(), tx2.clone()));
+    auth.rt
+        .spawn(follow::<ClientPins>(auth.member(), tx2.clone()));
     auth.rt.spawn(watch_uses(auth.member(), tx2.clone()));
-    auth.rt.spawn(watch_quotas(auth.member(), tx2.clone()));
     auth.rt.spawn(tend(Arc::downgrade(&auth), tx2));
     std::thread::Builder::new()
         .name("maru-cluster-apply".into())
@@ -114,46 +122,93 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
     Ok(())
 }
 
-/// Feeds the applier with the pins: all of them, then every change (again from all of them
-/// whenever the watch breaks).
-async fn watch_pins(m: Arc<RwLock<Member>>, tx: tokio::sync::mpsc::UnboundedSender<Change>) {
-    loop {
-        let snap = m.read().await.pins().await;
-        let Ok((all, rev)) = snap else {
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            continue;
-        };
-        if tx.send(Change::Pins(all)).is_err() {
-            return;
-        }
-        let watch = m.read().await.watch_pins(rev + 1).await;
-        if let Ok(mut w) = watch {
-            while let Ok(Some((ns, key, pinned))) = w.next().await {
-                if tx.send(Change::Pin(ns, key, pinned)).is_err() {
-                    return;
-                }
-            }
-        }
-        tokio::time::sleep(Duration::from_secs(1)).await;
+/// A kind of record every host follows: all of them at a revision, then every change.
+trait Followed: Send + 'static {
+    type Watch: Send;
+    /// All of them, as one change, and the revision they were read at.
+    fn all(m: &Member) -> impl Future<Output = maru_cluster::Result<(Change, i64)>> + Send;
+    fn watch(
+        m: &Member,
+        from: i64,
+    ) -> impl Future<Output = maru_cluster::Result<Self::Watch>> + Send;
+    /// The next change; None when the watch ended.
+    fn next(w: &mut Self::Watch) -> impl Future<Output = Option<Change>> + Send;
+}
+
+/// The pins (`pins/`).
+struct Pins;
+
+impl Followed for Pins {
+    type Watch = maru_cluster::PinWatch;
+    async fn all(m: &Member) -> maru_cluster::Result<(Change, i64)> {
+        m.pins().await.map(|(all, rev)| (Change::Pins(all), rev))
+    }
+    async fn watch(m: &Member, from: i64) -> maru_cluster::Result<Self::Watch> {
+        m.watch_pins(from).await
+    }
+    async fn next(w: &mut Self::Watch) -> Option<Change> {
+        let (ns, key, pinned) = w.next().await.ok().flatten()?;
+        Some(Change::Pin(ns, key, pinned))
     }
 }
 
-/// Feeds the applier with the quotas: all of them, then every change (again from all of them
-/// whenever the watch breaks).
-async fn watch_quotas(m: Arc<RwLock<Member>>, tx: tokio::sync::mpsc::UnboundedSender<Change>) {
+/// The quotas (`quotas/`).
+struct Quotas;
+
+impl Followed for Quotas {
+    type Watch = maru_cluster::QuotaWatch;
+    async fn all(m: &Member) -> maru_cluster::Result<(Change, i64)> {
+        m.quotas()
+            .await
+            .map(|(all, rev)| (Change::Quotas(all), rev))
+    }
+    async fn watch(m: &Member, from: i64) -> maru_cluster::Result<Self::Watch> {
+        m.watch_quotas(from).await
+    }
+    async fn next(w: &mut Self::Watch) -> Option<Change> {
+        let (ns, bytes) = w.next().await.ok().flatten()?;
+        Some(Change::Quota(ns, bytes))
+    }
+}
+
+/// The pins of clients of every host (`clientpins/`).
+struct ClientPins;
+
+impl Followed for ClientPins {
+    type Watch = maru_cluster::ClientPinWatch;
+    async fn all(m: &Member) -> maru_cluster::Result<(Change, i64)> {
+        m.client_pins()
+            .await
+            .map(|(all, rev)| (Change::ClientPins(all), rev))
+    }
+    async fn watch(m: &Member, from: i64) -> maru_cluster::Result<Self::Watch> {
+        m.watch_client_pins(from).await
+    }
+    async fn next(w: &mut Self::Watch) -> Option<Change> {
+        let (ns, key, node, pinned) = w.next().await.ok().flatten()?;
+        Some(Change::ClientPin(ns, key, node, pinned))
+    }
+}
+
+/// Feeds the applier with records of kind `F`: all of them, then every change (again from
+/// all of them whenever the watch breaks).
+async fn follow<F: Followed>(
+    m: Arc<RwLock<Member>>,
+    tx: tokio::sync::mpsc::UnboundedSender<Change>,
+) {
     loop {
-        let snap = m.read().await.quotas().await;
+        let snap = F::all(&*m.read().await).await;
         let Ok((all, rev)) = snap else {
             tokio::time::sleep(Duration::from_secs(1)).await;
             continue;
         };
-        if tx.send(Change::Quotas(all)).is_err() {
+        if tx.send(all).is_err() {
             return;
         }
-        let watch = m.read().await.watch_quotas(rev + 1).await;
+        let watch = F::watch(&*m.read().await, rev + 1).await;
         if let Ok(mut w) = watch {
-            while let Ok(Some((ns, bytes))) = w.next().await {
-                if tx.send(Change::Quota(ns, bytes)).is_err() {
+            while let Some(c) = F::next(&mut w).await {
+                if tx.send(c).is_err() {
                     return;
                 }
             }
@@ -325,6 +380,37 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
                 auth.quotas.lock().remove(&ns);
             }
             store.quota_elsewhere(&ns, bytes);
+        }
+        Change::ClientPins(all) => {
+            let mut now: HashMap<Name, HashSet<String>> = HashMap::new();
+            for (ns, key, node) in all {
+                now.entry((ns, key)).or_default().insert(node);
+            }
+            let before = std::mem::replace(&mut *auth.client_pinned.lock(), now.clone());
+            for name in before.keys().filter(|n| !now.contains_key(*n)) {
+                store.client_pin_elsewhere(&name.0, &name.1, false);
+            }
+            for name in now.keys() {
+                store.client_pin_elsewhere(&name.0, &name.1, true);
+            }
+        }
+        Change::ClientPin(ns, key, node, pinned) => {
+            let name = (ns, key);
+            let any = {
+                let mut all = auth.client_pinned.lock();
+                let nodes = all.entry(name.clone()).or_default();
+                if pinned {
+                    nodes.insert(node);
+                } else {
+                    nodes.remove(&node);
+                }
+                let any = !nodes.is_empty();
+                if !any {
+                    all.remove(&name);
+                }
+                any
+            };
+            store.client_pin_elsewhere(&name.0, &name.1, any);
         }
         Change::Pin(ns, key, pinned) => {
             let name = (ns, key);

@@ -79,6 +79,12 @@ pub struct EtcdAuthority {
     reserved: Mutex<HashSet<Name>>,
     /// The entries pinned in the cluster (from etcd's watch).
     pins: Mutex<HashSet<(String, String)>>,
+    /// Other hosts' entries that clients of this host pin (recorded in etcd under its lease).
+    client_pins_here: Mutex<HashSet<Name>>,
+    /// Client pins to record or take back in etcd, in order (`record_client_pins`).
+    client_pin_tx: tokio::sync::mpsc::UnboundedSender<ClientPinUpdate>,
+    /// The entries clients pin, and on which hosts (from etcd's watch).
+    client_pinned: Mutex<HashMap<Name, HashSet<String>>>,
     /// The namespaces with a quota in the cluster (from etcd's watch).
     quotas: Mutex<HashSet<String>>,
     /// Other hosts' entries used here since the last report, by publisher: name -> order.
@@ -111,6 +117,7 @@ impl EtcdAuthority {
             pid: std::process::id(),
         };
         let (eps, pool, ttl) = (s.endpoints.clone(), pool_uuid.to_owned(), s.ttl);
+        let (client_pin_tx, client_pin_rx) = tokio::sync::mpsc::unbounded_channel();
         let member = rt.block_on(async move {
             let deadline = tokio::time::Instant::now() + ttl + Duration::from_secs(3);
             loop {
@@ -143,6 +150,9 @@ impl EtcdAuthority {
             settle_stalled: AtomicBool::new(false),
             reserved: Mutex::new(HashSet::new()),
             pins: Mutex::new(HashSet::new()),
+            client_pins_here: Mutex::new(HashSet::new()),
+            client_pin_tx,
+            client_pinned: Mutex::new(HashMap::new()),
             quotas: Mutex::new(HashSet::new()),
             used: Mutex::new(HashMap::new()),
             uses: AtomicU64::new(0),
@@ -155,6 +165,7 @@ impl EtcdAuthority {
         me.rt.spawn(watch_hosts(Arc::downgrade(&me)));
         me.rt.spawn(acknowledge(Arc::downgrade(&me)));
         me.rt.spawn(watch_acks(Arc::downgrade(&me)));
+        me.rt.spawn(record_client_pins(me.member(), client_pin_rx));
         Ok(me)
     }
 
@@ -382,6 +393,34 @@ async fn acknowledge(me: std::sync::Weak<EtcdAuthority>) {
     }
 }
 
+/// Client pins to record (with whoever waits for the outcome) or take back.
+struct ClientPinUpdate {
+    names: Vec<Name>,
+    pinned: bool,
+    done: Option<tokio::sync::oneshot::Sender<maru_cluster::Result<()>>>,
+}
+
+/// Records client pins in etcd in the order they were taken and given back, so that a pin
+/// taken right after an unpin of the same entry is never undone by it.
+async fn record_client_pins(
+    m: Arc<RwLock<Member>>,
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<ClientPinUpdate>,
+) {
+    while let Some(u) = rx.recv().await {
+        let r = m.read().await.pin_for_clients(&u.names, u.pinned).await;
+        match u.done {
+            Some(done) => {
+                let _ = done.send(r);
+            }
+            None => {
+                if let Err(e) = r {
+                    tracing::warn!("taking back pins of clients here: {e}");
+                }
+            }
+        }
+    }
+}
+
 /// Wakes removals waiting for acknowledgements (`EtcdAuthority::settle`) whenever another
 /// host acknowledges or leaves.
 async fn watch_acks(me: std::sync::Weak<EtcdAuthority>) {
@@ -432,6 +471,10 @@ async fn keep_membership(me: std::sync::Weak<EtcdAuthority>) {
         // the mount writers' reservations taken again where no one took the name meanwhile.
         for h in a.readers.lock().holds.values_mut() {
             h.recorded = false;
+        }
+        let pinned: Vec<Name> = a.client_pins_here.lock().iter().cloned().collect();
+        if let Err(e) = m.pin_for_clients(&pinned, true).await {
+            tracing::warn!("pinning again what clients here pin: {e}");
         }
         let names: Vec<Name> = a.reserved.lock().iter().cloned().collect();
         for (ns, key) in names {
@@ -694,6 +737,46 @@ impl Authority for EtcdAuthority {
             ))),
             Err(e) => Err(unavailable(e)),
         }
+    }
+
+    fn pin_for_clients(&self, names: &[(String, String)]) -> Result<()> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let sent = self.client_pin_tx.send(ClientPinUpdate {
+            names: names.to_vec(),
+            pinned: true,
+            done: Some(tx),
+        });
+        let outcome = match sent {
+            Ok(()) => self.run(rx),
+            Err(_) => return Err(unavailable("the cluster runtime stopped")),
+        };
+        let Ok(outcome) = outcome else {
+            return Err(unavailable("the cluster runtime stopped"));
+        };
+        match outcome {
+            Ok(()) => {
+                self.client_pins_here.lock().extend(names.iter().cloned());
+                Ok(())
+            }
+            Err(maru_cluster::Error::LeaseLost(_)) => Err(Error::Busy(
+                "this host lost its cluster lease; retry once it has rejoined".into(),
+            )),
+            Err(e) => Err(unavailable(e)),
+        }
+    }
+
+    fn unpin_for_clients(&self, names: &[(String, String)]) {
+        {
+            let mut here = self.client_pins_here.lock();
+            for n in names {
+                here.remove(n);
+            }
+        }
+        let _ = self.client_pin_tx.send(ClientPinUpdate {
+            names: names.to_vec(),
+            pinned: false,
+            done: None,
+        });
     }
 
     fn set_quota(&self, ns: &str, bytes: Option<u64>) -> Result<()> {

@@ -89,6 +89,16 @@ pub trait Authority: Send + Sync {
     fn pin(&self, _ns: &str, _key: &str, _pinned: bool, _at: &Placed<'_>) -> Result<()> {
         Ok(())
     }
+    /// Clients of this host took their first pin (the original API's pin counts) on entries
+    /// `names` that another host published: recorded for every host sharing the authority,
+    /// bound to this host's life, so that their publisher does not evict them meanwhile;
+    /// fails, changing nothing, when that cannot be recorded.
+    fn pin_for_clients(&self, _names: &[(String, String)]) -> Result<()> {
+        Ok(())
+    }
+    /// The last pin of clients here on another host's entries `names` went (or the entries
+    /// did): taken back, in the background.
+    fn unpin_for_clients(&self, _names: &[(String, String)]) {}
     /// Sets (or clears) namespace `ns`'s quota for every host sharing the authority; fails,
     /// changing nothing, when that cannot be recorded.
     fn set_quota(&self, _ns: &str, _bytes: Option<u64>) -> Result<()> {

@@ -102,9 +102,12 @@ impl State {
         let evicted = how == Removal::Evicted;
         if e.holds > 0 {
             // Deleting (or evicting, by hand) a held entry is allowed, as for a pinned one;
-            // the holds go with it.
+            // the holds go with it (another host's entry: recorded there too).
             for s in self.sessions.values_mut() {
                 s.holds.remove(&ino);
+            }
+            if e.remote.is_some() {
+                auth.unpin_for_clients(&[(e.ns.clone(), e.key.clone())]);
             }
         }
         if self.gone.len() > GONE {

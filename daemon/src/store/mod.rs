@@ -663,7 +663,10 @@ impl Store {
         if hold {
             self.wait_imminent(&mut st, ns, keys);
         }
-        Self::each_entry(
+        // Other hosts' entries whose first hold here was taken (or last given back): their
+        // publisher, which alone evicts them, must know.
+        let mut firsts: Vec<u64> = Vec::new();
+        let mut out = Self::each_entry(
             &mut st,
             &c,
             ns,
@@ -673,8 +676,38 @@ impl Store {
             } else {
                 |_| Access::Lookup
             },
-            |st, ino| st.hold(session, ino, hold),
-        )
+            |st, ino| {
+                st.hold(session, ino, hold)?;
+                let e = &st.entries[&ino];
+                if e.remote.is_some() && e.holds == u32::from(hold) {
+                    firsts.push(ino);
+                }
+                Ok(())
+            },
+        )?;
+        if firsts.is_empty() {
+            return Ok(out);
+        }
+        let names: Vec<(String, String)> = firsts
+            .iter()
+            .map(|ino| (ns.to_owned(), st.entries[ino].key.clone()))
+            .collect();
+        if !hold {
+            self.authority.unpin_for_clients(&names);
+            return Ok(out);
+        }
+        if let Err(e) = self.authority.pin_for_clients(&names) {
+            // Not recorded for the publisher: these holds are not taken.
+            for (ino, (_, key)) in firsts.into_iter().zip(&names) {
+                let _ = st.hold(session, ino, false);
+                if let Some(i) = keys.iter().position(|k| k == key) {
+                    out[i] = Err(Error::Busy(format!(
+                        "{ns}/{key}: pinning another host's entry: {e}"
+                    )));
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// A read-only descriptor of a namespace's index (it reveals the names: listing rights).

@@ -118,6 +118,19 @@ impl Store {
         }
     }
 
+    /// Marks this host's entry `ns/key` as pinned (or no longer) by clients of other hosts:
+    /// it is not evicted while it is.
+    pub fn client_pin_elsewhere(&self, ns: &str, key: &str, pinned: bool) {
+        let mut st = self.st.lock();
+        let Some(ino) = st.ns.get(ns).ok().and_then(|n| n.entries.get(key).copied()) else {
+            return;
+        };
+        if let Some(e) = st.entries.get_mut(&ino) {
+            e.pinned_elsewhere = pinned;
+            st.index_flags(ino);
+        }
+    }
+
     /// Makes this host's entries that other hosts used (their batched reports, oldest use
     /// first) the most recently used here, where they are evicted.
     pub fn used_elsewhere(&self, used: &[(String, String)]) {

@@ -39,8 +39,13 @@ impl Store {
         for (ino, n) in s.leases {
             st.unlease(&*self.authority, ino, n);
         }
-        for (ino, n) in s.holds {
-            st.unhold(ino, n);
+        let unpinned: Vec<(String, String)> = s
+            .holds
+            .into_iter()
+            .filter_map(|(ino, n)| st.unhold(ino, n))
+            .collect();
+        if !unpinned.is_empty() {
+            self.authority.unpin_for_clients(&unpinned);
         }
         for p in &mut st.pools {
             p.pool.detach(id);
@@ -111,13 +116,16 @@ impl State {
         Ok(())
     }
 
-    /// Gives back `n` holds on entry `ino` (gone entries took their holds with them).
-    pub fn unhold(&mut self, ino: u64, n: u32) {
-        if let Some(e) = self.entries.get_mut(&ino) {
-            e.holds = e.holds.saturating_sub(n);
-            if e.holds == 0 {
-                self.index_flags(ino);
-            }
+    /// Gives back `n` holds on entry `ino` (gone entries took their holds with them). The
+    /// entry's name when it is another host's and its last hold here went.
+    pub fn unhold(&mut self, ino: u64, n: u32) -> Option<(String, String)> {
+        let e = self.entries.get_mut(&ino)?;
+        e.holds = e.holds.saturating_sub(n);
+        if e.holds > 0 {
+            return None;
         }
+        let name = e.remote.map(|_| (e.ns.clone(), e.key.clone()));
+        self.index_flags(ino);
+        name
     }
 }

@@ -50,6 +50,8 @@ pub struct Entry {
     /// authority created it (its identity there). Its extent is not this host's to free, and
     /// this host never evicts it.
     pub remote: Option<i64>,
+    /// Clients of other hosts pin this host's entry (cluster mode): not evicted while they do.
+    pub pinned_elsewhere: bool,
     /// Another host's entry not read here yet: on a pool without coherence across hosts, its
     /// stale cache lines are dropped before the first read ([`State::ready_remote`]).
     pub cold: bool,
@@ -91,6 +93,7 @@ impl Entry {
             perm,
             mtime: SystemTime::now(),
             remote: None,
+            pinned_elsewhere: false,
             cold: false,
         }
     }
@@ -141,15 +144,20 @@ impl Entry {
         if self.pinned {
             f |= FLAG_PINNED;
         }
-        if self.holds > 0 {
+        if self.holds > 0 || self.pinned_elsewhere {
             f |= FLAG_HELD;
         }
         f
     }
 
-    /// Whether eviction must pass it by: pinned, held, leased, or another host's.
+    /// Whether eviction must pass it by: pinned, held (here or on other hosts), leased, or
+    /// another host's.
     pub fn protected(&self) -> bool {
-        self.pinned || self.holds > 0 || self.leases > 0 || self.remote.is_some()
+        self.pinned
+            || self.holds > 0
+            || self.pinned_elsewhere
+            || self.leases > 0
+            || self.remote.is_some()
     }
 
     /// Where it is, for a client.

@@ -159,7 +159,7 @@ pub struct EntryInfo {
     pub offset: u64,
     /// Pinned against eviction.
     pub pinned: bool,
-    /// Held by some connection ([`Handler::hold`]).
+    /// Held by some connection ([`Handler::hold`]; in cluster mode, of any host).
     pub held: bool,
 }
 
