@@ -178,7 +178,8 @@ pub fn render(s: &Stats) -> String {
             "gauge",
             "Live hosts of the cluster.",
         );
-        let _ = writeln!(o, "maru_cluster_hosts {}", c.hosts.len());
+        let live = c.hosts.iter().filter(|h| !h.gone).count();
+        let _ = writeln!(o, "maru_cluster_hosts {live}");
         head(
             &mut o,
             "maru_cluster_entries",
@@ -208,7 +209,7 @@ pub fn render(s: &Stats) -> String {
             "gauge",
             "Bytes of the shared pool each host has claimed.",
         );
-        for h in &c.hosts {
+        for h in c.hosts.iter().filter(|h| !h.gone) {
             let _ = writeln!(
                 o,
                 "maru_cluster_claimed_bytes{{node=\"{}\"}} {}",
@@ -220,7 +221,7 @@ pub fn render(s: &Stats) -> String {
             &mut o,
             "maru_cluster_host_entries",
             "gauge",
-            "Entries each live host published that this host serves.",
+            "Entries each host published that this host serves (gone hosts' too).",
         );
         for h in &c.hosts {
             let _ = writeln!(
@@ -311,15 +312,24 @@ mod tests {
             node: "b".into(),
             live: true,
             endpoints: vec!["http://127.0.0.1:2379".into()],
-            hosts: vec![maru::proto::HostInfo {
-                node: "a\"x".into(),
-                address: "h".into(),
-                pid: 1,
-                claimed: 4 << 20,
-                entries: 5,
-            }],
+            hosts: vec![
+                maru::proto::HostInfo {
+                    node: "a\"x".into(),
+                    address: "h".into(),
+                    pid: 1,
+                    claimed: 4 << 20,
+                    entries: 5,
+                    gone: false,
+                },
+                maru::proto::HostInfo {
+                    node: "c".into(),
+                    entries: 2,
+                    gone: true,
+                    ..Default::default()
+                },
+            ],
             entries_here: 3,
-            entries_elsewhere: 5,
+            entries_elsewhere: 7,
             uses_reported: 9,
         }));
         let text = render(&s);
@@ -327,12 +337,17 @@ mod tests {
             "maru_cluster_live 1",
             "maru_cluster_hosts 1",
             "maru_cluster_entries{origin=\"here\"} 3",
-            "maru_cluster_entries{origin=\"elsewhere\"} 5",
+            "maru_cluster_entries{origin=\"elsewhere\"} 7",
             "maru_cluster_uses_reported_total 9",
             "maru_cluster_claimed_bytes{node=\"a\\\"x\"} 4194304",
             "maru_cluster_host_entries{node=\"a\\\"x\"} 5",
+            "maru_cluster_host_entries{node=\"c\"} 2",
         ] {
             assert!(text.lines().any(|l| l == line), "{line} missing:\n{text}");
         }
+        assert!(
+            !text.contains("maru_cluster_claimed_bytes{node=\"c\"}"),
+            "{text}"
+        );
     }
 }

@@ -416,6 +416,10 @@ pub struct HostInfo {
     /// Entries it published that this host serves.
     #[serde(default)]
     pub entries: u64,
+    /// Not a live host any more (its lease is gone): listed for the entries it published,
+    /// which stay.
+    #[serde(default)]
+    pub gone: bool,
 }
 
 /// The body of a successful response.

@@ -200,13 +200,22 @@ pub fn status(h: &maru::Handler) -> R {
             c.entries_elsewhere
         ));
         for host in &c.hosts {
+            let (address, pid) = if host.gone {
+                ("(gone)".to_owned(), "-".to_owned())
+            } else {
+                (host.address.clone(), host.pid.to_string())
+            };
             text.push_str(&format!(
                 "  host {:<16} {:<24} pid {:<8} claims {:>10}  entries {}\n",
                 host.node,
-                host.address,
-                host.pid,
+                address,
+                pid,
                 format_size(host.claimed),
-                host.entries
+                if host.node == c.node {
+                    c.entries_here
+                } else {
+                    host.entries
+                }
             ));
         }
     }

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use maru::proto::{LATENCY_BUCKETS_US, Stats};
+use maru::proto::{ClusterInfo, LATENCY_BUCKETS_US, Stats};
 use maru::size::format_size;
 use ratatui::Frame;
 use ratatui::layout::{Constraint, Layout, Rect};
@@ -184,6 +184,70 @@ fn draw_pools(f: &mut Frame, area: Rect, m: &Model) {
     }
 }
 
+/// Rows the pools view takes: a gauge per pool, and in cluster mode a line per host.
+fn pools_height(m: &Model) -> u16 {
+    let hosts = m
+        .cur
+        .cluster
+        .as_ref()
+        .map_or(0, |c| c.hosts.len() as u16 + 3);
+    (m.cur.pools.len() as u16) * 3 + 2 + hosts
+}
+
+/// The pools, and in cluster mode the hosts below them.
+fn draw_pools_and_hosts(f: &mut Frame, area: Rect, m: &Model) {
+    let Some(c) = m.cur.cluster.as_deref() else {
+        return draw_pools(f, area, m);
+    };
+    let [a, b] = Layout::vertical([
+        Constraint::Fill(1),
+        Constraint::Length(c.hosts.len() as u16 + 3),
+    ])
+    .areas(area);
+    draw_pools(f, a, m);
+    draw_hosts(f, b, c);
+}
+
+/// The cluster's hosts (live, then gone ones whose entries stay): what each claimed of the
+/// shared pool and how many of its entries this host serves (its own, for this host).
+fn draw_hosts(f: &mut Frame, area: Rect, c: &ClusterInfo) {
+    let header = Row::new(["node", "host", "pid", "claimed", "entries"])
+        .style(Style::default().add_modifier(Modifier::BOLD));
+    let rows = c.hosts.iter().map(|h| {
+        let here = h.node == c.node;
+        let (address, pid) = if h.gone {
+            ("(gone)".to_owned(), "-".to_owned())
+        } else {
+            (h.address.clone(), h.pid.to_string())
+        };
+        Row::new(vec![
+            format!("{}{}", h.node, if here { " (this host)" } else { "" }),
+            address,
+            pid,
+            format_size(h.claimed),
+            if here { c.entries_here } else { h.entries }.to_string(),
+        ])
+    });
+    let t = Table::new(
+        rows,
+        [
+            Constraint::Fill(2),
+            Constraint::Fill(2),
+            Constraint::Length(8),
+            Constraint::Length(10),
+            Constraint::Length(8),
+        ],
+    )
+    .header(header)
+    .block(Block::default().borders(Borders::ALL).title(format!(
+        " cluster · node {} · {} · etcd {} ",
+        c.node,
+        if c.live { "lease held" } else { "lease lost" },
+        c.endpoints.join(",")
+    )));
+    f.render_widget(t, area);
+}
+
 fn draw_usage(f: &mut Frame, area: Rect, m: &Model) {
     let [a, b] =
         Layout::vertical([Constraint::Percentage(50), Constraint::Percentage(50)]).areas(area);
@@ -315,18 +379,17 @@ pub fn draw(f: &mut Frame, view: View, m: &Model) {
     .style(Style::default().add_modifier(Modifier::REVERSED));
     f.render_widget(Paragraph::new(title), top);
     match view {
-        View::Pool => draw_pools(f, body, m),
+        View::Pool => draw_pools_and_hosts(f, body, m),
         View::Usage => draw_usage(f, body, m),
         View::Stats => draw_stats(f, body, m),
         View::All => {
-            let pools = (m.cur.pools.len() as u16) * 3 + 2;
             let [a, b, c] = Layout::vertical([
-                Constraint::Length(pools),
+                Constraint::Length(pools_height(m)),
                 Constraint::Fill(1),
                 Constraint::Fill(1),
             ])
             .areas(body);
-            draw_pools(f, a, m);
+            draw_pools_and_hosts(f, a, m);
             draw_usage(f, b, m);
             draw_stats(f, c, m);
         }
@@ -503,6 +566,56 @@ mod tests {
             line.contains("node host-b (lease lost) · 2 hosts · 42 entries from other hosts"),
             "{line}"
         );
+    }
+
+    #[test]
+    fn the_pools_view_lists_the_hosts() {
+        let host = |node: &str, claimed: u64, entries: u64| maru::proto::HostInfo {
+            node: node.into(),
+            address: format!("{node}.lan"),
+            pid: 7,
+            claimed,
+            entries,
+            gone: false,
+        };
+        let mut s = stats(100);
+        s.cluster = Some(Box::new(maru::proto::ClusterInfo {
+            node: "host-b".into(),
+            live: true,
+            endpoints: vec!["http://10.0.0.1:2379".into()],
+            hosts: vec![
+                host("host-a", 64 << 20, 12),
+                host("host-b", 8 << 20, 0),
+                maru::proto::HostInfo {
+                    gone: true,
+                    ..host("host-c", 0, 3)
+                },
+            ],
+            entries_here: 5,
+            entries_elsewhere: 12,
+            ..Default::default()
+        }));
+        let m = Model::new(s);
+        for view in [View::Pool, View::All] {
+            let mut t = Terminal::new(TestBackend::new(120, 40)).unwrap();
+            t.draw(|f| draw(f, view, &m)).unwrap();
+            let screen: Vec<String> = (0..40)
+                .map(|y| {
+                    (0..120)
+                        .map(|x| t.backend().buffer()[(x, y)].symbol().to_owned())
+                        .collect()
+                })
+                .collect();
+            let find = |what: &str| screen.iter().find(|l| l.contains(what)).cloned();
+            let title = find("cluster · node host-b · lease held · etcd http://10.0.0.1:2379");
+            assert!(title.is_some(), "{view:?}: {screen:#?}");
+            let a = find("host-a.lan").expect("host-a's line");
+            assert!(a.contains("64.0 MiB") && a.contains(" 12 "), "{a}");
+            let b = find("host-b (this host)").expect("this host's line");
+            assert!(b.contains("8.0 MiB") && b.contains(" 5 "), "{b}");
+            let c = find("host-c").expect("the gone host's line");
+            assert!(c.contains("(gone)") && c.contains(" 3 "), "{c}");
+        }
     }
 
     #[test]

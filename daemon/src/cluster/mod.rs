@@ -515,6 +515,7 @@ async fn watch_hosts(me: std::sync::Weak<EtcdAuthority>) {
                     node: n.node,
                     address: n.address,
                     pid: n.pid,
+                    gone: false,
                 })
                 .collect();
             hosts.sort_by(|x, y| x.node.cmp(&y.node));
@@ -902,8 +903,20 @@ impl Authority for EtcdAuthority {
                 }
                 let mut hosts = self.hosts.lock().clone();
                 for h in &mut hosts {
-                    h.entries = by_node.get(h.node.as_str()).copied().unwrap_or(0);
+                    h.entries = by_node.remove(h.node.as_str()).unwrap_or(0);
                 }
+                // Publishers that are gone: their entries stay, under their name.
+                let mut gone: Vec<maru::proto::HostInfo> = by_node
+                    .into_iter()
+                    .map(|(node, entries)| maru::proto::HostInfo {
+                        node: node.to_owned(),
+                        entries,
+                        gone: true,
+                        ..Default::default()
+                    })
+                    .collect();
+                gone.sort_by(|x, y| x.node.cmp(&y.node));
+                hosts.extend(gone);
                 hosts
             },
             ..Default::default()
