@@ -338,7 +338,9 @@ fn a_host_killed_mid_store_loses_its_unsealed_work_and_rejoins_seeing_everything
     // b lists a as gone, with the entries it left.
     eventually("b shows a gone", || {
         let c = hb.stats().expect("stats").cluster.expect("cluster");
-        c.hosts.iter().any(|h| h.node == "a" && h.gone && h.entries == 5)
+        c.hosts
+            .iter()
+            .any(|h| h.node == "a" && h.gone && h.entries == 5)
             && c.hosts.iter().all(|h| h.node != "a" || h.gone)
     });
     let mut filled = 0u64;
