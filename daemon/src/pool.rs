@@ -195,8 +195,10 @@ pub struct MemfsPool {
     pub capacity: u64,
     /// Whether this daemon mounted it (vs reused one left by an earlier run).
     pub mounted_here: bool,
-    /// Namespace directories known to exist in this pool.
-    ns_dirs: parking_lot::Mutex<std::collections::HashSet<String>>,
+    /// `w`: where files being written are created, nameless (`O_TMPFILE`) until published.
+    writing_dir: File,
+    /// Namespace directories known to exist in this pool, open (publication links into them).
+    ns_dirs: parking_lot::Mutex<std::collections::HashMap<String, std::sync::Arc<File>>>,
     /// The crash-injection seam (tests): decides whether each metadata step reaches the tmpfs.
     gate: parking_lot::RwLock<Option<MetaGate>>,
 }
@@ -237,7 +239,7 @@ pub enum MetaStep {
         /// Key.
         key: String,
     },
-    /// A writing file is removed.
+    /// A writing file is given up (nameless: the tmpfs frees it with its last reference).
     Abort {
         /// Allocation id.
         id: u64,
@@ -336,11 +338,13 @@ impl MemfsPool {
             }
         }
         let capacity = statvfs(&root)?.0;
+        let writing_dir = open_dir(&root.join("w"))?;
         Ok(MemfsPool {
             root,
             capacity,
             mounted_here,
-            ns_dirs: parking_lot::Mutex::new(std::collections::HashSet::new()),
+            writing_dir,
+            ns_dirs: parking_lot::Mutex::new(std::collections::HashMap::new()),
             gate: parking_lot::RwLock::new(None),
         })
     }
@@ -355,32 +359,28 @@ impl MemfsPool {
         self.gate.read().as_ref().is_none_or(|g| g(&step))
     }
 
-    /// Path of a writing file.
-    pub fn writing_path(&self, id: u64) -> PathBuf {
-        self.root.join("w").join(id.to_string())
-    }
-
     /// Path of a sealed entry.
     pub fn entry_path(&self, ns: &str, key: &str) -> PathBuf {
         self.root.join("n").join(ns).join(key)
     }
 
     /// Creates a writing file of `size` bytes (space reserved with fallocate), with the
-    /// permission bits it will have once sealed (the descriptor returned stays writable).
-    pub fn create_writing(&self, id: u64, size: u64, mode: u32) -> Result<File, Error> {
-        let f = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(mode)
-            .custom_flags(libc::O_CLOEXEC)
-            .open(self.writing_path(id))?;
+    /// permission bits it will have once sealed (the descriptor returned stays writable). The
+    /// file has no name until [`MemfsPool::publish`] links it: one given up, or left by a
+    /// crash, is freed by the tmpfs with its last descriptor or mapping, with nothing to clean.
+    pub fn create_writing(&self, size: u64, mode: u32) -> Result<File, Error> {
+        use nix::fcntl::OFlag;
+        let fd = nix::fcntl::openat(
+            &self.writing_dir,
+            ".",
+            OFlag::O_TMPFILE | OFlag::O_RDWR | OFlag::O_CLOEXEC,
+            nix::sys::stat::Mode::from_bits_truncate(mode),
+        )
+        .map_err(|e| Error::Io(e.into()))?;
+        let f = File::from(fd);
         if size > 0
             && let Err(e) = fallocate(&f, size)
         {
-            // The file is useless without its space; a failed removal leaves a writing file
-            // that the next start's scan deletes.
-            let _ = std::fs::remove_file(self.writing_path(id));
             return Err(if e == nix::errno::Errno::ENOSPC {
                 Error::NoSpace(format!("memfs pool {} is full", self.root.display()))
             } else {
@@ -390,23 +390,25 @@ impl MemfsPool {
         Ok(f)
     }
 
-    /// Makes sure the namespace directory exists in this pool.
-    pub fn ensure_ns(&self, ns: &str) -> io::Result<()> {
-        if self.ns_dirs.lock().contains(ns) {
-            return Ok(());
+    /// Makes sure the namespace directory exists in this pool; returns it, open (None when
+    /// the crash-injection seam stopped its creation).
+    pub fn ensure_ns(&self, ns: &str) -> io::Result<Option<std::sync::Arc<File>>> {
+        if let Some(d) = self.ns_dirs.lock().get(ns) {
+            return Ok(Some(d.clone()));
         }
         let p = self.root.join("n").join(ns);
         if !p.is_dir() {
             if !self.pass(MetaStep::Mkdir { ns: ns.to_owned() }) {
-                return Ok(());
+                return Ok(None);
             }
             std::fs::DirBuilder::new()
                 .recursive(true)
                 .mode(0o700)
                 .create(&p)?;
         }
-        self.ns_dirs.lock().insert(ns.to_owned());
-        Ok(())
+        let d = std::sync::Arc::new(open_dir(&p)?);
+        self.ns_dirs.lock().insert(ns.to_owned(), d.clone());
+        Ok(Some(d))
     }
 
     /// Removes an (empty) namespace directory from this pool.
@@ -419,18 +421,19 @@ impl MemfsPool {
         }
     }
 
-    /// Publishes writing file `id` as `ns/key`; fails if the name is taken.
-    pub fn publish(&self, id: u64, ns: &str, key: &str) -> Result<(), Error> {
-        self.ensure_ns(ns)?;
+    /// Publishes writing file `file` (allocation `id`) as `ns/key`: links it into its
+    /// namespace's directory; fails if the name is taken.
+    pub fn publish(&self, id: u64, file: &File, ns: &str, key: &str) -> Result<(), Error> {
+        let dir = self.ensure_ns(ns)?;
         let step = MetaStep::Publish {
             id,
             ns: ns.to_owned(),
             key: key.to_owned(),
         };
-        if !self.pass(step) {
+        let Some(dir) = dir.filter(|_| self.pass(step)) else {
             return Ok(());
-        }
-        rename_noreplace(&self.writing_path(id), &self.entry_path(ns, key)).map_err(|e| {
+        };
+        link_nameless(file, &dir, key).map_err(|e| {
             if e.raw_os_error() == Some(libc::EEXIST) {
                 Error::Exists(format!("{ns}/{key}"))
             } else {
@@ -477,13 +480,8 @@ impl MemfsPool {
 
     /// Removes a writing file.
     pub fn abort(&self, id: u64) {
-        if !self.pass(MetaStep::Abort { id }) {
-            return;
-        }
-        // A writing file left behind is deleted by the next start's scan.
-        if let Err(e) = std::fs::remove_file(self.writing_path(id)) {
-            tracing::warn!(id, "removing an abandoned allocation's file: {e}");
-        }
+        // Nameless: nothing to remove; the tmpfs frees it with its last reference.
+        self.pass(MetaStep::Abort { id });
     }
 
     /// Records the pin state on the backing file.
@@ -504,7 +502,8 @@ impl MemfsPool {
         statvfs(&self.root)
     }
 
-    /// Deletes leftover writing files and lists sealed entries and namespace dirs.
+    /// Deletes leftover writing files (named ones, from versions before writing files were
+    /// nameless) and lists sealed entries and namespace dirs.
     pub fn scan(&self) -> io::Result<(Vec<String>, Vec<FoundEntry>)> {
         for e in std::fs::read_dir(self.root.join("w"))? {
             let e = e?;
@@ -610,6 +609,37 @@ fn mount_tmpfs(dir: &Path, opts: &str, remount: bool) -> io::Result<()> {
     }
     nix::mount::mount(Some("maru"), dir, Some("tmpfs"), flags, Some(opts))?;
     Ok(())
+}
+
+/// Opens directory `p` (for `*at` calls relative to it).
+fn open_dir(p: &Path) -> io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
+        .open(p)
+}
+
+/// Gives nameless (`O_TMPFILE`) file `file` the name `name` in `dir`; fails with `EEXIST` if
+/// the name is taken. `AT_EMPTY_PATH` needs `CAP_DAC_READ_SEARCH`; without it, the file is
+/// linked through its `/proc/self/fd` path.
+fn link_nameless(file: &File, dir: &File, name: &str) -> io::Result<()> {
+    use nix::fcntl::AtFlags;
+    use nix::unistd::linkat;
+    match linkat(file, "", dir, name, AtFlags::AT_EMPTY_PATH) {
+        Err(nix::errno::Errno::ENOENT | nix::errno::Errno::EPERM) => {
+            use std::os::fd::AsRawFd;
+            let proc = format!("/proc/self/fd/{}", file.as_raw_fd());
+            linkat(
+                nix::fcntl::AT_FDCWD,
+                proc.as_str(),
+                dir,
+                name,
+                AtFlags::AT_SYMLINK_FOLLOW,
+            )?;
+            Ok(())
+        }
+        r => Ok(r?),
+    }
 }
 
 fn rename_noreplace(from: &Path, to: &Path) -> io::Result<()> {

@@ -43,12 +43,13 @@ class PrivateMarud:
     """A marud serving a private pool at a private mount.
 
     The pool is a tmpfs (``pool_kind="memfs"``) or a raw pool in a file (``pool_kind="file"``,
-    the stand-in for a CXL device).
+    the stand-in for a CXL device: in memory, a directory of its own in ``/dev/shm`` where the
+    host has one, as a device's pages are not a disk's page cache).
 
     Attributes:
-        root: the temporary directory holding everything.
+        root: the temporary directory holding everything (but a file pool's file).
         mount: the FUSE mount (``root/mnt``).
-        pool: the pool's tmpfs (``root/pool``) or file (``root/pool.img``).
+        pool: the pool's tmpfs (``root/pool``) or file (``pool.img``).
         socket: the control socket.
         log: marud's log file.
         proc: the daemon process (only this object signals it).
@@ -70,7 +71,10 @@ class PrivateMarud:
         self.pool_kind = pool_kind
         self.root = Path(root) if root is not None else Path(tempfile.mkdtemp(prefix="maru-"))
         self.mount = self.root / "mnt"
-        self.pool = self.root / ("pool" if pool_kind == "memfs" else "pool.img")
+        self._pool_dir: Optional[Path] = None
+        if pool_kind == "file" and Path("/dev/shm").is_dir():
+            self._pool_dir = Path(tempfile.mkdtemp(prefix="maru-pool-", dir="/dev/shm"))
+        self.pool = (self._pool_dir or self.root) / ("pool" if pool_kind == "memfs" else "pool.img")
         self.socket = self.root / "marud.sock"
         self.state = self.root / "state"
         self.pid_file = self.root / "pid"
@@ -130,6 +134,8 @@ class PrivateMarud:
             if is_mounted(path):
                 subprocess.run(["umount", "-l", str(path)], check=False)
         shutil.rmtree(self.root, ignore_errors=True)
+        if self._pool_dir is not None:
+            shutil.rmtree(self._pool_dir, ignore_errors=True)
 
     def config(self, namespace: str, **kw: Any) -> MaruConfig:
         """A :class:`MaruConfig` for a namespace of this daemon (its socket and mount)."""

@@ -264,6 +264,12 @@ os._exit(0)
     let d = Daemon::start(Opts::default());
     std::fs::create_dir(d.path("m")).unwrap();
     let h = d.handler();
+    let free = || {
+        nix::sys::statvfs::statvfs(d.pool_dir())
+            .map(|s| s.blocks_free())
+            .unwrap()
+    };
+    let before = free();
     let mut rng = rand::thread_rng();
     for round in 0..kills() {
         let p = d.path(&format!("m/k{round}"));
@@ -287,12 +293,13 @@ os._exit(0)
         );
         assert!(std::fs::metadata(&p).is_err());
     }
-    // Nothing of them is left in the pool.
+    // Nothing of them is left in the pool: no file, and all their space back.
     let t = std::time::Instant::now();
-    while std::fs::read_dir(d.pool_dir().join("w")).unwrap().count() > 0 {
+    while std::fs::read_dir(d.pool_dir().join("w")).unwrap().count() > 0 || free() != before {
         assert!(
             t.elapsed() < Duration::from_secs(5),
-            "abandoned files left in the pool"
+            "abandoned files left in the pool ({} blocks free, {before} before)",
+            free()
         );
         std::thread::sleep(Duration::from_millis(20));
     }

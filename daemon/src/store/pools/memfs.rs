@@ -1,5 +1,5 @@
-//! A memfs pool: each entry its own file of a memory filesystem (`w/<id>` while written,
-//! `n/<ns>/<key>` once sealed); the tree is the metadata.
+//! A memfs pool: each entry its own file of a memory filesystem (nameless in `w/` while
+//! written, `n/<ns>/<key>` once sealed); the tree is the metadata.
 
 use std::fs::File;
 use std::os::unix::fs::{FileExt, MetadataExt};
@@ -46,8 +46,8 @@ impl Pool for Memfs {
         false
     }
 
-    fn grant(&mut self, id: u64, size: u64, _session: Option<u64>) -> Result<Backing> {
-        let f = self.0.create_writing(id, size, GRANT_MODE)?;
+    fn grant(&mut self, _id: u64, size: u64, _session: Option<u64>) -> Result<Backing> {
+        let f = self.0.create_writing(size, GRANT_MODE)?;
         Ok(Backing::File {
             file: Arc::new(f),
             span: size,
@@ -55,8 +55,8 @@ impl Pool for Memfs {
         })
     }
 
-    fn create(&mut self, id: u64) -> Result<Backing> {
-        let f = self.0.create_writing(id, 0, CREATE_MODE)?;
+    fn create(&mut self, _id: u64) -> Result<Backing> {
+        let f = self.0.create_writing(0, CREATE_MODE)?;
         Ok(Backing::File {
             file: Arc::new(f),
             span: 0,
@@ -101,7 +101,7 @@ impl Pool for Memfs {
             fchmod(&**file, Mode::from_bits_truncate(e.mode)).map_err(errno)?;
             *mode = e.mode;
         }
-        self.0.publish(id, e.ns, e.key)?;
+        self.0.publish(id, file, e.ns, e.key)?;
         Ok(0)
     }
 
@@ -151,7 +151,8 @@ impl Pool for Memfs {
     }
 
     fn ensure_ns(&mut self, ns: &str) -> Result<()> {
-        Ok(self.0.ensure_ns(ns)?)
+        self.0.ensure_ns(ns)?;
+        Ok(())
     }
 
     fn remove_ns(&mut self, ns: &str) {
