@@ -67,7 +67,8 @@ pub struct EtcdAuthority {
     applied: AtomicI64,
     /// Wakes the acknowledger.
     ack_kick: Arc<tokio::sync::Notify>,
-    /// Bumped at every change to the other hosts' acknowledgements (etcd's watch).
+    /// Bumped at every change to the other hosts' acknowledgements (etcd's watch), and at each
+    /// removal of this host's: what waits for removals to settle looks again.
     acks_seen: tokio::sync::watch::Sender<u64>,
     /// Extents (offsets) this host removed, with the removal's revision: freed once every
     /// other live host acknowledged that revision and none holds the extent.
@@ -649,8 +650,10 @@ impl Authority for EtcdAuthority {
         self.local.release(ns, key, id);
         if own {
             // Freed once every other live host acknowledged the removal and none holds it
-            // (`settle`, or in the background).
+            // (`settle`, or in the background, which looks at once: with no other live host
+            // that is all it takes).
             self.held.lock().insert(at.offset, removed.revision);
+            self.acks_seen.send_modify(|n| *n += 1);
         }
         Ok(own)
     }
