@@ -402,6 +402,28 @@ pub struct ClusterInfo {
     pub uses_reported: u64,
 }
 
+impl ClusterInfo {
+    /// How many of host `h`'s entries this host serves (its own, for this host).
+    pub fn entries_of(&self, h: &HostInfo) -> u64 {
+        if h.node == self.node {
+            self.entries_here
+        } else {
+            h.entries
+        }
+    }
+}
+
+impl HostInfo {
+    /// Its host name and marud's pid, as shown: `(gone)` and `-` for a host that is gone.
+    pub fn shown_address_pid(&self) -> (String, String) {
+        if self.gone {
+            ("(gone)".to_owned(), "-".to_owned())
+        } else {
+            (self.address.clone(), self.pid.to_string())
+        }
+    }
+}
+
 /// A host of a cluster.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct HostInfo {

@@ -200,22 +200,14 @@ pub fn status(h: &maru::Handler) -> R {
             c.entries_elsewhere
         ));
         for host in &c.hosts {
-            let (address, pid) = if host.gone {
-                ("(gone)".to_owned(), "-".to_owned())
-            } else {
-                (host.address.clone(), host.pid.to_string())
-            };
+            let (address, pid) = host.shown_address_pid();
             text.push_str(&format!(
                 "  host {:<16} {:<24} pid {:<8} claims {:>10}  entries {}\n",
                 host.node,
                 address,
                 pid,
                 format_size(host.claimed),
-                if host.node == c.node {
-                    c.entries_here
-                } else {
-                    host.entries
-                }
+                c.entries_of(host)
             ));
         }
     }

@@ -214,18 +214,17 @@ fn draw_hosts(f: &mut Frame, area: Rect, c: &ClusterInfo) {
     let header = Row::new(["node", "host", "pid", "claimed", "entries"])
         .style(Style::default().add_modifier(Modifier::BOLD));
     let rows = c.hosts.iter().map(|h| {
-        let here = h.node == c.node;
-        let (address, pid) = if h.gone {
-            ("(gone)".to_owned(), "-".to_owned())
-        } else {
-            (h.address.clone(), h.pid.to_string())
-        };
+        let (address, pid) = h.shown_address_pid();
         Row::new(vec![
-            format!("{}{}", h.node, if here { " (this host)" } else { "" }),
+            format!(
+                "{}{}",
+                h.node,
+                if h.node == c.node { " (this host)" } else { "" }
+            ),
             address,
             pid,
             format_size(h.claimed),
-            if here { c.entries_here } else { h.entries }.to_string(),
+            c.entries_of(h).to_string(),
         ])
     });
     let t = Table::new(

@@ -545,10 +545,7 @@ impl Authority for EtcdAuthority {
                 return Ok(());
             }
             Ok(Some(taken)) => taken_error(ns, key, &taken),
-            Err(maru_cluster::Error::LeaseLost(_)) => {
-                Error::Busy("this host lost its cluster lease; retry once it has rejoined".into())
-            }
-            Err(e) => unavailable(e),
+            Err(e) => cluster_error(e),
         };
         self.local.release(ns, key, id);
         Err(e)
@@ -591,9 +588,7 @@ impl Authority for EtcdAuthority {
                 return Ok(());
             }
             Ok(taken) => taken_error(ns, key, &taken),
-            Err(maru_cluster::Error::LeaseLost(_)) => {
-                Error::Busy("this host lost its cluster lease; retry once it has rejoined".into())
-            }
+            Err(e @ maru_cluster::Error::LeaseLost(_)) => cluster_error(e),
             // Written into a region another host took while this one was cut off: those
             // bytes are not this host's to publish.
             Err(e @ maru_cluster::Error::NotClaimed { .. }) => Error::Busy(e.to_string()),
@@ -762,10 +757,7 @@ impl Authority for EtcdAuthority {
                 self.client_pins_here.lock().extend(names.iter().cloned());
                 Ok(())
             }
-            Err(maru_cluster::Error::LeaseLost(_)) => Err(Error::Busy(
-                "this host lost its cluster lease; retry once it has rejoined".into(),
-            )),
-            Err(e) => Err(unavailable(e)),
+            Err(e) => Err(cluster_error(e)),
         }
     }
 
@@ -924,6 +916,17 @@ impl Authority for EtcdAuthority {
             },
             ..Default::default()
         })
+    }
+}
+
+/// A cluster failure as the store reports it: a lost lease is `EBUSY` (retry once rejoined),
+/// anything else etcd's unavailability.
+fn cluster_error(e: maru_cluster::Error) -> Error {
+    match e {
+        maru_cluster::Error::LeaseLost(_) => {
+            Error::Busy("this host lost its cluster lease; retry once it has rejoined".into())
+        }
+        e => unavailable(e),
     }
 }
 
