@@ -71,14 +71,32 @@ impl EntryPath {
     /// Parses `ns/key` (the key is the last component; the namespace is
     /// everything before it and must not be empty).
     pub fn parse(path: &str) -> Result<Self> {
+        let (ns, key) = Self::split(path)?;
+        Ok(Self {
+            ns: ns.to_owned(),
+            key: key.to_owned(),
+        })
+    }
+
+    /// Checks `ns/key` as [`parse`](Self::parse) does and returns its two parts, borrowed.
+    pub fn split(path: &str) -> Result<(&str, &str)> {
         let (ns, key) = path.rsplit_once('/').ok_or_else(|| {
             Error::InvalidName(format!("`{path}` has no namespace (expected ns/key)"))
         })?;
-        Self::new(ns, key)
+        Self::check(ns, key)?;
+        Ok((ns, key))
     }
 
     /// Builds a path from a namespace and a key, checking both.
     pub fn new(ns: &str, key: &str) -> Result<Self> {
+        Self::check(ns, key)?;
+        Ok(Self {
+            ns: ns.to_owned(),
+            key: key.to_owned(),
+        })
+    }
+
+    fn check(ns: &str, key: &str) -> Result<()> {
         split_ns(ns)?;
         check_component(key.as_bytes())?;
         if ns.len() + 1 + key.len() > MAX_PATH_LEN {
@@ -87,10 +105,7 @@ impl EntryPath {
                 ns.len() + 1 + key.len()
             )));
         }
-        Ok(Self {
-            ns: ns.to_owned(),
-            key: key.to_owned(),
-        })
+        Ok(())
     }
 
     /// The namespace part.

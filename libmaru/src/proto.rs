@@ -525,6 +525,45 @@ pub fn decode<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, Error> {
     serde_json::from_slice(body).map_err(|e| Error::Protocol(format!("bad frame: {e}")))
 }
 
+/// A `retrieved` reply, decoded by [`decode_retrieved`].
+#[derive(Debug, Deserialize)]
+pub struct RetrievedFrame {
+    /// The request's id.
+    pub id: u64,
+    /// How many descriptors travel with this frame.
+    #[serde(default)]
+    pub fds: u32,
+    ok: RetrievedBody,
+}
+
+#[derive(Debug, Deserialize)]
+struct RetrievedBody {
+    #[serde(rename = "type")]
+    _kind: RetrievedTag,
+    items: Vec<Option<Located>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum RetrievedTag {
+    Retrieved,
+}
+
+impl RetrievedFrame {
+    /// The items, one per key asked.
+    pub fn into_items(self) -> Vec<Option<Located>> {
+        self.ok.items
+    }
+}
+
+/// Decodes a frame body if it is a successful `Retrieve` reply (`None` otherwise: decode it
+/// with [`decode`]). The generic [`Response`] goes through serde's buffered form twice (its
+/// outcome is flattened, its body internally tagged); this reads the hottest reply, one
+/// item per key of a batch, in one pass. It stops at the first byte that differs.
+pub fn decode_retrieved(body: &[u8]) -> Option<RetrievedFrame> {
+    serde_json::from_slice(body).ok()
+}
+
 /// Incoming bytes and descriptors of one connection, split into frames.
 #[derive(Debug, Default)]
 pub struct FrameReader {
@@ -721,6 +760,51 @@ mod tests {
             r#"{"id":9,"fds":0,"ok":{"type":"published","generation":5}}"#
         );
         assert_eq!(serde_json::from_str::<Response>(&s).unwrap(), r);
+    }
+
+    #[test]
+    fn retrieved_replies_decode_in_one_pass_and_nothing_else_does() {
+        let item = Located {
+            key: "k/é".into(),
+            generation: 7,
+            pool: 1,
+            offset: 4096,
+            size: 12,
+            pinned: true,
+            holds: 2,
+            fd: true,
+        };
+        let items = vec![Some(item), None];
+        let r = Response {
+            id: 4,
+            fds: 1,
+            result: Outcome::Ok(Body::Retrieved {
+                items: items.clone(),
+            }),
+        };
+        let frame = encode(&r);
+        let fast = decode_retrieved(&frame[4..]).expect("a retrieved reply");
+        assert_eq!((fast.id, fast.fds), (4, 1));
+        assert_eq!(fast.into_items(), items);
+        for (other, fast) in [
+            (Outcome::Ok(Body::Retrieved { items: vec![] }), true),
+            (Outcome::Ok(Body::Published { generation: 5 }), false),
+            (
+                Outcome::Err(WireError {
+                    errno: 2,
+                    kind: "not_found".into(),
+                    message: "x".into(),
+                }),
+                false,
+            ),
+        ] {
+            let frame = encode(&Response {
+                id: 5,
+                fds: 0,
+                result: other,
+            });
+            assert_eq!(decode_retrieved(&frame[4..]).is_some(), fast);
+        }
     }
 
     #[test]

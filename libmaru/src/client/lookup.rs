@@ -6,7 +6,7 @@ use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::index::SlotView;
+use crate::index::{SlotView, hash_key};
 use crate::mapping::{MapInner, Mapping};
 use crate::proto::{Body, Located, MAX_FDS_PER_FRAME, Op, PoolKind};
 
@@ -144,7 +144,7 @@ impl Inner {
     pub(super) fn retrieve_many(
         &mut self,
         ns: &str,
-        keys: &[String],
+        keys: &[&str],
     ) -> Result<Vec<Option<Mapping>>> {
         if self.segment_missing(ns)? {
             return Ok(vec![None; keys.len()]);
@@ -152,19 +152,34 @@ impl Inner {
         self.sweep_cache(ns);
         let mut out: Vec<Option<Mapping>> = vec![None; keys.len()];
         let mut miss: Vec<usize> = Vec::new();
-        for (i, k) in keys.iter().enumerate() {
-            let v = match self.lookup(ns, k)? {
-                Lookup::Found(v) => v,
-                Lookup::Absent => continue,
-                // A publication is imminent, or the index changed under the lookup: ask marud.
-                Lookup::AskDaemon => {
-                    miss.push(i);
-                    continue;
+        self.index(ns)?;
+        match self.indexes.get(ns).and_then(|ix| ix.table()) {
+            // No index to read: marud answers every key.
+            None => miss.extend(0..keys.len()),
+            Some(t) => {
+                // The pending count is read before the lookups (see `lookup`); the slots of
+                // all the keys are asked for first, so that their cache misses overlap.
+                let pending = t.pending();
+                let hashes: Vec<u64> = keys.iter().map(|k| hash_key(k.as_bytes())).collect();
+                for &h in &hashes {
+                    t.prefetch(h);
                 }
-            };
-            match self.cache.get(&(ns.to_owned(), k.clone())) {
-                Some(c) if c.generation == v.generation => out[i] = Some(c.map.clone()),
-                _ => miss.push(i),
+                let ask_on_miss = pending > 0 || t.retired();
+                for (i, (k, &h)) in keys.iter().zip(&hashes).enumerate() {
+                    let Some(v) = t.lookup_hashed(k.as_bytes(), h) else {
+                        if ask_on_miss {
+                            // A publication is imminent, or the index changed: ask marud.
+                            miss.push(i);
+                        }
+                        continue;
+                    };
+                    match self.cache.get(&cache_key(ns, k)) {
+                        Some(c) if c.generation == v.generation && c.is(ns, k) => {
+                            out[i] = Some(c.map.clone());
+                        }
+                        _ => miss.push(i),
+                    }
+                }
             }
         }
         // Asked in pieces, all sent at once: marud answers each as soon as it is handled,
@@ -179,18 +194,14 @@ impl Inner {
         }
         let mut sent = Vec::new();
         for chunk in miss.chunks(piece) {
-            let ks: Vec<String> = chunk.iter().map(|&i| keys[i].clone()).collect();
             let op = Op::Retrieve {
                 ns: ns.to_owned(),
-                keys: ks,
+                keys: chunk.iter().map(|&i| keys[i].to_owned()).collect(),
             };
             sent.push((self.send(op, &[])?, chunk));
         }
         for (id, chunk) in sent {
-            let (items, fds) = match self.wait(id)? {
-                (Body::Retrieved { items }, fds) => (items, fds),
-                (other, _) => return Err(unexpected(&other)),
-            };
+            let (items, fds) = self.wait_retrieved(id)?;
             if items.len() != chunk.len() {
                 return Err(Error::Protocol("retrieve reply of the wrong length".into()));
             }
@@ -199,7 +210,7 @@ impl Inner {
                 let Some(loc) = item else { continue };
                 let fd = if loc.fd { fds.next() } else { None };
                 let m = self.map_located(&loc, fd)?;
-                self.cache_insert(ns, &keys[i], &m);
+                self.cache_insert(ns, keys[i], &m);
                 out[i] = Some(m);
             }
         }
@@ -308,8 +319,10 @@ impl Inner {
         let c = Cached {
             generation: m.generation(),
             map: m.clone(),
+            ns: ns.into(),
+            key: key.into(),
         };
-        if let Some(old) = self.cache.put((ns.to_owned(), key.to_owned()), c) {
+        if let Some(old) = self.cache.put(cache_key(ns, key), c) {
             self.cache_bytes -= old.map.len() as u64;
         }
         self.cache_bytes += m.len() as u64;
@@ -330,15 +343,15 @@ impl Inner {
         if removals == ix.removals_seen {
             return;
         }
-        let stale: Vec<(String, String)> = self
+        let stale: Vec<u64> = self
             .cache
             .iter()
-            .filter(|((cns, k), c)| {
-                cns == ns
-                    && t.lookup(k.as_bytes())
+            .filter(|(_, c)| {
+                &*c.ns == ns
+                    && t.lookup(c.key.as_bytes())
                         .is_none_or(|v| v.generation != c.generation)
             })
-            .map(|(k, _)| k.clone())
+            .map(|(k, _)| *k)
             .collect();
         for k in stale {
             if let Some(c) = self.cache.pop(&k) {
@@ -349,4 +362,18 @@ impl Inner {
             ix.removals_seen = removals;
         }
     }
+}
+
+/// The mapping cache's key for `ns/key`: a hash of the path, so that a probe allocates nothing. Two
+/// names with one hash share a place in the cache; the cached item says whose it is.
+pub(super) fn cache_key(ns: &str, key: &str) -> u64 {
+    let mut h = hash_key(ns.as_bytes());
+    for b in std::iter::once(&b'/').chain(key.as_bytes()) {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    // Spread the bits: the cache's table takes its buckets from some and its tags from others.
+    h ^= h >> 29;
+    h = h.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    h ^ (h >> 32)
 }

@@ -195,7 +195,7 @@ impl Handler {
             async_errors: Vec::new(),
             indexes: HashMap::new(),
             unlisted: std::collections::HashSet::new(),
-            cache: lru::LruCache::unbounded(),
+            cache: state::MappingCache::unbounded_with_hasher(Default::default()),
             cache_bytes: 0,
             releases: Arc::new(Mutex::new(Vec::new())),
         };
@@ -405,7 +405,7 @@ impl Handler {
     pub fn retrieve(&self, path: &str) -> Result<Option<Mapping>> {
         let p = EntryPath::parse(path)?;
         let mut g = self.inner.lock();
-        let mut out = g.retrieve_many(p.ns(), &[p.key().to_owned()])?;
+        let mut out = g.retrieve_many(p.ns(), &[p.key()])?;
         Ok(out.pop().flatten())
     }
 
@@ -414,18 +414,20 @@ impl Handler {
         let mut g = self.inner.lock();
         let mut out: Vec<Option<Mapping>> = vec![None; paths.len()];
         // Group by namespace, keep positions.
-        let mut groups: Vec<(String, Vec<(usize, String)>)> = Vec::new();
+        let mut groups: Vec<(&str, Vec<usize>, Vec<&str>)> = Vec::new();
         for (i, path) in paths.iter().enumerate() {
-            let p = EntryPath::parse(path)?;
-            match groups.iter_mut().find(|(ns, _)| ns == p.ns()) {
-                Some((_, v)) => v.push((i, p.key().to_owned())),
-                None => groups.push((p.ns().to_owned(), vec![(i, p.key().to_owned())])),
+            let (ns, key) = EntryPath::split(path)?;
+            match groups.iter_mut().find(|(n, _, _)| *n == ns) {
+                Some((_, at, keys)) => {
+                    at.push(i);
+                    keys.push(key);
+                }
+                None => groups.push((ns, vec![i], vec![key])),
             }
         }
-        for (ns, items) in groups {
-            let keys: Vec<String> = items.iter().map(|(_, k)| k.clone()).collect();
-            let maps = g.retrieve_many(&ns, &keys)?;
-            for ((i, _), m) in items.into_iter().zip(maps) {
+        for (ns, at, keys) in groups {
+            let maps = g.retrieve_many(ns, &keys)?;
+            for (i, m) in at.into_iter().zip(maps) {
                 out[i] = m;
             }
         }

@@ -14,7 +14,9 @@ use parking_lot::Mutex;
 use crate::error::{Error, Result};
 use crate::index::Table;
 use crate::mapping::Mapping;
-use crate::proto::{self, Body, Grant, Op, Outcome, PoolInfo, PoolKind, Request, Response};
+use crate::proto::{
+    self, Body, Grant, Located, Op, Outcome, PoolInfo, PoolKind, Request, Response,
+};
 
 /// Where marud listens by default.
 pub const DEFAULT_SOCKET: &str = "/run/maru/marud.sock";
@@ -98,7 +100,37 @@ impl NsIndex {
 pub(super) struct Cached {
     pub(super) generation: u64,
     pub(super) map: Mapping,
+    pub(super) ns: Box<str>,
+    pub(super) key: Box<str>,
 }
+
+impl Cached {
+    /// True if this is the mapping of `ns/key` (another name may share its cache key).
+    pub(super) fn is(&self, ns: &str, key: &str) -> bool {
+        &*self.key == key && &*self.ns == ns
+    }
+}
+
+/// The mapping cache's hasher: its keys are hashes already ([`super::lookup::cache_key`]).
+#[derive(Default, Clone, Copy)]
+pub(super) struct PreHashed(u64);
+
+impl std::hash::Hasher for PreHashed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+}
+
+/// Mappings kept for repeated retrieval, by [`super::lookup::cache_key`].
+pub(super) type MappingCache = lru::LruCache<u64, Cached, std::hash::BuildHasherDefault<PreHashed>>;
 
 pub(super) enum Pending {
     Publish(String),
@@ -129,7 +161,7 @@ pub(super) struct Inner {
     /// them): their lookups go to marud.
     pub(super) unlisted: std::collections::HashSet<String>,
     /// Mappings kept for repeated retrieval, least recently used first out.
-    pub(super) cache: lru::LruCache<(String, String), Cached>,
+    pub(super) cache: MappingCache,
     pub(super) cache_bytes: u64,
     pub(super) releases: Arc<Mutex<Vec<u64>>>,
 }
@@ -149,16 +181,26 @@ impl Inner {
 
     /// Reads one response; async ones are settled here, others returned.
     pub(super) fn recv_one(&mut self) -> Result<Option<(Response, Vec<OwnedFd>)>> {
-        let body = loop {
+        let body = self.next_body()?;
+        self.settle(&body)
+    }
+
+    /// The next frame's body, read from the socket if none is buffered.
+    fn next_body(&mut self) -> Result<Vec<u8>> {
+        loop {
             if let Some(b) = self.reader.next_frame()? {
-                break b;
+                return Ok(b);
             }
             let n = self.read_some()?;
             if n == 0 {
                 return Err(Error::Disconnected);
             }
-        };
-        let resp: Response = proto::decode(&body)?;
+        }
+    }
+
+    /// Decodes a response: async ones are settled here, others returned.
+    fn settle(&mut self, body: &[u8]) -> Result<Option<(Response, Vec<OwnedFd>)>> {
+        let resp: Response = proto::decode(body)?;
         let fds = self.reader.take_fds(resp.fds as usize)?;
         if let Some(p) = self.pending.remove(&resp.id) {
             match (p, resp.result) {
@@ -200,19 +242,44 @@ impl Inner {
         self.reader.read_from(self.sock.as_fd()).map_err(io_err)
     }
 
+    /// [`wait`](Self::wait) for the reply to a `Retrieve`: its items and descriptors.
+    pub(super) fn wait_retrieved(
+        &mut self,
+        id: u64,
+    ) -> Result<(Vec<Option<Located>>, Vec<OwnedFd>)> {
+        loop {
+            let body = self.next_body()?;
+            if let Some(r) = proto::decode_retrieved(&body).filter(|r| r.id == id) {
+                let fds = self.reader.take_fds(r.fds as usize)?;
+                return Ok((r.into_items(), fds));
+            }
+            if let Some((resp, fds)) = self.settle(&body)? {
+                return match Self::outcome(id, resp)? {
+                    Body::Retrieved { items } => Ok((items, fds)),
+                    other => Err(unexpected(&other)),
+                };
+            }
+        }
+    }
+
+    /// The body of `resp`, the reply to request `id`, or its error.
+    fn outcome(id: u64, resp: Response) -> Result<Body> {
+        if resp.id != id {
+            return Err(Error::Protocol(format!(
+                "reply to request {} while waiting for {id}",
+                resp.id
+            )));
+        }
+        match resp.result {
+            Outcome::Ok(b) => Ok(b),
+            Outcome::Err(w) => Err(Error::from(w)),
+        }
+    }
+
     pub(super) fn wait(&mut self, id: u64) -> Result<(Body, Vec<OwnedFd>)> {
         loop {
             if let Some((resp, fds)) = self.recv_one()? {
-                if resp.id != id {
-                    return Err(Error::Protocol(format!(
-                        "reply to request {} while waiting for {id}",
-                        resp.id
-                    )));
-                }
-                return match resp.result {
-                    Outcome::Ok(b) => Ok((b, fds)),
-                    Outcome::Err(w) => Err(Error::from(w)),
-                };
+                return Ok((Self::outcome(id, resp)?, fds));
             }
         }
     }
