@@ -1,7 +1,7 @@
 //! Sealed entries: the only code that inserts, removes or renames an entry, with its index
 //! slot, its namespace's accounting, its pool's and the LRU order.
 
-use std::collections::HashMap;
+use super::state::HashMap;
 use std::time::SystemTime;
 
 use maru::Result;

@@ -5,7 +5,9 @@
 //! settled when eviction walks it: entries used since they were filed are re-filed first, so
 //! eviction still takes exact LRU order.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+use super::state::HashMap;
 
 /// An entry's place in the order.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -133,7 +135,7 @@ mod tests {
     #[test]
     fn new_entries_are_the_most_recent() {
         let mut l = Lru::default();
-        let mut m: HashMap<u64, S> = HashMap::new();
+        let mut m: HashMap<u64, S> = HashMap::default();
         m.insert(1, S(l.file(1)));
         l.touch(&mut m.get_mut(&1).unwrap().0);
         m.insert(2, S(l.file(2)));

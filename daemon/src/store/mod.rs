@@ -504,24 +504,27 @@ impl Store {
                 out.push(None);
                 continue;
             };
-            st.touch(ino);
             if !st.ready_remote(&*self.authority, ino) {
                 out.push(None); // another host's, removed there a moment ago
                 continue;
             }
-            let e = &st.entries[&ino];
-            let pool = &st.pools[e.pool as usize].pool;
+            let State {
+                entries,
+                lru,
+                pools,
+                sessions,
+                ..
+            } = &mut *st;
+            let e = entries.get_mut(&ino).expect("present");
+            lru.touch(&mut e.lru);
+            let pool = &pools[e.pool as usize].pool;
             self.counters.add_bytes(Bytes::Retrieved, e.size);
             let f = pool.retrieve_fd(&e.loc(), !pool_fd_sent(e.pool))?;
             out.push(Some((e.located(f.is_some()), f)));
             if pool.leases() {
-                st.entries.get_mut(&ino).expect("present").leases += 1;
-                *st.sessions
-                    .get_mut(&session)
-                    .expect("live")
-                    .leases
-                    .entry(ino)
-                    .or_insert(0) += 1;
+                e.leases += 1;
+                let s = sessions.get_mut(&session).expect("live");
+                *s.leases.entry(ino).or_insert(0) += 1;
             }
         }
         Ok(out)

@@ -1,7 +1,7 @@
 //! Namespaces: the directory tree of entries, with owners, modes and quotas, persisted in
 //! `STATE_DIR/namespaces.json` (rewritten atomically on change).
 
-use std::collections::HashMap;
+use super::state::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
@@ -44,9 +44,9 @@ impl Namespace {
         Ok(Namespace {
             ino,
             perm,
-            entries: HashMap::new(),
-            children: HashMap::new(),
-            writing: HashMap::new(),
+            entries: HashMap::default(),
+            children: HashMap::default(),
+            writing: HashMap::default(),
             index: NsIndex::new(slots)?,
             bytes: 0,
             reserved: 0,
@@ -129,8 +129,8 @@ impl Namespaces {
             16,
         )?;
         Ok(Namespaces {
-            map: HashMap::from([(String::new(), root)]),
-            by_ino: HashMap::from([(ROOT_INO, String::new())]),
+            map: HashMap::from_iter([(String::new(), root)]),
+            by_ino: HashMap::from_iter([(ROOT_INO, String::new())]),
             file,
         })
     }

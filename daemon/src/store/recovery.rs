@@ -1,7 +1,9 @@
 //! Opening the pools and recovering what they hold: namespaces from the state directory,
 //! sealed entries from each pool (a memfs pool's tree, a raw pool's log).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
+
+use super::state::HashMap;
 use std::sync::Arc;
 
 use maru::name::{check_component, split_ns};
@@ -59,11 +61,11 @@ pub fn open_state(
     let mut st = State {
         next_ino: ROOT_INO + 1,
         ns: Namespaces::new(cfg.state_dir.join("namespaces.json"))?,
-        entries: HashMap::new(),
-        zombies: HashMap::new(),
-        allocs: HashMap::new(),
+        entries: HashMap::default(),
+        zombies: HashMap::default(),
+        allocs: HashMap::default(),
         lru: Lru::default(),
-        sessions: HashMap::from([(
+        sessions: HashMap::from_iter([(
             MOUNT_SESSION,
             Session {
                 name: "mount".into(),
@@ -73,8 +75,8 @@ pub fn open_state(
         )]),
         next_session: MOUNT_SESSION + 1,
         pools,
-        gone: HashMap::new(),
-        fuse_leases: HashMap::new(),
+        gone: HashMap::default(),
+        fuse_leases: HashMap::default(),
     };
     let mut next = st.next_ino;
     st.ns.load(|| {
