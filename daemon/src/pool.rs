@@ -460,10 +460,23 @@ impl MemfsPool {
 
     /// Opens a sealed entry read-only.
     pub fn open_entry(&self, ns: &str, key: &str) -> io::Result<File> {
-        OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_CLOEXEC)
-            .open(self.entry_path(ns, key))
+        // Relative to the namespace's directory when it is open (one name to resolve, not
+        // the whole path of the pool's root).
+        let dir = self.ns_dirs.lock().get(ns).cloned();
+        let Some(dir) = dir else {
+            return OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_CLOEXEC)
+                .open(self.entry_path(ns, key));
+        };
+        use nix::fcntl::OFlag;
+        let fd = nix::fcntl::openat(
+            &*dir,
+            key,
+            OFlag::O_RDONLY | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW,
+            nix::sys::stat::Mode::empty(),
+        )?;
+        Ok(File::from(fd))
     }
 
     /// Removes a sealed entry's file. Mappings of it stay valid until unmapped.
