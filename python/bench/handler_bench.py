@@ -6,7 +6,8 @@ machine kind), in one run against a private marud.
 
 It runs once on a memfs pool and once on a raw pool in a file (`file:`, the stand-in for a
 CXL device), each with its own daemon. Each figure is the best of three rounds of about
---seconds each. Cold figures (first-time retrieves) use keys this handler never looked at.
+--seconds each (cold ones: of three rounds of 60 batches). Cold figures (first-time retrieves)
+use keys this handler never looked at.
 The first retrieve of a 32 MiB entry is the median of several entries, each timed against
 mapping its pool file directly, in alternating order. Targets (issue 16) are printed beside
 them. Handler plugins are off unless MARU_PLUGINS says otherwise.
@@ -144,20 +145,22 @@ def run(args: argparse.Namespace, kind: str) -> None:
             h.batch_retrieve(keys)
             rows.append(("batch_retrieve(64) keys", rate(lambda: len(h.batch_retrieve(keys)), args.seconds), None, 2_000_000))
 
-            # Cold: keys this handler never retrieved (stored by it, so no mapping held).
-            cold_sets = []
-            for j in range(60):
-                ks = [f"c{j}-{i}" for i in range(64)]
-                for k in ks:
-                    h.put(k, page)
-                cold_sets.append(ks)
-            it = iter(cold_sets)
-            t0 = time.perf_counter()
-            n = 0
-            for ks in it:
-                n += len(h.batch_retrieve(ks))
-            rows.append(("first batch_retrieve(64) keys", n / (time.perf_counter() - t0), None,
-                         200_000 if kind == "memfs" else 500_000))
+            # Cold: keys this handler never retrieved (stored by it, so no mapping held). Best
+            # of three rounds, as the other rows; each round stores its own 60 batches first.
+            best = 0.0
+            for r in range(3):
+                cold_sets = []
+                for j in range(60):
+                    ks = [f"c{r}-{j}-{i}" for i in range(64)]
+                    for k in ks:
+                        h.put(k, page)
+                    cold_sets.append(ks)
+                t0 = time.perf_counter()
+                n = 0
+                for ks in cold_sets:
+                    n += len(h.batch_retrieve(ks))
+                best = max(best, n / (time.perf_counter() - t0))
+            rows.append(("first batch_retrieve(64) keys", best, None, 200_000 if kind == "memfs" else 500_000))
 
             t_maru, t_direct = first_retrieve_32m(h, 9)
             big_line = (f"first retrieve of 32 MiB (touching every page), median of 9: {t_maru * 1e3:.2f} ms; "
