@@ -1,12 +1,12 @@
 //! Sealed entries: the only code that inserts, removes or renames an entry, with its index
 //! slot, its namespace's accounting, its pool's and the LRU order.
 
-use super::state::HashMap;
 use std::time::SystemTime;
 
 use maru::Result;
 
 use super::authority::{Authority, Placed};
+use super::hashmap::HashMap;
 use super::namespaces::Namespace;
 use super::state::Invalidation;
 use super::state::{Entry, State};

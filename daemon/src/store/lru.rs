@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 
-use super::state::HashMap;
+use super::hashmap::HashMap;
 
 /// An entry's place in the order.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -18,6 +18,7 @@
 pub mod authority;
 mod entries;
 pub mod fsview;
+pub mod hashmap;
 pub mod lru;
 pub mod namespaces;
 mod placement;

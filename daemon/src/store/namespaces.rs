@@ -1,7 +1,6 @@
 //! Namespaces: the directory tree of entries, with owners, modes and quotas, persisted in
 //! `STATE_DIR/namespaces.json` (rewritten atomically on change).
 
-use super::state::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
@@ -10,6 +9,7 @@ use maru::{Error, Result};
 use maru_fsd::backend::ROOT_INO;
 use maru_fsd::{Attr, Kind};
 
+use super::hashmap::HashMap;
 use super::policy::Perm;
 use crate::nsindex::NsIndex;
 

@@ -2,14 +2,13 @@
 //! sealed entries from each pool (a memfs pool's tree, a raw pool's log).
 
 use std::collections::HashSet;
-
-use super::state::HashMap;
 use std::sync::Arc;
 
 use maru::name::{check_component, split_ns};
 use maru::proto::PoolKind;
 
 use super::authority::{Authority, Placed};
+use super::hashmap::HashMap;
 use super::lru::Lru;
 use super::namespaces::Namespaces;
 use super::policy::Perm;

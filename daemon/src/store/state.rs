@@ -1,17 +1,13 @@
 //! The metadata the store's lock guards, and its types.
 
 use std::collections::HashSet;
-
-/// The store's maps. Their keys are inodes and names, looked up several times for each key
-/// of a batch under the store's lock; foldhash (seeded per process) costs a fraction of the
-/// standard library's SipHash there.
-pub type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 use std::time::SystemTime;
 
 use maru::index::{FLAG_HELD, FLAG_PINNED, SlotView};
 use maru::proto::{Located, PoolKind};
 use maru_fsd::{Attr, Caller, Kind};
 
+use super::hashmap::HashMap;
 use super::lru::{Lru, Stamp};
 use super::namespaces::Namespaces;
 use super::policy::Perm;
