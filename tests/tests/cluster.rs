@@ -425,11 +425,7 @@ fn an_entry_another_host_maps_keeps_its_bytes_after_a_delete_until_that_host_let
     require_root!();
     let Some(c) = cluster() else { return };
     let (ha, hb) = (c.a.handler(), c.b.handler());
-    ha.mkdir("ns", 0o777).expect("mkdir");
-    let bytes = pattern(7, 16 << 20);
-    store(&ha, "ns/kv", &bytes).expect("store on a");
-    eventually("b sees it", || hb.exists("ns/kv").unwrap_or(false));
-    let mapped = hb.retrieve("ns/kv").expect("retrieve").expect("found");
+    let (bytes, mapped) = stored_on_a_mapped_on_b(&ha, &hb, 7);
     // a deletes it while a client of b maps it: the name goes everywhere at once...
     ha.delete("ns/kv").expect("delete on a");
     eventually("b forgets it", || !hb.exists("ns/kv").unwrap_or(true));
@@ -450,6 +446,21 @@ fn an_entry_another_host_maps_keeps_its_bytes_after_a_delete_until_that_host_let
         store(&ha, "ns/after0", &pattern(8, 8 << 20)).is_ok()
     });
     store(&ha, "ns/after1", &pattern(9, 8 << 20)).expect("the whole extent came back");
+}
+
+/// Stores 16 MiB of pattern `seed` as `ns/kv` on host a and has a client of host b map it:
+/// the bytes and b's mapping.
+fn stored_on_a_mapped_on_b(
+    ha: &maru::Handler,
+    hb: &maru::Handler,
+    seed: u64,
+) -> (Vec<u8>, maru::Mapping) {
+    ha.mkdir("ns", 0o777).expect("mkdir");
+    let bytes = pattern(seed, 16 << 20);
+    store(ha, "ns/kv", &bytes).expect("store on a");
+    eventually("b sees it", || hb.exists("ns/kv").unwrap_or(false));
+    let mapped = hb.retrieve("ns/kv").expect("retrieve").expect("found");
+    (bytes, mapped)
 }
 
 /// Host `pid` stopped (SIGSTOP) until dropped (SIGCONT), panics included.
@@ -474,12 +485,8 @@ fn a_removed_extent_is_not_carved_again_until_every_host_has_seen_the_removal() 
     require_root!();
     let Some(c) = cluster() else { return };
     let (ha, hb) = (c.a.handler(), c.b.handler());
-    ha.mkdir("ns", 0o777).expect("mkdir");
-    let bytes = pattern(11, 16 << 20);
-    store(&ha, "ns/kv", &bytes).expect("store on a");
-    eventually("b sees it", || hb.exists("ns/kv").unwrap_or(false));
     // b hands its client a's entry with nothing recorded in etcd...
-    let mapped = hb.retrieve("ns/kv").expect("retrieve").expect("found");
+    let (bytes, mapped) = stored_on_a_mapped_on_b(&ha, &hb, 11);
     // ...and stops (well within its lease): it can neither learn of a removal nor
     // acknowledge one.
     let stopped = Stopped::new(&c.b);

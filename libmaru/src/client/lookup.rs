@@ -6,7 +6,7 @@ use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::index::{SlotView, hash_key};
+use crate::index::{SlotView, Table, hash_key};
 use crate::mapping::{MapInner, Mapping};
 use crate::proto::{Body, Located, MAX_FDS_PER_FRAME, Op, PoolKind};
 
@@ -92,13 +92,9 @@ impl Inner {
             return Ok(Lookup::AskDaemon);
         };
         let pending = t.pending();
-        if let Some(v) = t.lookup(key.as_bytes()) {
-            return Ok(Lookup::Found(v));
-        }
-        Ok(if pending > 0 || t.retired() {
-            Lookup::AskDaemon
-        } else {
-            Lookup::Absent
+        Ok(match t.lookup(key.as_bytes()) {
+            Some(v) => Lookup::Found(v),
+            None => on_miss(&t, pending),
         })
     }
 
@@ -164,11 +160,9 @@ impl Inner {
                 for &h in &hashes {
                     t.prefetch(h);
                 }
-                let ask_on_miss = pending > 0 || t.retired();
                 for (i, (k, &h)) in keys.iter().zip(&hashes).enumerate() {
                     let Some(v) = t.lookup_hashed(k.as_bytes(), h) else {
-                        if ask_on_miss {
-                            // A publication is imminent, or the index changed: ask marud.
+                        if let Lookup::AskDaemon = on_miss(&t, pending) {
                             miss.push(i);
                         }
                         continue;
@@ -361,6 +355,16 @@ impl Inner {
         if let Some(ix) = self.indexes.get_mut(ns) {
             ix.removals_seen = removals;
         }
+    }
+}
+
+/// What a miss in table `t` means, `pending` having been read before the lookup: the key is
+/// absent, unless a publication through the mount was on its way or the table was replaced.
+fn on_miss(t: &Table<'_>, pending: u64) -> Lookup {
+    if pending > 0 || t.retired() {
+        Lookup::AskDaemon
+    } else {
+        Lookup::Absent
     }
 }
 
