@@ -414,6 +414,11 @@ impl Dispatcher {
                 store.release(session, &gens);
                 Body::Done
             }
+            Op::Accessed { gens } => {
+                check_batch(gens.len())?;
+                store.accessed(&gens);
+                Body::Done
+            }
             Op::Exists { ns, keys } => {
                 check_batch(keys.len())?;
                 Body::Exists {
@@ -439,9 +444,20 @@ impl Dispatcher {
                 }
             }
             Op::Index { ns } => {
-                let (f, slots) = store.index_fd(&c, &ns)?;
-                fds.push(f);
-                Body::Index { slots }
+                let grant = store.index_fd(&c, &ns)?;
+                fds.push(grant.table);
+                let dirs = grant
+                    .dirs
+                    .into_iter()
+                    .map(|(pool, dir)| {
+                        fds.push(dir);
+                        pool
+                    })
+                    .collect();
+                Body::Index {
+                    slots: grant.slots,
+                    dirs,
+                }
             }
             Op::List { ns } => {
                 let (ns, children, entries) = store.list(&c, &ns)?;

@@ -67,7 +67,7 @@ pub struct SlotView {
     pub pool: u32,
     /// Flags (`FLAG_PINNED`, `FLAG_HELD`).
     pub flags: u32,
-    /// Offset in the pool.
+    /// Where the entry is: its offset in a raw pool, its file's inode number in a memfs pool.
     pub offset: u64,
 }
 

@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, WireError};
 
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 /// The largest frame body accepted, in bytes.
 pub const MAX_FRAME: usize = 4 << 20;
 /// The most descriptors one frame may carry (the kernel's `SCM_MAX_FD` is 253).
@@ -103,6 +103,12 @@ pub enum Op {
         /// Entry generations.
         gens: Vec<u64>,
     },
+    /// Entries this client mapped by opening their files itself (memfs, through the
+    /// directories `Index` gave it): marud counts them as retrieved and as recently used.
+    Accessed {
+        /// Entry generations.
+        gens: Vec<u64>,
+    },
     /// Which keys exist (sealed).
     Exists {
         /// Namespace.
@@ -169,6 +175,7 @@ impl Op {
             Op::Publish { .. } => "publish",
             Op::Retrieve { .. } => "retrieve",
             Op::Release { .. } => "release",
+            Op::Accessed { .. } => "accessed",
             Op::Exists { .. } => "exists",
             Op::Delete { .. } => "delete",
             Op::Pin { .. } => "pin",
@@ -276,7 +283,8 @@ pub struct Located {
     pub generation: u64,
     /// Pool id.
     pub pool: u32,
-    /// Byte offset in the pool (raw pools; 0 for memfs).
+    /// Where it is: the byte offset in a raw pool; the inode number of the entry's file in a
+    /// memfs pool.
     pub offset: u64,
     /// Size in bytes.
     pub size: u64,
@@ -486,10 +494,16 @@ pub enum Body {
         /// One outcome per key.
         results: Vec<Option<WireError>>,
     },
-    /// Reply to `Index`: one read-only descriptor follows.
+    /// Reply to `Index`: the table's read-only descriptor follows, then one per `dirs`.
     Index {
         /// Slots in the table.
         slots: u64,
+        /// The memfs pools whose directory of the namespace (entries are files in it, named
+        /// by their keys) follows, in this order. Only callers with root's rights get them:
+        /// they may open the entries' files themselves, and the kernel then decides as the
+        /// access policy would (root may read everything).
+        #[serde(default)]
+        dirs: Vec<u32>,
     },
     /// Reply to `List`.
     Listing {

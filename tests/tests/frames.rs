@@ -30,6 +30,7 @@ fn op_name() -> impl Strategy<Value = String> {
         Just("publish"),
         Just("retrieve"),
         Just("release"),
+        Just("accessed"),
         Just("exists"),
         Just("delete"),
         Just("pin"),

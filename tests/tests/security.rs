@@ -143,3 +143,63 @@ fn thousands_of_idle_connections_do_not_stop_service() {
     drop(idle);
     assert_eq!(h.stats().unwrap().pools[0].entries, 1);
 }
+
+/// A root client opens a memfs entry's file itself, through the namespace's directory that
+/// marud gave it with the shared index: a first-time retrieve takes no round trip, and marud
+/// learns of it afterwards (`accessed`, counted as retrieved). Anyone else gets no directory
+/// and asks marud for each entry, which applies the policy.
+#[test]
+fn only_root_clients_open_memfs_entries_themselves() {
+    maru_tests::require_root!();
+    let d = Daemon::start(Opts {
+        pools: vec!["memfs:{dir}/pool,size=64M".into()],
+        mount: false,
+        extra: vec!["--group".into(), "nogroup".into()],
+    });
+    std::fs::set_permissions(&d.dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let writer = d.handler();
+    writer.mkdir("open", 0o755).unwrap();
+    let keys: Vec<String> = (0..100).map(|i| format!("open/k{i}")).collect();
+    for (i, k) in keys.iter().enumerate() {
+        writer.put(k, &pattern(i as u64, 3000 + i)).unwrap();
+    }
+    let counts = |h: &maru::Handler| {
+        let s = h.stats().unwrap();
+        let op = |n: &str| s.ops.get(n).copied().unwrap_or(0);
+        (
+            op("retrieve"),
+            op("accessed"),
+            s.bytes.get("retrieved").copied().unwrap_or(0),
+        )
+    };
+    let (r0, a0, b0) = counts(&writer);
+    let reader = d.handler();
+    let paths: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let got = reader.batch_retrieve(&paths).unwrap();
+    for (i, m) in got.iter().enumerate() {
+        assert_eq!(
+            m.as_ref().unwrap().as_slice(),
+            &pattern(i as u64, 3000 + i)[..]
+        );
+    }
+    // The reader's next request carries the report of what it opened.
+    let (r1, a1, b1) = counts(&reader);
+    assert_eq!(
+        r1, r0,
+        "a root client asked marud for entries it could open"
+    );
+    assert_eq!(a1, a0 + 1, "one report of the batch");
+    let total: u64 = (0..100).map(|i| 3000 + i as u64).sum();
+    assert_eq!(b1 - b0, total, "the entries opened count as retrieved");
+    // A key stored again is a new file: the reader maps the new one, not its cached mapping.
+    writer.delete("open/k0").unwrap();
+    writer.put("open/k0", b"again").unwrap();
+    assert_eq!(
+        reader.retrieve("open/k0").unwrap().unwrap().as_slice(),
+        b"again"
+    );
+    // Not root: no directory; marud answers (and the policy decides) each retrieve.
+    assert_eq!(as_nobody(&d, "retrieve", "open/k1"), "ok");
+    let (r2, _, _) = counts(&writer);
+    assert_eq!(r2, r1 + 1, "nobody's retrieve went to marud");
+}

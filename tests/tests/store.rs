@@ -376,7 +376,7 @@ fn malformed_frames_get_errors_and_change_nothing() {
     // Garbage after hello: error reply, connection keeps working.
     let mut s = connect();
     s.write_all(&frame(
-        br#"{"id":1,"op":"hello","args":{"version":2,"client":"t"}}"#,
+        br#"{"id":1,"op":"hello","args":{"version":3,"client":"t"}}"#,
     ))
     .unwrap();
     assert!(read_reply(&mut s).unwrap().get("ok").is_some());
@@ -385,7 +385,7 @@ fn malformed_frames_get_errors_and_change_nothing() {
         br#"{"id":2,"op":"no_such_op"}"#,
         br#"{"id":3,"op":"delete","args":{"ns":"f"}}"#,
         br#"{"id":4,"op":"publish","args":{"alloc":999999,"ns":"f","key":"x"}}"#,
-        br#"{"id":5,"op":"hello","args":{"version":2,"client":"again"}}"#,
+        br#"{"id":5,"op":"hello","args":{"version":3,"client":"again"}}"#,
         br#"{"id":6,"op":"alloc","args":{"size":0,"count":1}}"#,
         br#"{"id":7,"op":"exists","args":{"ns":"../etc","keys":["x"]}}"#,
     ] {

@@ -365,8 +365,8 @@ pub fn core(rounds: usize, json: Option<&Path>) -> anyhow::Result<String> {
         "memcpy 16 MiB",
         "direct mmap+touch 4 KiB (tmpfs file)",
         "direct mmap+touch 16 MiB (tmpfs file)",
-        "libmaru retrieve+touch 4 KiB (first time: round trip + map)",
-        "libmaru retrieve+touch 16 MiB (first time: round trip + map)",
+        "libmaru retrieve+touch 4 KiB (first time: open + map)",
+        "libmaru retrieve+touch 16 MiB (first time: open + map)",
         "libmaru retrieve+touch 4 KiB (retrieved before)",
         "libmaru retrieve+touch 16 MiB (retrieved before)",
         "libmaru store 4 KiB (alloc+copy+store, waits)",
@@ -483,11 +483,7 @@ pub fn core(rounds: usize, json: Option<&Path>) -> anyhow::Result<String> {
         std::hint::black_box(h.retrieve("bench/small")?);
         n_rt += 1;
     }
-    rows.push(rate(
-        "retrieve (first time, one round trip)",
-        n_rt,
-        s.elapsed(),
-    ));
+    rows.push(rate("retrieve (first time)", n_rt, s.elapsed()));
     let pp = 20_000u64;
     let d_pp = echo.round_trips(pp)?;
     rows.push(rate(
@@ -554,7 +550,7 @@ pub fn core(rounds: usize, json: Option<&Path>) -> anyhow::Result<String> {
     let direct16 = find(&rows, "direct mmap+touch 16 MiB (tmpfs file)").median_us;
     let cold16 = find(
         &rows,
-        "libmaru retrieve+touch 16 MiB (first time: round trip + map)",
+        "libmaru retrieve+touch 16 MiB (first time: open + map)",
     )
     .median_us;
     let hot16 = find(&rows, "libmaru retrieve+touch 16 MiB (retrieved before)").median_us;

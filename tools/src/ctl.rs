@@ -276,8 +276,13 @@ pub fn stat(h: &maru::Handler, path: &str) -> R {
     let info = h
         .stat(path)?
         .ok_or_else(|| Failure::new(exit::NOT_FOUND, "not_found", format!("not found: {path}")))?;
+    let place = if info.kind == maru::proto::PoolKind::Memfs {
+        "inode"
+    } else {
+        "offset"
+    };
     let text = format!(
-        "{}\n  size: {}\n  pool: {} ({:?})\n  offset: {}\n  generation: {}\n  pinned: {}\n",
+        "{}\n  size: {}\n  pool: {} ({:?})\n  {place}: {}\n  generation: {}\n  pinned: {}\n",
         info.path, info.size, info.pool, info.kind, info.offset, info.generation, info.pinned
     );
     out(serde_json::to_value(&info).expect("serializable"), text)

@@ -11,6 +11,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
+use maru::proto::PoolKind;
 use maru::{Error, Result};
 use maru_fsd::{Attr, Backend, Caller, DirEntry, Kind, OpenedFile, Upcall, Xattr};
 
@@ -888,7 +889,17 @@ impl Backend for StoreFs {
             x("pool", p.name.clone()),
             x("kind", kind_name(p.kind).into()),
             x("location", p.pool.location(&e.loc())),
-            x("offset", e.offset.to_string()),
+            // Where the bytes start in `location`: a memfs entry is all of its own file (its
+            // `offset` in the store is the file's inode number).
+            x(
+                "offset",
+                if p.kind == PoolKind::Memfs {
+                    0
+                } else {
+                    e.offset
+                }
+                .to_string(),
+            ),
             x("size", e.size.to_string()),
             x("pinned", if e.pinned { "1" } else { "0" }.into()),
             x("holds", e.holds.to_string()),

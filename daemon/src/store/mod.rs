@@ -24,6 +24,7 @@ pub mod namespaces;
 mod placement;
 pub mod policy;
 pub mod pools;
+pub mod readers;
 mod recovery;
 mod remote;
 pub mod sessions;
@@ -712,15 +713,6 @@ impl Store {
             }
         }
         Ok(out)
-    }
-
-    /// A read-only descriptor of a namespace's index (it reveals the names: listing rights).
-    pub fn index_fd(&self, c: &Caller, ns: &str) -> Result<(File, u64)> {
-        split_ns(ns)?;
-        let st = self.st.lock();
-        Self::allow(&st, c, ns, Access::List)?;
-        let n = st.ns.get(ns)?;
-        Ok((n.index.ro_fd()?, n.index.nslots() as u64))
     }
 
     /// Lists a namespace: itself (not the root), its children, its entries.

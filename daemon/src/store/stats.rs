@@ -8,7 +8,7 @@ use maru::proto::LATENCY_BUCKETS_US;
 use maru_fsd::Upcall;
 
 /// The control operations counted by name (`maru::proto::Op::name`), plus `errors`.
-pub const OPS: [&str; 18] = [
+pub const OPS: [&str; 19] = [
     "hello",
     "mkdir",
     "rmdir",
@@ -18,6 +18,7 @@ pub const OPS: [&str; 18] = [
     "publish",
     "retrieve",
     "release",
+    "accessed",
     "exists",
     "delete",
     "pin",

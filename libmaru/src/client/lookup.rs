@@ -11,7 +11,7 @@ use crate::mapping::{MapInner, Mapping};
 use crate::proto::{Body, Located, MAX_FDS_PER_FRAME, Op, PoolKind};
 
 use super::page_size;
-use super::state::{Cached, Inner, NsIndex, unexpected};
+use super::state::{ACCESSED_FLUSH, Cached, Inner, NsIndex, unexpected};
 
 /// Keys per request when a batch's misses are asked in pieces.
 const PIPELINE_PIECE: usize = 16;
@@ -63,9 +63,15 @@ impl Inner {
                 }
                 Err(e) => return Err(e),
             };
-            if !matches!(body, Body::Index { .. }) || fds.len() != 1 {
-                return Err(Error::Protocol("index reply without a descriptor".into()));
+            let Body::Index { dirs, .. } = body else {
+                return Err(unexpected(&body));
+            };
+            if fds.len() != 1 + dirs.len() {
+                return Err(Error::Protocol(
+                    "index reply with the wrong descriptors".into(),
+                ));
             }
+            let dirs: Vec<(u32, OwnedFd)> = dirs.into_iter().zip(fds.drain(1..)).collect();
             let f = File::from(fds.pop().expect("one fd"));
             // SAFETY: a read-only shared mapping of the daemon's index memfd; accessed only
             // through atomics by crate::index.
@@ -73,6 +79,7 @@ impl Inner {
             let ix = NsIndex {
                 map,
                 removals_seen: 0,
+                dirs,
             };
             if ix.table().is_none() {
                 return Err(Error::Protocol("malformed index table".into()));
@@ -174,7 +181,34 @@ impl Inner {
                         _ => miss.push(i),
                     }
                 }
+                // First-time memfs entries in a directory marud gave: opened here.
+                if let Some(ix) = self.indexes.get(ns).filter(|ix| !ix.dirs.is_empty()) {
+                    let mut opened = Vec::new();
+                    miss.retain(|&i| {
+                        let Some(v) = t.lookup_hashed(keys[i].as_bytes(), hashes[i]) else {
+                            return true;
+                        };
+                        let Some((_, dir)) = ix.dirs.iter().find(|(p, _)| *p == v.pool) else {
+                            return true;
+                        };
+                        match open_own(dir, keys[i], &v, self.cfg.populate) {
+                            Some(m) => {
+                                opened.push((i, m));
+                                false
+                            }
+                            None => true,
+                        }
+                    });
+                    for (i, m) in opened {
+                        self.accessed.push(m.generation());
+                        self.cache_insert(ns, keys[i], &m);
+                        out[i] = Some(m);
+                    }
+                }
             }
+        }
+        if self.accessed.len() >= ACCESSED_FLUSH {
+            self.flush_releases()?;
         }
         // Asked in pieces, all sent at once: marud answers each as soon as it is handled,
         // so this thread maps one piece while marud looks up the next.
@@ -215,23 +249,7 @@ impl Inner {
         let kind = self.pool_kind(loc.pool)?;
         let inner = if kind == PoolKind::Memfs {
             let f = File::from(fd.ok_or_else(|| Error::Protocol("memfs entry without fd".into()))?);
-            let mut o = memmap2::MmapOptions::new();
-            o.len(loc.size.max(1) as usize);
-            if self.cfg.populate && loc.size as usize >= POPULATE_MIN {
-                o.populate();
-            }
-            // SAFETY: a read-only shared mapping of a sealed entry's file; sealed entries are
-            // never written again (see Mapping::as_slice).
-            let map = unsafe { o.map(&f)? };
-            MapInner {
-                map: Arc::new(map),
-                start: 0,
-                len: loc.size as usize,
-                generation: loc.generation,
-                pool: loc.pool,
-                offset: 0,
-                release: None,
-            }
+            return map_entry_file(&f, loc.size, loc.generation, loc.pool, self.cfg.populate);
         } else {
             if let Some(fd) = fd {
                 self.pool_ro.insert(loc.pool, Arc::new(File::from(fd)));
@@ -358,6 +376,57 @@ impl Inner {
     }
 }
 
+/// Maps the file of memfs entry `generation` (`size` bytes, in pool `pool`).
+fn map_entry_file(
+    f: &File,
+    size: u64,
+    generation: u64,
+    pool: u32,
+    populate: bool,
+) -> Result<Mapping> {
+    let mut o = memmap2::MmapOptions::new();
+    o.len(size.max(1) as usize);
+    if populate && size as usize >= POPULATE_MIN {
+        o.populate();
+    }
+    // SAFETY: a read-only shared mapping of a sealed entry's file; sealed entries are never
+    // written again (see Mapping::as_slice).
+    let map = unsafe { o.map(f)? };
+    Ok(Mapping {
+        inner: Arc::new(MapInner {
+            map: Arc::new(map),
+            start: 0,
+            len: size as usize,
+            generation,
+            pool,
+            offset: 0,
+            release: None,
+        }),
+    })
+}
+
+/// Opens and maps the file of the memfs entry `key` that slot `v` describes, in its
+/// namespace's directory `dir`; `None` when that fails or the file there is not the slot's
+/// entry (another one took the name since the lookup: its inode, the slot's offset, differs),
+/// and marud is asked instead. No lease is needed: the file of a removed entry stays intact
+/// under its mappings.
+fn open_own(dir: &OwnedFd, key: &str, v: &SlotView, populate: bool) -> Option<Mapping> {
+    use std::os::unix::fs::MetadataExt;
+    let fd = nix::fcntl::openat(
+        dir,
+        key,
+        nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_CLOEXEC | nix::fcntl::OFlag::O_NOFOLLOW,
+        nix::sys::stat::Mode::empty(),
+    )
+    .ok()?;
+    let f = File::from(fd);
+    let md = f.metadata().ok()?;
+    if md.ino() != v.offset || md.len() != v.size {
+        return None;
+    }
+    map_entry_file(&f, v.size, v.generation, v.pool, populate).ok()
+}
+
 /// What a miss in table `t` means, `pending` having been read before the lookup: the key is
 /// absent, unless a publication through the mount was on its way or the table was replaced.
 fn on_miss(t: &Table<'_>, pending: u64) -> Lookup {
@@ -380,4 +449,48 @@ pub(super) fn cache_key(ns: &str, key: &str) -> u64 {
     h ^= h >> 29;
     h = h.wrapping_mul(0xbf58_476d_1ce4_e5b9);
     h ^ (h >> 32)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::MetadataExt;
+
+    use super::*;
+
+    #[test]
+    fn an_entry_is_opened_only_when_its_file_is_the_slots() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("k"), b"0123456789").unwrap();
+        std::os::unix::fs::symlink("k", dir.path().join("link")).unwrap();
+        let ino = std::fs::metadata(dir.path().join("k")).unwrap().ino();
+        let d = OwnedFd::from(File::open(dir.path()).unwrap());
+        let slot = SlotView {
+            generation: 7,
+            size: 10,
+            pool: 0,
+            flags: 0,
+            offset: ino,
+        };
+        let m = open_own(&d, "k", &slot, true).expect("the slot's file");
+        assert_eq!(m.as_slice(), b"0123456789");
+        assert_eq!(m.generation(), 7);
+        let other = |f: fn(&mut SlotView)| {
+            let mut s = slot;
+            f(&mut s);
+            s
+        };
+        assert!(
+            open_own(&d, "k", &other(|s| s.offset += 1), true).is_none(),
+            "another file"
+        );
+        assert!(
+            open_own(&d, "k", &other(|s| s.size = 9), true).is_none(),
+            "another size"
+        );
+        assert!(open_own(&d, "gone", &slot, true).is_none(), "no such name");
+        assert!(
+            open_own(&d, "link", &slot, true).is_none(),
+            "a symbolic link"
+        );
+    }
 }

@@ -155,7 +155,7 @@ pub struct EntryInfo {
     pub pool: String,
     /// Pool kind.
     pub kind: PoolKind,
-    /// Offset in the pool (raw pools).
+    /// Offset in the pool (raw pools); the inode number of the entry's file (memfs).
     pub offset: u64,
     /// Pinned against eviction.
     pub pinned: bool,
@@ -198,6 +198,7 @@ impl Handler {
             cache: state::MappingCache::unbounded_with_hasher(Default::default()),
             cache_bytes: 0,
             releases: Arc::new(Mutex::new(Vec::new())),
+            accessed: Vec::new(),
         };
         let name = inner.cfg.client_name.clone();
         let (body, _) = inner.call(Op::Hello {

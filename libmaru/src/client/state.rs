@@ -21,6 +21,10 @@ use crate::proto::{
 /// Where marud listens by default.
 pub const DEFAULT_SOCKET: &str = "/run/maru/marud.sock";
 
+/// Entries opened by the client itself that it reports to marud at once, with no request
+/// of its own to carry them (see [`Inner::flush_releases`]).
+pub(super) const ACCESSED_FLUSH: usize = 1024;
+
 /// How long a call polls for its reply by default, in microseconds.
 pub const DEFAULT_SPIN_US: u64 = 50;
 
@@ -87,6 +91,9 @@ pub(super) struct Spare {
 pub(super) struct NsIndex {
     pub(super) map: memmap2::Mmap,
     pub(super) removals_seen: u64,
+    /// The memfs pools' directories of the namespace, by pool id, when marud gave them (to
+    /// root): a first-time entry there is opened here, with no round trip.
+    pub(super) dirs: Vec<(u32, OwnedFd)>,
 }
 
 impl NsIndex {
@@ -135,6 +142,7 @@ pub(super) type MappingCache = lru::LruCache<u64, Cached, std::hash::BuildHasher
 pub(super) enum Pending {
     Publish(String),
     Release,
+    Accessed,
     Alloc(u64),
 }
 
@@ -164,6 +172,17 @@ pub(super) struct Inner {
     pub(super) cache: MappingCache,
     pub(super) cache_bytes: u64,
     pub(super) releases: Arc<Mutex<Vec<u64>>>,
+    /// Generations of entries this client opened itself since it last told marud
+    /// (`Op::Accessed`: what marud's retrievals would have counted and refreshed).
+    pub(super) accessed: Vec<u64>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // What marud is owed goes before the connection closes (leases it drops itself then;
+        // the entries this client opened itself it would not learn of otherwise).
+        let _ = self.flush_releases();
+    }
 }
 
 pub(super) fn unexpected(b: &Body) -> Error {
@@ -290,11 +309,20 @@ impl Inner {
         self.wait(id)
     }
 
+    /// Sends what this client owes marud without waiting for it: the leases its dropped
+    /// mappings gave back, and the entries it opened itself. Both go with the next request,
+    /// or once [`ACCESSED_FLUSH`] entries were opened: a message of its own to an idle marud
+    /// costs the sender a wakeup of marud's thread.
     pub(super) fn flush_releases(&mut self) -> Result<()> {
         let gens = std::mem::take(&mut *self.releases.lock());
         if !gens.is_empty() {
             let id = self.send(Op::Release { gens }, &[])?;
             self.pending.insert(id, Pending::Release);
+        }
+        if !self.accessed.is_empty() {
+            let gens = std::mem::take(&mut self.accessed);
+            let id = self.send(Op::Accessed { gens }, &[])?;
+            self.pending.insert(id, Pending::Accessed);
         }
         Ok(())
     }

@@ -102,7 +102,9 @@ impl Pool for Memfs {
             *mode = e.mode;
         }
         self.0.publish(id, file, e.ns, e.key)?;
-        Ok(0)
+        // The entry's "offset": its file's inode number, by which a client that opens the file
+        // itself (Store::index_fd) tells it is this entry's.
+        Ok(file.metadata()?.ino())
     }
 
     fn delete(&mut self, e: &Loc<'_>, _leased: bool) -> bool {
@@ -155,6 +157,13 @@ impl Pool for Memfs {
         Ok(())
     }
 
+    fn ns_dir(&self, ns: &str) -> Result<Option<File>> {
+        match self.0.ensure_ns(ns)? {
+            Some(d) => Ok(Some(d.try_clone()?)),
+            None => Ok(None),
+        }
+    }
+
     fn remove_ns(&mut self, ns: &str) {
         self.0.remove_ns(ns);
     }
@@ -167,7 +176,7 @@ impl Pool for Memfs {
             out.push(Found {
                 ns: f.ns,
                 key: f.key,
-                offset: 0,
+                offset: md.ino(),
                 size: f.size,
                 pinned: f.pinned,
                 uid: md.uid(),

@@ -164,7 +164,8 @@ pub trait Pool: Send {
     /// Reserves room for a buffered allocation of `size` bytes at its writer's close (raw
     /// pools through the mount) and copies the buffer there; nothing for other backings.
     fn commit(&mut self, id: u64, backing: &mut Backing, size: u64) -> Result<()>;
-    /// Publishes allocation `id` as `e` (`e.offset` is ignored); returns the entry's offset.
+    /// Publishes allocation `id` as `e` (`e.offset` is ignored); returns where the entry is:
+    /// its offset (raw pools), the inode number of its file (memfs).
     fn publish(&mut self, id: u64, backing: &mut Backing, e: &Loc<'_>) -> Result<u64>;
     /// Removes a sealed entry; false when its extent stays reserved (leased): free it with
     /// [`Pool::free_extent`] when the last lease goes.
@@ -190,6 +191,11 @@ pub trait Pool: Send {
     fn location(&self, e: &Loc<'_>) -> String;
     /// Prepares the namespace `ns` (memfs: its directory).
     fn ensure_ns(&mut self, ns: &str) -> Result<()>;
+    /// A descriptor of the directory in which `ns`'s entries are files named by their keys
+    /// (memfs); None where entries are not files.
+    fn ns_dir(&self, _ns: &str) -> Result<Option<File>> {
+        Ok(None)
+    }
     /// Removes the namespace `ns` (memfs: its empty directory).
     fn remove_ns(&mut self, ns: &str);
     /// The sealed entries and namespaces found at start; unsealed work is discarded.
