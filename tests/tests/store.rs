@@ -586,3 +586,25 @@ fn namespace_quotas_bound_stores_through_socket_and_mount() {
     h.set_quota("q", None).unwrap();
     h.put("q/again", &pattern(6, 990 << 10)).unwrap();
 }
+
+/// A namespace removed and made again under the same name is a new namespace to a client
+/// that read the old one's index: it finds the new entries (the old index is retired).
+#[test]
+fn a_namespace_made_again_is_seen_by_clients_of_the_old_one() {
+    maru_tests::require_root!();
+    let d = Daemon::start(no_mount(&[MEMFS]));
+    let (writer, reader) = (d.handler(), d.handler());
+    writer.mkdir("again", 0o755).unwrap();
+    writer.put("again/old", b"old").unwrap();
+    assert!(reader.exists("again/old").unwrap());
+    writer.delete("again/old").unwrap();
+    writer.rmdir("again").unwrap();
+    writer.mkdir("again", 0o755).unwrap();
+    writer.put("again/new", b"new").unwrap();
+    assert!(reader.exists("again/new").unwrap());
+    assert!(!reader.exists("again/old").unwrap());
+    assert_eq!(
+        reader.retrieve("again/new").unwrap().unwrap().as_slice(),
+        b"new"
+    );
+}

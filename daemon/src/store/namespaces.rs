@@ -229,6 +229,9 @@ impl Namespaces {
     /// Removes the (empty) namespace `ns`.
     pub fn remove(&mut self, ns: &str) {
         if let Some(n) = self.map.remove(ns) {
+            // Clients that mapped its index must not take it for the index of a namespace
+            // made again under the same name: retired, it sends them for the current one.
+            n.index.retire();
             self.by_ino.remove(&n.ino);
             let (p, name) = parent(ns);
             if let Some(p) = self.map.get_mut(p) {
