@@ -393,20 +393,30 @@ impl MemfsPool {
     /// Makes sure the namespace directory exists in this pool; returns it, open (None when
     /// the crash-injection seam stopped its creation).
     pub fn ensure_ns(&self, ns: &str) -> io::Result<Option<std::sync::Arc<File>>> {
+        if let Some(d) = self.ns_dir(ns)? {
+            return Ok(Some(d));
+        }
+        if !self.pass(MetaStep::Mkdir { ns: ns.to_owned() }) {
+            return Ok(None);
+        }
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(self.root.join("n").join(ns))?;
+        self.ns_dir(ns)
+    }
+
+    /// The open directory of namespace `ns`, if it has one in this pool: looked for, never
+    /// made (no metadata step).
+    pub fn ns_dir(&self, ns: &str) -> io::Result<Option<std::sync::Arc<File>>> {
         if let Some(d) = self.ns_dirs.lock().get(ns) {
             return Ok(Some(d.clone()));
         }
-        let p = self.root.join("n").join(ns);
-        if !p.is_dir() {
-            if !self.pass(MetaStep::Mkdir { ns: ns.to_owned() }) {
-                return Ok(None);
-            }
-            std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o700)
-                .create(&p)?;
-        }
-        let d = std::sync::Arc::new(open_dir(&p)?);
+        let d = match open_dir(&self.root.join("n").join(ns)) {
+            Ok(d) => std::sync::Arc::new(d),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e),
+        };
         self.ns_dirs.lock().insert(ns.to_owned(), d.clone());
         Ok(Some(d))
     }

@@ -158,7 +158,7 @@ impl Pool for Memfs {
     }
 
     fn ns_dir(&self, ns: &str) -> Result<Option<File>> {
-        match self.0.ensure_ns(ns)? {
+        match self.0.ns_dir(ns)? {
             Some(d) => Ok(Some(d.try_clone()?)),
             None => Ok(None),
         }
