@@ -608,3 +608,38 @@ fn a_namespace_made_again_is_seen_by_clients_of_the_old_one() {
         b"new"
     );
 }
+
+/// What a root client opened itself reaches marud even when the client asks nothing else: at
+/// its next retrieve once the report is 100 ms old.
+#[test]
+fn a_report_of_entries_opened_by_a_client_goes_without_another_request() {
+    maru_tests::require_root!();
+    let d = Daemon::start(no_mount(&[MEMFS]));
+    let (writer, reader) = (d.handler(), d.handler());
+    writer.mkdir("seen", 0o755).unwrap();
+    writer.put("seen/k", b"bytes").unwrap();
+    let accessed = || {
+        let s = writer.stats().unwrap();
+        s.ops.get("accessed").copied().unwrap_or(0)
+    };
+    assert_eq!(
+        reader.retrieve("seen/k").unwrap().unwrap().as_slice(),
+        b"bytes"
+    );
+    std::thread::sleep(Duration::from_millis(150));
+    assert_eq!(accessed(), 0, "reported before it was due");
+    // A repeated retrieve (answered from the handler's own mappings) carries the report.
+    assert_eq!(
+        reader.retrieve("seen/k").unwrap().unwrap().as_slice(),
+        b"bytes"
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while accessed() == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no report reached marud"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(writer.stats().unwrap().bytes["retrieved"], 5);
+}

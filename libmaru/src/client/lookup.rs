@@ -11,7 +11,7 @@ use crate::mapping::{MapInner, Mapping};
 use crate::proto::{Body, Located, MAX_FDS_PER_FRAME, Op, PoolKind};
 
 use super::page_size;
-use super::state::{ACCESSED_FLUSH, Cached, Inner, NsIndex, unexpected};
+use super::state::{Cached, Inner, NsIndex, unexpected};
 
 /// Keys per request when a batch's misses are asked in pieces.
 const PIPELINE_PIECE: usize = 16;
@@ -200,16 +200,14 @@ impl Inner {
                         }
                     });
                     for (i, m) in opened {
-                        self.accessed.push(m.generation());
+                        self.note_accessed(m.generation());
                         self.cache_insert(ns, keys[i], &m);
                         out[i] = Some(m);
                     }
                 }
             }
         }
-        if self.accessed.len() >= ACCESSED_FLUSH {
-            self.flush_releases()?;
-        }
+        self.report_if_due()?;
         // Asked in pieces, all sent at once: marud answers each as soon as it is handled,
         // so this thread maps one piece while marud looks up the next.
         let piece = if miss.len() > 2 * PIPELINE_PIECE {

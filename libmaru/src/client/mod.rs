@@ -199,6 +199,7 @@ impl Handler {
             cache_bytes: 0,
             releases: Arc::new(Mutex::new(Vec::new())),
             accessed: Vec::new(),
+            accessed_since: None,
         };
         let name = inner.cfg.client_name.clone();
         let (body, _) = inner.call(Op::Hello {

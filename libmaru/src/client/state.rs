@@ -24,6 +24,9 @@ pub const DEFAULT_SOCKET: &str = "/run/maru/marud.sock";
 /// Entries opened by the client itself that it reports to marud at once, with no request
 /// of its own to carry them (see [`Inner::flush_releases`]).
 pub(super) const ACCESSED_FLUSH: usize = 1024;
+/// How long such a report waits at most for a request to carry it (it goes at the next
+/// retrieve after that): marud's LRU order stays that fresh.
+pub(super) const ACCESSED_AGE: Duration = Duration::from_millis(100);
 
 /// How long a call polls for its reply by default, in microseconds.
 pub const DEFAULT_SPIN_US: u64 = 50;
@@ -175,6 +178,8 @@ pub(super) struct Inner {
     /// Generations of entries this client opened itself since it last told marud
     /// (`Op::Accessed`: what marud's retrievals would have counted and refreshed).
     pub(super) accessed: Vec<u64>,
+    /// When the oldest of `accessed` was opened.
+    pub(super) accessed_since: Option<std::time::Instant>,
 }
 
 impl Drop for Inner {
@@ -321,10 +326,51 @@ impl Inner {
         }
         if !self.accessed.is_empty() {
             let gens = std::mem::take(&mut self.accessed);
+            self.accessed_since = None;
             let id = self.send(Op::Accessed { gens }, &[])?;
             self.pending.insert(id, Pending::Accessed);
         }
         Ok(())
+    }
+
+    /// Notes that this client opened entry `generation` itself (see [`Op::Accessed`]).
+    pub(super) fn note_accessed(&mut self, generation: u64) {
+        if self.accessed.is_empty() {
+            self.accessed_since = Some(std::time::Instant::now());
+        }
+        self.accessed.push(generation);
+    }
+
+    /// Sends the report of the entries opened here when it is large or old enough, with no
+    /// request of its own to carry it; settles first the replies already received to what
+    /// was sent without waiting (a client that only ever retrieves what it opens itself
+    /// reads no other reply, and those would fill marud's side of the socket).
+    pub(super) fn report_if_due(&mut self) -> Result<()> {
+        let due = self.accessed.len() >= ACCESSED_FLUSH
+            || self
+                .accessed_since
+                .is_some_and(|t| t.elapsed() >= ACCESSED_AGE);
+        if !due {
+            return Ok(());
+        }
+        while !self.pending.is_empty() {
+            if let Some(body) = self.reader.next_frame()? {
+                if let Some((resp, _)) = self.settle(&body)? {
+                    return Err(Error::Protocol(format!(
+                        "reply {} to no request in flight",
+                        resp.id
+                    )));
+                }
+                continue;
+            }
+            match self.reader.try_read_from(self.sock.as_fd()) {
+                Ok(0) => return Err(Error::Disconnected),
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => return Err(io_err(e)),
+            }
+        }
+        self.flush_releases()
     }
 
     pub(super) fn pool_kind(&self, id: u32) -> Result<PoolKind> {
