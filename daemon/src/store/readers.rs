@@ -37,8 +37,11 @@ impl Store {
         let mut dirs = Vec::new();
         if c.uid == 0 {
             for (id, p) in st.pools.iter().enumerate() {
-                if let Some(d) = p.pool.ns_dir(ns)? {
-                    dirs.push((id as u32, d));
+                match p.pool.ns_dir(ns) {
+                    Ok(Some(d)) => dirs.push((id as u32, d)),
+                    Ok(None) => {}
+                    // The client asks for that pool's entries instead.
+                    Err(e) => tracing::warn!(ns, pool = id, "opening a namespace directory: {e}"),
                 }
             }
         }

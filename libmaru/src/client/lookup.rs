@@ -244,36 +244,33 @@ impl Inner {
     }
 
     pub(super) fn map_located(&mut self, loc: &Located, fd: Option<OwnedFd>) -> Result<Mapping> {
-        let kind = self.pool_kind(loc.pool)?;
-        let inner = if kind == PoolKind::Memfs {
+        if self.pool_kind(loc.pool)? == PoolKind::Memfs {
             let f = File::from(fd.ok_or_else(|| Error::Protocol("memfs entry without fd".into()))?);
             return map_entry_file(&f, loc.size, loc.generation, loc.pool, self.cfg.populate);
-        } else {
-            if let Some(fd) = fd {
-                self.pool_ro.insert(loc.pool, Arc::new(File::from(fd)));
-            }
-            let map = self
-                .pool_view(loc.pool)?
-                .ok_or_else(|| Error::Protocol("no descriptor for the pool".into()))?;
-            let (start, len) = (loc.offset as usize, loc.size as usize);
-            if start.checked_add(len).is_none_or(|end| end > map.len()) {
-                return Err(Error::Protocol("entry beyond the end of its pool".into()));
-            }
-            if self.cfg.populate && len >= POPULATE_MIN {
-                populate(&map[start..start + len]);
-            }
-            MapInner {
+        }
+        if let Some(fd) = fd {
+            self.pool_ro.insert(loc.pool, Arc::new(File::from(fd)));
+        }
+        let map = self
+            .pool_view(loc.pool)?
+            .ok_or_else(|| Error::Protocol("no descriptor for the pool".into()))?;
+        let (start, len) = (loc.offset as usize, loc.size as usize);
+        if start.checked_add(len).is_none_or(|end| end > map.len()) {
+            return Err(Error::Protocol("entry beyond the end of its pool".into()));
+        }
+        if self.cfg.populate && len >= POPULATE_MIN {
+            populate(&map[start..start + len]);
+        }
+        Ok(Mapping {
+            inner: Arc::new(MapInner {
                 map,
                 start,
-                len: loc.size as usize,
+                len,
                 generation: loc.generation,
                 pool: loc.pool,
                 offset: loc.offset,
                 release: Some(self.releases.clone()),
-            }
-        };
-        Ok(Mapping {
-            inner: Arc::new(inner),
+            }),
         })
     }
 
