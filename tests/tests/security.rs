@@ -61,16 +61,22 @@ fn as_nobody(d: &Daemon, op: &str, path: &str) -> String {
     String::from_utf8(out.stdout).unwrap().trim().to_owned()
 }
 
-#[test]
-fn another_user_cannot_touch_a_private_namespace_through_the_socket() {
-    maru_tests::require_root!();
-    // The socket belongs to a group the test user is in (nogroup, 65534), as `maru` would be.
+/// A daemon on a memfs pool whose socket `nobody` may connect to: the socket belongs to a
+/// group the test user is in (nogroup, 65534), as `maru` would be.
+fn daemon_nobody_reaches() -> Daemon {
     let d = Daemon::start(Opts {
         pools: vec!["memfs:{dir}/pool,size=64M".into()],
         mount: false,
         extra: vec!["--group".into(), "nogroup".into()],
     });
     std::fs::set_permissions(&d.dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    d
+}
+
+#[test]
+fn another_user_cannot_touch_a_private_namespace_through_the_socket() {
+    maru_tests::require_root!();
+    let d = daemon_nobody_reaches();
     assert_eq!(std::fs::metadata(&d.socket).unwrap().gid(), 65534);
     let h = d.handler();
     h.mkdir("private", 0o700).unwrap();
@@ -151,12 +157,7 @@ fn thousands_of_idle_connections_do_not_stop_service() {
 #[test]
 fn only_root_clients_open_memfs_entries_themselves() {
     maru_tests::require_root!();
-    let d = Daemon::start(Opts {
-        pools: vec!["memfs:{dir}/pool,size=64M".into()],
-        mount: false,
-        extra: vec!["--group".into(), "nogroup".into()],
-    });
-    std::fs::set_permissions(&d.dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let d = daemon_nobody_reaches();
     let writer = d.handler();
     writer.mkdir("open", 0o755).unwrap();
     let keys: Vec<String> = (0..100).map(|i| format!("open/k{i}")).collect();
