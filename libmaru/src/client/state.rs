@@ -316,8 +316,8 @@ impl Inner {
 
     /// Sends what this client owes marud without waiting for it: the leases its dropped
     /// mappings gave back, and the entries it opened itself. Both go with the next request,
-    /// or once [`ACCESSED_FLUSH`] entries were opened: a message of its own to an idle marud
-    /// costs the sender a wakeup of marud's thread.
+    /// or on their own when [`Inner::report_if_due`] says so: a message of its own to an idle
+    /// marud costs the sender a wakeup of marud's thread.
     pub(super) fn flush_releases(&mut self) -> Result<()> {
         let gens = std::mem::take(&mut *self.releases.lock());
         if !gens.is_empty() {
