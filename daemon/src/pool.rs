@@ -199,6 +199,8 @@ pub struct MemfsPool {
     writing_dir: File,
     /// Namespace directories known to exist in this pool, open (publication links into them).
     ns_dirs: parking_lot::Mutex<std::collections::HashMap<String, std::sync::Arc<File>>>,
+    /// The process's umask when the pool was opened (it takes bits off the files created).
+    umask: u32,
     /// The crash-injection seam (tests): decides whether each metadata step reaches the tmpfs.
     gate: parking_lot::RwLock<Option<MetaGate>>,
 }
@@ -345,6 +347,7 @@ impl MemfsPool {
             mounted_here,
             writing_dir,
             ns_dirs: parking_lot::Mutex::new(std::collections::HashMap::new()),
+            umask: process_umask(),
             gate: parking_lot::RwLock::new(None),
         })
     }
@@ -378,6 +381,12 @@ impl MemfsPool {
         )
         .map_err(|e| Error::Io(e.into()))?;
         let f = File::from(fd);
+        // The file takes exactly `mode`, whatever the process's umask took off (its mode is
+        // the entry's, read back at the next start).
+        if mode & self.umask != 0 {
+            nix::sys::stat::fchmod(&f, nix::sys::stat::Mode::from_bits_truncate(mode))
+                .map_err(|e| Error::Io(e.into()))?;
+        }
         if size > 0
             && let Err(e) = fallocate(&f, size)
         {
@@ -616,6 +625,18 @@ fn has_xattr(p: &Path, name: &str) -> bool {
     };
     // SAFETY: valid C strings; a NULL buffer of size 0 asks only for the size.
     unsafe { libc::getxattr(p.as_ptr(), n.as_ptr(), std::ptr::null_mut(), 0) >= 0 }
+}
+
+/// The process's umask, read without changing it (`Umask:` in /proc/self/status); the
+/// strictest, 0o777, where it cannot be read (every file is then given its mode).
+fn process_umask() -> u32 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let l = s.lines().find(|l| l.starts_with("Umask:"))?;
+            u32::from_str_radix(l.split_whitespace().nth(1)?, 8).ok()
+        })
+        .unwrap_or(0o777)
 }
 
 /// Reserves the first `size` bytes of `f`.

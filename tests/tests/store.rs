@@ -139,6 +139,29 @@ fn two_processes_share_frames_file_pool() {
     two_process_pfn(FILE);
 }
 
+/// A memfs entry's file has the entry's mode whatever marud's umask (0077) takes off the files
+/// it creates: a restart reads modes back from the files, and the kernel decides from it when
+/// clients open entries' files themselves.
+#[test]
+fn a_memfs_entry_file_has_the_entry_mode() {
+    use std::os::unix::fs::PermissionsExt;
+    maru_tests::require_root!();
+    let d = Daemon::start(Opts::default());
+    let h = d.handler();
+    h.mkdir("m", 0o755).unwrap();
+    h.put("m/k", b"mode").unwrap();
+    std::fs::write(d.path("m/w"), b"by path").unwrap();
+    std::fs::set_permissions(d.path("m/w"), std::fs::Permissions::from_mode(0o640)).unwrap();
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+    assert_eq!(mode(&d.path("m/k")), 0o644, "as stored");
+    assert_eq!(mode(&d.pool_dir().join("n/m/k")), 0o644, "its file");
+    assert_eq!(
+        mode(&d.pool_dir().join("n/m/w")),
+        0o640,
+        "a file written through the mount"
+    );
+}
+
 fn recovery(pools: &[&str]) {
     let mut d = Daemon::start(no_mount(pools));
     let h = d.handler();
