@@ -1,5 +1,6 @@
 //! marud: the maru daemon as a library (so tests and benchmarks can embed it).
 
+pub mod acl;
 pub mod alloc;
 pub mod cluster;
 pub mod coherence;

@@ -22,6 +22,8 @@ use maru::format;
 use maru::proto::PoolKind;
 use maru::size::parse_size;
 
+use crate::acl::{self, Acl};
+
 /// Region granularity and alignment of raw pools.
 pub const REGION_ALIGN: u64 = 2 << 20;
 /// Alignment of entries inside regions (one page, so each can be mapped alone).
@@ -201,6 +203,9 @@ pub struct MemfsPool {
     ns_dirs: parking_lot::Mutex<std::collections::HashMap<String, std::sync::Arc<File>>>,
     /// The process's umask when the pool was opened (it takes bits off the files created).
     umask: u32,
+    /// Whether the tmpfs takes POSIX access ACLs, by which namespace directories mirror their
+    /// namespaces' access ([`MemfsPool::set_ns_access`]).
+    pub acls: bool,
     /// The crash-injection seam (tests): decides whether each metadata step reaches the tmpfs.
     gate: parking_lot::RwLock<Option<MetaGate>>,
 }
@@ -341,6 +346,15 @@ impl MemfsPool {
         }
         let capacity = statvfs(&root)?.0;
         let writing_dir = open_dir(&root.join("w"))?;
+        // The tree's own directory keeps root's 0700, here written as an ACL: a kernel without
+        // tmpfs ACLs refuses it, and namespace directories then stay closed to all but root.
+        let acls = match ROOT_ONLY.apply(&open_dir(&root.join("n"))?) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(dir = %root.display(), "no POSIX ACLs on this tmpfs ({e}): only root clients open entries themselves");
+                false
+            }
+        };
         Ok(MemfsPool {
             root,
             capacity,
@@ -348,6 +362,7 @@ impl MemfsPool {
             writing_dir,
             ns_dirs: parking_lot::Mutex::new(std::collections::HashMap::new()),
             umask: process_umask(),
+            acls,
             gate: parking_lot::RwLock::new(None),
         })
     }
@@ -382,7 +397,8 @@ impl MemfsPool {
         .map_err(|e| Error::Io(e.into()))?;
         let f = File::from(fd);
         // The file takes exactly `mode`, whatever the process's umask took off (its mode is
-        // the entry's, read back at the next start).
+        // the entry's, read back at the next start, and the kernel decides from it when
+        // clients open entries' files themselves: Store::index_fd).
         if mode & self.umask != 0 {
             nix::sys::stat::fchmod(&f, nix::sys::stat::Mode::from_bits_truncate(mode))
                 .map_err(|e| Error::Io(e.into()))?;
@@ -428,6 +444,43 @@ impl MemfsPool {
         };
         self.ns_dirs.lock().insert(ns.to_owned(), d.clone());
         Ok(Some(d))
+    }
+
+    /// Gives namespace `ns`'s directory, if it has one here, the namespace's access for search
+    /// and read, never write: owned by root (so no one else may change it), group `gid`, with
+    /// an access ACL that grants user `uid` the mode's owner bits, the group its group bits and
+    /// everyone else its other bits. The kernel then decides an `openat` of an entry through the
+    /// directory as the access policy decides a read in `ns` (search on it, read on the entry,
+    /// whose file has the entry's owner and mode), for a client given the directory because it
+    /// could list `ns` (see `Store::index_fd`). A change of group passes through a closed ACL,
+    /// so that no one gains access in between. Without ACLs, nothing is done (the directory
+    /// stays root's 0700).
+    ///
+    /// A failure closes the directory to all but root (the mode's 0700 masks every ACL entry)
+    /// before it is returned, so that it never grants more than the namespace.
+    pub fn set_ns_access(&self, ns: &str, uid: u32, gid: u32, mode: u32) -> io::Result<()> {
+        // The root namespace's directory is the tree's own, root's alone.
+        if !self.acls || ns.is_empty() {
+            return Ok(());
+        }
+        let Some(dir) = self.ns_dir(ns)? else {
+            return Ok(());
+        };
+        let set = || -> io::Result<()> {
+            use std::os::unix::fs::MetadataExt;
+            if dir.metadata()?.gid() != gid {
+                ROOT_ONLY.apply(&dir)?;
+                nix::unistd::fchown(
+                    &*dir,
+                    Some(nix::unistd::Uid::from_raw(0)),
+                    Some(nix::unistd::Gid::from_raw(gid)),
+                )?;
+            }
+            ns_acl(uid, mode).apply(&dir)
+        };
+        set().inspect_err(|_| {
+            let _ = nix::sys::stat::fchmod(&*dir, nix::sys::stat::Mode::from_bits_truncate(0o700));
+        })
     }
 
     /// Removes an (empty) namespace directory from this pool.
@@ -626,6 +679,27 @@ fn has_xattr(p: &Path, name: &str) -> bool {
     // SAFETY: valid C strings; a NULL buffer of size 0 asks only for the size.
     unsafe { libc::getxattr(p.as_ptr(), n.as_ptr(), std::ptr::null_mut(), 0) >= 0 }
 }
+
+/// The access ACL of the directory of a namespace owned by `uid` with `mode` (see
+/// [`MemfsPool::set_ns_access`]): root all, `uid` the owner bits, the owning group the group
+/// bits, others the other bits, each without write.
+fn ns_acl(uid: u32, mode: u32) -> Acl {
+    let no_write = |bits: u32| bits & (acl::READ | acl::SEARCH);
+    Acl {
+        owner: 7,
+        user: (uid != 0).then(|| (uid, no_write(mode >> 6))),
+        group: no_write(mode >> 3),
+        other: no_write(mode),
+    }
+}
+
+/// Root's alone (mode 0700).
+const ROOT_ONLY: Acl = Acl {
+    owner: 7,
+    user: None,
+    group: 0,
+    other: 0,
+};
 
 /// The process's umask, read without changing it (`Umask:` in /proc/self/status); the
 /// strictest, 0o777, where it cannot be read (every file is then given its mode).

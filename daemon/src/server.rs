@@ -416,7 +416,7 @@ impl Dispatcher {
             }
             Op::Accessed { gens } => {
                 check_batch(gens.len())?;
-                store.accessed(&gens);
+                store.accessed(&c, &gens);
                 Body::Done
             }
             Op::Exists { ns, keys } => {

@@ -499,9 +499,10 @@ pub enum Body {
         /// Slots in the table.
         slots: u64,
         /// The memfs pools whose directory of the namespace (entries are files in it, named
-        /// by their keys) follows, in this order. Only callers with root's rights get them:
-        /// they may open the entries' files themselves, and the kernel then decides as the
-        /// access policy would (root may read everything).
+        /// by their keys) follows, in this order: those where the kernel decides an open of an
+        /// entry's file as the access policy would (for root, every memfs pool; for others,
+        /// those whose tmpfs takes ACLs, by which each directory has its namespace's access
+        /// and each file its entry's owner and mode).
         #[serde(default)]
         dirs: Vec<u32>,
     },

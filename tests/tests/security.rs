@@ -62,11 +62,11 @@ fn as_nobody(d: &Daemon, op: &str, path: &str) -> String {
 }
 
 /// A daemon on a memfs pool whose socket `nobody` may connect to: the socket belongs to a
-/// group the test user is in (nogroup, 65534), as `maru` would be.
-fn daemon_nobody_reaches() -> Daemon {
+/// group the test user is in (nogroup, 65534), as `maru` would be; with the mount if `mount`.
+fn daemon_nobody_reaches(mount: bool) -> Daemon {
     let d = Daemon::start(Opts {
         pools: vec!["memfs:{dir}/pool,size=64M".into()],
-        mount: false,
+        mount,
         extra: vec!["--group".into(), "nogroup".into()],
     });
     std::fs::set_permissions(&d.dir, std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -76,7 +76,7 @@ fn daemon_nobody_reaches() -> Daemon {
 #[test]
 fn another_user_cannot_touch_a_private_namespace_through_the_socket() {
     maru_tests::require_root!();
-    let d = daemon_nobody_reaches();
+    let d = daemon_nobody_reaches(false);
     assert_eq!(std::fs::metadata(&d.socket).unwrap().gid(), 65534);
     let h = d.handler();
     h.mkdir("private", 0o700).unwrap();
@@ -155,9 +155,9 @@ fn thousands_of_idle_connections_do_not_stop_service() {
 /// learns of it afterwards (`accessed`, counted as retrieved). Anyone else gets no directory
 /// and asks marud for each entry, which applies the policy.
 #[test]
-fn only_root_clients_open_memfs_entries_themselves() {
+fn clients_open_memfs_entries_themselves_as_the_policy_allows() {
     maru_tests::require_root!();
-    let d = daemon_nobody_reaches();
+    let d = daemon_nobody_reaches(true);
     let writer = d.handler();
     writer.mkdir("open", 0o755).unwrap();
     let keys: Vec<String> = (0..100).map(|i| format!("open/k{i}")).collect();
@@ -199,8 +199,92 @@ fn only_root_clients_open_memfs_entries_themselves() {
         reader.retrieve("open/k0").unwrap().unwrap().as_slice(),
         b"again"
     );
-    // Not root: no directory; marud answers (and the policy decides) each retrieve.
-    assert_eq!(as_nobody(&d, "retrieve", "open/k1"), "ok");
-    let (r2, _, _) = counts(&writer);
-    assert_eq!(r2, r1 + 1, "nobody's retrieve went to marud");
+
+    // Another user opens what the policy lets it read, through the same directories: the
+    // kernel decides from each one's ACL (its namespace's access, never write) and each
+    // file's owner and mode (its entry's).
+    let mnt = d.mount.clone().unwrap();
+    let dir = d.pool_dir().join("n/open");
+    let md = std::fs::metadata(&dir).unwrap();
+    assert_eq!(
+        (md.uid(), md.mode() & 0o022),
+        (0, 0),
+        "root's, no write but root's"
+    );
+    writer.put("open/private", b"mine").unwrap();
+    std::fs::set_permissions(
+        mnt.join("open/private"),
+        std::fs::Permissions::from_mode(0o600),
+    )
+    .unwrap();
+    writer.put("open/late", b"later").unwrap();
+    // A namespace nobody owns, open to its owner alone: the ACL names the owner.
+    writer.mkdir("mine", 0o755).unwrap();
+    writer.put("mine/x", b"owned").unwrap();
+    std::os::unix::fs::chown(mnt.join("mine"), Some(65534), None).unwrap();
+    std::fs::set_permissions(mnt.join("mine"), std::fs::Permissions::from_mode(0o500)).unwrap();
+    let flag = d.dir.join("revoked");
+    let (r2, a2, b2) = counts(&writer);
+    let mut args: Vec<String> = vec![
+        "openwait".into(),
+        d.socket.display().to_string(),
+        flag.display().to_string(),
+        "99".into(),
+    ];
+    args.extend(keys[1..].iter().cloned());
+    args.extend(["open/private", "mine/x", "--", "open/late"].map(String::from));
+    // Killed if the test fails before letting it finish (it waits for the flag).
+    let mut probe = Reaped(
+        Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+            .arg(bin("maru-probe"))
+            .args(&args)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let mut lines =
+        std::io::BufRead::lines(std::io::BufReader::new(probe.0.stdout.take().unwrap()));
+    let mut next = || lines.next().unwrap().unwrap();
+    for k in &keys[1..] {
+        assert_eq!(next(), "ok", "nobody's retrieve of {k}");
+    }
+    assert_eq!(next(), "permission_denied", "a 0600 entry of root's");
+    assert_eq!(next(), "ok", "an entry in nobody's own namespace");
+    let sizes: u64 = (1..100).map(|i| 3000 + i as u64).sum::<u64>() + 5;
+    assert_eq!(
+        next(),
+        format!(
+            "retrieve={} accessed={} bytes={}",
+            r2 + 1,
+            a2 + 2,
+            b2 + sizes
+        ),
+        "nobody opened the 99 entries and its own namespace's itself (two reports); only the private one went to marud"
+    );
+    // The namespace closes: the kernel refuses the directory nobody holds at once.
+    std::fs::set_permissions(mnt.join("open"), std::fs::Permissions::from_mode(0o700)).unwrap();
+    std::fs::write(&flag, b"").unwrap();
+    assert_eq!(next(), "permission_denied", "after the namespace closed");
+    assert_eq!(
+        next(),
+        format!(
+            "retrieve={} accessed={} bytes={}",
+            r2 + 2,
+            a2 + 2,
+            b2 + sizes
+        ),
+        "marud refused it: nothing read"
+    );
+    assert!(probe.0.wait().unwrap().success());
+}
+
+/// A child process killed and reaped when dropped (a failing test leaves none behind).
+struct Reaped(std::process::Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }

@@ -584,6 +584,7 @@ impl Backend for StoreFs {
             n.mtime = SystemTime::now();
             let a = n.attr();
             st.ns.save();
+            st.mirror_ns_access(&path);
             return Ok(a);
         }
         if let Some(a) = st.allocs.get_mut(&ino) {

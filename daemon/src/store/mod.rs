@@ -179,6 +179,7 @@ impl Store {
         for p in &mut st.pools {
             p.pool.ensure_ns(ns)?;
         }
+        st.mirror_ns_access(ns);
         st.ns.save();
         Ok(ino)
     }

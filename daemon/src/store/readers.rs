@@ -1,6 +1,6 @@
-//! What readers get beside retrievals: a namespace's shared index, with, for root, the
-//! directories in which its memfs entries are files; and their reports of the entries they
-//! opened there themselves.
+//! What readers get beside retrievals: a namespace's shared index, with the directories in
+//! which its memfs entries are files; and their reports of the entries they opened there
+//! themselves.
 
 use std::fs::File;
 
@@ -9,7 +9,7 @@ use maru::name::split_ns;
 use maru_fsd::Caller;
 
 use super::Store;
-use super::policy::Access;
+use super::policy::{self, Access, Perm};
 use super::state::State;
 use super::stats::Bytes;
 
@@ -19,30 +19,35 @@ pub struct IndexGrant {
     pub table: File,
     /// Its slots.
     pub slots: u64,
-    /// The memfs pools' directories of the namespace, by pool id (root callers only).
+    /// The memfs pools' directories of the namespace, by pool id: for root, and for others
+    /// where the kernel applies the namespace's access to them.
     pub dirs: Vec<(u32, File)>,
 }
 
 impl Store {
     /// A read-only descriptor of a namespace's index (it reveals the names: listing rights),
-    /// and for root the directories in which its memfs entries are files.
+    /// and the directories in which its memfs entries are files.
     pub fn index_fd(&self, c: &Caller, ns: &str) -> Result<IndexGrant> {
         split_ns(ns)?;
         let st = self.st.lock();
         Self::allow(&st, c, ns, Access::List)?;
         let n = st.ns.get(ns)?;
         // The memfs pools' directories of the namespace, for a caller that may open the
-        // entries' files itself: only root, for whom the kernel decides as the policy does
-        // (root may read every entry). Anyone else asks marud for each entry's descriptor.
+        // entries' files itself because the kernel decides as the policy does: root may read
+        // every entry; anyone else where each directory has its namespace's access and each
+        // file its entry's owner and mode (`MemfsPool::set_ns_access`). The search on the
+        // namespaces above was checked here, once, as for a directory held open under /maru.
+        // Other clients ask marud for each entry's descriptor.
         let mut dirs = Vec::new();
-        if c.uid == 0 {
-            for (id, p) in st.pools.iter().enumerate() {
-                match p.pool.ns_dir(ns) {
-                    Ok(Some(d)) => dirs.push((id as u32, d)),
-                    Ok(None) => {}
-                    // The client asks for that pool's entries instead.
-                    Err(e) => tracing::warn!(ns, pool = id, "opening a namespace directory: {e}"),
-                }
+        for (id, p) in st.pools.iter().enumerate() {
+            if c.uid != 0 && !p.pool.mirrors_access() {
+                continue;
+            }
+            match p.pool.ns_dir(ns) {
+                Ok(Some(d)) => dirs.push((id as u32, d)),
+                Ok(None) => {}
+                // The client asks for that pool's entries instead.
+                Err(e) => tracing::warn!(ns, pool = id, "opening a namespace directory: {e}"),
             }
         }
         Ok(IndexGrant {
@@ -52,16 +57,28 @@ impl Store {
         })
     }
 
-    /// Entries a client mapped by opening their files itself (see `index_fd`): they count as
-    /// retrieved and become the most recently used. Generations of entries gone are ignored.
-    pub fn accessed(&self, gens: &[u64]) {
+    /// Entries client `c` mapped by opening their files itself (see `index_fd`): they count as
+    /// retrieved and become the most recently used. Generations of entries gone, or that `c`
+    /// may not read, are ignored.
+    pub fn accessed(&self, c: &Caller, gens: &[u64]) {
         let mut st = self.st.lock();
-        let State { entries, lru, .. } = &mut *st;
+        // The permissions along the last namespace seen (a report is mostly of one).
+        let mut chain: Option<(String, Vec<Perm>)> = None;
         for g in gens {
-            if let Some(e) = entries.get_mut(g) {
-                lru.touch(&mut e.lru);
-                self.counters.add_bytes(Bytes::Retrieved, e.size);
+            let Some(e) = st.entries.get(g) else { continue };
+            if c.uid != 0 {
+                if chain.as_ref().is_none_or(|(ns, _)| *ns != e.ns) {
+                    chain = Some((e.ns.clone(), st.ns.chain(&e.ns)));
+                }
+                let (ns, path) = chain.as_ref().expect("set above");
+                if policy::check(c, path, ns, Access::Read(&e.perm)).is_err() {
+                    continue;
+                }
             }
+            let State { entries, lru, .. } = &mut *st;
+            let e = entries.get_mut(g).expect("looked up above");
+            lru.touch(&mut e.lru);
+            self.counters.add_bytes(Bytes::Retrieved, e.size);
         }
     }
 }

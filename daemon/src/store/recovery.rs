@@ -86,6 +86,12 @@ pub fn open_state(
     for p in 0..st.pools.len() {
         recover_pool(&mut st, p, &**authority)?;
     }
+    // Namespace directories take their namespaces' access as the state directory has it (the
+    // tree may come from a run that stopped before it applied a change).
+    let names: Vec<String> = st.ns.iter().map(|(n, _)| n.clone()).collect();
+    for n in names {
+        st.mirror_ns_access(&n);
+    }
     st.ns.save();
     tracing::info!(
         entries = st.entries.len(),

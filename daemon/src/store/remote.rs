@@ -169,6 +169,7 @@ impl State {
         for p in &mut self.pools {
             p.pool.ensure_ns(ns)?;
         }
+        self.mirror_ns_access(ns);
         self.ns.save();
         Ok(())
     }

@@ -368,6 +368,26 @@ impl State {
             .ok_or_else(|| maru::Error::Protocol("no such session".into()))
     }
 
+    /// Gives the directories of namespace `ns` and of each namespace above it, in every pool
+    /// where entries are files, their namespaces' access (so that the kernel decides opens
+    /// through them as the policy does). A pool that fails closes its directory to all but
+    /// root: its entries are then asked of marud.
+    pub fn mirror_ns_access(&mut self, ns: &str) {
+        let mut end = 0;
+        while end < ns.len() {
+            end = ns[end..].find('/').map_or(ns.len(), |i| end + i);
+            let prefix = &ns[..end];
+            end += 1;
+            let Ok(n) = self.ns.get(prefix) else { continue };
+            let perm = n.perm;
+            for p in &mut self.pools {
+                if let Err(e) = p.pool.set_ns_access(prefix, &perm) {
+                    tracing::error!(ns = prefix, pool = %p.name, "giving a namespace directory its access: {e}");
+                }
+            }
+        }
+    }
+
     /// Marks a use of entry `ino`; false when there is no such entry.
     pub fn touch(&mut self, ino: u64) -> bool {
         match self.entries.get_mut(&ino) {

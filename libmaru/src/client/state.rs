@@ -94,8 +94,8 @@ pub(super) struct Spare {
 pub(super) struct NsIndex {
     pub(super) map: memmap2::Mmap,
     pub(super) removals_seen: u64,
-    /// The memfs pools' directories of the namespace, by pool id, when marud gave them (to
-    /// root): a first-time entry there is opened here, with no round trip.
+    /// The memfs pools' directories of the namespace, by pool id, when marud gave them: a
+    /// first-time entry there is opened here, with no round trip.
     pub(super) dirs: Vec<(u32, OwnedFd)>,
 }
 

@@ -78,6 +78,37 @@ fn main() -> anyhow::Result<()> {
                 Err(e) => writeln!(out, "{}", e.kind())?,
             }
         }
+        // openwait SOCKET FLAG N PATH... -> retrieves the first N paths in one batch, then
+        // each other path before FLAG exists, and each path after `--` once it does; prints
+        // one line per retrieval (`ok`, `absent` or the error kind) and, after each part, the
+        // store's `retrieve` and `accessed` op counts and retrieved bytes (its own request
+        // carries this client's report of what it opened itself).
+        Some(["openwait", sock, flag, n, paths @ ..]) => {
+            let h = maru::Handler::connect(cfg(sock))?;
+            let (batch, rest) = paths.split_at(n.parse()?);
+            for r in h.batch_retrieve(batch)? {
+                writeln!(out, "{}", if r.is_some() { "ok" } else { "absent" })?;
+            }
+            let mut after = false;
+            for p in rest {
+                if *p == "--" {
+                    writeln!(out, "{}", counts(&h)?)?;
+                    out.flush()?;
+                    while !std::path::Path::new(flag).exists() {
+                        std::thread::sleep(std::time::Duration::from_millis(10));
+                    }
+                    after = true;
+                    continue;
+                }
+                match h.retrieve(p) {
+                    Ok(Some(_)) => writeln!(out, "ok")?,
+                    Ok(None) => writeln!(out, "absent")?,
+                    Err(e) => writeln!(out, "{}", e.kind())?,
+                }
+            }
+            anyhow::ensure!(after, "no `--` in the paths");
+            writeln!(out, "{}", counts(&h)?)?;
+        }
         // storeloop SOCKET NS PREFIX SIZE -> stores PREFIX-0, PREFIX-1... forever, printing
         // each key once the daemon acknowledged it (seed = index)
         Some(["storeloop", sock, ns, prefix, size]) => {
@@ -107,9 +138,23 @@ fn main() -> anyhow::Result<()> {
                 }
             }
         }
-        _ => anyhow::bail!("usage: maru-probe store|retrieve|hold|mapfile|try|storeloop|ops ..."),
+        _ => anyhow::bail!(
+            "usage: maru-probe store|retrieve|hold|mapfile|try|openwait|storeloop|ops ..."
+        ),
     }
     Ok(())
+}
+
+/// `retrieve=R accessed=A bytes=B`: the store's op counts and bytes retrieved so far.
+fn counts(h: &maru::Handler) -> maru::Result<String> {
+    let s = h.stats()?;
+    let op = |n: &str| s.ops.get(n).copied().unwrap_or(0);
+    Ok(format!(
+        "retrieve={} accessed={} bytes={}",
+        op("retrieve"),
+        op("accessed"),
+        s.bytes.get("retrieved").copied().unwrap_or(0)
+    ))
 }
 
 /// The two doors to the store, for `ops`: the control socket (libmaru) and the mount.

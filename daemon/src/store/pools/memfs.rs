@@ -10,6 +10,7 @@ use maru::{Error, Result};
 use nix::sys::stat::{Mode, fchmod};
 use nix::unistd::{Gid, Uid, fchown};
 
+use super::super::policy::Perm;
 use super::{Backing, Found, Loc, Pool, Seams};
 use crate::pool::MemfsPool;
 
@@ -127,8 +128,15 @@ impl Pool for Memfs {
 
     fn set_owner_mode(&mut self, e: &Loc<'_>) -> Result<()> {
         let f = self.0.open_entry(e.ns, e.key)?;
+        let md = f.metadata()?;
+        // Clients open entries' files themselves (Store::index_fd), with the kernel deciding
+        // from the file's owner and mode: a new owner or group is given to a closed file, so
+        // that no one reads it in between under the old mode and the new owner.
+        if md.uid() != e.uid || md.gid() != e.gid {
+            fchmod(&f, Mode::empty()).map_err(errno)?;
+            fchown(&f, Some(Uid::from_raw(e.uid)), Some(Gid::from_raw(e.gid))).map_err(errno)?;
+        }
         fchmod(&f, Mode::from_bits_truncate(e.mode)).map_err(errno)?;
-        fchown(&f, Some(Uid::from_raw(e.uid)), Some(Gid::from_raw(e.gid))).map_err(errno)?;
         Ok(())
     }
 
@@ -162,6 +170,14 @@ impl Pool for Memfs {
             Some(d) => Ok(Some(d.try_clone()?)),
             None => Ok(None),
         }
+    }
+
+    fn set_ns_access(&mut self, ns: &str, perm: &Perm) -> Result<()> {
+        Ok(self.0.set_ns_access(ns, perm.uid, perm.gid, perm.mode)?)
+    }
+
+    fn mirrors_access(&self) -> bool {
+        self.0.acls
     }
 
     fn remove_ns(&mut self, ns: &str) {

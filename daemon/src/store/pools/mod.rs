@@ -9,6 +9,7 @@ pub mod raw;
 use std::fs::File;
 use std::sync::Arc;
 
+use super::policy::Perm;
 use maru::Result;
 use maru::proto::PoolKind;
 
@@ -195,6 +196,17 @@ pub trait Pool: Send {
     /// (memfs); None where entries are not files.
     fn ns_dir(&self, _ns: &str) -> Result<Option<File>> {
         Ok(None)
+    }
+    /// Gives the namespace's directory (memfs) the namespace's access `perm` for search and
+    /// read (see [`crate::pool::MemfsPool::set_ns_access`]); nothing where entries are not
+    /// files.
+    fn set_ns_access(&mut self, _ns: &str, _perm: &Perm) -> Result<()> {
+        Ok(())
+    }
+    /// Whether the kernel applies each namespace's access to its directory here (memfs pools
+    /// on a tmpfs with ACLs), so that a client that is not root may open entries through it.
+    fn mirrors_access(&self) -> bool {
+        false
     }
     /// Removes the namespace `ns` (memfs: its empty directory).
     fn remove_ns(&mut self, ns: &str);
