@@ -218,12 +218,12 @@ def run(args: argparse.Namespace, kind: str) -> None:
             # namespace open to all: it opens memfs entries itself only where the pool's
             # directories carry the namespaces' access (doc/PROTOCOL.md).
             os.mkdir(d.mount / "shared", 0o755)
-            with MaruHandler(d.config("shared")) as w:
+            with MaruHandler(d.config("shared", pool_size=64 << 20, chunk_size_bytes=64 << 20)) as w:
                 names = [f"big{i}" for i in range(9)]
                 files = store_big(w, names)
 
             def other() -> tuple:
-                with MaruHandler(d.config("shared")) as o:
+                with MaruHandler(d.config("shared", pool_size=64 << 20, chunk_size_bytes=64 << 20)) as o:
                     return time_first_retrieves(o, names, files)
 
             big_lines.append(big_line(f"by uid {args.other_uid} ", *as_other_user(args.other_uid, other), len(names)))
