@@ -9,15 +9,16 @@ CXL device), each with its own daemon. Each figure is the best of three rounds o
 --seconds each (cold ones: of three rounds of 60 batches). Cold figures (first-time retrieves)
 use keys this handler never looked at.
 The first retrieve of a 32 MiB entry is the median of several entries, each timed against
-mapping its pool file directly, in alternating order: by root, then by a client that is not
-root (--other-uid, nobody by default; the daemon's socket is given its group). Targets (issue
-16) are printed beside them. Handler plugins are off unless MARU_PLUGINS says otherwise.
+mapping its pool file directly, in alternating order. It and the first-time batches are also
+timed by a client that is not root (--other-uid, nobody by default; the daemon's socket is
+given its group), in a namespace open to all. Targets (issue 16) are printed beside them. Handler plugins are off unless MARU_PLUGINS says otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
 import grp
+import json
 import mmap
 import os
 import statistics
@@ -114,31 +115,58 @@ def time_first_retrieves(h: MaruHandler, names: List[str], files: List[tuple]) -
     return statistics.median(maru_t), statistics.median(direct_t)
 
 
+def store_cold_rounds(h: MaruHandler, page: bytes) -> List[List[List[str]]]:
+    """Stores three rounds of 60 batches of 64 keys of 4 KiB for `best_cold_rate`."""
+    rounds = []
+    for r in range(3):
+        sets = []
+        for j in range(60):
+            ks = [f"c{r}-{j}-{i}" for i in range(64)]
+            for k in ks:
+                h.put(k, page)
+            sets.append(ks)
+        rounds.append(sets)
+    return rounds
+
+
+def best_cold_rate(h: MaruHandler, rounds: List[List[List[str]]]) -> float:
+    """Keys per second of first-time `batch_retrieve(64)`s (keys `h` never looked at), the
+    best of the rounds, as the other rows."""
+    best = 0.0
+    for sets in rounds:
+        t0 = time.perf_counter()
+        n = 0
+        for ks in sets:
+            n += len(h.batch_retrieve(ks))
+        best = max(best, n / (time.perf_counter() - t0))
+    return best
+
+
 def as_other_user(uid: int, fn: Callable[[], tuple]) -> tuple:
     """Runs `fn` in a child process with `uid` as its user and group (no other groups) and
-    returns what it returned: what a client that is not root gets. Descriptors opened before
-    (the pool files of the direct side) stay usable in the child."""
+    returns what it returned (a tuple of numbers): what a client that is not root gets.
+    Descriptors opened before (the pool files of the direct side) stay usable in the child."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
+        code = 0
         try:
             os.close(r)
             os.setgroups([])
             os.setresgid(uid, uid, uid)
             os.setresuid(uid, uid, uid)
-            os.write(w, repr(fn()).encode())
-            os._exit(0)
+            out = {"result": list(fn())}
         except BaseException as e:  # noqa: BLE001 - reported by the parent
-            os.write(w, repr(("error", str(e))).encode())
-            os._exit(1)
+            out, code = {"error": f"{type(e).__name__}: {e}"}, 1
+        os.write(w, json.dumps(out).encode())
+        os._exit(code)
     os.close(w)
     with os.fdopen(r) as f:
-        out = f.read()
+        out = json.loads(f.read() or '{"error": "the child wrote nothing"}')
     os.waitpid(pid, 0)
-    res = eval(out)  # a tuple of two floats, written by the child above
-    if res[0] == "error":
-        raise RuntimeError(f"as uid {uid}: {res[1]}")
-    return res
+    if "error" in out:
+        raise RuntimeError(f"as uid {uid}: {out['error']}")
+    return tuple(out["result"])
 
 
 def big_line(who: str, t_maru: float, t_direct: float, n: int) -> str:
@@ -194,22 +222,10 @@ def run(args: argparse.Namespace, kind: str) -> None:
             h.batch_retrieve(keys)
             rows.append(("batch_retrieve(64) keys", rate(lambda: len(h.batch_retrieve(keys)), args.seconds), None, 2_000_000))
 
-            # Cold: keys this handler never retrieved (stored by it, so no mapping held). Best
-            # of three rounds, as the other rows; each round stores its own 60 batches first.
-            best = 0.0
-            for r in range(3):
-                cold_sets = []
-                for j in range(60):
-                    ks = [f"c{r}-{j}-{i}" for i in range(64)]
-                    for k in ks:
-                        h.put(k, page)
-                    cold_sets.append(ks)
-                t0 = time.perf_counter()
-                n = 0
-                for ks in cold_sets:
-                    n += len(h.batch_retrieve(ks))
-                best = max(best, n / (time.perf_counter() - t0))
-            rows.append(("first batch_retrieve(64) keys", best, None, 200_000 if kind == "memfs" else 500_000))
+            # Cold: keys this handler never retrieved (stored by it, so no mapping held).
+            rounds = store_cold_rounds(h, page)
+            rows.append(("first batch_retrieve(64) keys", best_cold_rate(h, rounds), None,
+                         200_000 if kind == "memfs" else 500_000))
 
             names = [f"big{i}" for i in range(9)]
             files = store_big(h, names)
@@ -218,15 +234,19 @@ def run(args: argparse.Namespace, kind: str) -> None:
             # namespace open to all: it opens memfs entries itself only where the pool's
             # directories carry the namespaces' access (doc/PROTOCOL.md).
             os.mkdir(d.mount / "shared", 0o755)
-            with MaruHandler(d.config("shared", pool_size=64 << 20, chunk_size_bytes=64 << 20)) as w:
+            shared = d.config("shared", pool_size=64 << 20, chunk_size_bytes=64 << 20)
+            with MaruHandler(shared) as w:
                 names = [f"big{i}" for i in range(9)]
                 files = store_big(w, names)
+                rounds = store_cold_rounds(w, page)
 
             def other() -> tuple:
-                with MaruHandler(d.config("shared", pool_size=64 << 20, chunk_size_bytes=64 << 20)) as o:
-                    return time_first_retrieves(o, names, files)
+                with MaruHandler(shared) as o:
+                    return time_first_retrieves(o, names, files) + (best_cold_rate(o, rounds),)
 
-            big_lines.append(big_line(f"by uid {args.other_uid} ", *as_other_user(args.other_uid, other), len(names)))
+            t_maru, t_direct, cold = as_other_user(args.other_uid, other)
+            rows.append((f"  by uid {args.other_uid}", cold, None, 200_000 if kind == "memfs" else 500_000))
+            big_lines.append(big_line(f"by uid {args.other_uid} ", t_maru, t_direct, len(names)))
             for f, _ in files:
                 f.close()
 
@@ -236,7 +256,7 @@ def run(args: argparse.Namespace, kind: str) -> None:
         orig = ORIGINAL.get(name)
         print(f"{name:32}{fmt(native)}{fmt(by_path) if by_path else ' ' * 14}"
               f"{fmt(orig) if orig else ' ' * 14}{fmt(target)}"
-              f"{(native / orig if orig else float('nan')):>12.1f}")
+              + (f"{native / orig:>12.1f}" if orig else ""))
     for line in big_lines:
         print(line)
 
