@@ -60,17 +60,20 @@ impl Acl {
     /// Makes this the access ACL of `f` (and its mode bits the kernel's reflection of it);
     /// `EOPNOTSUPP` on a filesystem without ACLs.
     pub fn apply(&self, f: &File) -> io::Result<()> {
+        self.set(f, c"system.posix_acl_access")
+    }
+
+    /// Makes this the default ACL of directory `f`: what files created in it take instead of
+    /// the creating process's umask (their mode is the one asked for, within these bits).
+    pub fn apply_default(&self, f: &File) -> io::Result<()> {
+        self.set(f, c"system.posix_acl_default")
+    }
+
+    fn set(&self, f: &File, name: &std::ffi::CStr) -> io::Result<()> {
         let v = self.to_xattr();
         // SAFETY: a valid descriptor, a NUL-terminated name, and a buffer of `v.len()` bytes.
-        let r = unsafe {
-            libc::fsetxattr(
-                f.as_raw_fd(),
-                c"system.posix_acl_access".as_ptr(),
-                v.as_ptr().cast(),
-                v.len(),
-                0,
-            )
-        };
+        let r =
+            unsafe { libc::fsetxattr(f.as_raw_fd(), name.as_ptr(), v.as_ptr().cast(), v.len(), 0) };
         if r == 0 {
             Ok(())
         } else {

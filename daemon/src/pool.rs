@@ -201,7 +201,8 @@ pub struct MemfsPool {
     writing_dir: File,
     /// Namespace directories known to exist in this pool, open (publication links into them).
     ns_dirs: parking_lot::Mutex<std::collections::HashMap<String, std::sync::Arc<File>>>,
-    /// The process's umask when the pool was opened (it takes bits off the files created).
+    /// The bits the process's umask takes off the files created in `w` (0 where its default
+    /// ACL stands in for the umask).
     umask: u32,
     /// Whether the tmpfs takes POSIX access ACLs, by which namespace directories mirror their
     /// namespaces' access ([`MemfsPool::set_ns_access`]).
@@ -355,13 +356,20 @@ impl MemfsPool {
                 false
             }
         };
+        // Files created in `w` take the mode asked for, not the daemon's umask (0077): no
+        // `fchmod` per file. Without ACLs, each file whose mode the umask cuts is given it.
+        let umask = if acls && ANY.apply_default(&writing_dir).is_ok() {
+            0
+        } else {
+            process_umask()
+        };
         Ok(MemfsPool {
             root,
             capacity,
             mounted_here,
             writing_dir,
             ns_dirs: parking_lot::Mutex::new(std::collections::HashMap::new()),
-            umask: process_umask(),
+            umask,
             acls,
             gate: parking_lot::RwLock::new(None),
         })
@@ -699,6 +707,14 @@ const ROOT_ONLY: Acl = Acl {
     user: None,
     group: 0,
     other: 0,
+};
+
+/// Everyone's (0777): as a default ACL, it leaves new files the mode they are created with.
+const ANY: Acl = Acl {
+    owner: 7,
+    user: None,
+    group: 7,
+    other: 7,
 };
 
 /// The process's umask, read without changing it (`Umask:` in /proc/self/status); the
