@@ -232,7 +232,17 @@ fn clients_open_memfs_entries_themselves_as_the_policy_allows() {
         "99".into(),
     ];
     args.extend(keys[1..].iter().cloned());
-    args.extend(["open/private", "mine/x", "--", "open/late"].map(String::from));
+    args.extend(
+        [
+            "open/private",
+            "mine/x",
+            "exists:open/k1",
+            "--",
+            "open/late",
+            "exists:open/after",
+        ]
+        .map(String::from),
+    );
     // Killed if the test fails before letting it finish (it waits for the flag).
     let mut probe = Reaped(
         Command::new("setpriv")
@@ -251,6 +261,7 @@ fn clients_open_memfs_entries_themselves_as_the_policy_allows() {
     }
     assert_eq!(next(), "permission_denied", "a 0600 entry of root's");
     assert_eq!(next(), "ok", "an entry in nobody's own namespace");
+    assert_eq!(next(), "true", "exists, from the index nobody mapped");
     let sizes: u64 = (1..100).map(|i| 3000 + i as u64).sum::<u64>() + 5;
     assert_eq!(
         next(),
@@ -262,10 +273,17 @@ fn clients_open_memfs_entries_themselves_as_the_policy_allows() {
         ),
         "nobody opened the 99 entries and its own namespace's itself (two reports); only the private one went to marud"
     );
-    // The namespace closes: the kernel refuses the directory nobody holds at once.
+    // The namespace closes: the kernel refuses the directory nobody holds at once, and the
+    // index it mapped is retired, so a name stored since is not shown to it.
     std::fs::set_permissions(mnt.join("open"), std::fs::Permissions::from_mode(0o700)).unwrap();
+    writer.put("open/after", b"new").unwrap();
     std::fs::write(&flag, b"").unwrap();
     assert_eq!(next(), "permission_denied", "after the namespace closed");
+    assert_eq!(
+        next(),
+        "permission_denied",
+        "a name stored after the namespace closed"
+    );
     assert_eq!(
         next(),
         format!(

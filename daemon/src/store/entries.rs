@@ -245,6 +245,28 @@ impl State {
             self.pools[z.pool as usize].pool.free_extent(z.offset);
         }
     }
+
+    /// Gives namespace `ns` and every namespace under it a fresh index, retiring the old
+    /// ones, after a change of `ns`'s access: a client that mapped one must ask for the new
+    /// one, and marud checks its access again (an index shows every name and size as they
+    /// change, to whoever maps it).
+    pub fn renew_indexes(&mut self, ns: &str) {
+        let under = format!("{ns}/");
+        let names: Vec<String> = self
+            .ns
+            .iter()
+            .filter(|(n, _)| *n == ns || n.starts_with(&under))
+            .map(|(n, _)| n.clone())
+            .collect();
+        for name in names {
+            let Ok(n) = self.ns.get_mut(&name) else {
+                continue;
+            };
+            for (ino, slot) in rebuild_index(n, &self.entries) {
+                self.entries.get_mut(&ino).expect("indexed").slot = slot;
+            }
+        }
+    }
 }
 
 /// Rebuilds a namespace's index into a fresh, larger table. Returns the new slot of every

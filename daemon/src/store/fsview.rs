@@ -585,6 +585,7 @@ impl Backend for StoreFs {
             let a = n.attr();
             st.ns.save();
             st.mirror_ns_access(&path);
+            st.renew_indexes(&path);
             return Ok(a);
         }
         if let Some(a) = st.allocs.get_mut(&ino) {

@@ -79,8 +79,9 @@ fn main() -> anyhow::Result<()> {
             }
         }
         // openwait SOCKET FLAG N PATH... -> retrieves the first N paths in one batch, then
-        // each other path before FLAG exists, and each path after `--` once it does; prints
-        // one line per retrieval (`ok`, `absent` or the error kind) and, after each part, the
+        // each other path before FLAG exists, and each path after `--` once it does (a path
+        // `exists:P` asks whether P exists instead); prints one line per step (`ok`, `absent`,
+        // `true`, `false` or the error kind) and, after each part, the
         // store's `retrieve` and `accessed` op counts and retrieved bytes (its own request
         // carries this client's report of what it opened itself).
         Some(["openwait", sock, flag, n, paths @ ..]) => {
@@ -98,6 +99,13 @@ fn main() -> anyhow::Result<()> {
                         std::thread::sleep(std::time::Duration::from_millis(10));
                     }
                     after = true;
+                    continue;
+                }
+                if let Some(p) = p.strip_prefix("exists:") {
+                    match h.exists(p) {
+                        Ok(b) => writeln!(out, "{b}")?,
+                        Err(e) => writeln!(out, "{}", e.kind())?,
+                    }
                     continue;
                 }
                 match h.retrieve(p) {
