@@ -87,7 +87,7 @@ pub fn open_state(
         recover_pool(&mut st, p, &**authority)?;
     }
     // Namespace directories take their namespaces' access as the state directory has it (the
-    // tree may come from a run that stopped before it applied a change).
+    // tree may come from a run that stopped before it applied a change): each one once.
     let names: Vec<String> = st.ns.iter().map(|(n, _)| n.clone()).collect();
     for n in names {
         st.mirror_ns_access(&n);

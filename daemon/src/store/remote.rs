@@ -159,6 +159,7 @@ impl State {
     /// Creates namespace `ns` (and those above it) here if absent, as another host's entry or
     /// quota needs it: owned by root, mode 0755.
     fn ensure_ns_here(&mut self, ns: &str) -> Result<()> {
+        let existed = self.ns.contains(ns);
         let mut next = self.next_ino;
         let made = self.ns.ensure_path(ns, || {
             next += 1;
@@ -169,7 +170,14 @@ impl State {
         for p in &mut self.pools {
             p.pool.ensure_ns(ns)?;
         }
-        self.mirror_ns_access(ns);
+        if !existed {
+            // Made here, with those above it that were missing: their directories take
+            // their access (a parent's again, harmlessly, where it existed).
+            let prefixes = ns.match_indices('/').map(|(i, _)| &ns[..i]);
+            for prefix in prefixes.chain([ns]) {
+                self.mirror_ns_access(prefix);
+            }
+        }
         self.ns.save();
         Ok(())
     }

@@ -368,22 +368,16 @@ impl State {
             .ok_or_else(|| maru::Error::Protocol("no such session".into()))
     }
 
-    /// Gives the directories of namespace `ns` and of each namespace above it, in every pool
-    /// where entries are files, their namespaces' access (so that the kernel decides opens
-    /// through them as the policy does). A pool that fails closes its directory to all but
-    /// root: its entries are then asked of marud.
+    /// Gives the directories of namespace `ns`, in every pool where entries are files, the
+    /// namespace's access (so that the kernel decides opens through them as the policy does).
+    /// A pool that fails closes its directory to all but root: its entries are then asked of
+    /// marud.
     pub fn mirror_ns_access(&mut self, ns: &str) {
-        let mut end = 0;
-        while end < ns.len() {
-            end = ns[end..].find('/').map_or(ns.len(), |i| end + i);
-            let prefix = &ns[..end];
-            end += 1;
-            let Ok(n) = self.ns.get(prefix) else { continue };
-            let perm = n.perm;
-            for p in &mut self.pools {
-                if let Err(e) = p.pool.set_ns_access(prefix, &perm) {
-                    tracing::error!(ns = prefix, pool = %p.name, "giving a namespace directory its access: {e}");
-                }
+        let Ok(n) = self.ns.get(ns) else { return };
+        let perm = n.perm;
+        for p in &mut self.pools {
+            if let Err(e) = p.pool.set_ns_access(ns, &perm) {
+                tracing::error!(ns, pool = %p.name, "giving a namespace directory its access: {e}");
             }
         }
     }
