@@ -383,6 +383,52 @@ pub fn pfns(ptr: *const u8, len: usize) -> Vec<u64> {
     out
 }
 
+/// A child process killed and reaped when dropped, so that a failing test leaves none behind.
+pub struct Reaped(pub std::process::Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// What the store counted of reads so far: `retrieve` requests, `accessed` reports (of entries
+/// clients opened themselves) and bytes retrieved; printed `retrieve=R accessed=A bytes=B` (so a
+/// probe process can report it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadCounts {
+    /// `retrieve` requests.
+    pub retrieve: u64,
+    /// `accessed` reports.
+    pub accessed: u64,
+    /// Bytes retrieved.
+    pub bytes: u64,
+}
+
+impl ReadCounts {
+    /// The store's counts now, asked through `h` (the request carries `h`'s own report first).
+    pub fn of(h: &maru::Handler) -> maru::Result<Self> {
+        let s = h.stats()?;
+        let op = |n: &str| s.ops.get(n).copied().unwrap_or(0);
+        Ok(ReadCounts {
+            retrieve: op("retrieve"),
+            accessed: op("accessed"),
+            bytes: s.bytes.get("retrieved").copied().unwrap_or(0),
+        })
+    }
+}
+
+impl std::fmt::Display for ReadCounts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "retrieve={} accessed={} bytes={}",
+            self.retrieve, self.accessed, self.bytes
+        )
+    }
+}
+
 /// Deterministic test bytes.
 pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;

@@ -11,10 +11,10 @@
 //! The writers are plain programs, as users would run them: Python, `cp`, `dd`.
 
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdout, Command, Output, Stdio};
+use std::process::{ChildStdout, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use maru_tests::{Daemon, Opts, pattern};
+use maru_tests::{Daemon, Opts, Reaped, pattern};
 
 /// Both ways the kernel's requests reach marud: io_uring (where the kernel has it) and
 /// `/dev/fuse`.
@@ -75,7 +75,7 @@ fn stdout_of(o: &Output) -> String {
 
 /// A Python program running in the background, talking line by line.
 struct Talker {
-    child: Child,
+    child: Reaped,
     out: BufReader<ChildStdout>,
 }
 
@@ -88,7 +88,10 @@ impl Talker {
             .spawn()
             .expect("starting python3");
         let out = BufReader::new(child.stdout.take().expect("piped"));
-        Talker { child, out }
+        Talker {
+            child: Reaped(child),
+            out,
+        }
     }
 
     /// The program's next line (panics if it ended).
@@ -96,28 +99,21 @@ impl Talker {
         let mut l = String::new();
         self.out.read_line(&mut l).expect("reading python's output");
         if l.is_empty() {
-            let st = self.child.wait().expect("wait");
+            let st = self.child.0.wait().expect("wait");
             panic!("the python program ended ({st}) without a word");
         }
         l.trim().to_owned()
     }
 
     fn tell(&mut self, what: &str) {
-        let stdin = self.child.stdin.as_mut().expect("piped");
+        let stdin = self.child.0.stdin.as_mut().expect("piped");
         writeln!(stdin, "{what}").expect("writing to python");
         stdin.flush().expect("flush");
     }
 
     fn finish(mut self) -> std::process::ExitStatus {
-        drop(self.child.stdin.take());
-        self.child.wait().expect("wait")
-    }
-}
-
-impl Drop for Talker {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        drop(self.child.0.stdin.take());
+        self.child.0.wait().expect("wait")
     }
 }
 
@@ -366,8 +362,8 @@ fn a_failed_writer_publishes_nothing_and_leaks_nothing_however_it_ends() {
                 }
                 "exit" => assert!(w.finish().success()),
                 _ => {
-                    w.child.kill().unwrap();
-                    w.child.wait().unwrap();
+                    w.child.0.kill().unwrap();
+                    w.child.0.wait().unwrap();
                 }
             }
             assert_unpublished(&d, "w", &key, &what);

@@ -5,7 +5,7 @@
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::process::Command;
 
-use maru_tests::{Daemon, Opts, bin, pattern};
+use maru_tests::{Daemon, Opts, ReadCounts, Reaped, bin, pattern};
 
 fn caps_of(pid: u32, field: &str) -> u64 {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
@@ -164,16 +164,7 @@ fn clients_open_memfs_entries_themselves_as_the_policy_allows() {
     for (i, k) in keys.iter().enumerate() {
         writer.put(k, &pattern(i as u64, 3000 + i)).unwrap();
     }
-    let counts = |h: &maru::Handler| {
-        let s = h.stats().unwrap();
-        let op = |n: &str| s.ops.get(n).copied().unwrap_or(0);
-        (
-            op("retrieve"),
-            op("accessed"),
-            s.bytes.get("retrieved").copied().unwrap_or(0),
-        )
-    };
-    let (r0, a0, b0) = counts(&writer);
+    let c0 = ReadCounts::of(&writer).unwrap();
     let reader = d.handler();
     let paths: Vec<&str> = keys.iter().map(String::as_str).collect();
     let got = reader.batch_retrieve(&paths).unwrap();
@@ -184,14 +175,18 @@ fn clients_open_memfs_entries_themselves_as_the_policy_allows() {
         );
     }
     // The reader's next request carries the report of what it opened.
-    let (r1, a1, b1) = counts(&reader);
+    let c1 = ReadCounts::of(&reader).unwrap();
     assert_eq!(
-        r1, r0,
+        c1.retrieve, c0.retrieve,
         "a root client asked marud for entries it could open"
     );
-    assert_eq!(a1, a0 + 1, "one report of the batch");
+    assert_eq!(c1.accessed, c0.accessed + 1, "one report of the batch");
     let total: u64 = (0..100).map(|i| 3000 + i as u64).sum();
-    assert_eq!(b1 - b0, total, "the entries opened count as retrieved");
+    assert_eq!(
+        c1.bytes - c0.bytes,
+        total,
+        "the entries opened count as retrieved"
+    );
     // A key stored again is a new file: the reader maps the new one, not its cached mapping.
     writer.delete("open/k0").unwrap();
     writer.put("open/k0", b"again").unwrap();
@@ -224,7 +219,7 @@ fn clients_open_memfs_entries_themselves_as_the_policy_allows() {
     std::os::unix::fs::chown(mnt.join("mine"), Some(65534), None).unwrap();
     std::fs::set_permissions(mnt.join("mine"), std::fs::Permissions::from_mode(0o500)).unwrap();
     let flag = d.dir.join("revoked");
-    let (r2, a2, b2) = counts(&writer);
+    let c2 = ReadCounts::of(&writer).unwrap();
     let mut args: Vec<String> = vec![
         "openwait".into(),
         d.socket.display().to_string(),
@@ -265,12 +260,12 @@ fn clients_open_memfs_entries_themselves_as_the_policy_allows() {
     let sizes: u64 = (1..100).map(|i| 3000 + i as u64).sum::<u64>() + 5;
     assert_eq!(
         next(),
-        format!(
-            "retrieve={} accessed={} bytes={}",
-            r2 + 1,
-            a2 + 2,
-            b2 + sizes
-        ),
+        ReadCounts {
+            retrieve: c2.retrieve + 1,
+            accessed: c2.accessed + 2,
+            bytes: c2.bytes + sizes,
+        }
+        .to_string(),
         "nobody opened the 99 entries and its own namespace's itself (two reports); only the private one went to marud"
     );
     // The namespace closes: the kernel refuses the directory nobody holds at once, and the
@@ -286,23 +281,13 @@ fn clients_open_memfs_entries_themselves_as_the_policy_allows() {
     );
     assert_eq!(
         next(),
-        format!(
-            "retrieve={} accessed={} bytes={}",
-            r2 + 2,
-            a2 + 2,
-            b2 + sizes
-        ),
+        ReadCounts {
+            retrieve: c2.retrieve + 2,
+            accessed: c2.accessed + 2,
+            bytes: c2.bytes + sizes,
+        }
+        .to_string(),
         "marud refused it: nothing read"
     );
     assert!(probe.0.wait().unwrap().success());
-}
-
-/// A child process killed and reaped when dropped (a failing test leaves none behind).
-struct Reaped(std::process::Child);
-
-impl Drop for Reaped {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }

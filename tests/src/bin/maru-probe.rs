@@ -4,7 +4,7 @@
 
 use std::io::Write;
 
-use maru_tests::{pattern, pfns};
+use maru_tests::{ReadCounts, pattern, pfns};
 
 fn cfg(socket: &str) -> maru::Config {
     maru::Config {
@@ -93,7 +93,7 @@ fn main() -> anyhow::Result<()> {
             let mut after = false;
             for p in rest {
                 if *p == "--" {
-                    writeln!(out, "{}", counts(&h)?)?;
+                    writeln!(out, "{}", ReadCounts::of(&h)?)?;
                     out.flush()?;
                     while !std::path::Path::new(flag).exists() {
                         std::thread::sleep(std::time::Duration::from_millis(10));
@@ -115,7 +115,7 @@ fn main() -> anyhow::Result<()> {
                 }
             }
             anyhow::ensure!(after, "no `--` in the paths");
-            writeln!(out, "{}", counts(&h)?)?;
+            writeln!(out, "{}", ReadCounts::of(&h)?)?;
         }
         // storeloop SOCKET NS PREFIX SIZE -> stores PREFIX-0, PREFIX-1... forever, printing
         // each key once the daemon acknowledged it (seed = index)
@@ -151,18 +151,6 @@ fn main() -> anyhow::Result<()> {
         ),
     }
     Ok(())
-}
-
-/// `retrieve=R accessed=A bytes=B`: the store's op counts and bytes retrieved so far.
-fn counts(h: &maru::Handler) -> maru::Result<String> {
-    let s = h.stats()?;
-    let op = |n: &str| s.ops.get(n).copied().unwrap_or(0);
-    Ok(format!(
-        "retrieve={} accessed={} bytes={}",
-        op("retrieve"),
-        op("accessed"),
-        s.bytes.get("retrieved").copied().unwrap_or(0)
-    ))
 }
 
 /// The two doors to the store, for `ops`: the control socket (libmaru) and the mount.
