@@ -335,6 +335,50 @@ impl Daemon {
     pub fn pool_dir(&self) -> &Path {
         &self.pool_dirs[0]
     }
+
+    /// Waits until the entry written through the mount at `rel` is published, and returns its
+    /// path under the mount. Publication follows the kernel's release of the writer's last
+    /// handle, which comes asynchronously after its `close`; over io_uring the RELEASE may
+    /// even be served after requests sent later from another CPU. Processes that look the
+    /// name up through the mount wait for it themselves; a test that looks at the pool's
+    /// files, or at the entry's state, waits here first.
+    pub fn published(&self, rel: &str) -> PathBuf {
+        let p = self.path(rel);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match xattr(&p, "user.maru.state") {
+                Ok(s) if s == b"sealed" => return p,
+                r if Instant::now() > deadline => panic!("{rel} not published in 10 s: {r:?}"),
+                _ => std::thread::sleep(Duration::from_millis(1)),
+            }
+        }
+    }
+}
+
+/// Extended attribute `name` of `p`.
+pub fn xattr(p: &Path, name: &str) -> std::io::Result<Vec<u8>> {
+    let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes())?;
+    let n = std::ffi::CString::new(name)?;
+    let mut buf = vec![0u8; 4096];
+    // SAFETY: valid C strings, and a buffer of `buf.len()` bytes.
+    let r = unsafe { libc::getxattr(c.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    buf.truncate(r as usize);
+    Ok(buf)
+}
+
+/// Sets extended attribute `name` of `p` to `v`.
+pub fn set_xattr(p: &Path, name: &str, v: &[u8]) -> std::io::Result<()> {
+    let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes())?;
+    let n = std::ffi::CString::new(name)?;
+    // SAFETY: valid C strings, and a buffer of `v.len()` bytes.
+    let r = unsafe { libc::setxattr(c.as_ptr(), n.as_ptr(), v.as_ptr().cast(), v.len(), 0) };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 impl Drop for Daemon {

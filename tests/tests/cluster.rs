@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use maru::Error;
 use maru_cluster::testing::{Etcd, Net};
-use maru_tests::{Daemon, Opts, bin, pattern, pfns, require_root};
+use maru_tests::{Daemon, Opts, bin, pattern, pfns, require_root, xattr};
 
 const POOL_SIZE: u64 = 256 << 20;
 
@@ -109,7 +109,8 @@ fn eventually(what: &str, mut cond: impl FnMut() -> bool) -> Duration {
 }
 
 fn location(d: &Daemon, rel: &str) -> (String, u64) {
-    let v = xattr(&d.path(rel), "user.maru.location");
+    let v = xattr(&d.path(rel), "user.maru.location").expect("user.maru.location");
+    let v = String::from_utf8(v).expect("utf-8");
     let (path, off) = v.rsplit_once('@').expect("PATH@OFFSET");
     (
         path.to_owned(),
@@ -130,16 +131,6 @@ fn assert_apart(mut spans: Vec<(u64, u64, String)>) {
             w[1].0
         );
     }
-}
-
-fn xattr(p: &Path, name: &str) -> String {
-    let out = std::process::Command::new("getfattr")
-        .args(["--only-values", "-n", name])
-        .arg(p)
-        .output()
-        .expect("getfattr");
-    assert!(out.status.success(), "getfattr {name} {}", p.display());
-    String::from_utf8(out.stdout).expect("utf-8")
 }
 
 #[test]

@@ -89,6 +89,7 @@ fn metrics_count_what_was_done() {
     h.delete("m/k2").unwrap();
     assert!(h.put("m/k0", b"dup").is_err());
     std::fs::write(d.path("m/viafs"), b"x").unwrap();
+    d.published("m/viafs");
     let out = Command::new("curl")
         .args(["-sf", &format!("http://127.0.0.1:{port}/metrics")])
         .output()

@@ -9,7 +9,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use maru_tests::{Daemon, Opts, pattern, pfns};
+use maru_tests::{Daemon, Opts, pattern, pfns, set_xattr, xattr};
 
 fn daemon() -> Daemon {
     Daemon::start(Opts::default())
@@ -26,12 +26,13 @@ fn fuse_ops(d: &Daemon, op: &str) -> u64 {
         .unwrap_or(0)
 }
 
-/// Writes a sealed entry of `size` pattern bytes at `ns/key` (the namespace is created).
+/// Writes a sealed entry of `size` pattern bytes at `ns/key` (the namespace is created), and
+/// waits for its publication.
 fn sealed_entry(d: &Daemon, ns: &str, key: &str, seed: u64, size: usize) -> std::path::PathBuf {
     std::fs::create_dir(d.path(ns)).unwrap();
-    let p = d.path(&format!("{ns}/{key}"));
-    std::fs::write(&p, pattern(seed, size)).unwrap();
-    p
+    let rel = format!("{ns}/{key}");
+    std::fs::write(d.path(&rel), pattern(seed, size)).unwrap();
+    d.published(&rel)
 }
 
 fn python(code: &str, args: &[&str]) -> String {
@@ -149,16 +150,27 @@ fn mount_mapping_is_the_pool_page() {
     assert_eq!(fuse_ops(&d, "fuse_lookup"), lookups);
 }
 
-/// The `field` (kB) of `/proc/self/smaps` for the mapping that starts at `addr`.
-fn smaps_kib(addr: *const u8, field: &str) -> u64 {
-    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
-    let start = format!("{:x}-", addr as usize);
-    let mut lines = smaps.lines().skip_while(|l| !l.starts_with(&start)).skip(1);
-    lines
-        .find_map(|l| l.strip_prefix(field))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap_or_else(|| panic!("no {field} for the mapping at {start}"))
-}
+/// A fresh process maps an entry as engines do, with a plain `mmap(NULL, size)`, reads a byte
+/// of every page, and prints the mapping's address and its `ShmemPmdMapped` (kB) from
+/// `/proc/self/smaps`. A process of its own: in the test's, other tests' threads map and unmap
+/// all the time, and a page table one of them leaves in the range (empty) makes the kernel map
+/// that 2 MiB with small pages.
+const PY_PMD: &str = r#"
+import ctypes, mmap, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+fd = os.open(sys.argv[1], os.O_RDONLY)
+size = os.fstat(fd).st_size
+addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+assert sum(ctypes.string_at(addr + i, 1)[0] for i in range(0, size, 4096)) > 0
+start = "%x-" % addr
+lines = open("/proc/self/smaps").read().splitlines()
+i = next(n for n, l in enumerate(lines) if l.startswith(start))
+pmd = next(l.split()[1] for l in lines[i + 1:] if l.startswith("ShmemPmdMapped:"))
+print(addr, pmd)
+"#;
 
 #[test]
 fn a_plain_mapping_of_a_large_entry_uses_2mib_pages() {
@@ -167,46 +179,17 @@ fn a_plain_mapping_of_a_large_entry_uses_2mib_pages() {
     // kernel places it at a 2 MiB boundary, FUSE file or not, so the pool's 2 MiB pages are
     // mapped with one page-table entry each.
     let d = daemon();
-    let size = 16 << 20;
-    let f = File::open(sealed_entry(&d, "huge", "k", 3, size)).unwrap();
-    // SAFETY: a read-only mapping of a sealed entry.
-    let m = unsafe { memmap2::Mmap::map(&f).unwrap() };
-    let sum: u64 = m.iter().step_by(4096).map(|b| u64::from(*b)).sum();
-    assert!(sum > 0);
+    let size: u64 = 16 << 20;
+    let p = sealed_entry(&d, "huge", "k", 3, size as usize);
+    let out = python(PY_PMD, &[p.to_str().unwrap()]);
+    let (addr, pmd) = out.trim().split_once(' ').expect("ADDR KIB");
+    let (addr, pmd): (u64, u64) = (addr.parse().unwrap(), pmd.parse().unwrap());
+    assert_eq!(addr % (2 << 20), 0, "mapping not 2 MiB-aligned");
     assert_eq!(
-        m.as_ptr() as usize % (2 << 20),
-        0,
-        "mapping not 2 MiB-aligned"
-    );
-    assert_eq!(
-        smaps_kib(m.as_ptr(), "ShmemPmdMapped:"),
-        (size >> 10) as u64,
+        pmd,
+        size >> 10,
         "the entry's pages are not mapped 2 MiB at a time"
     );
-}
-
-fn xattr(p: &Path, name: &str) -> std::io::Result<Vec<u8>> {
-    let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
-    let n = std::ffi::CString::new(name).unwrap();
-    let mut buf = vec![0u8; 4096];
-    // SAFETY: valid C strings and buffer.
-    let r = unsafe { libc::getxattr(c.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
-    if r < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    buf.truncate(r as usize);
-    Ok(buf)
-}
-
-fn set_xattr(p: &Path, name: &str, v: &[u8]) -> std::io::Result<()> {
-    let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
-    let n = std::ffi::CString::new(name).unwrap();
-    // SAFETY: valid C strings and buffer.
-    let r = unsafe { libc::setxattr(c.as_ptr(), n.as_ptr(), v.as_ptr().cast(), v.len(), 0) };
-    if r < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 /// Another process polls the name while this one writes it slowly.
@@ -283,6 +266,7 @@ fn sealed_entries_are_immutable() {
     std::fs::create_dir(d.path("ro")).unwrap();
     let p = d.path("ro/k");
     std::fs::write(&p, b"original").unwrap();
+    d.published("ro/k");
     // An entry keeps the mode it was created with (here 0666 & umask); sealed, it is
     // immutable whatever the mode says.
     let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
@@ -327,7 +311,7 @@ fn unlink_while_mapped_keeps_bytes() {
     let p = d.path("u/k");
     let data = pattern(9, 3 << 20);
     std::fs::write(&p, &data).unwrap();
-    let f = File::open(&p).unwrap();
+    let f = File::open(d.published("u/k")).unwrap();
     // SAFETY: read-only mapping of a sealed entry.
     let m = unsafe { memmap2::Mmap::map(&f).unwrap() };
     // Opened before (its backing kept for the next open) and held open across the unlink.
@@ -479,6 +463,7 @@ fn xattrs_show_state_and_pin() {
     std::fs::create_dir(d.path("x")).unwrap();
     let p = d.path("x/k");
     std::fs::write(&p, b"abc").unwrap();
+    d.published("x/k");
     let before = fuse_ops(&d, "fuse_getxattr");
     assert_eq!(xattr(&p, "user.maru.state").unwrap(), b"sealed");
     assert_eq!(
@@ -657,7 +642,7 @@ fn eviction_removes_names_from_the_mount() {
     });
     std::fs::create_dir(d.path("ev")).unwrap();
     std::fs::write(d.path("ev/old"), pattern(1, 4 << 20)).unwrap();
-    assert!(d.path("ev/old").exists());
+    assert!(d.published("ev/old").exists());
     let h = d.handler();
     for i in 0..6 {
         h.put(&format!("ev/n{i}"), &pattern(i, 4 << 20)).unwrap();
@@ -819,6 +804,7 @@ fn raw_pool_entries_are_served_by_copying() {
     std::fs::create_dir(d.path("raw")).unwrap();
     let data = pattern(11, 3 << 20);
     std::fs::write(d.path("raw/k"), &data).unwrap();
+    d.published("raw/k");
     assert_eq!(std::fs::read(d.path("raw/k")).unwrap(), data);
     assert_eq!(
         xattr(&d.path("raw/k"), "user.maru.access").unwrap(),
@@ -907,7 +893,7 @@ fn requests_come_over_io_uring_one_queue_per_cpu() {
     // Served through them: a store, a retrieval that maps the pool's pages.
     std::fs::create_dir(d.path("u")).unwrap();
     std::fs::write(d.path("u/k"), pattern(3, 4 << 20)).unwrap();
-    let f = File::open(d.path("u/k")).unwrap();
+    let f = File::open(d.published("u/k")).unwrap();
     // SAFETY: read-only mapping of a sealed entry.
     let m = unsafe { memmap2::Mmap::map(&f).unwrap() };
     assert_eq!(&m[..], &pattern(3, 4 << 20)[..]);
@@ -936,7 +922,7 @@ fn dev_fuse_serves_the_mount_when_io_uring_is_off() {
     );
     std::fs::create_dir(d.path("o")).unwrap();
     std::fs::write(d.path("o/k"), pattern(5, 4 << 20)).unwrap();
-    let f = File::open(d.path("o/k")).unwrap();
+    let f = File::open(d.published("o/k")).unwrap();
     // SAFETY: read-only mappings of a sealed entry.
     let (m, b) = unsafe {
         (

@@ -151,7 +151,7 @@ fn a_memfs_entry_file_has_the_entry_mode() {
     h.mkdir("m", 0o755).unwrap();
     h.put("m/k", b"mode").unwrap();
     std::fs::write(d.path("m/w"), b"by path").unwrap();
-    std::fs::set_permissions(d.path("m/w"), std::fs::Permissions::from_mode(0o640)).unwrap();
+    std::fs::set_permissions(d.published("m/w"), std::fs::Permissions::from_mode(0o640)).unwrap();
     let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
     assert_eq!(mode(&d.path("m/k")), 0o644, "as stored");
     assert_eq!(mode(&d.pool_dir().join("n/m/k")), 0o644, "its file");

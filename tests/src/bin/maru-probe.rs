@@ -4,7 +4,7 @@
 
 use std::io::Write;
 
-use maru_tests::{ReadCounts, pattern, pfns};
+use maru_tests::{ReadCounts, pattern, pfns, set_xattr};
 
 fn cfg(socket: &str) -> maru::Config {
     maru::Config {
@@ -254,15 +254,4 @@ impl Doors<'_> {
             _ => Err((libc::EINVAL, format!("no door {door}"))),
         }
     }
-}
-
-fn set_xattr(p: &std::path::Path, name: &str, v: &[u8]) -> std::io::Result<()> {
-    let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes())?;
-    let n = std::ffi::CString::new(name)?;
-    // SAFETY: valid C strings, and a buffer of `v.len()` bytes.
-    let r = unsafe { libc::setxattr(c.as_ptr(), n.as_ptr(), v.as_ptr().cast(), v.len(), 0) };
-    if r < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
 }
