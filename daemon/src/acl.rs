@@ -82,6 +82,29 @@ impl Acl {
     }
 }
 
+/// Removes the access ACL of `f` (its mode bits stay); nothing to do where it has none or the
+/// filesystem takes no ACLs.
+pub fn remove_access(f: &File) -> io::Result<()> {
+    remove(f, c"system.posix_acl_access")
+}
+
+/// Removes the default ACL of directory `f`, as [`remove_access`].
+pub fn remove_default(f: &File) -> io::Result<()> {
+    remove(f, c"system.posix_acl_default")
+}
+
+fn remove(f: &File, name: &std::ffi::CStr) -> io::Result<()> {
+    // SAFETY: a valid descriptor and a NUL-terminated name.
+    if unsafe { libc::fremovexattr(f.as_raw_fd(), name.as_ptr()) } == 0 {
+        return Ok(());
+    }
+    let e = io::Error::last_os_error();
+    match e.raw_os_error() {
+        Some(libc::ENODATA | libc::EOPNOTSUPP) => Ok(()),
+        _ => Err(e),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,9 +1,11 @@
 //! Pools: where entry bytes live.
 //!
-//! - `memfs:DIR[,size=N][,huge=within_size|always|never][,numa=N][,name=X]`: the daemon mounts
-//!   its own tmpfs at DIR (or reuses the one a previous run left). Each entry is a file:
-//!   `DIR/w/<id>` while being written, `DIR/n/<ns>/<key>` once sealed. The tree itself is the
-//!   metadata: it survives a crash of the daemon and is rescanned at start.
+//! - `memfs:DIR[,size=N][,huge=within_size|always|never][,numa=N][,acl=on|off][,name=X]`: the
+//!   daemon mounts its own tmpfs at DIR (or reuses the one a previous run left). Each entry is a
+//!   file: `DIR/w/<id>` while being written, `DIR/n/<ns>/<key>` once sealed. The tree itself is
+//!   the metadata: it survives a crash of the daemon and is rescanned at start. `acl=off` puts
+//!   no POSIX ACL on the tree (as on a tmpfs without them): only root clients then open
+//!   entries' files themselves, and marud sees every other client's first retrieve.
 //! - `devdax:/dev/daxX.Y[,name=X][,coherent=false]` and `file:PATH,size=N[,name=X]
 //!   [,coherent=false]`: a device (or a regular file standing in for one) with a 32-byte header
 //!   at offset 0 and 2 MiB-aligned regions after the first 2 MiB; metadata in a write-ahead log
@@ -63,6 +65,9 @@ pub struct PoolSpec {
     pub huge: Huge,
     /// memfs NUMA node to bind to.
     pub numa: Option<u32>,
+    /// memfs: whether namespace directories mirror their namespaces' access through POSIX
+    /// ACLs, so that clients other than root open entries' files themselves (`acl=off`: no).
+    pub acl: bool,
     /// Name (defaults to the path).
     pub name: String,
     /// Raw pools: whether the device is hardware-coherent across the hosts sharing it (true
@@ -96,6 +101,7 @@ impl PoolSpec {
             size: None,
             huge: Huge::WithinSize,
             numa: None,
+            acl: true,
             coherent: true,
         };
         for opt in parts {
@@ -127,6 +133,13 @@ impl PoolSpec {
                             ));
                         }
                         _ => return Err(bad(format!("coherent must be true|false, not `{v}`"))),
+                    }
+                }
+                ("acl", PoolKind::Memfs) => {
+                    spec.acl = match v {
+                        "on" => true,
+                        "off" => false,
+                        _ => return Err(bad(format!("acl must be on|off, not `{v}`"))),
                     }
                 }
                 ("numa", PoolKind::Memfs) => {
@@ -349,13 +362,24 @@ impl MemfsPool {
         let writing_dir = open_dir(&root.join("w"))?;
         // The tree's own directory keeps root's 0700, here written as an ACL: a kernel without
         // tmpfs ACLs refuses it, and namespace directories then stay closed to all but root.
-        let acls = match ROOT_ONLY.apply(&open_dir(&root.join("n"))?) {
-            Ok(()) => true,
-            Err(e) => {
-                tracing::warn!(dir = %root.display(), "no POSIX ACLs on this tmpfs ({e}): only root clients open entries themselves");
-                false
+        let tree = open_dir(&root.join("n"))?;
+        let acls = if !spec.acl {
+            tracing::info!(dir = %root.display(), "acl=off: only root clients open entries themselves");
+            false
+        } else {
+            match ROOT_ONLY.apply(&tree) {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::warn!(dir = %root.display(), "no POSIX ACLs on this tmpfs ({e}): only root clients open entries themselves");
+                    false
+                }
             }
         };
+        if !acls {
+            // What an earlier run with ACLs left (the namespaces' are removed at recovery).
+            acl::remove_access(&tree)?;
+            acl::remove_default(&writing_dir)?;
+        }
         // Files created in `w` take the mode asked for, not the daemon's umask (0077): no
         // `fchmod` per file. Without ACLs, each file whose mode the umask cuts is given it.
         let umask = if acls && ANY.apply_default(&writing_dir).is_ok() {
@@ -461,19 +485,22 @@ impl MemfsPool {
     /// directory as the access policy decides a read in `ns` (search on it, read on the entry,
     /// whose file has the entry's owner and mode), for a client given the directory because it
     /// could list `ns` (see `Store::index_fd`). A change of group passes through a closed ACL,
-    /// so that no one gains access in between. Without ACLs, nothing is done (the directory
-    /// stays root's 0700).
+    /// so that no one gains access in between. Without ACLs, the directory is root's 0700 with
+    /// no ACL (one an earlier run with ACLs gave it is removed).
     ///
     /// A failure closes the directory to all but root (the mode's 0700 masks every ACL entry)
     /// before it is returned, so that it never grants more than the namespace.
     pub fn set_ns_access(&self, ns: &str, uid: u32, gid: u32, mode: u32) -> io::Result<()> {
         // The root namespace's directory is the tree's own, root's alone.
-        if !self.acls || ns.is_empty() {
+        if ns.is_empty() {
             return Ok(());
         }
         let Some(dir) = self.ns_dir(ns)? else {
             return Ok(());
         };
+        if !self.acls {
+            return root_only(&dir);
+        }
         let set = || -> io::Result<()> {
             use std::os::unix::fs::MetadataExt;
             if dir.metadata()?.gid() != gid {
@@ -717,6 +744,24 @@ const ANY: Acl = Acl {
     other: 7,
 };
 
+/// Makes directory `dir` root's 0700 with no access ACL, unless it is so already.
+fn root_only(dir: &File) -> io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let md = dir.metadata()?;
+    if (md.uid(), md.gid(), md.mode() & 0o7777) == (0, 0, 0o700) {
+        // Whatever ACL is left grants nothing: the mode's group bits, its mask, are 0.
+        return Ok(());
+    }
+    nix::sys::stat::fchmod(dir, nix::sys::stat::Mode::from_bits_truncate(0o700))?;
+    acl::remove_access(dir)?;
+    nix::unistd::fchown(
+        dir,
+        Some(nix::unistd::Uid::from_raw(0)),
+        Some(nix::unistd::Gid::from_raw(0)),
+    )?;
+    Ok(())
+}
+
 /// The process's umask, read without changing it (`Umask:` in /proc/self/status); the
 /// strictest, 0o777, where it cannot be read (every file is then given its mode).
 fn process_umask() -> u32 {
@@ -879,6 +924,10 @@ mod tests {
         assert_eq!(s.size, Some(4 << 30));
         assert_eq!(s.huge, Huge::Always);
         assert_eq!(s.numa, Some(1));
+        assert!(s.acl);
+        assert!(!PoolSpec::parse("memfs:/x,acl=off").unwrap().acl);
+        assert!(PoolSpec::parse("memfs:/x,acl=no").is_err());
+        assert!(PoolSpec::parse("devdax:/dev/dax0.0,acl=off").is_err());
         let f = PoolSpec::parse("file:/tmp/x.img,size=512M,name=emu").unwrap();
         assert_eq!(f.kind, PoolKind::File);
         assert_eq!(f.name, "emu");

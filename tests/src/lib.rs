@@ -313,6 +313,12 @@ impl Daemon {
         self.spawn();
     }
 
+    /// Starts the daemon again with its arguments changed by `edit` (after `kill9` or `stop`).
+    pub fn restart_with(&mut self, edit: impl FnOnce(&mut Vec<String>)) {
+        edit(&mut self.args);
+        self.restart();
+    }
+
     /// A client connected to this daemon.
     pub fn handler(&self) -> maru::Handler {
         maru::Handler::connect(self.client_config()).expect("connecting to marud")

@@ -5,7 +5,7 @@
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::process::Command;
 
-use maru_tests::{Daemon, Opts, ReadCounts, Reaped, bin, pattern};
+use maru_tests::{Daemon, Opts, ReadCounts, Reaped, bin, pattern, xattr};
 
 fn caps_of(pid: u32, field: &str) -> u64 {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
@@ -154,6 +154,111 @@ fn thousands_of_idle_connections_do_not_stop_service() {
 /// marud gave it with the shared index: a first-time retrieve takes no round trip, and marud
 /// learns of it afterwards (`accessed`, counted as retrieved). Anyone else gets no directory
 /// and asks marud for each entry, which applies the policy.
+/// With `acl=off` a memfs pool's namespace directories are root's 0700 with no ACL, as on a
+/// tmpfs without ACLs: root opens entries' files itself, anyone else asks marud for each first
+/// retrieve, and files are given their entry's mode one by one (marud's umask is 0077). A pool
+/// an earlier run gave ACLs loses them at the restart.
+#[test]
+fn with_acl_off_only_root_clients_open_memfs_entries_themselves() {
+    maru_tests::require_root!();
+    let mut d = daemon_nobody_reaches(true);
+    let writer = d.handler();
+    writer.mkdir("open", 0o755).unwrap();
+    writer.put("open/k0", b"before").unwrap();
+    // A namespace nobody owns: its directory's ACL names nobody.
+    writer.mkdir("mine", 0o755).unwrap();
+    std::os::unix::fs::chown(d.path("mine"), Some(65534), None).unwrap();
+    let tree = d.pool_dir().join("n");
+    let mode = |ns: &str| {
+        let md = std::fs::metadata(tree.join(ns)).unwrap();
+        (md.uid(), md.gid(), md.mode() & 0o7777)
+    };
+    assert_eq!(
+        mode("open"),
+        (0, 0, 0o755),
+        "acl=on: open to all for reading"
+    );
+    assert!(
+        xattr(&d.pool_dir().join("n/mine"), "system.posix_acl_access").is_ok(),
+        "acl=on: the ACL of nobody's namespace"
+    );
+    drop(writer);
+    d.kill9();
+    d.restart_with(|args| {
+        let spec = args.iter_mut().find(|a| a.starts_with("memfs:")).unwrap();
+        spec.push_str(",acl=off");
+    });
+    let writer = d.handler();
+    writer.mkdir("late", 0o755).unwrap();
+    let keys: Vec<String> = (1..11).map(|i| format!("open/k{i}")).collect();
+    for (i, k) in keys.iter().enumerate() {
+        writer.put(k, &pattern(i as u64, 3000 + i)).unwrap();
+    }
+    writer.put("late/k", b"late").unwrap();
+    let no_acl = |p: &std::path::Path, name: &str| {
+        let e = xattr(p, name).unwrap_err();
+        assert_eq!(
+            e.raw_os_error(),
+            Some(libc::ENODATA),
+            "{name} of {}",
+            p.display()
+        );
+    };
+    for ns in ["open", "mine", "late"] {
+        assert_eq!(mode(ns), (0, 0, 0o700), "{ns}");
+        no_acl(&d.pool_dir().join("n").join(ns), "system.posix_acl_access");
+    }
+    no_acl(&d.pool_dir().join("n"), "system.posix_acl_access");
+    no_acl(&d.pool_dir().join("w"), "system.posix_acl_default");
+    for f in ["open/k0", "open/k1", "late/k"] {
+        let md = std::fs::metadata(d.pool_dir().join("n").join(f)).unwrap();
+        assert_eq!(md.mode() & 0o7777, 0o644, "{f}: the entry's mode");
+    }
+    // Root opens the files itself: one report, no retrieve.
+    let c0 = ReadCounts::of(&writer).unwrap();
+    let reader = d.handler();
+    let paths: Vec<&str> = keys.iter().map(String::as_str).collect();
+    assert_eq!(reader.batch_retrieve(&paths).unwrap().len(), keys.len());
+    let c1 = ReadCounts::of(&reader).unwrap();
+    assert_eq!((c1.retrieve, c1.accessed), (c0.retrieve, c0.accessed + 1));
+    // nobody may read them too, but only through marud: one retrieve of the batch.
+    let flag = d.dir.join("go");
+    std::fs::write(&flag, b"").unwrap();
+    let mut args: Vec<String> = vec![
+        "openwait".into(),
+        d.socket.display().to_string(),
+        flag.display().to_string(),
+        keys.len().to_string(),
+    ];
+    args.extend(keys.iter().cloned());
+    args.push("--".into());
+    let out = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+        .arg(bin("maru-probe"))
+        .args(&args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines[..keys.len()], vec!["ok"; keys.len()][..], "{text}");
+    let sizes: u64 = (0..10).map(|i| 3000 + i as u64).sum();
+    assert_eq!(
+        lines[keys.len()],
+        ReadCounts {
+            retrieve: c1.retrieve + 1,
+            accessed: c1.accessed,
+            bytes: c1.bytes + sizes,
+        }
+        .to_string(),
+        "nobody asked marud for the batch and opened nothing itself"
+    );
+}
+
 #[test]
 fn clients_open_memfs_entries_themselves_as_the_policy_allows() {
     maru_tests::require_root!();
