@@ -219,15 +219,7 @@ class MaruHandler:
     def put(self, key: Key, *buffers: Any) -> bool:
         """Store a copy of ``buffers`` (concatenated) under ``key``: alloc + copy + store,
         with no ``chunk_size_bytes`` limit. Returns as :meth:`store`."""
-        views = [memoryview(b).cast("B") for b in buffers]
-        size = sum(v.nbytes for v in views)
-        core = self._c()
-        handle = core.alloc(max(size, 1), False)
-        buf, at = handle.buf, 0
-        for v in views:
-            buf[at : at + v.nbytes] = v
-            at += v.nbytes
-        return core.store(key, handle, size)
+        return self._c().put(key, [memoryview(b).cast("B") for b in buffers])
 
     def retrieve(self, key: Key) -> Optional[MemoryInfo]:
         """The entry of ``key`` (``MemoryInfo.view``: a read-only memoryview of the pool's own

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use maru::Error;
 use parking_lot::{Mutex, RwLock};
+use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyList, PyString};
@@ -443,6 +444,32 @@ impl Core {
         let a = Self::held(handle)?;
         let len = length.unwrap_or(handle.get().size);
         publish_outcome(py.detach(|| h.publish(&p, &mut a.lock(), Some(len))))
+    }
+
+    /// Stores a copy of `views` (byte memoryviews, concatenated) under `key`: one allocation,
+    /// the copy, and its publication, keeping no private copy (Python never sees the
+    /// allocation). Returns as `store`.
+    fn put(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        views: Vec<PyBuffer<u8>>,
+    ) -> PyResult<bool> {
+        let (h, p) = (self.handler()?, self.path(key)?);
+        let size: usize = views.iter().map(PyBuffer::len_bytes).sum();
+        let mut a = py
+            .detach(|| h.alloc(size.max(1) as u64))
+            .map_err(os_error)?;
+        let mut at = 0;
+        for v in &views {
+            let n = v.len_bytes();
+            if let Err(e) = v.copy_to_slice(py, &mut a.as_mut_slice()[at..at + n]) {
+                py.detach(|| h.free(a)).map_err(os_error)?;
+                return Err(e);
+            }
+            at += n;
+        }
+        publish_outcome(py.detach(|| h.store_len(&p, a, Some(size as u64))))
     }
 
     fn batch_store(

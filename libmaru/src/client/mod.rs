@@ -96,6 +96,19 @@ impl AllocHandle {
         Ok(())
     }
 
+    /// Lets go of the grant being published: this process keeps no shared writable view of an
+    /// entry it asked to seal, only a private copy where the caller keeps the handle.
+    fn let_go(&mut self, keep: Keep) -> Result<()> {
+        match keep {
+            Keep::PrivateCopy => self.detach(),
+            Keep::Nothing => {
+                // Dropped right after: its mapping goes with it.
+                self.done = true;
+                Ok(())
+            }
+        }
+    }
+
     /// The writable bytes.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         let n = self.grant.size as usize;
@@ -309,15 +322,39 @@ impl Handler {
     /// bytes readable as this process's private copy (writes to them after this call never
     /// reach the pool). Whatever the outcome the grant is gone: marud frees a refused one.
     pub fn publish(&self, path: &str, handle: &mut AllocHandle, len: Option<u64>) -> Result<()> {
+        self.publish_as(path, handle, len, Keep::PrivateCopy)
+    }
+
+    /// [`publish`](Self::publish), keeping a private copy of the bytes or not.
+    fn publish_as(
+        &self,
+        path: &str,
+        handle: &mut AllocHandle,
+        len: Option<u64>,
+        keep: Keep,
+    ) -> Result<()> {
         let p = EntryPath::parse(path)?;
         self.make_segments(&p)?;
         let op = publish_op(&p, handle, len)?;
-        self.inner.lock().call(op).map(drop)
+        let mut g = self.inner.lock();
+        let sent = g.send(op, &[]);
+        // While marud publishes (whatever the outcome, the grant is gone).
+        let let_go = handle.let_go(keep);
+        let r = sent.and_then(|id| g.wait(id)).map(drop);
+        r.and(let_go)
     }
 
     /// [`publish`](Self::publish) for many handles in one exchange (requests pipelined);
     /// one outcome per item, in order.
     pub fn publish_many(&self, items: &mut [(&str, &mut AllocHandle)]) -> Result<BatchResult> {
+        self.publish_many_as(items, Keep::PrivateCopy)
+    }
+
+    fn publish_many_as(
+        &self,
+        items: &mut [(&str, &mut AllocHandle)],
+        keep: Keep,
+    ) -> Result<BatchResult> {
         let mut ops = Vec::with_capacity(items.len());
         for (path, h) in items.iter_mut() {
             ops.push(
@@ -327,16 +364,38 @@ impl Handler {
             );
         }
         let mut g = self.inner.lock();
+        // The requests of the items that are valid, until one cannot be sent.
+        let valid: Vec<bool> = ops.iter().map(Result::is_ok).collect();
         let mut ids = Vec::with_capacity(ops.len());
+        let mut failed = None;
         for op in ops {
             ids.push(match op {
-                Ok(op) => Ok(g.send(op, &[])?),
+                Ok(op) if failed.is_none() => match g.send(op, &[]) {
+                    Ok(id) => Ok(id),
+                    Err(e) => {
+                        failed = Some(e);
+                        Err(Error::Protocol("not sent".into()))
+                    }
+                },
+                // Not sent after a failed send: the batch fails as a whole below.
+                Ok(_) => Err(Error::Protocol("not sent".into())),
                 Err(e) => Err(e),
             });
         }
+        // While marud publishes them; every valid handle, sent or not, is let go of, as it
+        // would be once published or refused.
+        let let_go: Vec<Result<()>> = items
+            .iter_mut()
+            .zip(&valid)
+            .map(|((_, h), &v)| if v { h.let_go(keep) } else { Ok(()) })
+            .collect();
+        if let Some(e) = failed {
+            return Err(e);
+        }
         Ok(ids
             .into_iter()
-            .map(|id| id.and_then(|id| g.wait(id).map(drop)))
+            .zip(let_go)
+            .map(|(id, l)| id.and_then(|id| g.wait(id).map(drop)).and(l))
             .collect())
     }
 
@@ -363,7 +422,8 @@ impl Handler {
 
     /// Like [`store`](Self::store), publishing only the first `len` bytes.
     pub fn store_len(&self, path: &str, mut handle: AllocHandle, len: Option<u64>) -> Result<()> {
-        self.publish(path, &mut handle, len)
+        // The handle is the caller's no more: no private copy of its bytes to keep.
+        self.publish_as(path, &mut handle, len, Keep::Nothing)
     }
 
     /// Queues the publication of `handle` under `path` without waiting.
@@ -373,9 +433,10 @@ impl Handler {
         let p = EntryPath::parse(path)?;
         self.make_segments(&p)?;
         let op = publish_op(&p, &mut handle, None)?;
-        drop(handle);
         let mut g = self.inner.lock();
         let id = g.send(op, &[])?;
+        // Unmapped without a private copy: the caller gave the handle up.
+        drop(handle);
         g.pending.insert(id, Pending::Publish(p.to_string()));
         Ok(())
     }
@@ -400,7 +461,7 @@ impl Handler {
     pub fn batch_store(&self, mut items: Vec<(String, AllocHandle)>) -> Result<BatchResult> {
         let mut refs: Vec<(&str, &mut AllocHandle)> =
             items.iter_mut().map(|(p, h)| (p.as_str(), h)).collect();
-        self.publish_many(&mut refs)
+        self.publish_many_as(&mut refs, Keep::Nothing)
     }
 
     /// Maps a sealed entry read-only: the pool's own pages. `None` if absent.
@@ -660,6 +721,15 @@ fn already_done() -> Error {
     Error::InvalidArgument("the allocation was already stored or freed".into())
 }
 
+/// What a publication leaves the caller of the handle's bytes.
+#[derive(Clone, Copy)]
+enum Keep {
+    /// A private copy-on-write mapping (the caller keeps the handle and may read it).
+    PrivateCopy,
+    /// Nothing: the handle is dropped right after (consumed by the verb).
+    Nothing,
+}
+
 fn publish_op(p: &EntryPath, handle: &mut AllocHandle, len: Option<u64>) -> Result<Op> {
     if handle.done {
         return Err(already_done());
@@ -673,8 +743,6 @@ fn publish_op(p: &EntryPath, handle: &mut AllocHandle, len: Option<u64>) -> Resu
         )));
     }
     let alloc = handle.grant.alloc;
-    // Detach before publishing: this process keeps no shared writable view of a sealed entry.
-    handle.detach()?;
     Ok(Op::Publish {
         alloc,
         ns: p.ns().to_owned(),
