@@ -846,6 +846,40 @@ fn libmaru_sees_an_entry_as_soon_as_its_writer_closed_it() {
     assert!(!h.exists("now/never").unwrap());
 }
 
+/// The verbs that act on an entry find it once its writer's `close` returned, though marud
+/// publishes it only at the kernel's release of the last descriptor: here a copy of the
+/// writer's descriptor is closed 200 ms after the writer's `close`, and each verb waits for
+/// the publication (a `close` commits the entry, so marud knows it is coming).
+#[test]
+fn libmaru_acts_on_an_entry_as_soon_as_its_writer_closed_it() {
+    maru_tests::require_root!();
+    let d = daemon();
+    std::fs::create_dir(d.path("now")).unwrap();
+    let h = d.handler();
+    let closed_but_held = |key: &str| {
+        let mut f = File::create_new(d.path(key)).unwrap();
+        f.write_all(&pattern(1, 8192)).unwrap();
+        let copy = f.try_clone().unwrap();
+        drop(f);
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            drop(copy);
+        })
+    };
+    let t = closed_but_held("now/pinned");
+    h.pin("now/pinned").unwrap();
+    assert!(h.is_pinned("now/pinned").unwrap());
+    t.join().unwrap();
+    let t = closed_but_held("now/listed");
+    let (_, _, entries) = h.list("now").unwrap();
+    assert!(entries.iter().any(|e| e.key == "listed"), "{entries:?}");
+    t.join().unwrap();
+    let t = closed_but_held("now/deleted");
+    h.delete("now/deleted").unwrap();
+    assert!(!h.exists("now/deleted").unwrap());
+    t.join().unwrap();
+}
+
 /// Names of a process's threads, with their allowed CPUs.
 fn threads_of(pid: u32) -> Vec<(String, String)> {
     let mut v = Vec::new();

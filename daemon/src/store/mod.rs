@@ -556,8 +556,15 @@ impl Store {
     /// Waits (at most a second) while any of `keys` is about to be published through the
     /// mount (its writer's close committed it; the kernel's release is on its way).
     fn wait_imminent(&self, st: &mut MutexGuard<'_, State>, ns: &str, keys: &[String]) {
+        self.wait_while(st, |st| {
+            keys.iter().any(|k| publication_imminent(st, ns, k))
+        });
+    }
+
+    /// Waits (at most a second) while `pending` holds, woken at each publication.
+    fn wait_while(&self, st: &mut MutexGuard<'_, State>, pending: impl Fn(&State) -> bool) {
         let deadline = Instant::now() + Duration::from_secs(1);
-        while keys.iter().any(|k| publication_imminent(st, ns, k)) {
+        while pending(st) {
             if self.sealed.wait_until(st, deadline).timed_out() {
                 break;
             }
@@ -597,6 +604,7 @@ impl Store {
         split_ns(ns)?;
         let mut inv = Vec::new();
         let mut st = self.st.lock();
+        self.wait_imminent(&mut st, ns, keys);
         let out = Self::each_entry(
             &mut st,
             c,
@@ -642,6 +650,7 @@ impl Store {
     ) -> Result<Vec<Result<()>>> {
         split_ns(ns)?;
         let mut st = self.st.lock();
+        self.wait_imminent(&mut st, ns, keys);
         Self::each_entry(
             &mut st,
             c,
@@ -725,9 +734,15 @@ impl Store {
         if !ns.is_empty() {
             split_ns(ns)?;
         }
-        let st = self.st.lock();
-        let n = st.ns.get(ns)?;
+        let mut st = self.st.lock();
         Self::allow(&st, c, ns, Access::List)?;
+        // Names whose writers closed them are listed, as a lookup finds them.
+        self.wait_while(&mut st, |st| {
+            st.ns
+                .get(ns)
+                .is_ok_and(|n| n.writing.keys().any(|k| publication_imminent(st, ns, k)))
+        });
+        let n = st.ns.get(ns)?;
         let mut children: Vec<NsInfo> = n
             .children
             .keys()
