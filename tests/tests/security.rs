@@ -46,10 +46,20 @@ fn daemon_files_are_private() {
     assert_eq!(std::fs::metadata(&backing).unwrap().uid(), 0);
 }
 
+/// maru-probe run as user and group `id`, with no other groups.
+fn probe_as(id: u32) -> Command {
+    let mut c = Command::new("setpriv");
+    c.args([
+        format!("--reuid={id}"),
+        format!("--regid={id}"),
+        "--clear-groups".into(),
+    ])
+    .arg(bin("maru-probe"));
+    c
+}
+
 fn as_nobody(d: &Daemon, op: &str, path: &str) -> String {
-    let out = Command::new("setpriv")
-        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
-        .arg(bin("maru-probe"))
+    let out = probe_as(65534)
         .args(["try", d.socket.to_str().unwrap(), op, path])
         .output()
         .unwrap();
@@ -107,9 +117,7 @@ fn another_user_cannot_touch_a_private_namespace_through_the_socket() {
     assert_eq!(as_nobody(&d, "put", "shared/mine"), "ok");
     assert_eq!(as_nobody(&d, "retrieve", "shared/mine"), "ok");
     // A user outside the socket's group cannot even connect.
-    let out = Command::new("setpriv")
-        .args(["--reuid=65533", "--regid=65533", "--clear-groups"])
-        .arg(bin("maru-probe"))
+    let out = probe_as(65533)
         .args(["try", d.socket.to_str().unwrap(), "exists", "shared/mine"])
         .output()
         .unwrap();
@@ -232,12 +240,7 @@ fn with_acl_off_only_root_clients_open_memfs_entries_themselves() {
     ];
     args.extend(keys.iter().cloned());
     args.push("--".into());
-    let out = Command::new("setpriv")
-        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
-        .arg(bin("maru-probe"))
-        .args(&args)
-        .output()
-        .unwrap();
+    let out = probe_as(65534).args(&args).output().unwrap();
     assert!(
         out.status.success(),
         "{}",
@@ -345,9 +348,7 @@ fn clients_open_memfs_entries_themselves_as_the_policy_allows() {
     );
     // Killed if the test fails before letting it finish (it waits for the flag).
     let mut probe = Reaped(
-        Command::new("setpriv")
-            .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
-            .arg(bin("maru-probe"))
+        probe_as(65534)
             .args(&args)
             .stdout(std::process::Stdio::piped())
             .spawn()
