@@ -538,7 +538,7 @@ pub fn churn(
                 true,
                 &["--eviction", "lru"],
             )?;
-            let h = d.handler()?;
+            let h = d.handler("churn")?;
             h.mkdir("churn", 0o755)?;
             if name == "libmaru" {
                 run_churn(name, &mut LibTarget(h), prefill, &ops, &value)?
@@ -601,7 +601,7 @@ fn meta_rate(
 /// Metadata: exists, lookup and batch lookup over `keys` stored keys, maru and Redis.
 pub fn metadata(env: &Env, keys: usize, calls: usize) -> anyhow::Result<Vec<MetaRow>> {
     eprintln!("metadata: {keys} keys");
-    let h = env.daemon.handler()?;
+    let h = env.daemon.handler("meta")?;
     h.mkdir("meta", 0o755)?;
     let mut con = env.redis.connect()?;
     let v = vec![1u8; 4096];

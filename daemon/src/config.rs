@@ -27,7 +27,8 @@ pub const DEFAULT_POOL: &str = "memfs:/run/maru/pool0";
 #[derive(Debug, Parser, Default)]
 #[command(name = "marud", version)]
 pub struct Cli {
-    /// A pool: memfs:DIR[,size=N][,huge=within_size|always|never][,numa=N][,acl=on|off][,name=X],
+    /// A pool: memfs:DIR[,size=N][,huge=within_size|always|never][,numa=N][,acl=on|off][,pack=N][,name=X]
+    /// (pack: the largest entry packed with its namespace's other small ones, 64K; 0: none),
     /// devdax:/dev/daxX.Y[,name=X][,coherent=false] or file:PATH,size=N[,name=X][,coherent=false].
     /// Repeatable; placement tries pools in this order.
     #[arg(long = "pool", value_name = "SPEC")]

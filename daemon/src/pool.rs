@@ -1,11 +1,14 @@
 //! Pools: where entry bytes live.
 //!
-//! - `memfs:DIR[,size=N][,huge=within_size|always|never][,numa=N][,acl=on|off][,name=X]`: the
-//!   daemon mounts its own tmpfs at DIR (or reuses the one a previous run left). Each entry is a
-//!   file: `DIR/w/<id>` while being written, `DIR/n/<ns>/<key>` once sealed. The tree itself is
-//!   the metadata: it survives a crash of the daemon and is rescanned at start. `acl=off` puts
-//!   no POSIX ACL on the tree (as on a tmpfs without them): only root clients then open
-//!   entries' files themselves, and marud sees every other client's first retrieve.
+//! - `memfs:DIR[,size=N][,huge=within_size|always|never][,numa=N][,acl=on|off][,pack=N]
+//!   [,name=X]`: the daemon mounts its own tmpfs at DIR (or reuses the one a previous run left).
+//!   Each entry is a file: nameless in `DIR/w` while being written, `DIR/n/<ns>/<key>` once
+//!   sealed. The tree itself is the metadata: it survives a crash of the daemon and is
+//!   rescanned at start. `acl=off` puts no POSIX ACL on the tree (as on a tmpfs without them):
+//!   only root clients then open entries' files themselves, and marud sees every other
+//!   client's first retrieve. Small entries (at most `pack=`, 64 KiB by default) of a client
+//!   that says its namespace are packed into files of `DIR/p` instead
+//!   (`crate::store::pools::packs`).
 //! - `devdax:/dev/daxX.Y[,name=X][,coherent=false]` and `file:PATH,size=N[,name=X]
 //!   [,coherent=false]`: a device (or a regular file standing in for one) with a 32-byte header
 //!   at offset 0 and 2 MiB-aligned regions after the first 2 MiB; metadata in a write-ahead log
@@ -52,6 +55,9 @@ impl Huge {
     }
 }
 
+/// The largest entry a memfs pool packs with others, unless its spec says (`pack=`).
+pub const DEFAULT_PACK: u64 = 64 << 10;
+
 /// A parsed `--pool` spec.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PoolSpec {
@@ -68,6 +74,10 @@ pub struct PoolSpec {
     /// memfs: whether namespace directories mirror their namespaces' access through POSIX
     /// ACLs, so that clients other than root open entries' files themselves (`acl=off`: no).
     pub acl: bool,
+    /// memfs: entries of at most this many bytes, allocated by a client that says in which
+    /// namespace it will publish them, are packed into files shared with that namespace's
+    /// other small entries (`pack=0`: none).
+    pub pack: u64,
     /// Name (defaults to the path).
     pub name: String,
     /// Raw pools: whether the device is hardware-coherent across the hosts sharing it (true
@@ -102,6 +112,7 @@ impl PoolSpec {
             huge: Huge::WithinSize,
             numa: None,
             acl: true,
+            pack: DEFAULT_PACK,
             coherent: true,
         };
         for opt in parts {
@@ -141,6 +152,16 @@ impl PoolSpec {
                         "off" => false,
                         _ => return Err(bad(format!("acl must be on|off, not `{v}`"))),
                     }
+                }
+                ("pack", PoolKind::Memfs) => {
+                    let max = parse_size(v).map_err(|e| bad(e.to_string()))?;
+                    if max > maru::index::PACK_BYTES {
+                        return Err(bad(format!(
+                            "pack must be at most {}",
+                            maru::size::format_size(maru::index::PACK_BYTES)
+                        )));
+                    }
+                    spec.pack = max;
                 }
                 ("numa", PoolKind::Memfs) => {
                     spec.numa = Some(v.parse().map_err(|_| bad(format!("bad numa node `{v}`")))?)
@@ -265,6 +286,8 @@ pub enum MetaStep {
         /// Allocation id.
         id: u64,
     },
+    /// A record is appended to the pack log (`p/log`: packed entries).
+    Packed(maru::format::Record),
     /// The pin xattr is set or removed.
     Pin {
         /// Namespace.
@@ -405,7 +428,7 @@ impl MemfsPool {
     }
 
     /// Whether `step` reaches the pool (always, without a gate).
-    fn pass(&self, step: MetaStep) -> bool {
+    pub fn pass(&self, step: MetaStep) -> bool {
         self.gate.read().as_ref().is_none_or(|g| g(&step))
     }
 
@@ -928,6 +951,14 @@ mod tests {
         assert!(!PoolSpec::parse("memfs:/x,acl=off").unwrap().acl);
         assert!(PoolSpec::parse("memfs:/x,acl=no").is_err());
         assert!(PoolSpec::parse("devdax:/dev/dax0.0,acl=off").is_err());
+        assert_eq!(s.pack, DEFAULT_PACK);
+        assert_eq!(PoolSpec::parse("memfs:/x,pack=0").unwrap().pack, 0);
+        assert_eq!(PoolSpec::parse("memfs:/x,pack=1M").unwrap().pack, 1 << 20);
+        assert!(
+            PoolSpec::parse("memfs:/x,pack=3M").is_err(),
+            "larger than a pack"
+        );
+        assert!(PoolSpec::parse("file:/x.img,size=8M,pack=4K").is_err());
         let f = PoolSpec::parse("file:/tmp/x.img,size=512M,name=emu").unwrap();
         assert_eq!(f.kind, PoolKind::File);
         assert_eq!(f.name, "emu");

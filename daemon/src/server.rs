@@ -363,8 +363,13 @@ impl Dispatcher {
                 store.set_quota(&c, &ns, bytes)?;
                 Body::Done
             }
-            Op::Alloc { size, count, pool } => {
-                let grants = store.alloc(session, size, count, pool.as_deref())?;
+            Op::Alloc {
+                size,
+                count,
+                pool,
+                ns,
+            } => {
+                let grants = store.alloc(session, size, count, pool.as_deref(), ns.as_deref())?;
                 let mut out = Vec::with_capacity(grants.len());
                 for (mut g, file) in grants {
                     if let Some(f) = file {
@@ -446,17 +451,20 @@ impl Dispatcher {
             Op::Index { ns } => {
                 let grant = store.index_fd(&c, &ns)?;
                 fds.push(grant.table);
-                let dirs = grant
-                    .dirs
-                    .into_iter()
-                    .map(|(pool, dir)| {
-                        fds.push(dir);
-                        pool
-                    })
-                    .collect();
+                let mut send = |v: Vec<(u32, std::fs::File)>| -> Vec<u32> {
+                    v.into_iter()
+                        .map(|(pool, dir)| {
+                            fds.push(dir);
+                            pool
+                        })
+                        .collect()
+                };
+                let dirs = send(grant.dirs);
+                let packs = send(grant.packs);
                 Body::Index {
                     slots: grant.slots,
                     dirs,
+                    packs,
                 }
             }
             Op::List { ns } => {

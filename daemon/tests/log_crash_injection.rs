@@ -72,7 +72,7 @@ fn workload(store: &Store) {
     for i in 0..8u64 {
         let d = data(i);
         let (g, _) = store
-            .alloc(s, d.len() as u64, 1, None)
+            .alloc(s, d.len() as u64, 1, None, None)
             .unwrap()
             .pop()
             .unwrap();
@@ -104,7 +104,7 @@ fn workload(store: &Store) {
             .all(Result::is_ok)
     );
     // An allocation never published: must not survive.
-    store.alloc(s, 5000, 1, None).unwrap();
+    store.alloc(s, 5000, 1, None, None).unwrap();
 }
 
 fn run(limit: i64, torn: bool) -> (Vec<Record>, tempfile::TempDir) {

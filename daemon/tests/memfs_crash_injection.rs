@@ -1,5 +1,6 @@
 //! Crash injection in a memfs pool's metadata steps (namespace directories, publication
-//! renames, deletions, pin xattrs, aborted allocations): the pool stops taking steps after
+//! renames, deletions, pin xattrs, aborted allocations, records of the pack log for packed
+//! entries): the pool stops taking steps after
 //! its Nth one, the daemon "dies" (the store is dropped without shutdown), and recovery from
 //! that tmpfs is checked against the first N steps of the workload — for every N.
 //! Needs root: each run mounts a tmpfs (and unmounts it, also on panic).
@@ -10,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use maru::format::Record;
 use maru_daemon::pool::{MetaStep, PoolSpec};
 use maru_daemon::store::{Eviction, Store, StoreConfig};
 use maru_fsd::Caller;
@@ -62,7 +64,7 @@ fn workload(store: &Store) {
     for i in 0..6u64 {
         let d = data(i);
         let (g, f) = store
-            .alloc(s, d.len() as u64, 1, None)
+            .alloc(s, d.len() as u64, 1, None, None)
             .unwrap()
             .pop()
             .unwrap();
@@ -80,9 +82,36 @@ fn workload(store: &Store) {
     ok(store.pin(&root, "ns/sub", &keys(&[2]), true).unwrap());
     ok(store.pin(&root, "ns", &keys(&[4]), false).unwrap());
     // An allocation given back, and one never published: neither may survive.
-    let (g, _) = store.alloc(s, 5000, 1, None).unwrap().pop().unwrap();
+    let (g, _) = store.alloc(s, 5000, 1, None, None).unwrap().pop().unwrap();
     store.free(s, &[g.alloc]).unwrap();
-    store.alloc(s, 7000, 1, None).unwrap();
+    store.alloc(s, 7000, 1, None, None).unwrap();
+    // Packed: allocations of a session that says it publishes in `ns`.
+    let p = store.open_session("p", root.clone());
+    for i in 6..11u64 {
+        let d = data(i);
+        let (g, f) = store
+            .alloc(p, d.len() as u64, 1, None, Some("ns"))
+            .unwrap()
+            .pop()
+            .unwrap();
+        f.expect("packed allocations come with their pack")
+            .write_all_at(&d, g.offset)
+            .unwrap();
+        // k10 goes elsewhere than its allocation said: into a file of its own.
+        let at = if i == 10 { "ns/sub" } else { "ns" };
+        store
+            .publish(p, g.alloc, at, &format!("k{i}"), None)
+            .unwrap();
+    }
+    ok(store.delete(&root, "ns", &keys(&[7])).unwrap());
+    ok(store.pin(&root, "ns", &keys(&[8]), true).unwrap());
+    let (g, _) = store
+        .alloc(p, 4000, 1, None, Some("ns"))
+        .unwrap()
+        .pop()
+        .unwrap();
+    store.free(p, &[g.alloc]).unwrap();
+    store.alloc(p, 4000, 1, None, Some("ns")).unwrap();
 }
 
 /// Runs the workload with a pool that takes `limit` metadata steps; returns every step the
@@ -115,6 +144,8 @@ fn run(limit: i64) -> (Vec<MetaStep>, PoolDir) {
 /// What the pool holds after the first `n` steps: (ns, key) -> (data index, pinned).
 fn model(steps: &[MetaStep]) -> BTreeMap<(String, String), (u64, bool)> {
     let mut m = BTreeMap::new();
+    // Packed entries by location.
+    let mut at: BTreeMap<u64, (String, String)> = BTreeMap::new();
     for s in steps {
         match s {
             MetaStep::Publish { ns, key, .. } => {
@@ -134,10 +165,53 @@ fn model(steps: &[MetaStep]) -> BTreeMap<(String, String), (u64, bool)> {
                     m.insert((nns.clone(), nkey.clone()), e);
                 }
             }
+            MetaStep::Packed(r) => match r {
+                Record::Seal {
+                    ns, key, off, pin, ..
+                } => {
+                    let i = key[1..].parse().unwrap();
+                    m.insert((ns.clone(), key.clone()), (i, *pin));
+                    at.insert(*off, (ns.clone(), key.clone()));
+                }
+                Record::Del { off } => {
+                    if let Some(k) = at.remove(off) {
+                        m.remove(&k);
+                    }
+                }
+                Record::Pin { off, pin } => {
+                    if let Some(e) = at.get(off).and_then(|k| m.get_mut(k)) {
+                        e.1 = *pin;
+                    }
+                }
+                Record::Rename { off, ns, key } => {
+                    if let Some(k) = at.get_mut(off)
+                        && let Some(e) = m.remove(k)
+                    {
+                        *k = (ns.clone(), key.clone());
+                        m.insert(k.clone(), e);
+                    }
+                }
+            },
             MetaStep::Mkdir { .. } | MetaStep::Abort { .. } => {}
         }
     }
     m
+}
+
+/// The bytes of `ns/key` as a reader gets them: its file, or its piece of its pack.
+fn bytes_of(store: &Store, ns: &str, key: &str) -> Vec<u8> {
+    let s = store.open_session("r", Caller::root());
+    let (loc, f) = store
+        .retrieve(s, ns, &[key.to_owned()], |_| false)
+        .unwrap()
+        .pop()
+        .unwrap()
+        .unwrap_or_else(|| panic!("{ns}/{key} not found"));
+    store.close_session(s);
+    let off = maru::index::packed(loc.offset).map_or(0, |(_, o)| o);
+    let mut b = vec![0; loc.size as usize];
+    f.expect("a descriptor").read_exact_at(&mut b, off).unwrap();
+    b
 }
 
 /// Whether a test that needs root runs: as root, yes; otherwise it says it is skipped, or
@@ -162,7 +236,9 @@ fn recovery_from_every_metadata_step() {
     }
     let (all, _full) = run(i64::MAX);
     assert!(
-        all.len() >= 14, // 2 namespaces, 6 publications, 2 deletions, 3 pins, 1 abort
+        // 2 namespaces, 7 publications, 2 deletions, 3 pins, 1 abort; 4 packed seals, 1
+        // deletion and 1 pin in the pack log.
+        all.len() >= 21,
         "the workload took {} steps: {all:?}",
         all.len()
     );
@@ -194,8 +270,11 @@ fn recovery_from_every_metadata_step() {
             all.get(n)
         );
         for ((ns, key), (i, _)) in &want {
-            let bytes = std::fs::read(dir.pool().join("n").join(ns).join(key)).unwrap();
-            assert_eq!(bytes, data(*i), "{ns}/{key} after step {n}");
+            assert_eq!(
+                bytes_of(&store, ns, key),
+                data(*i),
+                "{ns}/{key} after step {n}"
+            );
         }
         store
             .check_invariants()

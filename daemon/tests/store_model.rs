@@ -48,7 +48,7 @@ impl Fixture {
         let r = (|| {
             let (g, _) = self
                 .store
-                .alloc(s, data.len() as u64, 1, None)?
+                .alloc(s, data.len() as u64, 1, None, None)?
                 .pop()
                 .unwrap();
             let dev = self.store.raw_pool_fd(g.pool, true)?;

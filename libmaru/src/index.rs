@@ -67,8 +67,28 @@ pub struct SlotView {
     pub pool: u32,
     /// Flags (`FLAG_PINNED`, `FLAG_HELD`).
     pub flags: u32,
-    /// Where the entry is: its offset in a raw pool, its file's inode number in a memfs pool.
+    /// Where the entry is: its offset in a raw pool; in a memfs pool its file's inode number,
+    /// or, for a small entry packed with others, [`pack_location`]'s code.
     pub offset: u64,
+}
+
+/// Bytes of one pack of a memfs pool (the file its small entries share).
+pub const PACK_BYTES: u64 = 2 << 20;
+
+/// Bit 63 of a memfs entry's location: the entry is packed with other small entries of its
+/// namespace in one file of the pool (inode numbers and raw offsets never reach it).
+pub const PACKED: u64 = 1 << 63;
+
+/// The location of a packed memfs entry: pack file `pack`, `offset` bytes in.
+pub fn pack_location(pack: u32, offset: u64) -> u64 {
+    debug_assert!(offset < 1 << 32 && pack < 1 << 31);
+    PACKED | u64::from(pack) << 32 | offset
+}
+
+/// The pack file and the offset in it of a packed entry's location; `None` for any other.
+pub fn packed(location: u64) -> Option<(u32, u64)> {
+    (location & PACKED != 0)
+        .then_some((((location & !PACKED) >> 32) as u32, location & 0xffff_ffff))
 }
 
 /// A view of a table in memory (either side).
@@ -346,6 +366,19 @@ impl<'a> TableWriter<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_packed_location_names_its_pack_and_offset() {
+        let at = pack_location(7, 3 * 4096);
+        assert_eq!(packed(at), Some((7, 3 * 4096)));
+        assert_eq!(
+            packed(pack_location((1 << 31) - 1, (1 << 32) - 4096)),
+            Some(((1 << 31) - 1, (1 << 32) - 4096))
+        );
+        // Inode numbers and raw offsets are never packed locations.
+        assert_eq!(packed(123_456), None);
+        assert_eq!(packed(1 << 40), None);
+    }
 
     fn view(generation: u64) -> SlotView {
         SlotView {

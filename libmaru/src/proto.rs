@@ -73,6 +73,11 @@ pub enum Op {
         /// Pool to allocate from (by name); placement policy when absent.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         pool: Option<String>,
+        /// The namespace the allocations will be published in, if known: a memfs pool packs
+        /// small ones into a file shared with that namespace's other small entries (published
+        /// elsewhere, an entry is copied into a file of its own).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        ns: Option<String>,
     },
     /// Give back allocations that were not published.
     Free {
@@ -283,8 +288,8 @@ pub struct Located {
     pub generation: u64,
     /// Pool id.
     pub pool: u32,
-    /// Where it is: the byte offset in a raw pool; the inode number of the entry's file in a
-    /// memfs pool.
+    /// Where it is: the byte offset in a raw pool; in a memfs pool the inode number of the
+    /// entry's file, or the [`crate::index::pack_location`] of a packed entry.
     pub offset: u64,
     /// Size in bytes.
     pub size: u64,
@@ -293,7 +298,8 @@ pub struct Located {
     /// Holds on it, of every connection (see [`Op::Hold`]).
     #[serde(default)]
     pub holds: u32,
-    /// A descriptor travels with this item (memfs: the entry's file; raw: the pool, first time only).
+    /// A descriptor travels with this item (memfs: the entry's file, or its pack the first
+    /// time a reply locates an entry in it; raw: the pool, first time only).
     pub fd: bool,
 }
 
@@ -304,11 +310,13 @@ pub struct Grant {
     pub alloc: u64,
     /// Pool id.
     pub pool: u32,
-    /// Offset in the pool (raw pools; 0 for memfs).
+    /// Offset in the pool (raw pools); for memfs, in the file that comes with the grant (0 for a
+    /// file of its own, the allocation's place in a pack).
     pub offset: u64,
     /// Size in bytes.
     pub size: u64,
-    /// A descriptor travels with this item (memfs: the new file; raw: the pool, first time only).
+    /// A descriptor travels with this item (memfs: the new file or the pack; raw: the pool,
+    /// first time only).
     pub fd: bool,
 }
 
@@ -505,6 +513,11 @@ pub enum Body {
         /// and each file its entry's owner and mode).
         #[serde(default)]
         dirs: Vec<u32>,
+        /// The memfs pools whose directory of packs follows (after the namespaces'
+        /// directories), in this order: for root only (packs are root's), which opens a pack
+        /// (named by its id) itself the first time the index shows an entry in it.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        packs: Vec<u32>,
     },
     /// Reply to `List`.
     Listing {

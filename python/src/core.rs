@@ -303,6 +303,7 @@ impl Core {
                     socket,
                     client_name,
                     timeout: Duration::from_millis(timeout_ms.max(1)),
+                    namespace: Some(ns.clone()),
                     ..Default::default()
                 })?;
                 if create_namespace {

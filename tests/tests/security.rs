@@ -397,3 +397,88 @@ fn clients_open_memfs_entries_themselves_as_the_policy_allows() {
     );
     assert!(probe.0.wait().unwrap().success());
 }
+
+/// Packed entries are read as the policy allows: root maps their pack itself (no request to
+/// marud, one report); another user allowed to read the namespace gets the pack from marud
+/// once for the batch; one that may not read it gets nothing.
+#[test]
+fn packed_entries_are_read_as_the_policy_allows() {
+    maru_tests::require_root!();
+    let d = daemon_nobody_reaches(false);
+    let writer = maru::Handler::connect(maru::Config {
+        namespace: Some("open".into()),
+        ..d.client_config()
+    })
+    .unwrap();
+    writer.mkdir("open", 0o755).unwrap();
+    writer.mkdir("closed", 0o700).unwrap();
+    let keys: Vec<String> = (0..20).map(|i| format!("open/k{i}")).collect();
+    for (i, k) in keys.iter().enumerate() {
+        writer.put(k, &pattern(i as u64, 3000 + i)).unwrap();
+    }
+    let closed = maru::Handler::connect(maru::Config {
+        namespace: Some("closed".into()),
+        ..d.client_config()
+    })
+    .unwrap();
+    closed.put("closed/secret", &pattern(99, 3000)).unwrap();
+    let loc = |k: &str| {
+        let s = writer.stat(k).unwrap().unwrap();
+        maru::index::packed(s.offset).unwrap_or_else(|| panic!("{k} is not packed"))
+    };
+    assert_eq!(loc("open/k0").0, loc("open/k19").0, "one pack");
+    assert_ne!(
+        loc("open/k0").0,
+        loc("closed/secret").0,
+        "a pack per namespace"
+    );
+
+    let c0 = ReadCounts::of(&writer).unwrap();
+    let reader = d.handler();
+    let paths: Vec<&str> = keys.iter().map(String::as_str).collect();
+    for (i, m) in reader.batch_retrieve(&paths).unwrap().iter().enumerate() {
+        assert_eq!(
+            m.as_ref().unwrap().as_slice(),
+            &pattern(i as u64, 3000 + i)[..]
+        );
+    }
+    let c1 = ReadCounts::of(&reader).unwrap();
+    assert_eq!(
+        (c1.retrieve, c1.accessed),
+        (c0.retrieve, c0.accessed + 1),
+        "root maps the pack itself"
+    );
+    let sizes: u64 = (0..20).map(|i| 3000 + i as u64).sum();
+    assert_eq!(c1.bytes - c0.bytes, sizes);
+
+    // nobody: one request for the batch, and no report.
+    let flag = d.dir.join("go");
+    std::fs::write(&flag, b"").unwrap();
+    let mut args: Vec<String> = vec![
+        "openwait".into(),
+        d.socket.display().to_string(),
+        flag.display().to_string(),
+        keys.len().to_string(),
+    ];
+    args.extend(keys.iter().cloned());
+    args.extend(["--".into(), "closed/secret".into()]);
+    let out = probe_as(65534).args(&args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines[..keys.len()], vec!["ok"; keys.len()][..], "{text}");
+    assert_eq!(
+        lines[keys.len()],
+        ReadCounts {
+            retrieve: c1.retrieve + 1,
+            accessed: c1.accessed,
+            bytes: c1.bytes + sizes,
+        }
+        .to_string()
+    );
+    assert_eq!(lines[keys.len() + 1], "permission_denied", "{text}");
+}

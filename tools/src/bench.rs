@@ -308,12 +308,53 @@ pub fn scratch() -> anyhow::Result<tempfile::TempDir> {
         .tempdir_in("/tmp")?)
 }
 
+/// The memfs rows again for entries in files of their own (a handler that does not say in
+/// which namespace it stores, so nothing is packed), side by side with the packed ones.
+fn own_files(
+    d: &PrivateDaemon,
+    payload: &[u8],
+    batches: u64,
+    stores: u64,
+) -> anyhow::Result<Vec<Row>> {
+    let h = maru::Handler::connect(maru::Config {
+        socket: d.socket.clone(),
+        ..Default::default()
+    })?;
+    let keys: Vec<String> = (0..64).map(|i| format!("bench/own{i}")).collect();
+    for k in &keys {
+        h.put(k, payload)?;
+    }
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let s = Instant::now();
+    for _ in 0..batches {
+        h.trim();
+        std::hint::black_box(h.batch_retrieve(&refs)?);
+    }
+    let first = rate(
+        "batch_retrieve(64), keys (first time, memfs entries in files of their own)",
+        batches * 64,
+        s.elapsed(),
+    );
+    let s = Instant::now();
+    for i in 0..stores {
+        let mut a = h.alloc(payload.len() as u64)?;
+        a.as_mut_slice().copy_from_slice(payload);
+        h.store(&format!("bench/own-y{i}"), a)?;
+    }
+    let store = rate(
+        "store 4 KiB (each waits; memfs entries in files of their own)",
+        stores,
+        s.elapsed(),
+    );
+    Ok(vec![first, store])
+}
+
 /// First-time `batch_retrieve(64)` of 4 KiB entries on a raw pool (`file:`, the stand-in
 /// for a CXL device), on a daemon of its own: a key costs no mapping there (entries are
 /// slices of one mapping of the pool), so the rate is the protocol's and the store's.
 fn first_batches_raw(dir: &Path, payload: &[u8], batches: u64) -> anyhow::Result<Row> {
     let d = PrivateDaemon::start(dir, "raw", &["file:{dir}/raw.img,size=512M"], false)?;
-    let h = d.handler()?;
+    let h = d.handler("bench")?;
     h.mkdir("bench", 0o755)?;
     // 16 sets of 64 keys taken in turn, the handler's mappings dropped before each batch
     // (as for the memfs row), so every key is asked of marud.
@@ -342,7 +383,7 @@ pub fn core(rounds: usize, json: Option<&Path>) -> anyhow::Result<String> {
     let tmp = scratch()?;
     let d = PrivateDaemon::start(tmp.path(), "core", &["memfs:{dir}/pool,size=2G"], false)?;
     let direct = Tmpfs::mount(&tmp.path().join("direct"), 256 << 20)?;
-    let h = d.handler()?;
+    let h = d.handler("bench")?;
     h.mkdir("bench", 0o755)?;
     let small = 4096usize;
     let big = 16usize << 20;
@@ -475,6 +516,7 @@ pub fn core(rounds: usize, json: Option<&Path>) -> anyhow::Result<String> {
         nb / 20 * 64,
         s.elapsed(),
     ));
+    rows.extend(own_files(&d, &payload_small, nb / 20, n_sync)?);
     rows.push(first_batches_raw(tmp.path(), &payload_small, nb / 20)?);
     let s = Instant::now();
     let mut n_rt = 0;

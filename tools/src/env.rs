@@ -129,10 +129,11 @@ impl PrivateDaemon {
         self.child.as_ref().map(Child::id)
     }
 
-    /// A client of this daemon.
-    pub fn handler(&self) -> anyhow::Result<maru::Handler> {
+    /// A client of this daemon that stores mostly in namespace `ns`.
+    pub fn handler(&self, ns: &str) -> anyhow::Result<maru::Handler> {
         Ok(maru::Handler::connect(maru::Config {
             socket: self.socket.clone(),
+            namespace: Some(ns.to_owned()),
             ..Default::default()
         })?)
     }

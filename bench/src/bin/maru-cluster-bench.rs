@@ -152,7 +152,7 @@ fn cluster(
         )
     };
     let (a, b, c) = (host("a")?, host("b")?, host("c")?);
-    let (ha, hb, hc) = (a.handler()?, b.handler()?, c.handler()?);
+    let (ha, hb, hc) = (a.handler("kv")?, b.handler("kv")?, c.handler("kv")?);
     ha.mkdir("kv", 0o755)?;
     let small = vec![0x5au8; 4096];
 
@@ -251,7 +251,7 @@ fn cluster(
     // from writing them (its retrieve is shown apart).
     let payload = vec![0xa5u8; CHUNK];
     let samples = rounds.clamp(3, 21);
-    let ra = a.handler()?;
+    let ra = a.handler("kv")?;
     let (mut on_a, mut on_b, mut again_b, mut writer) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for i in 0..samples {

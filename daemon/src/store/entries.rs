@@ -168,15 +168,30 @@ impl State {
         let moved = auth
             .unpublish(&e.ns, &e.key, ino, &self.placed(&e))
             .and_then(|_| self.pools[e.pool as usize].pool.rename(&e.loc(), ns, key));
-        if let Err(err) = moved {
-            auth.release(ns, key, ino);
-            return Err(err);
-        }
+        let at = match moved {
+            Ok(at) => at,
+            Err(err) => {
+                auth.release(ns, key, ino);
+                return Err(err);
+            }
+        };
         let mut moved = self.unfile(ino).expect("present");
         moved.ns = ns.to_owned();
         moved.key = key.to_owned();
+        if let Some(at) = at {
+            moved.offset = at;
+        }
         self.insert_entry(moved);
         Ok(())
+    }
+
+    /// Entry `ino`'s bytes moved to `at` in its pool (a packed entry left its pack): its
+    /// index slot says so.
+    pub fn relocate(&mut self, ino: u64, at: u64) {
+        if let Some(mut e) = self.unfile(ino) {
+            e.offset = at;
+            self.insert_entry(e);
+        }
     }
 
     /// Writes entry `ino`'s flags (pinned, held) to its index slot.

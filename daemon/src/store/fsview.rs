@@ -333,7 +333,7 @@ impl Backend for StoreFs {
             }
             let e = &st.entries[&ino];
             let p = &st.pools[pool as usize].pool;
-            if p.passthrough() {
+            if p.passes_through(&e.loc()) {
                 return Ok(OpenedFile::Passthrough(Arc::new(p.open_entry(&e.loc())?)));
             }
             st.entries.get_mut(&ino).expect("present").leases += 1;
@@ -442,7 +442,7 @@ impl Backend for StoreFs {
                     *dirty = true;
                 }
             }
-            Backing::Extent { .. } => {}
+            Backing::Extent { .. } | Backing::Packed { .. } => {}
         }
         let m = a.mount_mut().expect("a mount write");
         m.len = m.len.max(end);
@@ -545,7 +545,7 @@ impl Backend for StoreFs {
                 data.resize(size as usize, 0);
                 *dirty = true;
             }
-            Backing::Extent { .. } => {}
+            Backing::Extent { .. } | Backing::Packed { .. } => {}
         }
         a.mtime = SystemTime::now();
         a.mount_mut().expect("a mount write").len = size;
@@ -602,9 +602,19 @@ impl Backend for StoreFs {
         if !policy::may_chown(c, &e.perm, uid, gid) {
             return Err(denied());
         }
+        let old = e.perm;
         apply(&mut e.perm, ENTRY_MODES);
-        st.pools[e.pool as usize].pool.set_owner_mode(&e.loc())?;
-        Ok(e.attr())
+        let attr = e.attr();
+        match st.pools[e.pool as usize].pool.set_owner_mode(&e.loc()) {
+            Ok(Some(at)) => st.relocate(ino, at),
+            Ok(None) => {}
+            Err(err) => {
+                // Nothing changed where the entry is: neither does what it says.
+                st.entries.get_mut(&ino).expect("present").perm = old;
+                return Err(err);
+            }
+        }
+        Ok(attr)
     }
 
     fn read(&self, ino: u64, offset: u64, len: u32) -> Result<Vec<u8>> {
@@ -640,7 +650,7 @@ impl Backend for StoreFs {
                 let s = (offset as usize).min(data.len());
                 Ok(data[s..(s + n).min(data.len())].to_vec())
             }
-            Backing::Extent { .. } => Ok(Vec::new()),
+            Backing::Extent { .. } | Backing::Packed { .. } => Ok(Vec::new()),
         }
     }
 
@@ -703,7 +713,7 @@ impl Backend for StoreFs {
                     }
                     (file.clone(), pool)
                 }
-                Backing::Extent { .. } => {
+                Backing::Extent { .. } | Backing::Packed { .. } => {
                     return Err(Error::ReadOnly("a client's allocation".into()));
                 }
             }
@@ -892,13 +902,13 @@ impl Backend for StoreFs {
             x("kind", kind_name(p.kind).into()),
             x("location", p.pool.location(&e.loc())),
             // Where the bytes start in `location`: a memfs entry is all of its own file (its
-            // `offset` in the store is the file's inode number).
+            // `offset` in the store is the file's inode number), or a piece of a pack.
             x(
                 "offset",
-                if p.kind == PoolKind::Memfs {
-                    0
-                } else {
-                    e.offset
+                match maru::index::packed(e.offset) {
+                    Some((_, off)) => off,
+                    None if p.kind == PoolKind::Memfs => 0,
+                    None => e.offset,
                 }
                 .to_string(),
             ),
@@ -908,7 +918,7 @@ impl Backend for StoreFs {
             x("generation", e.ino.to_string()),
             x(
                 "access",
-                if p.pool.passthrough() {
+                if p.pool.passes_through(&e.loc()) {
                     "passthrough"
                 } else {
                     "copy"

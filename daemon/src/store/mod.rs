@@ -218,16 +218,21 @@ impl Store {
 
     // ----- allocation and publication (libmaru) -----
 
-    /// Grants `count` allocations of `size` bytes to a session. memfs grants carry the file.
+    /// Grants `count` allocations of `size` bytes to a session, to be published in `ns` if the
+    /// client said so. memfs grants carry the file (or the pack) they are in.
     pub fn alloc(
         &self,
         session: u64,
         size: u64,
         count: u32,
         pool: Option<&str>,
+        ns: Option<&str>,
     ) -> Result<Vec<(Grant, Option<Arc<File>>)>> {
         if size == 0 {
             return Err(Error::InvalidArgument("size must be > 0".into()));
+        }
+        if let Some(ns) = ns {
+            split_ns(ns)?;
         }
         if count == 0 || count as usize > maru::proto::MAX_FDS_PER_FRAME {
             return Err(Error::InvalidArgument(format!(
@@ -259,16 +264,28 @@ impl Store {
             )));
         }
         let caller = st.caller(session)?;
+        let perm = Perm {
+            uid: caller.uid,
+            gid: caller.gid,
+            mode: 0o644,
+        };
         let mut out = Vec::with_capacity(count as usize);
         let mut err = None;
         for _ in 0..count {
             let id = st.alloc_ino();
-            match self.place(&mut st, Some(session), id, size, hint) {
+            let who = pools::Requester {
+                session: Some(session),
+                ns,
+                perm: &perm,
+            };
+            match self.place(&mut st, &who, id, size, hint) {
                 Ok((p, backing)) => {
                     let acct = align_up(size, ENTRY_ALIGN);
                     st.pools[p as usize].writing_bytes += acct;
+                    // The descriptor the client maps, and where in it the allocation is.
                     let (offset, file) = match &backing {
                         Backing::File { file, .. } => (0, Some(file.clone())),
+                        Backing::Packed { offset, file, .. } => (*offset, Some(file.clone())),
                         Backing::Extent { offset } => (*offset, None),
                         Backing::Buffer { .. } => (0, None),
                     };
@@ -279,11 +296,7 @@ impl Store {
                             size,
                             origin: Origin::Session(session),
                             backing,
-                            perm: Perm {
-                                uid: caller.uid,
-                                gid: caller.gid,
-                                mode: 0o644,
-                            },
+                            perm,
                             mtime: SystemTime::now(),
                             acct,
                         },
@@ -479,59 +492,6 @@ impl Store {
     }
 
     // ----- retrieval and the other verbs -----
-
-    /// Looks entries up for a session; memfs items carry the entry's file, raw items take a
-    /// lease. `pool_fd_sent(pool)` says whether the session already holds the pool's
-    /// read-only descriptor.
-    pub fn retrieve(
-        &self,
-        session: u64,
-        ns: &str,
-        keys: &[String],
-        mut pool_fd_sent: impl FnMut(u32) -> bool,
-    ) -> Result<Retrieved> {
-        split_ns(ns)?;
-        let mut st = self.st.lock();
-        let c = st.caller(session)?;
-        self.wait_imminent(&mut st, ns, keys);
-        let chain = st.ns.chain(ns);
-        policy::check(&c, &chain, ns, Access::Lookup)?;
-        let n = st.ns.get(ns)?;
-        let inos: Vec<Option<u64>> = keys.iter().map(|k| n.entries.get(k).copied()).collect();
-        for ino in inos.iter().flatten() {
-            policy::check(&c, &chain, ns, Access::Read(&st.entries[ino].perm))?;
-        }
-        let mut out = Vec::with_capacity(keys.len());
-        for ino in inos {
-            let Some(ino) = ino else {
-                out.push(None);
-                continue;
-            };
-            if !st.ready_remote(&*self.authority, ino) {
-                out.push(None); // another host's, removed there a moment ago
-                continue;
-            }
-            let State {
-                entries,
-                lru,
-                pools,
-                sessions,
-                ..
-            } = &mut *st;
-            let e = entries.get_mut(&ino).expect("present");
-            lru.touch(&mut e.lru);
-            let pool = &pools[e.pool as usize].pool;
-            self.counters.add_bytes(Bytes::Retrieved, e.size);
-            let f = pool.retrieve_fd(&e.loc(), !pool_fd_sent(e.pool))?;
-            out.push(Some((e.located(f.is_some()), f)));
-            if pool.leases() {
-                e.leases += 1;
-                let s = sessions.get_mut(&session).expect("live");
-                *s.leases.entry(ino).or_insert(0) += 1;
-            }
-        }
-        Ok(out)
-    }
 
     /// A descriptor of raw pool `pool` for a session's grants (`write`) or retrievals.
     pub fn raw_pool_fd(&self, pool: u32, write: bool) -> Result<File> {

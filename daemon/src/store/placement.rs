@@ -8,7 +8,7 @@ use maru::{Error, Result};
 
 use super::Store;
 use super::entries::Removal;
-use super::pools::Backing;
+use super::pools::{Backing, Requester};
 use super::settings::Eviction;
 use super::state::State;
 use crate::pool::ENTRY_ALIGN;
@@ -76,12 +76,12 @@ impl Store {
         false
     }
 
-    /// Reserves `size` bytes for allocation `id` of `session` in a pool (`hint`, or each in
+    /// Reserves `size` bytes for allocation `id` of `who` in a pool (`hint`, or each in
     /// order), evicting if allowed. Returns the pool and the backing.
     pub(super) fn place(
         &self,
         st: &mut State,
-        session: Option<u64>,
+        who: &Requester<'_>,
         id: u64,
         size: u64,
         hint: Option<u32>,
@@ -97,7 +97,7 @@ impl Store {
         if let Some(p) = big_enough {
             // First pass: no eviction.
             for &q in &order {
-                if let Ok(b) = st.pools[q as usize].pool.grant(id, size, session) {
+                if let Ok(b) = st.pools[q as usize].pool.grant(id, size, who) {
                     return Ok((q, b));
                 }
             }
@@ -110,7 +110,7 @@ impl Store {
                     let free = st.pools[p as usize].pool.free_space();
                     let deficit = size.saturating_sub(free).max(ENTRY_ALIGN) + headroom;
                     let (n, _) = self.evict_lru(st, Some(p), deficit);
-                    match st.pools[p as usize].pool.grant(id, size, session) {
+                    match st.pools[p as usize].pool.grant(id, size, who) {
                         Ok(b) => return Ok((p, b)),
                         Err(Error::NoSpace(_)) if n > 0 => continue,
                         Err(e) => return Err(e),

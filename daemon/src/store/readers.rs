@@ -1,5 +1,5 @@
-//! What readers get beside retrievals: a namespace's shared index, with the directories in
-//! which its memfs entries are files; and their reports of the entries they opened there
+//! What readers get: retrievals; a namespace's shared index, with the directories in which
+//! its memfs entries are files; and their reports of the entries they opened there
 //! themselves.
 
 use std::fs::File;
@@ -8,10 +8,10 @@ use maru::Result;
 use maru::name::split_ns;
 use maru_fsd::Caller;
 
-use super::Store;
 use super::policy::{self, Access, Perm};
 use super::state::State;
 use super::stats::Bytes;
+use super::{Retrieved, Store};
 
 /// A namespace's shared index, as given to a client.
 pub struct IndexGrant {
@@ -22,9 +22,70 @@ pub struct IndexGrant {
     /// The memfs pools' directories of the namespace, by pool id: for root, and for others
     /// where the kernel applies the namespace's access to them.
     pub dirs: Vec<(u32, File)>,
+    /// The memfs pools' directories of packs, by pool id: for root only.
+    pub packs: Vec<(u32, File)>,
 }
 
 impl Store {
+    /// Looks entries up for a session; memfs items carry the entry's file, raw items take a
+    /// lease. `pool_fd_sent(pool)` says whether the session already holds the pool's
+    /// read-only descriptor.
+    pub fn retrieve(
+        &self,
+        session: u64,
+        ns: &str,
+        keys: &[String],
+        mut pool_fd_sent: impl FnMut(u32) -> bool,
+    ) -> Result<Retrieved> {
+        split_ns(ns)?;
+        let mut st = self.st.lock();
+        let c = st.caller(session)?;
+        self.wait_imminent(&mut st, ns, keys);
+        let chain = st.ns.chain(ns);
+        policy::check(&c, &chain, ns, Access::Lookup)?;
+        let n = st.ns.get(ns)?;
+        let inos: Vec<Option<u64>> = keys.iter().map(|k| n.entries.get(k).copied()).collect();
+        for ino in inos.iter().flatten() {
+            policy::check(&c, &chain, ns, Access::Read(&st.entries[ino].perm))?;
+        }
+        let mut out = Vec::with_capacity(keys.len());
+        let mut packs_sent = std::collections::HashSet::new();
+        for ino in inos {
+            let Some(ino) = ino else {
+                out.push(None);
+                continue;
+            };
+            if !st.ready_remote(&*self.authority, ino) {
+                out.push(None); // another host's, removed there a moment ago
+                continue;
+            }
+            let State {
+                entries,
+                lru,
+                pools,
+                sessions,
+                ..
+            } = &mut *st;
+            let e = entries.get_mut(&ino).expect("present");
+            lru.touch(&mut e.lru);
+            let pool = &pools[e.pool as usize].pool;
+            self.counters.add_bytes(Bytes::Retrieved, e.size);
+            // A pack's descriptor goes once per reply; a raw pool's once per connection.
+            let first = match maru::index::packed(e.offset) {
+                Some((pack, _)) => packs_sent.insert((e.pool, pack)),
+                None => !pool_fd_sent(e.pool),
+            };
+            let f = pool.retrieve_fd(&e.loc(), first)?;
+            out.push(Some((e.located(f.is_some()), f)));
+            if pool.leases() {
+                e.leases += 1;
+                let s = sessions.get_mut(&session).expect("live");
+                *s.leases.entry(ino).or_insert(0) += 1;
+            }
+        }
+        Ok(out)
+    }
+
     /// A read-only descriptor of a namespace's index (it reveals the names: listing rights),
     /// and the directories in which its memfs entries are files.
     pub fn index_fd(&self, c: &Caller, ns: &str) -> Result<IndexGrant> {
@@ -39,7 +100,17 @@ impl Store {
         // namespaces above was checked here, once, as for a directory held open under /maru.
         // Other clients ask marud for each entry's descriptor.
         let mut dirs = Vec::new();
+        let mut packs = Vec::new();
         for (id, p) in st.pools.iter().enumerate() {
+            // Root may read every entry, so every pack (a pack's file is root's, in a
+            // directory only root may search).
+            if c.uid == 0 {
+                match p.pool.pack_dir() {
+                    Ok(Some(d)) => packs.push((id as u32, d)),
+                    Ok(None) => {}
+                    Err(e) => tracing::warn!(pool = id, "opening the packs' directory: {e}"),
+                }
+            }
             if c.uid != 0 && !p.pool.mirrors_access() {
                 continue;
             }
@@ -54,6 +125,7 @@ impl Store {
             table: n.index.ro_fd()?,
             slots: n.index.nslots() as u64,
             dirs,
+            packs,
         })
     }
 

@@ -17,7 +17,7 @@ use super::pools::raw::Raw;
 use super::pools::{Loc, Pool};
 use super::settings::StoreConfig;
 use super::state::{Entry, MOUNT_SESSION, PoolSlot, Session, State};
-use crate::pool::{MemfsPool, PoolSpec};
+use crate::pool::PoolSpec;
 use maru_fsd::Caller;
 use maru_fsd::backend::ROOT_INO;
 
@@ -37,7 +37,7 @@ pub fn open_state(
             anyhow::bail!("two pools are named `{}`", spec.name);
         }
         let pool: Box<dyn Pool> = match spec.kind {
-            PoolKind::Memfs => Box::new(Memfs(MemfsPool::open(spec)?)),
+            PoolKind::Memfs => Box::new(Memfs::open(spec)?),
             PoolKind::Devdax | PoolKind::File => Box::new(Raw::open(
                 spec,
                 &cfg.state_dir,

@@ -53,6 +53,7 @@ impl Inner {
                         size,
                         count,
                         pool: self.cfg.pool.clone(),
+                        ns: self.cfg.namespace.clone(),
                     };
                     let id = self.send(op, &[])?;
                     self.pending.insert(id, Pending::Alloc(size));
@@ -66,6 +67,7 @@ impl Inner {
             size,
             count,
             pool: self.cfg.pool.clone(),
+            ns: self.cfg.namespace.clone(),
         };
         let (body, fds) = match self.call(op.clone()) {
             // Spares of other sizes hold pool memory: give them back and try once more.
@@ -136,32 +138,27 @@ impl Inner {
 
     pub(super) fn map_grant(&mut self, s: Spare) -> Result<AllocHandle> {
         let size = s.grant.size as usize;
-        let (map, start, file, base) = match s.file {
-            Some(f) => (
-                // SAFETY: the file is a WRITING entry only this client holds; nobody else maps it.
-                unsafe { memmap2::MmapOptions::new().len(size).map_mut(&f)? },
-                0,
-                Arc::new(f),
-                0,
-            ),
-            None => {
-                let f = self
-                    .pool_rw
-                    .get(&s.grant.pool)
-                    .ok_or_else(|| Error::Protocol("no descriptor for the pool".into()))?;
-                let page = page_size() as u64;
-                let base = s.grant.offset / page * page;
-                let start = (s.grant.offset - base) as usize;
-                // SAFETY: the range was granted to this client alone until it publishes or frees it.
-                let m = unsafe {
-                    memmap2::MmapOptions::new()
-                        .offset(base)
-                        .len(start + size)
-                        .map_mut(&**f)?
-                };
-                (m, start, f.clone(), base)
-            }
+        // The grant's own file or pack (memfs), else the raw pool's descriptor.
+        let f = match s.file {
+            Some(f) => Arc::new(f),
+            None => self
+                .pool_rw
+                .get(&s.grant.pool)
+                .ok_or_else(|| Error::Protocol("no descriptor for the pool".into()))?
+                .clone(),
         };
+        let page = page_size() as u64;
+        let base = s.grant.offset / page * page;
+        let start = (s.grant.offset - base) as usize;
+        // SAFETY: the range was granted to this client alone (a WRITING file, or a piece of a
+        // pack or of a raw pool) until it publishes or frees it.
+        let map = unsafe {
+            memmap2::MmapOptions::new()
+                .offset(base)
+                .len(start + size)
+                .map_mut(&*f)?
+        };
+        let file = f;
         Ok(AllocHandle {
             grant: s.grant,
             map,

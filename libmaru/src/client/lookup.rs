@@ -6,7 +6,7 @@ use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::index::{SlotView, Table, hash_key};
+use crate::index::{PACK_BYTES, SlotView, Table, hash_key, packed};
 use crate::mapping::{MapInner, Mapping};
 use crate::proto::{Body, Located, MAX_FDS_PER_FRAME, Op, PoolKind};
 
@@ -63,14 +63,16 @@ impl Inner {
                 }
                 Err(e) => return Err(e),
             };
-            let Body::Index { dirs, .. } = body else {
+            let Body::Index { dirs, packs, .. } = body else {
                 return Err(unexpected(&body));
             };
-            if fds.len() != 1 + dirs.len() {
+            if fds.len() != 1 + dirs.len() + packs.len() {
                 return Err(Error::Protocol(
                     "index reply with the wrong descriptors".into(),
                 ));
             }
+            let packs: Vec<(u32, OwnedFd)> =
+                packs.into_iter().zip(fds.drain(1 + dirs.len()..)).collect();
             let dirs: Vec<(u32, OwnedFd)> = dirs.into_iter().zip(fds.drain(1..)).collect();
             let f = File::from(fds.pop().expect("one fd"));
             // SAFETY: a read-only shared mapping of the daemon's index memfd; accessed only
@@ -80,6 +82,7 @@ impl Inner {
                 map,
                 removals_seen: 0,
                 dirs,
+                packs,
             };
             if ix.table().is_none() {
                 return Err(Error::Protocol("malformed index table".into()));
@@ -155,6 +158,7 @@ impl Inner {
         self.sweep_cache(ns);
         let mut out: Vec<Option<Mapping>> = vec![None; keys.len()];
         let mut miss: Vec<usize> = Vec::new();
+        let mut sliced: Vec<(usize, Mapping)> = Vec::new();
         self.index(ns)?;
         match self.indexes.get(ns).and_then(|ix| ix.table()) {
             // No index to read: marud answers every key.
@@ -178,14 +182,23 @@ impl Inner {
                         Some(c) if c.generation == v.generation && c.is(ns, k) => {
                             out[i] = Some(c.map.clone());
                         }
-                        _ => miss.push(i),
+                        // A packed entry of a pack this client maps: a slice of it (marud
+                        // gave the pack for another of its entries, and a pack holds only
+                        // entries with one decision for every reader).
+                        _ => match self.pack_slice(&v) {
+                            Some(m) => sliced.push((i, m)),
+                            None => miss.push(i),
+                        },
                     }
                 }
                 // First-time memfs entries in a directory marud gave: opened here.
                 if let Some(ix) = self.indexes.get(ns).filter(|ix| !ix.dirs.is_empty()) {
                     let mut opened = Vec::new();
                     miss.retain(|&i| {
-                        let Some(v) = t.lookup_hashed(keys[i].as_bytes(), hashes[i]) else {
+                        let Some(v) = t
+                            .lookup_hashed(keys[i].as_bytes(), hashes[i])
+                            .filter(|v| packed(v.offset).is_none())
+                        else {
                             return true;
                         };
                         let Some((_, dir)) = ix.dirs.iter().find(|(p, _)| *p == v.pool) else {
@@ -206,6 +219,12 @@ impl Inner {
                     }
                 }
             }
+        }
+        self.open_packs(ns, keys, &mut miss, &mut sliced);
+        for (i, m) in sliced {
+            self.note_accessed(m.generation());
+            self.cache_insert(ns, keys[i], &m);
+            out[i] = Some(m);
         }
         self.report_if_due()?;
         // Asked in pieces, all sent at once: marud answers each as soon as it is handled,
@@ -244,6 +263,22 @@ impl Inner {
     }
 
     pub(super) fn map_located(&mut self, loc: &Located, fd: Option<OwnedFd>) -> Result<Mapping> {
+        if let Some((pack, _)) = packed(loc.offset) {
+            if let Some(fd) = fd.filter(|_| !self.pack_views.contains_key(&(loc.pool, pack))) {
+                let map = map_pack_file(&File::from(fd))?;
+                self.pack_views.insert((loc.pool, pack), Arc::new(map));
+            }
+            let slot = SlotView {
+                generation: loc.generation,
+                size: loc.size,
+                pool: loc.pool,
+                flags: 0,
+                offset: loc.offset,
+            };
+            return self
+                .pack_slice(&slot)
+                .ok_or_else(|| Error::Protocol("a packed entry without its pack".into()));
+        }
         if self.pool_kind(loc.pool)? == PoolKind::Memfs {
             let f = File::from(fd.ok_or_else(|| Error::Protocol("memfs entry without fd".into()))?);
             return map_entry_file(&f, loc.size, loc.generation, loc.pool, self.cfg.populate);
@@ -270,6 +305,77 @@ impl Inner {
                 pool: loc.pool,
                 offset: loc.offset,
                 release: Some(self.releases.clone()),
+            }),
+        })
+    }
+
+    /// Maps the packs of the packed entries among `keys[miss]` that this client does not map
+    /// yet, from the packs' directories marud gave it (root), and moves those entries from
+    /// `miss` to `sliced`: no round trip for them.
+    fn open_packs(
+        &mut self,
+        ns: &str,
+        keys: &[&str],
+        miss: &mut Vec<usize>,
+        sliced: &mut Vec<(usize, Mapping)>,
+    ) {
+        let Some(ix) = self.indexes.get(ns).filter(|ix| !ix.packs.is_empty()) else {
+            return;
+        };
+        let Some(t) = ix.table() else { return };
+        let slots: Vec<(usize, SlotView)> = miss
+            .iter()
+            .filter_map(|&i| Some((i, t.lookup(keys[i].as_bytes())?)))
+            .filter(|(_, v)| packed(v.offset).is_some())
+            .collect();
+        let mut opened: Vec<((u32, u32), memmap2::Mmap)> = Vec::new();
+        for (_, v) in &slots {
+            let Some((pack, _)) = packed(v.offset) else {
+                continue;
+            };
+            let k = (v.pool, pack);
+            if self.pack_views.contains_key(&k) || opened.iter().any(|(o, _)| *o == k) {
+                continue;
+            }
+            if let Some((_, dir)) = ix.packs.iter().find(|(p, _)| *p == v.pool)
+                && let Some(m) = map_pack(dir, pack)
+            {
+                opened.push((k, m));
+            }
+        }
+        for (k, m) in opened {
+            self.pack_views.insert(k, Arc::new(m));
+        }
+        let before = sliced.len();
+        for (i, v) in slots {
+            if let Some(m) = self.pack_slice(&v) {
+                sliced.push((i, m));
+            }
+        }
+        let served: Vec<usize> = sliced[before..].iter().map(|(i, _)| *i).collect();
+        miss.retain(|i| !served.contains(i));
+    }
+
+    /// Packed entry `v` as a slice of its pack's mapping, if this client maps that pack.
+    fn pack_slice(&self, v: &SlotView) -> Option<Mapping> {
+        let (pack, offset) = packed(v.offset)?;
+        let map = self.pack_views.get(&(v.pool, pack))?;
+        let (start, len) = (offset as usize, v.size as usize);
+        if start.checked_add(len).is_none_or(|end| end > map.len()) {
+            return None;
+        }
+        if self.cfg.populate && len >= POPULATE_MIN {
+            populate(&map[start..start + len]);
+        }
+        Some(Mapping {
+            inner: Arc::new(MapInner {
+                map: map.clone(),
+                start,
+                len,
+                generation: v.generation,
+                pool: v.pool,
+                offset: v.offset,
+                release: None,
             }),
         })
     }
@@ -365,6 +471,9 @@ impl Inner {
                 self.cache_bytes -= c.map.len() as u64;
             }
         }
+        // Packs no retrieved entry uses any more: a pack whose entries are all gone is freed
+        // by the tmpfs only when no one maps it.
+        self.pack_views.retain(|_, m| Arc::strong_count(m) > 1);
         if let Some(ix) = self.indexes.get_mut(ns) {
             ix.removals_seen = removals;
         }
@@ -420,6 +529,27 @@ fn open_own(dir: &OwnedFd, key: &str, v: &SlotView, populate: bool) -> Option<Ma
         return None;
     }
     map_entry_file(&f, v.size, v.generation, v.pool, populate).ok()
+}
+
+/// Maps pack `pack` (all of it, read-only), opened in the packs' directory `dir`; `None` when
+/// that fails (marud is asked instead). Pack ids are never reused while marud runs, and the
+/// index a client reads is that run's.
+fn map_pack(dir: &OwnedFd, pack: u32) -> Option<memmap2::Mmap> {
+    let fd = nix::fcntl::openat(
+        dir,
+        pack.to_string().as_str(),
+        nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_CLOEXEC | nix::fcntl::OFlag::O_NOFOLLOW,
+        nix::sys::stat::Mode::empty(),
+    )
+    .ok()?;
+    map_pack_file(&File::from(fd)).ok()
+}
+
+/// A read-only mapping of all of a pack.
+fn map_pack_file(f: &File) -> std::io::Result<memmap2::Mmap> {
+    // SAFETY: a read-only shared mapping of a pack; sealed entries in it are never written,
+    // and no offset in it is handed out twice (see Mapping::as_slice).
+    unsafe { memmap2::MmapOptions::new().len(PACK_BYTES as usize).map(f) }
 }
 
 /// What a miss in table `t` means, `pending` having been read before the lookup: the key is

@@ -200,6 +200,7 @@ impl Handler {
             pools: Vec::new(),
             pool_ro: HashMap::new(),
             pool_views: HashMap::new(),
+            pack_views: HashMap::new(),
             pool_rw: HashMap::new(),
             spares: HashMap::new(),
             sizes_seen: HashMap::new(),
@@ -674,11 +675,13 @@ impl Handler {
         }
     }
 
-    /// Drops cached mappings (they keep deleted entries' memory alive).
+    /// Drops cached mappings, of entries and of packs (they keep deleted entries' memory
+    /// alive).
     pub fn trim(&self) {
         let mut g = self.inner.lock();
         g.cache.clear();
         g.cache_bytes = 0;
+        g.pack_views.clear();
     }
 
     /// A read-only view of all of raw pool `pool` (the original design's region view), once

@@ -59,6 +59,11 @@ pub struct Config {
     /// two wakeups per call (the daemon's read of the request wakes the sleeper too), which
     /// on virtual machines cost more than the request itself. 0 sleeps at once.
     pub spin: Duration,
+    /// The namespace this handler's allocations are mostly published in, if it has one: a
+    /// memfs pool packs small ones into a file shared with that namespace's other small
+    /// entries, so that storing one creates no file and a reader maps many at once (one
+    /// published elsewhere is copied into a file of its own).
+    pub namespace: Option<String>,
 }
 
 impl Default for Config {
@@ -82,6 +87,7 @@ impl Default for Config {
                     .and_then(|v| v.parse().ok())
                     .unwrap_or(DEFAULT_SPIN_US),
             ),
+            namespace: None,
         }
     }
 }
@@ -97,6 +103,9 @@ pub(super) struct NsIndex {
     /// The memfs pools' directories of the namespace, by pool id, when marud gave them: a
     /// first-time entry there is opened here, with no round trip.
     pub(super) dirs: Vec<(u32, OwnedFd)>,
+    /// The memfs pools' directories of packs, by pool id, when marud gave them (root): a
+    /// pack is opened here the first time an entry in it is retrieved.
+    pub(super) packs: Vec<(u32, OwnedFd)>,
 }
 
 impl NsIndex {
@@ -161,6 +170,8 @@ pub(super) struct Inner {
     /// Read-only mappings of whole raw pools: retrieved entries are slices of them, so a
     /// key retrieved for the first time costs no mapping of its own.
     pub(super) pool_views: HashMap<u32, Arc<memmap2::Mmap>>,
+    /// Read-only mappings of memfs packs, by pool and pack: their entries are slices of them.
+    pub(super) pack_views: HashMap<(u32, u32), Arc<memmap2::Mmap>>,
     pub(super) pool_rw: HashMap<u32, Arc<File>>,
     pub(super) spares: HashMap<u64, Vec<Spare>>,
     pub(super) sizes_seen: HashMap<u64, u32>,

@@ -20,7 +20,11 @@ fn main() -> anyhow::Result<()> {
     match a.get(1..) {
         // store SOCKET PATH SIZE SEED -> prints PFNs of the first and last page
         Some(["store", sock, path, size, seed]) => {
-            let h = maru::Handler::connect(cfg(sock))?;
+            // Saying where it publishes: a small entry is packed.
+            let h = maru::Handler::connect(maru::Config {
+                namespace: path.rsplit_once('/').map(|(ns, _)| ns.to_owned()),
+                ..cfg(sock)
+            })?;
             let size: usize = size.parse()?;
             let mut al = h.alloc(size as u64)?;
             al.as_mut_slice()

@@ -1,18 +1,23 @@
 //! A memfs pool: each entry its own file of a memory filesystem (nameless in `w/` while
-//! written, `n/<ns>/<key>` once sealed); the tree is the metadata.
+//! written, `n/<ns>/<key>` once sealed; the tree is the metadata), or, when small and its
+//! client said where it would publish it, a piece of a pack shared with its namespace's other
+//! small entries ([`super::packs`]).
 
 use std::fs::File;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::sync::Arc;
 
+use maru::format::Record;
+use maru::index::{pack_location, packed};
 use maru::proto::PoolKind;
 use maru::{Error, Result};
 use nix::sys::stat::{Mode, fchmod};
 use nix::unistd::{Gid, Uid, fchown};
 
 use super::super::policy::Perm;
-use super::{Backing, Found, Loc, Pool, Seams};
-use crate::pool::MemfsPool;
+use super::packs::Packs;
+use super::{Backing, Found, Loc, Pool, Requester, Seams};
+use crate::pool::{MemfsPool, MetaStep, PoolSpec};
 
 /// The mode of the file of a client's allocation: that of the entries clients store.
 const GRANT_MODE: u32 = 0o644;
@@ -20,10 +25,94 @@ const GRANT_MODE: u32 = 0o644;
 const CREATE_MODE: u32 = 0o600;
 
 /// A memfs pool.
-pub struct Memfs(pub MemfsPool);
+pub struct Memfs {
+    fs: MemfsPool,
+    packs: Packs,
+}
 
 fn errno(e: nix::Error) -> Error {
     Error::Io(std::io::Error::from(e))
+}
+
+impl Memfs {
+    /// Mounts (or reuses) the pool's tmpfs.
+    pub fn open(spec: &PoolSpec) -> anyhow::Result<Memfs> {
+        let fs = MemfsPool::open(spec)?;
+        let packs = Packs::open(&fs.root.join("p"), spec.pack)?;
+        Ok(Memfs { fs, packs })
+    }
+
+    /// Gives file `file` (created by the daemon, as root) the entry's size, owner and mode and
+    /// links it as `e`; returns its inode number.
+    fn publish_file(&mut self, id: u64, backing: &mut Backing, e: &Loc<'_>) -> Result<u64> {
+        let Backing::File { file, span, mode } = backing else {
+            return Err(Error::Protocol("a memfs allocation without a file".into()));
+        };
+        if *span != e.size {
+            file.set_len(e.size)?;
+            *span = e.size;
+        }
+        if e.uid != 0 || e.gid != 0 {
+            fchown(
+                &**file,
+                Some(Uid::from_raw(e.uid)),
+                Some(Gid::from_raw(e.gid)),
+            )
+            .map_err(errno)?;
+        }
+        if *mode != e.mode {
+            fchmod(&**file, Mode::from_bits_truncate(e.mode)).map_err(errno)?;
+            *mode = e.mode;
+        }
+        self.fs.publish(id, file, e.ns, e.key)?;
+        // The entry's "offset": its file's inode number, by which a client that opens the file
+        // itself (Store::index_fd) tells it is this entry's.
+        Ok(file.metadata()?.ino())
+    }
+
+    /// Copies the `e.size` bytes at `at` (a pack's) into a file of their own, published as
+    /// `e` (of id `id`); returns its inode number and the file's backing.
+    fn own_file(&mut self, id: u64, at: u64, e: &Loc<'_>) -> Result<(u64, Backing)> {
+        let mut bytes = vec![0u8; e.size as usize];
+        self.packs.read(at, 0, &mut bytes)?;
+        let f = self.fs.create_writing(e.size, e.mode)?;
+        f.write_all_at(&bytes, 0)?;
+        let mut b = Backing::File {
+            file: Arc::new(f),
+            span: e.size,
+            mode: e.mode,
+        };
+        Ok((self.publish_file(id, &mut b, e)?, b))
+    }
+
+    /// Appends `r` to the pack log (unless the crash-injection seam stops it: then the daemon
+    /// goes on as if it had, as a crashed one would have).
+    fn log(&mut self, r: Record) -> Result<()> {
+        if !self.fs.pass(MetaStep::Packed(r.clone())) {
+            return Ok(());
+        }
+        self.packs.log(&r)
+    }
+
+    /// Moves packed entry `e` (its new name, owner and mode already in `e`, its location
+    /// `at`) out of its pack into a file of its own; returns the file's inode number. Its
+    /// bytes leave the pack: the pack's readers may not be the entry's any more (a mapping
+    /// taken before reads zeros).
+    fn unpack(&mut self, at: u64, e: &Loc<'_>) -> Result<u64> {
+        let (ino, _) = self.own_file(0, at, e)?;
+        if let Err(err) = self.log(Record::Del { off: at }) {
+            // Still packed as far as anyone knows: the copy goes.
+            if let Err(e2) = self.fs.delete(e.ns, e.key) {
+                tracing::warn!(ns = %e.ns, key = %e.key, "removing a copy out of a pack: {e2}");
+            }
+            return Err(err);
+        }
+        if let Some((pack, offset)) = packed(at) {
+            self.packs.punch(pack, offset, e.asize);
+            self.packs.release(pack);
+        }
+        Ok(ino)
+    }
 }
 
 impl Pool for Memfs {
@@ -32,11 +121,11 @@ impl Pool for Memfs {
     }
 
     fn capacity(&self) -> u64 {
-        self.0.capacity
+        self.fs.capacity
     }
 
     fn free_space(&self) -> u64 {
-        self.0.space().map(|x| x.1).unwrap_or(0)
+        self.fs.space().map(|x| x.1).unwrap_or(0)
     }
 
     fn passthrough(&self) -> bool {
@@ -47,8 +136,23 @@ impl Pool for Memfs {
         false
     }
 
-    fn grant(&mut self, _id: u64, size: u64, _session: Option<u64>) -> Result<Backing> {
-        let f = self.0.create_writing(size, GRANT_MODE)?;
+    fn passes_through(&self, e: &Loc<'_>) -> bool {
+        packed(e.offset).is_none()
+    }
+
+    fn grant(&mut self, _id: u64, size: u64, who: &Requester<'_>) -> Result<Backing> {
+        if let (Some(s), Some(ns)) = (who.session, who.ns)
+            && self.packs.takes(size)
+        {
+            let g = self.packs.grant(s, ns, who.perm, size)?;
+            return Ok(Backing::Packed {
+                pack: g.pack,
+                offset: g.offset,
+                len: g.len,
+                file: g.file,
+            });
+        }
+        let f = self.fs.create_writing(size, GRANT_MODE)?;
         Ok(Backing::File {
             file: Arc::new(f),
             span: size,
@@ -57,7 +161,7 @@ impl Pool for Memfs {
     }
 
     fn create(&mut self, _id: u64) -> Result<Backing> {
-        let f = self.0.create_writing(0, CREATE_MODE)?;
+        let f = self.fs.create_writing(0, CREATE_MODE)?;
         Ok(Backing::File {
             file: Arc::new(f),
             span: 0,
@@ -65,8 +169,16 @@ impl Pool for Memfs {
         })
     }
 
-    fn abort(&mut self, id: u64, _backing: &Backing) {
-        self.0.abort(id);
+    fn abort(&mut self, id: u64, backing: &Backing) {
+        match backing {
+            Backing::Packed {
+                pack, offset, len, ..
+            } => {
+                self.packs.punch(*pack, *offset, *len);
+                self.packs.release(*pack);
+            }
+            _ => self.fs.abort(id),
+        }
     }
 
     fn commit(&mut self, _id: u64, backing: &mut Backing, size: u64) -> Result<()> {
@@ -82,52 +194,86 @@ impl Pool for Memfs {
     }
 
     fn publish(&mut self, id: u64, backing: &mut Backing, e: &Loc<'_>) -> Result<u64> {
-        let Backing::File { file, span, mode } = backing else {
-            return Err(Error::Protocol("a memfs allocation without a file".into()));
+        let Backing::Packed {
+            pack, offset, len, ..
+        } = *backing
+        else {
+            return self.publish_file(id, backing, e);
         };
-        if *span != e.size {
-            file.set_len(e.size)?;
-            *span = e.size;
+        if self.packs.fits(pack, e) {
+            let at = pack_location(pack, offset);
+            self.log(Packs::seal_record(at, e))?;
+            return Ok(at);
         }
-        // The file was created by the daemon (root): give it the entry's owner and mode.
-        if e.uid != 0 || e.gid != 0 {
-            fchown(
-                &**file,
-                Some(Uid::from_raw(e.uid)),
-                Some(Gid::from_raw(e.gid)),
-            )
-            .map_err(errno)?;
-        }
-        if *mode != e.mode {
-            fchmod(&**file, Mode::from_bits_truncate(e.mode)).map_err(errno)?;
-            *mode = e.mode;
-        }
-        self.0.publish(id, file, e.ns, e.key)?;
-        // The entry's "offset": its file's inode number, by which a client that opens the file
-        // itself (Store::index_fd) tells it is this entry's.
-        Ok(file.metadata()?.ino())
+        // Published elsewhere than its allocation said: its pack is not for this entry's
+        // readers; the bytes go to a file of their own.
+        let (ino, file) = self.own_file(id, pack_location(pack, offset), e)?;
+        self.packs.punch(pack, offset, len);
+        self.packs.release(pack);
+        *backing = file;
+        Ok(ino)
     }
 
-    fn delete(&mut self, e: &Loc<'_>, _leased: bool) -> bool {
+    fn delete(&mut self, e: &Loc<'_>, leased: bool) -> bool {
+        if let Some((pack, _)) = packed(e.offset) {
+            if let Err(err) = self.log(Record::Del { off: e.offset }) {
+                tracing::warn!(ns = %e.ns, key = %e.key, "logging a packed entry's removal: {err}");
+            }
+            // Its bytes are read by copy through the mount while an open file leases it.
+            if leased {
+                return false;
+            }
+            self.packs.release(pack);
+            return true;
+        }
         // Mappings of the file stay valid until unmapped: the tmpfs frees it then.
-        if let Err(err) = self.0.delete(e.ns, e.key) {
+        if let Err(err) = self.fs.delete(e.ns, e.key) {
             tracing::warn!(ns = %e.ns, key = %e.key, "removing backing file: {err}");
         }
         true
     }
 
-    fn free_extent(&mut self, _offset: u64) {}
+    fn free_extent(&mut self, offset: u64) {
+        if let Some((pack, _)) = packed(offset) {
+            self.packs.release(pack);
+        }
+    }
 
-    fn rename(&mut self, e: &Loc<'_>, ns: &str, key: &str) -> Result<()> {
-        self.0.rename(e.ns, e.key, ns, key)
+    fn rename(&mut self, e: &Loc<'_>, ns: &str, key: &str) -> Result<Option<u64>> {
+        let Some((pack, _)) = packed(e.offset) else {
+            self.fs.rename(e.ns, e.key, ns, key)?;
+            return Ok(None);
+        };
+        let to = Loc { ns, key, ..*e };
+        if self.packs.fits(pack, &to) {
+            self.log(Record::Rename {
+                off: e.offset,
+                ns: ns.to_owned(),
+                key: key.to_owned(),
+            })?;
+            return Ok(None);
+        }
+        self.unpack(e.offset, &to).map(Some)
     }
 
     fn set_pinned(&mut self, e: &Loc<'_>, pinned: bool) -> Result<()> {
-        Ok(self.0.set_pinned(e.ns, e.key, pinned)?)
+        if packed(e.offset).is_some() {
+            return self.log(Record::Pin {
+                off: e.offset,
+                pin: pinned,
+            });
+        }
+        Ok(self.fs.set_pinned(e.ns, e.key, pinned)?)
     }
 
-    fn set_owner_mode(&mut self, e: &Loc<'_>) -> Result<()> {
-        let f = self.0.open_entry(e.ns, e.key)?;
+    fn set_owner_mode(&mut self, e: &Loc<'_>) -> Result<Option<u64>> {
+        if let Some((pack, _)) = packed(e.offset) {
+            if self.packs.fits(pack, e) {
+                return Ok(None);
+            }
+            return self.unpack(e.offset, e).map(Some);
+        }
+        let f = self.fs.open_entry(e.ns, e.key)?;
         let md = f.metadata()?;
         // Clients open entries' files themselves (Store::index_fd), with the kernel deciding
         // from the file's owner and mode: a new owner or group is given to a closed file, so
@@ -137,19 +283,37 @@ impl Pool for Memfs {
             fchown(&f, Some(Uid::from_raw(e.uid)), Some(Gid::from_raw(e.gid))).map_err(errno)?;
         }
         fchmod(&f, Mode::from_bits_truncate(e.mode)).map_err(errno)?;
-        Ok(())
+        Ok(None)
     }
 
-    fn retrieve_fd(&self, e: &Loc<'_>, _first: bool) -> Result<Option<File>> {
-        Ok(Some(self.0.open_entry(e.ns, e.key)?))
+    fn retrieve_fd(&self, e: &Loc<'_>, first: bool) -> Result<Option<File>> {
+        if packed(e.offset).is_some() {
+            return Ok(if first {
+                Some(self.packs.reader(e.offset)?)
+            } else {
+                None
+            });
+        }
+        Ok(Some(self.fs.open_entry(e.ns, e.key)?))
     }
 
     fn open_entry(&self, e: &Loc<'_>) -> Result<File> {
-        Ok(self.0.open_entry(e.ns, e.key)?)
+        if packed(e.offset).is_some() {
+            return Err(Error::Unsupported(
+                "a packed entry has no file of its own".into(),
+            ));
+        }
+        Ok(self.fs.open_entry(e.ns, e.key)?)
     }
 
     fn read(&self, e: &Loc<'_>, offset: u64, buf: &mut [u8]) -> Result<()> {
-        Ok(self.0.open_entry(e.ns, e.key)?.read_exact_at(buf, offset)?)
+        if packed(e.offset).is_some() {
+            return self.packs.read(e.offset, offset, buf);
+        }
+        Ok(self
+            .fs
+            .open_entry(e.ns, e.key)?
+            .read_exact_at(buf, offset)?)
     }
 
     fn device_fd(&self, _write: bool) -> Result<File> {
@@ -157,38 +321,45 @@ impl Pool for Memfs {
     }
 
     fn location(&self, e: &Loc<'_>) -> String {
-        self.0.entry_path(e.ns, e.key).display().to_string()
+        if packed(e.offset).is_some() {
+            return self.packs.location(e.offset);
+        }
+        self.fs.entry_path(e.ns, e.key).display().to_string()
     }
 
     fn ensure_ns(&mut self, ns: &str) -> Result<()> {
-        self.0.ensure_ns(ns)?;
+        self.fs.ensure_ns(ns)?;
         Ok(())
     }
 
     fn ns_dir(&self, ns: &str) -> Result<Option<File>> {
-        match self.0.ns_dir(ns)? {
+        match self.fs.ns_dir(ns)? {
             Some(d) => Ok(Some(d.try_clone()?)),
             None => Ok(None),
         }
     }
 
+    fn pack_dir(&self) -> Result<Option<File>> {
+        Ok(Some(self.packs.dir()?))
+    }
+
     fn set_ns_access(&mut self, ns: &str, perm: &Perm) -> Result<()> {
-        Ok(self.0.set_ns_access(ns, perm.uid, perm.gid, perm.mode)?)
+        Ok(self.fs.set_ns_access(ns, perm.uid, perm.gid, perm.mode)?)
     }
 
     fn mirrors_access(&self) -> bool {
-        self.0.acls
+        self.fs.acls
     }
 
     fn remove_ns(&mut self, ns: &str) {
-        self.0.remove_ns(ns);
+        self.fs.remove_ns(ns);
     }
 
     fn recover(&mut self) -> Result<(Vec<String>, Vec<Found>)> {
-        let (dirs, found) = self.0.scan()?;
+        let (dirs, found) = self.fs.scan()?;
         let mut out = Vec::with_capacity(found.len());
         for f in found {
-            let md = std::fs::metadata(self.0.entry_path(&f.ns, &f.key))?;
+            let md = std::fs::metadata(self.fs.entry_path(&f.ns, &f.key))?;
             out.push(Found {
                 ns: f.ns,
                 key: f.key,
@@ -203,20 +374,27 @@ impl Pool for Memfs {
                     .unwrap_or_else(|_| std::time::SystemTime::now()),
             });
         }
+        // After the files: a crash while an entry left its pack leaves it in both, and the
+        // file is the one kept (its pack's copy is not recovered).
+        out.extend(self.packs.recover()?);
         Ok((dirs, out))
     }
 
-    fn recovered(&mut self, _kept: &[Loc<'_>]) -> Result<()> {
-        Ok(())
+    fn recovered(&mut self, kept: &[Loc<'_>]) -> Result<()> {
+        self.packs.recovered(kept)
     }
 
     fn checkpoint_due(&self) -> bool {
-        false
+        self.packs.checkpoint_due()
     }
 
-    fn checkpoint(&mut self, _live: &[Loc<'_>]) {}
+    fn checkpoint(&mut self, live: &[Loc<'_>]) {
+        self.packs.checkpoint(live);
+    }
 
-    fn detach(&mut self, _session: u64) {}
+    fn detach(&mut self, session: u64) {
+        self.packs.detach(session);
+    }
 
     fn slack(&self, _session: u64) -> u64 {
         0
@@ -225,16 +403,16 @@ impl Pool for Memfs {
     fn sync(&mut self) {}
 
     fn unmount(&self) {
-        if self.0.mounted_here {
-            self.0.unmount();
+        if self.fs.mounted_here {
+            self.fs.unmount();
         }
     }
 
     fn check(&self) -> std::result::Result<(), String> {
-        Ok(())
+        self.packs.check()
     }
 
     fn seams(&mut self) -> Seams<'_> {
-        Seams::Memfs(&self.0)
+        Seams::Memfs(&self.fs)
     }
 }

@@ -1,9 +1,10 @@
 //! Pools behind one trait: where entry bytes live and how their metadata persists.
 //! [`memfs::Memfs`] keeps each entry in its own file of a memory filesystem (the tree is the
-//! metadata); [`raw::Raw`] carves a device (or a file standing in for one) into regions and
-//! keeps its metadata in a log.
+//! metadata), small ones packed into shared files ([`packs`]); [`raw::Raw`] carves a device
+//! (or a file standing in for one) into regions and keeps its metadata in a log.
 
 pub mod memfs;
+pub mod packs;
 pub mod raw;
 
 use std::fs::File;
@@ -31,6 +32,18 @@ pub enum Backing {
     Extent {
         /// Offset in the pool.
         offset: u64,
+    },
+    /// Bytes carved from a memfs pool's pack (a small allocation of a client that said in
+    /// which namespace it will publish it).
+    Packed {
+        /// The pack.
+        pack: u32,
+        /// Offset in the pack.
+        offset: u64,
+        /// Bytes reserved there.
+        len: u64,
+        /// The pack, open read-write.
+        file: Arc<File>,
     },
     /// Bytes buffered by the daemon (a raw pool written through the mount); copied into the
     /// extent reserved at the writer's close.
@@ -65,6 +78,17 @@ impl Backing {
             _ => None,
         }
     }
+}
+
+/// Who asks for an allocation, and what it will be.
+#[derive(Debug, Clone, Copy)]
+pub struct Requester<'a> {
+    /// The client session (None: the mount's writers).
+    pub session: Option<u64>,
+    /// The namespace the client said it will publish it in.
+    pub ns: Option<&'a str>,
+    /// The entry's owner, group and mode.
+    pub perm: &'a Perm,
 }
 
 /// What a pool needs to know of an entry it holds.
@@ -149,15 +173,21 @@ pub trait Pool: Send {
     fn coherence(&self) -> Option<maru::proto::Coherence> {
         None
     }
-    /// Whether the mount serves its entries by passthrough to their own file.
+    /// Whether the mount serves entries by passthrough to their own file (where entries
+    /// written through it go).
     fn passthrough(&self) -> bool;
+    /// Whether the mount serves entry `e` by passthrough (else by copy).
+    fn passes_through(&self, _e: &Loc<'_>) -> bool {
+        self.passthrough()
+    }
     /// Whether a retrieval must hold a lease on the entry's extent (raw pools: the extent is
     /// reused once free, even under a client's mapping).
     fn leases(&self) -> bool;
 
-    /// Reserves `size` bytes for allocation `id` of client session `session` (raw pools pack a
-    /// session's allocations into its open region).
-    fn grant(&mut self, id: u64, size: u64, session: Option<u64>) -> Result<Backing>;
+    /// Reserves `size` bytes for allocation `id` of `who` (raw pools pack a session's
+    /// allocations into its open region; memfs pools a session's small ones for one namespace
+    /// into a pack).
+    fn grant(&mut self, id: u64, size: u64, who: &Requester<'_>) -> Result<Backing>;
     /// An empty allocation for a writer through the mount.
     fn create(&mut self, id: u64) -> Result<Backing>;
     /// Frees an allocation that will not be published.
@@ -173,14 +203,17 @@ pub trait Pool: Send {
     fn delete(&mut self, e: &Loc<'_>, leased: bool) -> bool;
     /// Frees the extent of a deleted entry whose last lease went.
     fn free_extent(&mut self, offset: u64);
-    /// Moves a sealed entry to `ns/key`.
-    fn rename(&mut self, e: &Loc<'_>, ns: &str, key: &str) -> Result<()>;
+    /// Moves a sealed entry to `ns/key`; returns its new location if that changed (a packed
+    /// entry moved to another namespace leaves its pack).
+    fn rename(&mut self, e: &Loc<'_>, ns: &str, key: &str) -> Result<Option<u64>>;
     /// Records a pin change.
     fn set_pinned(&mut self, e: &Loc<'_>, pinned: bool) -> Result<()>;
-    /// Records a change of owner or mode.
-    fn set_owner_mode(&mut self, e: &Loc<'_>) -> Result<()>;
-    /// A descriptor for a client's retrieval: memfs the entry's file; raw the pool's
-    /// read-only descriptor, when `first` (a connection gets it once).
+    /// Records a change of owner or mode; returns the entry's new location if that changed
+    /// (a packed entry leaves its pack).
+    fn set_owner_mode(&mut self, e: &Loc<'_>) -> Result<Option<u64>>;
+    /// A descriptor for a client's retrieval: memfs the entry's file (a packed entry's pack,
+    /// when `first`: a reply carries each pack once); raw the pool's read-only descriptor,
+    /// when `first` (a connection gets it once).
     fn retrieve_fd(&self, e: &Loc<'_>, first: bool) -> Result<Option<File>>;
     /// The entry's own file, opened read-only (passthrough pools).
     fn open_entry(&self, e: &Loc<'_>) -> Result<File>;
@@ -195,6 +228,10 @@ pub trait Pool: Send {
     /// A descriptor of the directory in which `ns`'s entries are files named by their keys
     /// (memfs); None where entries are not files.
     fn ns_dir(&self, _ns: &str) -> Result<Option<File>> {
+        Ok(None)
+    }
+    /// The directory of the pool's packs (memfs), for root clients to open packs in.
+    fn pack_dir(&self) -> Result<Option<File>> {
         Ok(None)
     }
     /// Gives the namespace's directory (memfs) the namespace's access `perm` for search and
@@ -214,11 +251,11 @@ pub trait Pool: Send {
     fn recover(&mut self) -> Result<(Vec<String>, Vec<Found>)>;
     /// After recovery: `kept` are the offsets (raw) of the found entries the store kept.
     fn recovered(&mut self, kept: &[Loc<'_>]) -> Result<()>;
-    /// Whether the metadata log has grown enough to be rewritten (raw pools).
+    /// Whether the metadata log has grown enough to be rewritten (raw pools, memfs packs).
     fn checkpoint_due(&self) -> bool;
-    /// Rewrites the metadata log as the entries `live` (raw pools).
+    /// Rewrites the metadata log as the entries `live` (raw pools, memfs packs).
     fn checkpoint(&mut self, live: &[Loc<'_>]);
-    /// A client session ended: its open region (raw) is detached.
+    /// A client session ended: its open region (raw) or packs (memfs) take no more.
     fn detach(&mut self, session: u64);
     /// Bytes of a session's open region not yet used (raw).
     fn slack(&self, session: u64) -> u64;

@@ -13,7 +13,7 @@ use maru::proto::{Coherence, PoolKind};
 use maru::{Error, Result};
 
 use super::super::authority::Authority;
-use super::{Backing, Found, Loc, Pool, Seams};
+use super::{Backing, Found, Loc, Pool, Requester, Seams};
 use crate::alloc::{ExtentAlloc, align_up};
 use crate::pool::{self, ENTRY_ALIGN, PoolSpec, REGION_ALIGN};
 use crate::wal::{self, FileSink, Wal};
@@ -398,9 +398,9 @@ impl Pool for Raw {
         true
     }
 
-    fn grant(&mut self, _id: u64, size: u64, session: Option<u64>) -> Result<Backing> {
+    fn grant(&mut self, _id: u64, size: u64, who: &Requester<'_>) -> Result<Backing> {
         Ok(Backing::Extent {
-            offset: self.place(size, session)?,
+            offset: self.place(size, who.session)?,
         })
     }
 
@@ -462,7 +462,7 @@ impl Pool for Raw {
                     _ => unreachable!("committed above"),
                 }
             }
-            Backing::File { .. } => {
+            Backing::File { .. } | Backing::Packed { .. } => {
                 return Err(Error::Protocol("a raw allocation with a file".into()));
             }
         };
@@ -493,12 +493,13 @@ impl Pool for Raw {
         self.release(offset);
     }
 
-    fn rename(&mut self, e: &Loc<'_>, ns: &str, key: &str) -> Result<()> {
+    fn rename(&mut self, e: &Loc<'_>, ns: &str, key: &str) -> Result<Option<u64>> {
         self.log(&Record::Rename {
             off: e.offset,
             ns: ns.to_owned(),
             key: key.to_owned(),
-        })
+        })?;
+        Ok(None)
     }
 
     fn set_pinned(&mut self, e: &Loc<'_>, pinned: bool) -> Result<()> {
@@ -508,9 +509,9 @@ impl Pool for Raw {
         })
     }
 
-    fn set_owner_mode(&mut self, _e: &Loc<'_>) -> Result<()> {
+    fn set_owner_mode(&mut self, _e: &Loc<'_>) -> Result<Option<u64>> {
         // The log keeps the owner of each entry as sealed; a change of mode lives in memory.
-        Ok(())
+        Ok(None)
     }
 
     fn retrieve_fd(&self, _e: &Loc<'_>, first: bool) -> Result<Option<File>> {

@@ -1,0 +1,496 @@
+//! Small entries of a memfs pool, packed into shared files.
+//!
+//! An entry of its own file costs a file (created, linked, and a descriptor and a mapping for
+//! each reader); small entries are most of that cost. A client that says in which namespace
+//! its allocations will be published gets the small ones carved from a *pack*: a file of
+//! [`PACK_BYTES`] under `p/` (root's, 0700) holding only entries of that namespace, that
+//! session's owner, group and mode, so that whoever is given the pack's descriptor (after the
+//! policy allowed one of its entries) may read every entry in it anyway. A reader maps a pack
+//! once and takes its entries from that mapping.
+//!
+//! Offsets in a pack are never handed out twice: a removed entry's bytes stay under its
+//! readers' mappings, so no lease is needed, and the pack's file goes when its last entry and
+//! allocation did (the tmpfs frees it when the last mapping goes). What is packed where is
+//! kept in the log `p/log` (records as a raw pool's, the offset being the entry's
+//! [`pack_location`]); a pack's file has its class's owner, group and mode.
+//!
+//! An entry leaves its pack for a file of its own when its class would change: published in
+//! another namespace than its allocation said, renamed into another namespace, or given
+//! another owner, group or mode.
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use maru::format::Record;
+use maru::index::packed;
+use maru::{Error, Result};
+use nix::sys::stat::{Mode, fchmod};
+use nix::unistd::{Gid, Uid, fchown};
+
+use super::super::policy::Perm;
+use super::{Found, Loc};
+use crate::pool::ENTRY_ALIGN;
+use crate::wal::{FileSink, Wal};
+
+pub use maru::index::PACK_BYTES;
+/// Log records after which the log is rewritten as the live entries (when they are fewer).
+const CHECKPOINT_RECORDS: u64 = 16_384;
+
+/// Who may read a pack's entries: the namespace, and the entries' owner, group and mode.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct Class {
+    ns: String,
+    uid: u32,
+    gid: u32,
+    mode: u32,
+}
+
+/// One pack file.
+struct Pack {
+    /// Open read-write (grants).
+    rw: Arc<File>,
+    /// Open read-only (retrievals).
+    ro: Arc<File>,
+    class: Class,
+    /// Bytes handed out (allocations are carved at the end, never twice).
+    end: u64,
+    /// Sealed entries and allocations in it.
+    live: u32,
+    /// Still takes allocations (the open pack of a session).
+    open: bool,
+}
+
+/// The packs of one memfs pool.
+pub struct Packs {
+    dir: PathBuf,
+    /// The largest entry packed (0: none).
+    max: u64,
+    wal: Wal,
+    packs: HashMap<u32, Pack>,
+    /// Each session's open pack per class.
+    open: HashMap<(u64, Class), u32>,
+    next: u32,
+}
+
+/// An allocation carved from a pack.
+pub struct PackGrant {
+    /// The pack.
+    pub pack: u32,
+    /// Where in it.
+    pub offset: u64,
+    /// Bytes reserved there (whole pages).
+    pub len: u64,
+    /// The pack, open read-write.
+    pub file: Arc<File>,
+}
+
+fn errno(e: nix::Error) -> Error {
+    Error::Io(std::io::Error::from(e))
+}
+
+impl Packs {
+    /// Opens (creating) the pack directory `dir` of a pool; entries up to `max` bytes are
+    /// packed.
+    pub fn open(dir: &Path, max: u64) -> std::io::Result<Packs> {
+        use std::os::unix::fs::DirBuilderExt;
+        if !dir.exists() {
+            std::fs::DirBuilder::new().mode(0o700).create(dir)?;
+        }
+        let wal = Wal::new(Box::new(FileSink::open(&dir.join("log"), false)?));
+        Ok(Packs {
+            dir: dir.to_owned(),
+            max: max.min(PACK_BYTES),
+            wal,
+            packs: HashMap::new(),
+            open: HashMap::new(),
+            next: 1,
+        })
+    }
+
+    /// The packs' directory, open (for root clients, which open packs themselves).
+    pub fn dir(&self) -> Result<File> {
+        Ok(OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
+            .open(&self.dir)?)
+    }
+
+    /// Whether an allocation of `size` bytes is packed.
+    pub fn takes(&self, size: u64) -> bool {
+        size <= self.max
+    }
+
+    fn path(&self, pack: u32) -> PathBuf {
+        self.dir.join(pack.to_string())
+    }
+
+    /// Carves `size` bytes from `session`'s open pack for entries of `ns` with `perm`
+    /// (a new pack when it has no room).
+    pub fn grant(&mut self, session: u64, ns: &str, perm: &Perm, size: u64) -> Result<PackGrant> {
+        let class = Class {
+            ns: ns.to_owned(),
+            uid: perm.uid,
+            gid: perm.gid,
+            mode: perm.mode,
+        };
+        let need = size.max(1).div_ceil(ENTRY_ALIGN) * ENTRY_ALIGN;
+        let key = (session, class);
+        let fits = |p: &Pack| p.end + need <= PACK_BYTES;
+        let id = match self.open.get(&key) {
+            Some(id) if fits(&self.packs[id]) => *id,
+            _ => {
+                if let Some(old) = self.open.remove(&key) {
+                    self.close(old);
+                }
+                let id = self.create(&key.1)?;
+                self.open.insert(key, id);
+                id
+            }
+        };
+        let p = self.packs.get_mut(&id).expect("open packs exist");
+        let offset = p.end;
+        // Reserves the bytes (and grows the file over them): a full tmpfs fails here, not
+        // under the client's first write.
+        nix::fcntl::fallocate(
+            &*p.rw,
+            nix::fcntl::FallocateFlags::empty(),
+            offset as i64,
+            need as i64,
+        )
+        .map_err(|e| {
+            if e == nix::errno::Errno::ENOSPC {
+                Error::NoSpace(format!("memfs pool {} is full", self.dir.display()))
+            } else {
+                errno(e)
+            }
+        })?;
+        p.end += need;
+        p.live += 1;
+        Ok(PackGrant {
+            pack: id,
+            offset,
+            len: need,
+            file: p.rw.clone(),
+        })
+    }
+
+    fn create(&mut self, class: &Class) -> Result<u32> {
+        let id = self.next;
+        self.next += 1;
+        let path = self.path(id);
+        let rw = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&path)?;
+        let made = fchown(
+            &rw,
+            Some(Uid::from_raw(class.uid)),
+            Some(Gid::from_raw(class.gid)),
+        )
+        .and_then(|()| fchmod(&rw, Mode::from_bits_truncate(class.mode)));
+        let ro = made.map_err(errno).and_then(|()| {
+            Ok(OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_CLOEXEC)
+                .open(&path)?)
+        });
+        let ro = match ro {
+            Ok(f) => f,
+            Err(e) => {
+                let _ = std::fs::remove_file(&path);
+                return Err(e);
+            }
+        };
+        self.packs.insert(
+            id,
+            Pack {
+                rw: Arc::new(rw),
+                ro: Arc::new(ro),
+                class: class.clone(),
+                end: 0,
+                live: 0,
+                open: true,
+            },
+        );
+        Ok(id)
+    }
+
+    /// Takes no more allocations into `pack`; removes it if nothing lives in it.
+    fn close(&mut self, pack: u32) {
+        if let Some(p) = self.packs.get_mut(&pack) {
+            p.open = false;
+        }
+        self.settle(pack);
+    }
+
+    fn settle(&mut self, pack: u32) {
+        if self
+            .packs
+            .get(&pack)
+            .is_some_and(|p| p.live == 0 && !p.open)
+        {
+            self.packs.remove(&pack);
+            if let Err(e) = std::fs::remove_file(self.path(pack)) {
+                tracing::warn!(pack, "removing an empty pack: {e}");
+            }
+        }
+    }
+
+    /// Frees the pages of `[offset, offset + len)` of `pack`, whose bytes left it (or were
+    /// never published): whoever may map the pack no longer reads them there; a mapping of
+    /// them reads zeros.
+    pub fn punch(&self, pack: u32, offset: u64, len: u64) {
+        let Some(p) = self.packs.get(&pack) else {
+            return;
+        };
+        let len = len.div_ceil(ENTRY_ALIGN) * ENTRY_ALIGN;
+        if let Err(e) = nix::fcntl::fallocate(
+            &*p.rw,
+            nix::fcntl::FallocateFlags::FALLOC_FL_PUNCH_HOLE
+                | nix::fcntl::FallocateFlags::FALLOC_FL_KEEP_SIZE,
+            offset as i64,
+            len as i64,
+        ) {
+            tracing::warn!(pack, offset, "freeing bytes that left a pack: {e}");
+        }
+    }
+
+    /// One entry or allocation of `pack` is gone.
+    pub fn release(&mut self, pack: u32) {
+        if let Some(p) = self.packs.get_mut(&pack) {
+            p.live = p.live.saturating_sub(1);
+        }
+        self.settle(pack);
+    }
+
+    /// A session ended: its open packs take no more allocations.
+    pub fn detach(&mut self, session: u64) {
+        let ended: Vec<(u64, Class)> = self
+            .open
+            .keys()
+            .filter(|(s, _)| *s == session)
+            .cloned()
+            .collect();
+        for k in ended {
+            if let Some(id) = self.open.remove(&k) {
+                self.close(id);
+            }
+        }
+    }
+
+    /// Whether an entry packed in `pack` may stay there as `e` (same namespace, owner, group
+    /// and mode as the pack's).
+    pub fn fits(&self, pack: u32, e: &Loc<'_>) -> bool {
+        self.packs.get(&pack).is_some_and(|p| {
+            p.class
+                == Class {
+                    ns: e.ns.to_owned(),
+                    uid: e.uid,
+                    gid: e.gid,
+                    mode: e.mode,
+                }
+        })
+    }
+
+    /// The record of entry `e` sealed at packed location `at`.
+    pub fn seal_record(at: u64, e: &Loc<'_>) -> Record {
+        Record::Seal {
+            ns: e.ns.to_owned(),
+            key: e.key.to_owned(),
+            off: at,
+            size: e.size,
+            asize: e.asize,
+            pin: e.pinned,
+            uid: e.uid,
+            gid: e.gid,
+        }
+    }
+
+    /// Records a change of the packed entries.
+    pub fn log(&mut self, r: &Record) -> Result<()> {
+        Ok(self.wal.append(r)?)
+    }
+
+    /// Reads a packed entry's bytes.
+    pub fn read(&self, at: u64, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let (pack, base) = packed(at).ok_or_else(|| Error::Protocol("not packed".into()))?;
+        let p = self
+            .packs
+            .get(&pack)
+            .ok_or_else(|| Error::NotFound(format!("pack {pack}")))?;
+        Ok(p.ro.read_exact_at(buf, base + offset)?)
+    }
+
+    /// The read-only descriptor of the pack holding `at`.
+    pub fn reader(&self, at: u64) -> Result<File> {
+        let (pack, _) = packed(at).ok_or_else(|| Error::Protocol("not packed".into()))?;
+        let p = self
+            .packs
+            .get(&pack)
+            .ok_or_else(|| Error::NotFound(format!("pack {pack}")))?;
+        Ok(p.ro.try_clone()?)
+    }
+
+    /// The path of the pack holding `at`.
+    pub fn location(&self, at: u64) -> String {
+        let pack = packed(at).map_or(0, |(p, _)| p);
+        self.path(pack).display().to_string()
+    }
+
+    /// The packed entries the log holds (an entry whose pack's file is gone is dropped).
+    pub fn recover(&mut self) -> Result<Vec<Found>> {
+        let mut live: HashMap<u64, Record> = HashMap::new();
+        for r in crate::wal::read_log(&self.dir.join("log"))? {
+            match r {
+                Record::Seal { off, .. } => {
+                    live.insert(off, r);
+                }
+                Record::Del { off } => {
+                    live.remove(&off);
+                }
+                Record::Pin { off, pin } => {
+                    if let Some(Record::Seal { pin: p, .. }) = live.get_mut(&off) {
+                        *p = pin;
+                    }
+                }
+                Record::Rename { off, ns, key } => {
+                    if let Some(Record::Seal { ns: n, key: k, .. }) = live.get_mut(&off) {
+                        (*n, *k) = (ns, key);
+                    }
+                }
+            }
+        }
+        let mut files: HashMap<u32, Option<std::fs::Metadata>> = HashMap::new();
+        let mut out = Vec::new();
+        for r in live.into_values() {
+            let Record::Seal {
+                ns,
+                key,
+                off,
+                size,
+                pin,
+                ..
+            } = r
+            else {
+                continue;
+            };
+            let Some((pack, _)) = packed(off) else {
+                continue;
+            };
+            let md = files
+                .entry(pack)
+                .or_insert_with(|| std::fs::metadata(self.path(pack)).ok());
+            let Some(md) = md else {
+                tracing::warn!(%ns, %key, pack, "not recovered: its pack is gone");
+                continue;
+            };
+            out.push(Found {
+                ns,
+                key,
+                offset: off,
+                size,
+                pinned: pin,
+                uid: md.uid(),
+                gid: md.gid(),
+                mode: md.mode() & 0o7777,
+                mtime: md
+                    .modified()
+                    .unwrap_or_else(|_| std::time::SystemTime::now()),
+            });
+        }
+        Ok(out)
+    }
+
+    /// After recovery: opens the packs of the entries kept (taking no new allocations),
+    /// removes every other pack, and rewrites the log as the kept entries.
+    pub fn recovered(&mut self, kept: &[Loc<'_>]) -> Result<()> {
+        let mut live: HashMap<u32, u32> = HashMap::new();
+        for e in kept {
+            if let Some((pack, _)) = packed(e.offset) {
+                *live.entry(pack).or_default() += 1;
+            }
+        }
+        for d in std::fs::read_dir(&self.dir)? {
+            let d = d?;
+            let Some(id) = d.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+                continue;
+            };
+            self.next = self.next.max(id + 1);
+            let Some(&n) = live.get(&id) else {
+                tracing::info!(pack = id, "removing a pack with no entry left");
+                std::fs::remove_file(d.path())?;
+                continue;
+            };
+            let rw = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .custom_flags(libc::O_CLOEXEC)
+                .open(d.path())?;
+            let ro = OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_CLOEXEC)
+                .open(d.path())?;
+            let md = rw.metadata()?;
+            let ns = kept
+                .iter()
+                .find(|e| packed(e.offset).is_some_and(|(p, _)| p == id))
+                .map(|e| e.ns.to_owned())
+                .unwrap_or_default();
+            self.packs.insert(
+                id,
+                Pack {
+                    end: md.len(),
+                    rw: Arc::new(rw),
+                    ro: Arc::new(ro),
+                    class: Class {
+                        ns,
+                        uid: md.uid(),
+                        gid: md.gid(),
+                        mode: md.mode() & 0o7777,
+                    },
+                    live: n,
+                    open: false,
+                },
+            );
+        }
+        self.checkpoint(kept);
+        Ok(())
+    }
+
+    /// Whether the log has grown enough to be rewritten.
+    pub fn checkpoint_due(&self) -> bool {
+        self.wal.since_checkpoint >= CHECKPOINT_RECORDS
+    }
+
+    /// Rewrites the log as the packed entries among `live`.
+    pub fn checkpoint(&mut self, live: &[Loc<'_>]) {
+        let recs: Vec<Record> = live
+            .iter()
+            .filter(|e| packed(e.offset).is_some())
+            .map(|e| Self::seal_record(e.offset, e))
+            .collect();
+        if let Err(e) = self.wal.checkpoint(&recs) {
+            tracing::warn!(dir = %self.dir.display(), "rewriting the pack log: {e}");
+        }
+    }
+
+    /// Checks the packs' accounting against the packed entries `live` (and allocations
+    /// `writing`, per pack).
+    pub fn check(&self) -> std::result::Result<(), String> {
+        for (id, p) in &self.packs {
+            if p.end > PACK_BYTES {
+                return Err(format!("pack {id} hands out {} bytes", p.end));
+            }
+            if p.live == 0 && !p.open {
+                return Err(format!("pack {id} is empty and closed but kept"));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,339 @@
+//! Small memfs entries packed into shared files (`p/` of the pool): what a client that says
+//! where it publishes gets, what every other door sees of a packed entry, how an entry leaves
+//! its pack, and what a restart recovers.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+
+use maru_tests::{Daemon, Opts, pattern, probe, xattr};
+
+/// A handler that says it publishes in namespace `ns` (so small allocations are packed).
+fn packing(d: &Daemon, ns: &str) -> maru::Handler {
+    maru::Handler::connect(maru::Config {
+        namespace: Some(ns.into()),
+        ..d.client_config()
+    })
+    .unwrap()
+}
+
+fn text(p: &Path, name: &str) -> String {
+    String::from_utf8(xattr(p, name).unwrap()).unwrap()
+}
+
+/// The pack files of the first pool.
+fn packs(d: &Daemon) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(d.pool_dir().join("p"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.parse::<u32>().is_ok())
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn small_entries_share_a_pack_and_every_door_reads_them() {
+    maru_tests::require_root!();
+    let d = Daemon::start(Opts::default());
+    let h = packing(&d, "kv");
+    h.mkdir("kv", 0o755).unwrap();
+    for i in 0..40u64 {
+        h.put(&format!("kv/k{i}"), &pattern(i, 4096 + i as usize))
+            .unwrap();
+    }
+    // 64 KiB is packed; one byte more is a file of its own.
+    h.put("kv/edge", &pattern(100, 64 << 10)).unwrap();
+    h.put("kv/big", &pattern(101, (64 << 10) + 1)).unwrap();
+    let pack_dir = d.pool_dir().join("p");
+    let loc = text(&d.path("kv/k7"), "user.maru.location");
+    assert!(
+        Path::new(&loc).starts_with(&pack_dir),
+        "a small entry is in a pack: {loc}"
+    );
+    assert_eq!(text(&d.path("kv/k7"), "user.maru.access"), "copy");
+    assert_eq!(
+        text(&d.path("kv/k0"), "user.maru.location"),
+        loc,
+        "one pack"
+    );
+    let off: u64 = text(&d.path("kv/k1"), "user.maru.offset").parse().unwrap();
+    assert_eq!(off % 4096, 0);
+    assert!(off > 0, "the second entry is further in");
+    assert!(Path::new(&text(&d.path("kv/edge"), "user.maru.location")).starts_with(&pack_dir));
+    assert_eq!(
+        text(&d.path("kv/big"), "user.maru.location"),
+        d.pool_dir().join("n/kv/big").display().to_string()
+    );
+    // The pack file is root's directory's, with the entries' owner and mode.
+    let md = std::fs::metadata(&loc).unwrap();
+    assert_eq!(md.permissions().mode() & 0o7777, 0o644);
+    assert_eq!(
+        std::fs::metadata(&pack_dir).unwrap().permissions().mode() & 0o777,
+        0o700
+    );
+
+    // Through the mount (by copy), through another handler (a slice of the pack), and from
+    // another process.
+    for i in [0u64, 7, 39] {
+        let want = pattern(i, 4096 + i as usize);
+        assert_eq!(std::fs::read(d.path(&format!("kv/k{i}"))).unwrap(), want);
+        let m = d.handler().retrieve(&format!("kv/k{i}")).unwrap().unwrap();
+        assert_eq!(m.as_slice(), &want[..]);
+    }
+    let fresh = d.handler();
+    let keys: Vec<String> = (0..40).map(|i| format!("kv/k{i}")).collect();
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let got = fresh.batch_retrieve(&refs).unwrap();
+    for (i, m) in got.iter().enumerate() {
+        assert_eq!(
+            m.as_ref().unwrap().as_slice(),
+            &pattern(i as u64, 4096 + i)[..]
+        );
+    }
+    // Entries of one pack are slices of one mapping.
+    let (a, b) = (got[0].as_ref().unwrap(), got[1].as_ref().unwrap());
+    let gap = b.as_ptr() as i64 - a.as_ptr() as i64;
+    assert_eq!(
+        gap as u64, off,
+        "k1 lies `offset` bytes after k0 in one mapping"
+    );
+    // A mapping through the mount reads the same bytes.
+    let sock = d.socket.to_string_lossy().into_owned();
+    let out = probe(&["mapfile", d.path("kv/k5").to_str().unwrap(), "5"]);
+    assert!(out.starts_with(&format!("{} ", 4096 + 5)), "{out}");
+    let out = probe(&["retrieve", &sock, "kv/k9", "9"]);
+    assert!(!out.trim().is_empty());
+}
+
+/// A reader maps the pack's own pages: the frames it sees are the writer's.
+#[test]
+fn a_packed_entry_is_the_packs_own_pages() {
+    maru_tests::require_root!();
+    let d = Daemon::start(Opts::default());
+    d.handler().mkdir("pfn", 0o755).unwrap();
+    let sock = d.socket.to_string_lossy().into_owned();
+    let a = probe(&["store", &sock, "pfn/k", "16384", "3"]);
+    assert!(
+        Path::new(&text(&d.path("pfn/k"), "user.maru.location"))
+            .starts_with(d.pool_dir().join("p")),
+        "the probe's store is packed"
+    );
+    let b = probe(&["retrieve", &sock, "pfn/k", "3"]);
+    assert_eq!(a.trim(), b.trim(), "writer and reader frames differ");
+    assert!(!a.trim().starts_with("0 "), "PFNs are zero: not root?");
+}
+
+#[test]
+fn an_entry_leaves_its_pack_when_its_readers_would_change() {
+    maru_tests::require_root!();
+    let d = Daemon::start(Opts::default());
+    let h = packing(&d, "a");
+    h.mkdir("a", 0o755).unwrap();
+    h.mkdir("b", 0o755).unwrap();
+    let pack_dir = d.pool_dir().join("p");
+    let in_pack =
+        |rel: &str| Path::new(&text(&d.path(rel), "user.maru.location")).starts_with(&pack_dir);
+    for k in ["x", "y", "z", "w"] {
+        h.put(&format!("a/{k}"), &pattern(k.len() as u64, 5000))
+            .unwrap();
+    }
+    // Published elsewhere than the handler said: a file of its own.
+    h.put("b/other", &pattern(9, 3000)).unwrap();
+    assert!(!in_pack("b/other"));
+    assert_eq!(
+        std::fs::read(d.pool_dir().join("n/b/other")).unwrap(),
+        pattern(9, 3000)
+    );
+    let pack = text(&d.path("a/x"), "user.maru.location");
+    let at: u64 = text(&d.path("a/x"), "user.maru.offset").parse().unwrap();
+    let in_pack_at = |off: u64| {
+        use std::os::unix::fs::FileExt;
+        let mut b = vec![0u8; 5000];
+        std::fs::File::open(&pack)
+            .unwrap()
+            .read_exact_at(&mut b, off)
+            .unwrap();
+        b
+    };
+    assert_eq!(in_pack_at(at), pattern(1, 5000));
+    let z_at: u64 = text(&d.path("a/z"), "user.maru.offset").parse().unwrap();
+    // Renamed within its namespace: it stays.
+    std::fs::rename(d.path("a/y"), d.path("a/y2")).unwrap();
+    assert!(in_pack("a/y2"));
+    // Renamed into another namespace, or given another mode: its own file.
+    std::fs::rename(d.path("a/z"), d.path("b/z")).unwrap();
+    assert!(!in_pack("b/z"));
+    std::fs::set_permissions(d.path("a/x"), std::fs::Permissions::from_mode(0o600)).unwrap();
+    assert!(!in_pack("a/x"));
+    let file = d.pool_dir().join("n/a/x");
+    assert_eq!(
+        std::fs::metadata(&file).unwrap().permissions().mode() & 0o7777,
+        0o600
+    );
+    assert!(in_pack("a/w"), "the others stay");
+    let want = pattern(1, 5000);
+    assert_eq!(std::fs::read(&file).unwrap(), want);
+    // What left the pack is not readable there any more: the pack's readers need not be the
+    // entry's now.
+    assert!(
+        in_pack_at(at).iter().all(|b| *b == 0),
+        "a/x left bytes behind"
+    );
+    assert!(
+        in_pack_at(z_at).iter().all(|b| *b == 0),
+        "a/z left bytes behind"
+    );
+    let fresh = d.handler();
+    for (k, seed) in [("a/x", 1u64), ("a/y2", 1), ("b/z", 1), ("a/w", 1)] {
+        let m = fresh.retrieve(k).unwrap().unwrap_or_else(|| panic!("{k}"));
+        assert_eq!(m.as_slice(), &pattern(seed, 5000)[..], "{k}");
+    }
+    // The index says where each one is now: the handler that stored them reads them too.
+    assert_eq!(h.retrieve("b/z").unwrap().unwrap().as_slice(), &want[..]);
+}
+
+#[test]
+fn a_pack_goes_when_its_last_entry_and_writer_did() {
+    maru_tests::require_root!();
+    let d = Daemon::start(Opts {
+        mount: false,
+        ..Opts::default()
+    });
+    let h = packing(&d, "g");
+    h.mkdir("g", 0o755).unwrap();
+    for i in 0..8 {
+        h.put(&format!("g/k{i}"), &pattern(i, 8192)).unwrap();
+    }
+    let reader = d.handler();
+    let kept = reader.retrieve("g/k3").unwrap().unwrap();
+    assert_eq!(packs(&d).len(), 1);
+    let keys: Vec<String> = (0..8).map(|i| format!("g/k{i}")).collect();
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    assert!(h.batch_delete(&refs).unwrap().iter().all(Result::is_ok));
+    assert_eq!(packs(&d).len(), 1, "its writer may still carve from it");
+    drop(h);
+    let t = std::time::Instant::now();
+    while !packs(&d).is_empty() {
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(10),
+            "the empty pack stays: {:?}",
+            packs(&d)
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // Removed under a reader's mapping: the bytes stay until it lets go.
+    assert_eq!(kept.as_slice(), &pattern(3, 8192)[..]);
+}
+
+#[test]
+fn packed_entries_survive_kill9() {
+    maru_tests::require_root!();
+    let mut d = Daemon::start(Opts::default());
+    let h = packing(&d, "r");
+    h.mkdir("r", 0o755).unwrap();
+    for i in 0..30u64 {
+        h.put(&format!("r/k{i}"), &pattern(i, 1000 + 997 * i as usize))
+            .unwrap();
+    }
+    h.pin("r/k2").unwrap();
+    h.delete("r/k4").unwrap();
+    std::fs::rename(d.path("r/k6"), d.path("r/six")).unwrap();
+    // A whole pack of deleted entries, and an allocation in flight: neither comes back.
+    let g = packing(&d, "r");
+    g.put("r/gone", &pattern(77, 100)).unwrap();
+    g.delete("r/gone").unwrap();
+    let mut w = h.alloc(4096).unwrap();
+    w.as_mut_slice().fill(0xee);
+    let before = packs(&d);
+    assert_eq!(before.len(), 2, "{before:?}");
+    d.kill9();
+    std::mem::forget(w);
+    drop((h, g));
+    d.restart();
+    let h = d.handler();
+    for i in 0..30u64 {
+        let p = match i {
+            4 => {
+                assert!(!h.exists("r/k4").unwrap());
+                continue;
+            }
+            6 => "r/six".to_string(),
+            _ => format!("r/k{i}"),
+        };
+        let m = h
+            .retrieve(&p)
+            .unwrap()
+            .unwrap_or_else(|| panic!("{p} lost"));
+        assert_eq!(
+            m.as_slice(),
+            &pattern(i, 1000 + 997 * i as usize)[..],
+            "{p}"
+        );
+    }
+    assert!(!h.exists("r/k6").unwrap());
+    assert!(!h.exists("r/gone").unwrap());
+    assert!(h.is_pinned("r/k2").unwrap());
+    assert_eq!(packs(&d), before[..1], "the empty pack is removed");
+    // New stores go to a new pack, never over the recovered one.
+    let h2 = packing(&d, "r");
+    h2.put("r/new", &pattern(5, 4096)).unwrap();
+    assert_eq!(packs(&d).len(), 2);
+    assert_eq!(
+        h.retrieve("r/k1").unwrap().unwrap().as_slice(),
+        &pattern(1, 1997)[..]
+    );
+}
+
+/// A full pool of packed entries makes room by evicting the least recently used ones: their
+/// packs go once empty, and storing goes on.
+#[test]
+fn a_full_pool_of_packed_entries_evicts_whole_packs() {
+    maru_tests::require_root!();
+    let d = Daemon::start(Opts {
+        pools: vec!["memfs:{dir}/pool,size=32M".into()],
+        mount: false,
+        extra: vec!["--eviction".into(), "lru".into()],
+    });
+    let h = packing(&d, "e");
+    h.mkdir("e", 0o755).unwrap();
+    let n = 3000u64; // 32 KiB each: 94 MiB, three times the pool
+    for i in 0..n {
+        h.put(&format!("e/k{i}"), &pattern(i, 32 << 10))
+            .unwrap_or_else(|e| panic!("store {i}: {e}"));
+    }
+    let st = h.stats().unwrap();
+    let p = &st.pools[0];
+    assert!(p.evictions > 1500, "{p:?}");
+    assert!(p.used <= p.capacity, "{p:?}");
+    assert!(!h.exists("e/k0").unwrap(), "the oldest entry is evicted");
+    for i in n - 100..n {
+        let m = h.retrieve(&format!("e/k{i}")).unwrap().expect("recent");
+        assert_eq!(m.as_slice(), &pattern(i, 32 << 10)[..]);
+    }
+    // What is left fits in the packs that hold it (2 MiB each), with one being filled.
+    let live = p.sealed_bytes.div_ceil(2 << 20);
+    assert!(
+        packs(&d).len() as u64 <= live + 2,
+        "{} packs for {} live bytes",
+        packs(&d).len(),
+        p.sealed_bytes
+    );
+}
+
+#[test]
+fn with_pack_0_every_entry_is_a_file_of_its_own() {
+    maru_tests::require_root!();
+    let d = Daemon::start(Opts {
+        pools: vec!["memfs:{dir}/pool,size=64M,pack=0".into()],
+        ..Opts::default()
+    });
+    let h = packing(&d, "o");
+    h.mkdir("o", 0o755).unwrap();
+    h.put("o/k", &pattern(1, 4096)).unwrap();
+    assert_eq!(
+        text(&d.path("o/k"), "user.maru.location"),
+        d.pool_dir().join("n/o/k").display().to_string()
+    );
+    assert_eq!(text(&d.path("o/k"), "user.maru.access"), "passthrough");
+    assert!(packs(&d).is_empty());
+}
