@@ -161,7 +161,7 @@ impl Inner {
         let file = f;
         Ok(AllocHandle {
             grant: s.grant,
-            map,
+            map: Some(map),
             start,
             file,
             base,

@@ -33,7 +33,8 @@ use state::{Inner, Pending, unexpected};
 /// A writable allocation, published with [`Handler::store`].
 pub struct AllocHandle {
     grant: Grant,
-    map: memmap2::MmapMut,
+    /// The writable mapping; gone once the handle was given up to a publication.
+    map: Option<memmap2::MmapMut>,
     start: usize,
     /// The file `map` maps (the entry's for memfs pools, the pool's for raw ones) from `base`.
     file: Arc<std::fs::File>,
@@ -72,8 +73,9 @@ impl AllocHandle {
     /// pool refuses private mappings (device DAX), the range becomes read-only instead.
     fn detach(&mut self) -> Result<()> {
         use nix::sys::mman::{MapFlags, ProtFlags, mmap, mprotect};
-        let len = std::num::NonZeroUsize::new(self.map.len()).expect("never empty");
-        let addr = std::ptr::NonNull::new(self.map.as_mut_ptr().cast()).expect("mapped");
+        let map = self.map.as_mut().expect("detached before it is given up");
+        let len = std::num::NonZeroUsize::new(map.len()).expect("never empty");
+        let addr = std::ptr::NonNull::new(map.as_mut_ptr().cast()).expect("mapped");
         // SAFETY: the range is this handle's own mapping, replaced by one of the same length
         // at the same address (MAP_FIXED); `map` still unmaps it on drop. Nothing else in
         // this process owns that range.
@@ -102,7 +104,8 @@ impl AllocHandle {
         match keep {
             Keep::PrivateCopy => self.detach(),
             Keep::Nothing => {
-                // Dropped right after: its mapping goes with it.
+                // Given up by its caller: unmapped now, while marud publishes.
+                self.map = None;
                 self.done = true;
                 Ok(())
             }
@@ -112,12 +115,20 @@ impl AllocHandle {
     /// The writable bytes.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         let n = self.grant.size as usize;
-        &mut self.map[self.start..self.start + n]
+        let map = self
+            .map
+            .as_mut()
+            .expect("a handle given up is never used again");
+        &mut map[self.start..self.start + n]
     }
 
     /// The bytes written so far.
     pub fn as_slice(&self) -> &[u8] {
-        &self.map[self.start..self.start + self.grant.size as usize]
+        let map = self
+            .map
+            .as_ref()
+            .expect("a handle given up is never used again");
+        &map[self.start..self.start + self.grant.size as usize]
     }
 
     /// Size in bytes.
