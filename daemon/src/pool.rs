@@ -286,7 +286,7 @@ pub enum MetaStep {
         /// Allocation id.
         id: u64,
     },
-    /// A record is appended to the pack log (`p/log`: packed entries).
+    /// A record is appended to the log of the pool's packs (packed entries).
     Packed(maru::format::Record),
     /// The pin xattr is set or removed.
     Pin {

@@ -371,9 +371,16 @@ impl Dispatcher {
             } => {
                 let grants = store.alloc(session, size, count, pool.as_deref(), ns.as_deref())?;
                 let mut out = Vec::with_capacity(grants.len());
+                // A grant in the same file (a pack) as the one before it goes without one.
+                let mut last: Option<std::sync::Arc<std::fs::File>> = None;
                 for (mut g, file) in grants {
                     if let Some(f) = file {
-                        fds.push(f.try_clone()?);
+                        if last.as_ref().is_some_and(|l| std::sync::Arc::ptr_eq(l, &f)) {
+                            g.fd = false;
+                        } else {
+                            fds.push(f.try_clone()?);
+                            last = Some(f);
+                        }
                     } else if self.sent_rw.insert(g.pool) {
                         fds.push(store.raw_pool_fd(g.pool, true)?);
                         g.fd = true;

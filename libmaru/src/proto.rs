@@ -315,8 +315,8 @@ pub struct Grant {
     pub offset: u64,
     /// Size in bytes.
     pub size: u64,
-    /// A descriptor travels with this item (memfs: the new file or the pack; raw: the pool,
-    /// first time only).
+    /// A descriptor travels with this item (memfs: the new file or the pack, unless the
+    /// reply's previous grant is in the same pack; raw: the pool, first time only).
     pub fd: bool,
 }
 

@@ -37,7 +37,7 @@ pub fn open_state(
             anyhow::bail!("two pools are named `{}`", spec.name);
         }
         let pool: Box<dyn Pool> = match spec.kind {
-            PoolKind::Memfs => Box::new(Memfs::open(spec)?),
+            PoolKind::Memfs => Box::new(Memfs::open(spec, &cfg.state_dir, cfg.wal_sync)?),
             PoolKind::Devdax | PoolKind::File => Box::new(Raw::open(
                 spec,
                 &cfg.state_dir,

@@ -109,6 +109,9 @@ impl Inner {
     ) -> Result<Vec<Spare>> {
         let mut fds = fds.into_iter();
         let mut spares = Vec::with_capacity(grants.len());
+        // A memfs grant in the same pack as the one before it in the reply comes without a
+        // descriptor: it is that pack.
+        let mut last: Option<Arc<File>> = None;
         for g in grants {
             let fd = if g.fd {
                 Some(
@@ -120,9 +123,14 @@ impl Inner {
             };
             let file = match self.pool_kind(g.pool)? {
                 PoolKind::Memfs => {
-                    Some(File::from(fd.ok_or_else(|| {
-                        Error::Protocol("memfs grant without a file".into())
-                    })?))
+                    let f = match fd {
+                        Some(fd) => Arc::new(File::from(fd)),
+                        None => last
+                            .clone()
+                            .ok_or_else(|| Error::Protocol("memfs grant without a file".into()))?,
+                    };
+                    last = Some(f.clone());
+                    Some(f)
                 }
                 _ => {
                     if let Some(fd) = fd {
@@ -140,7 +148,7 @@ impl Inner {
         let size = s.grant.size as usize;
         // The grant's own file or pack (memfs), else the raw pool's descriptor.
         let f = match s.file {
-            Some(f) => Arc::new(f),
+            Some(f) => f,
             None => self
                 .pool_rw
                 .get(&s.grant.pool)

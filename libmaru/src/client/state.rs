@@ -94,7 +94,7 @@ impl Default for Config {
 
 pub(super) struct Spare {
     pub(super) grant: Grant,
-    pub(super) file: Option<File>,
+    pub(super) file: Option<Arc<File>>,
 }
 
 pub(super) struct NsIndex {

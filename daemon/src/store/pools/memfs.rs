@@ -5,6 +5,7 @@
 
 use std::fs::File;
 use std::os::unix::fs::{FileExt, MetadataExt};
+use std::path::Path;
 use std::sync::Arc;
 
 use maru::format::Record;
@@ -35,10 +36,15 @@ fn errno(e: nix::Error) -> Error {
 }
 
 impl Memfs {
-    /// Mounts (or reuses) the pool's tmpfs.
-    pub fn open(spec: &PoolSpec) -> anyhow::Result<Memfs> {
+    /// Mounts (or reuses) the pool's tmpfs; the log of its packs is in `state_dir`, named
+    /// after the pool's directory (`sync`: each record made durable).
+    pub fn open(spec: &PoolSpec, state_dir: &Path, sync: bool) -> anyhow::Result<Memfs> {
         let fs = MemfsPool::open(spec)?;
-        let packs = Packs::open(&fs.root.join("p"), spec.pack)?;
+        let log = state_dir.join(format!(
+            "packs-{:016x}.wal",
+            maru::index::hash_key(spec.path.as_os_str().as_encoded_bytes())
+        ));
+        let packs = Packs::open(&fs.root.join("p"), &log, spec.pack, sync)?;
         Ok(Memfs { fs, packs })
     }
 

@@ -11,8 +11,10 @@
 //! Offsets in a pack are never handed out twice: a removed entry's bytes stay under its
 //! readers' mappings, so no lease is needed, and the pack's file goes when its last entry and
 //! allocation did (the tmpfs frees it when the last mapping goes). What is packed where is
-//! kept in the log `p/log` (records as a raw pool's, the offset being the entry's
-//! [`pack_location`]); a pack's file has its class's owner, group and mode.
+//! kept in a log in the state directory, as a raw pool's (records as a raw pool's, the offset
+//! being the entry's [`maru::index::pack_location`]): pool memory stays for entries, and a full
+//! pool still takes the records of the evictions that make room in it. A pack's file has its
+//! class's owner, group and mode.
 //!
 //! An entry leaves its pack for a file of its own when its class would change: published in
 //! another namespace than its allocation said, renamed into another namespace, or given
@@ -38,6 +40,8 @@ use crate::wal::{FileSink, Wal};
 pub use maru::index::PACK_BYTES;
 /// Log records after which the log is rewritten as the live entries (when they are fewer).
 const CHECKPOINT_RECORDS: u64 = 16_384;
+/// Bytes a pack reserves at a time ahead of its allocations (one `fallocate` for many).
+const RESERVE_STEP: u64 = 256 << 10;
 
 /// Who may read a pack's entries: the namespace, and the entries' owner, group and mode.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -57,6 +61,8 @@ struct Pack {
     class: Class,
     /// Bytes handed out (allocations are carved at the end, never twice).
     end: u64,
+    /// Bytes reserved in the tmpfs (`fallocate`), ahead of `end` while the pack is open.
+    reserved: u64,
     /// Sealed entries and allocations in it.
     live: u32,
     /// Still takes allocations (the open pack of a session).
@@ -66,6 +72,7 @@ struct Pack {
 /// The packs of one memfs pool.
 pub struct Packs {
     dir: PathBuf,
+    log: PathBuf,
     /// The largest entry packed (0: none).
     max: u64,
     wal: Wal,
@@ -92,16 +99,17 @@ fn errno(e: nix::Error) -> Error {
 }
 
 impl Packs {
-    /// Opens (creating) the pack directory `dir` of a pool; entries up to `max` bytes are
-    /// packed.
-    pub fn open(dir: &Path, max: u64) -> std::io::Result<Packs> {
+    /// Opens (creating) the pack directory `dir` of a pool, whose log is `log`; entries up
+    /// to `max` bytes are packed; `sync` makes each record durable (`--wal-sync`).
+    pub fn open(dir: &Path, log: &Path, max: u64, sync: bool) -> std::io::Result<Packs> {
         use std::os::unix::fs::DirBuilderExt;
         if !dir.exists() {
             std::fs::DirBuilder::new().mode(0o700).create(dir)?;
         }
-        let wal = Wal::new(Box::new(FileSink::open(&dir.join("log"), false)?));
+        let wal = Wal::new(Box::new(FileSink::open(log, sync)?));
         Ok(Packs {
             dir: dir.to_owned(),
+            log: log.to_owned(),
             max: max.min(PACK_BYTES),
             wal,
             packs: HashMap::new(),
@@ -152,21 +160,36 @@ impl Packs {
         };
         let p = self.packs.get_mut(&id).expect("open packs exist");
         let offset = p.end;
-        // Reserves the bytes (and grows the file over them): a full tmpfs fails here, not
-        // under the client's first write.
-        nix::fcntl::fallocate(
-            &*p.rw,
-            nix::fcntl::FallocateFlags::empty(),
-            offset as i64,
-            need as i64,
-        )
-        .map_err(|e| {
-            if e == nix::errno::Errno::ENOSPC {
-                Error::NoSpace(format!("memfs pool {} is full", self.dir.display()))
-            } else {
-                errno(e)
+        if offset + need > p.reserved {
+            // Reserves the bytes (and grows the file over them), some ahead: a full tmpfs
+            // fails here, not under the client's first write.
+            let ahead = (p.reserved + RESERVE_STEP).min(PACK_BYTES);
+            let reserve = |to: u64| {
+                nix::fcntl::fallocate(
+                    &*p.rw,
+                    nix::fcntl::FallocateFlags::empty(),
+                    p.reserved as i64,
+                    (to - p.reserved) as i64,
+                )
+            };
+            let (to, just) = ((offset + need).max(ahead), offset + need);
+            let r = match reserve(to) {
+                Ok(()) => Ok(to),
+                // Not that much room: what this allocation needs, if that fits.
+                Err(nix::errno::Errno::ENOSPC) if to > just => reserve(just).map(|()| just),
+                Err(e) => Err(e),
+            };
+            match r {
+                Ok(to) => p.reserved = to,
+                Err(nix::errno::Errno::ENOSPC) => {
+                    return Err(Error::NoSpace(format!(
+                        "memfs pool {} is full",
+                        self.dir.display()
+                    )));
+                }
+                Err(e) => return Err(errno(e)),
             }
-        })?;
+        }
         p.end += need;
         p.live += 1;
         Ok(PackGrant {
@@ -214,6 +237,7 @@ impl Packs {
                 ro: Arc::new(ro),
                 class: class.clone(),
                 end: 0,
+                reserved: 0,
                 live: 0,
                 open: true,
             },
@@ -221,10 +245,15 @@ impl Packs {
         Ok(id)
     }
 
-    /// Takes no more allocations into `pack`; removes it if nothing lives in it.
+    /// Takes no more allocations into `pack` (what it reserved ahead is given back); removes
+    /// it if nothing lives in it.
     fn close(&mut self, pack: u32) {
         if let Some(p) = self.packs.get_mut(&pack) {
             p.open = false;
+            let (end, reserved) = (p.end, p.reserved);
+            if reserved > end {
+                self.punch(pack, end, reserved - end);
+            }
         }
         self.settle(pack);
     }
@@ -346,7 +375,7 @@ impl Packs {
     /// The packed entries the log holds (an entry whose pack's file is gone is dropped).
     pub fn recover(&mut self) -> Result<Vec<Found>> {
         let mut live: HashMap<u64, Record> = HashMap::new();
-        for r in crate::wal::read_log(&self.dir.join("log"))? {
+        for r in crate::wal::read_log(&self.log)? {
             match r {
                 Record::Seal { off, .. } => {
                     live.insert(off, r);
@@ -446,6 +475,7 @@ impl Packs {
                 id,
                 Pack {
                     end: md.len(),
+                    reserved: md.len(),
                     rw: Arc::new(rw),
                     ro: Arc::new(ro),
                     class: Class {
@@ -480,12 +510,15 @@ impl Packs {
         }
     }
 
-    /// Checks the packs' accounting against the packed entries `live` (and allocations
-    /// `writing`, per pack).
+    /// Checks the packs' own accounting: what each hands out fits it and was reserved, and no
+    /// pack with nothing left to take or hold is kept.
     pub fn check(&self) -> std::result::Result<(), String> {
         for (id, p) in &self.packs {
-            if p.end > PACK_BYTES {
-                return Err(format!("pack {id} hands out {} bytes", p.end));
+            if p.end > p.reserved || p.reserved > PACK_BYTES {
+                return Err(format!(
+                    "pack {id} hands out {} bytes of {} reserved",
+                    p.end, p.reserved
+                ));
             }
             if p.live == 0 && !p.open {
                 return Err(format!("pack {id} is empty and closed but kept"));
