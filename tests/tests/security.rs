@@ -71,6 +71,29 @@ fn as_nobody(d: &Daemon, op: &str, path: &str) -> String {
     String::from_utf8(out.stdout).unwrap().trim().to_owned()
 }
 
+/// What `nobody` gets through maru-probe: a `batch_retrieve` of `keys` (a line each), its
+/// read counts, then one line per path of `then`, retrieved one by one.
+fn batch_as_nobody(d: &Daemon, keys: &[String], then: &[&str]) -> String {
+    let flag = d.dir.join("go");
+    std::fs::write(&flag, b"").unwrap();
+    let mut args: Vec<String> = vec![
+        "openwait".into(),
+        d.socket.display().to_string(),
+        flag.display().to_string(),
+        keys.len().to_string(),
+    ];
+    args.extend(keys.iter().cloned());
+    args.push("--".into());
+    args.extend(then.iter().map(|p| p.to_string()));
+    let out = probe_as(65534).args(&args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
 /// A daemon on a memfs pool whose socket `nobody` may connect to: the socket belongs to a
 /// group the test user is in (nogroup, 65534), as `maru` would be; with the mount if `mount`.
 fn daemon_nobody_reaches(mount: bool) -> Daemon {
@@ -230,23 +253,7 @@ fn with_acl_off_only_root_clients_open_memfs_entries_themselves() {
     let c1 = ReadCounts::of(&reader).unwrap();
     assert_eq!((c1.retrieve, c1.accessed), (c0.retrieve, c0.accessed + 1));
     // nobody may read them too, but only through marud: one retrieve of the batch.
-    let flag = d.dir.join("go");
-    std::fs::write(&flag, b"").unwrap();
-    let mut args: Vec<String> = vec![
-        "openwait".into(),
-        d.socket.display().to_string(),
-        flag.display().to_string(),
-        keys.len().to_string(),
-    ];
-    args.extend(keys.iter().cloned());
-    args.push("--".into());
-    let out = probe_as(65534).args(&args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8(out.stdout).unwrap();
+    let text = batch_as_nobody(&d, &keys, &[]);
     let lines: Vec<&str> = text.lines().collect();
     assert_eq!(lines[..keys.len()], vec!["ok"; keys.len()][..], "{text}");
     let sizes: u64 = (0..10).map(|i| 3000 + i as u64).sum();
@@ -452,23 +459,7 @@ fn packed_entries_are_read_as_the_policy_allows() {
     assert_eq!(c1.bytes - c0.bytes, sizes);
 
     // nobody: one request for the batch, and no report.
-    let flag = d.dir.join("go");
-    std::fs::write(&flag, b"").unwrap();
-    let mut args: Vec<String> = vec![
-        "openwait".into(),
-        d.socket.display().to_string(),
-        flag.display().to_string(),
-        keys.len().to_string(),
-    ];
-    args.extend(keys.iter().cloned());
-    args.extend(["--".into(), "closed/secret".into()]);
-    let out = probe_as(65534).args(&args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8(out.stdout).unwrap();
+    let text = batch_as_nobody(&d, &keys, &["closed/secret"]);
     let lines: Vec<&str> = text.lines().collect();
     assert_eq!(lines[..keys.len()], vec!["ok"; keys.len()][..], "{text}");
     assert_eq!(

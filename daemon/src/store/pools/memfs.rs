@@ -366,19 +366,7 @@ impl Pool for Memfs {
         let mut out = Vec::with_capacity(found.len());
         for f in found {
             let md = std::fs::metadata(self.fs.entry_path(&f.ns, &f.key))?;
-            out.push(Found {
-                ns: f.ns,
-                key: f.key,
-                offset: md.ino(),
-                size: f.size,
-                pinned: f.pinned,
-                uid: md.uid(),
-                gid: md.gid(),
-                mode: md.mode() & 0o7777,
-                mtime: md
-                    .modified()
-                    .unwrap_or_else(|_| std::time::SystemTime::now()),
-            });
+            out.push(Found::of(f.ns, f.key, md.ino(), f.size, f.pinned, &md));
         }
         // After the files: a crash while an entry left its pack leaves it in both, and the
         // file is the one kept (its pack's copy is not recovered).

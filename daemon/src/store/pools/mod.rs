@@ -137,6 +137,34 @@ pub struct Found {
     pub mtime: std::time::SystemTime,
 }
 
+impl Found {
+    /// An entry at `offset` whose owner, group, mode and modification time are those of file
+    /// `md` (a memfs entry's own file, or its pack).
+    pub fn of(
+        ns: String,
+        key: String,
+        offset: u64,
+        size: u64,
+        pinned: bool,
+        md: &std::fs::Metadata,
+    ) -> Found {
+        use std::os::unix::fs::MetadataExt;
+        Found {
+            ns,
+            key,
+            offset,
+            size,
+            pinned,
+            uid: md.uid(),
+            gid: md.gid(),
+            mode: md.mode() & 0o7777,
+            mtime: md
+                .modified()
+                .unwrap_or_else(|_| std::time::SystemTime::now()),
+        }
+    }
+}
+
 /// One pool.
 pub trait Pool: Send {
     /// Kind.

@@ -374,27 +374,7 @@ impl Packs {
 
     /// The packed entries the log holds (an entry whose pack's file is gone is dropped).
     pub fn recover(&mut self) -> Result<Vec<Found>> {
-        let mut live: HashMap<u64, Record> = HashMap::new();
-        for r in crate::wal::read_log(&self.log)? {
-            match r {
-                Record::Seal { off, .. } => {
-                    live.insert(off, r);
-                }
-                Record::Del { off } => {
-                    live.remove(&off);
-                }
-                Record::Pin { off, pin } => {
-                    if let Some(Record::Seal { pin: p, .. }) = live.get_mut(&off) {
-                        *p = pin;
-                    }
-                }
-                Record::Rename { off, ns, key } => {
-                    if let Some(Record::Seal { ns: n, key: k, .. }) = live.get_mut(&off) {
-                        (*n, *k) = (ns, key);
-                    }
-                }
-            }
-        }
+        let live = maru::format::replay(crate::wal::read_log(&self.log)?);
         let mut files: HashMap<u32, Option<std::fs::Metadata>> = HashMap::new();
         let mut out = Vec::new();
         for r in live.into_values() {
@@ -419,19 +399,7 @@ impl Packs {
                 tracing::warn!(%ns, %key, pack, "not recovered: its pack is gone");
                 continue;
             };
-            out.push(Found {
-                ns,
-                key,
-                offset: off,
-                size,
-                pinned: pin,
-                uid: md.uid(),
-                gid: md.gid(),
-                mode: md.mode() & 0o7777,
-                mtime: md
-                    .modified()
-                    .unwrap_or_else(|_| std::time::SystemTime::now()),
-            });
+            out.push(Found::of(ns, key, off, size, pin, md));
         }
         Ok(out)
     }
