@@ -427,9 +427,10 @@ impl MemfsPool {
         *self.gate.write() = gate;
     }
 
-    /// Whether `step` reaches the pool (always, without a gate).
-    pub fn pass(&self, step: MetaStep) -> bool {
-        self.gate.read().as_ref().is_none_or(|g| g(&step))
+    /// Whether the metadata step `step` makes reaches the pool (always, without a gate: the
+    /// step is then never built).
+    pub fn pass(&self, step: impl FnOnce() -> MetaStep) -> bool {
+        self.gate.read().as_ref().is_none_or(|g| g(&step()))
     }
 
     /// Path of a sealed entry.
@@ -476,7 +477,7 @@ impl MemfsPool {
         if let Some(d) = self.ns_dir(ns)? {
             return Ok(Some(d));
         }
-        if !self.pass(MetaStep::Mkdir { ns: ns.to_owned() }) {
+        if !self.pass(|| MetaStep::Mkdir { ns: ns.to_owned() }) {
             return Ok(None);
         }
         std::fs::DirBuilder::new()
@@ -555,7 +556,7 @@ impl MemfsPool {
     /// namespace's directory; fails if the name is taken.
     pub fn publish(&self, id: u64, file: &File, ns: &str, key: &str) -> Result<(), Error> {
         let dir = self.ensure_ns(ns)?;
-        let step = MetaStep::Publish {
+        let step = || MetaStep::Publish {
             id,
             ns: ns.to_owned(),
             key: key.to_owned(),
@@ -575,7 +576,7 @@ impl MemfsPool {
     /// Renames a sealed entry.
     pub fn rename(&self, ns: &str, key: &str, nns: &str, nkey: &str) -> Result<(), Error> {
         self.ensure_ns(nns)?;
-        let step = MetaStep::Rename {
+        let step = || MetaStep::Rename {
             ns: ns.to_owned(),
             key: key.to_owned(),
             nns: nns.to_owned(),
@@ -611,7 +612,7 @@ impl MemfsPool {
 
     /// Removes a sealed entry's file. Mappings of it stay valid until unmapped.
     pub fn delete(&self, ns: &str, key: &str) -> io::Result<()> {
-        let step = MetaStep::Delete {
+        let step = || MetaStep::Delete {
             ns: ns.to_owned(),
             key: key.to_owned(),
         };
@@ -624,12 +625,12 @@ impl MemfsPool {
     /// Removes a writing file.
     pub fn abort(&self, id: u64) {
         // Nameless: nothing to remove; the tmpfs frees it with its last reference.
-        self.pass(MetaStep::Abort { id });
+        self.pass(|| MetaStep::Abort { id });
     }
 
     /// Records the pin state on the backing file.
     pub fn set_pinned(&self, ns: &str, key: &str, pinned: bool) -> io::Result<()> {
-        let step = MetaStep::Pin {
+        let step = || MetaStep::Pin {
             ns: ns.to_owned(),
             key: key.to_owned(),
             pinned,

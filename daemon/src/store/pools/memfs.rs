@@ -94,7 +94,7 @@ impl Memfs {
     /// Appends `r` to the pack log (unless the crash-injection seam stops it: then the daemon
     /// goes on as if it had, as a crashed one would have).
     fn log(&mut self, r: Record) -> Result<()> {
-        if !self.fs.pass(MetaStep::Packed(r.clone())) {
+        if !self.fs.pass(|| MetaStep::Packed(r.clone())) {
             return Ok(());
         }
         self.packs.log(&r)

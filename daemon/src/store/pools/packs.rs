@@ -317,13 +317,8 @@ impl Packs {
     /// and mode as the pack's).
     pub fn fits(&self, pack: u32, e: &Loc<'_>) -> bool {
         self.packs.get(&pack).is_some_and(|p| {
-            p.class
-                == Class {
-                    ns: e.ns.to_owned(),
-                    uid: e.uid,
-                    gid: e.gid,
-                    mode: e.mode,
-                }
+            let c = &p.class;
+            (c.ns.as_str(), c.uid, c.gid, c.mode) == (e.ns, e.uid, e.gid, e.mode)
         })
     }
 
