@@ -38,8 +38,9 @@ impl NsIndex {
         let memfd = File::from(memfd_create(c"maru-index", MFdFlags::MFD_CLOEXEC)?);
         memfd.set_len(table_bytes(nslots) as u64)?;
         // SAFETY: a private-to-us memfd; clients only get read-only descriptors and all access
-        // goes through atomics (maru::index).
-        let mut map = unsafe { memmap2::MmapMut::map_mut(&memfd)? };
+        // goes through atomics (maru::index). Its pages are all made at once (a rebuild fills
+        // the table at once; faulting them in one by one costs more than the inserts).
+        let mut map = unsafe { memmap2::MmapOptions::new().populate().map_mut(&memfd)? };
         // SAFETY: freshly created zeroed memfd of table_bytes(nslots) bytes, written only here.
         unsafe { TableWriter::init(map.as_mut_ptr(), map.len(), nslots) };
         Ok(NsIndex {

@@ -284,10 +284,11 @@ impl State {
     }
 }
 
-/// Rebuilds a namespace's index into a fresh, larger table. Returns the new slot of every
+/// Rebuilds a namespace's index into a fresh table of twice the slots its live keys need
+/// (a full one doubles: 35% loaded, rebuilt again at 70%). Returns the new slot of every
 /// entry of the namespace.
 fn rebuild_index(n: &mut Namespace, entries: &HashMap<u64, Entry>) -> Vec<(u64, usize)> {
-    let want = (n.entries.len() + 1) * 4;
+    let want = (n.entries.len() + 1) * 2;
     let mut ix = match crate::nsindex::NsIndex::new(want) {
         Ok(ix) => ix,
         Err(e) => {

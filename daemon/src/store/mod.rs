@@ -479,13 +479,13 @@ impl Store {
         }
         self.counters.add_bytes(Bytes::Stored, size);
         if st.pools[pool as usize].pool.checkpoint_due() {
-            let live: Vec<Entry> = st
+            let st = &mut *st;
+            let locs: Vec<_> = st
                 .entries
                 .values()
                 .filter(|e| e.pool == pool)
-                .cloned()
+                .map(Entry::loc)
                 .collect();
-            let locs: Vec<_> = live.iter().map(Entry::loc).collect();
             st.pools[pool as usize].pool.checkpoint(&locs);
         }
         Ok(size)
