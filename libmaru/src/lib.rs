@@ -25,7 +25,7 @@ pub mod name;
 pub mod proto;
 pub mod size;
 
-pub use client::{AllocHandle, Config, DEFAULT_SOCKET, EntryInfo, Handler};
+pub use client::{AfterPublish, AllocHandle, Config, DEFAULT_SOCKET, EntryInfo, Handler};
 pub use error::{Error, Result};
 pub use mapping::Mapping;
 pub use name::EntryPath;

@@ -318,6 +318,10 @@ pub struct Grant {
     /// A descriptor travels with this item (memfs: the new file or the pack, unless the
     /// reply's previous grant is in the same pack; raw: the pool, first time only).
     pub fd: bool,
+    /// The pack the allocation was carved from (memfs): a client maps each pack once for all
+    /// its grants.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pack: Option<u32>,
 }
 
 /// A namespace as listed.

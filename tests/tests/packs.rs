@@ -105,6 +105,60 @@ fn small_entries_share_a_pack_and_every_door_reads_them() {
     assert!(!out.trim().is_empty());
 }
 
+/// Mappings of this daemon's packs in this process (`/proc/self/maps` lines).
+fn pack_mappings(d: &Daemon) -> usize {
+    let dir = d.pool_dir().join("p").display().to_string() + "/";
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .filter(|l| {
+            l.split_whitespace()
+                .nth(5)
+                .is_some_and(|p| p.starts_with(&dir))
+        })
+        .count()
+}
+
+/// A writer maps a pack once for all the allocations carved from it; each allocation's
+/// bytes are its own, and a publication that keeps the handle leaves it a private copy.
+#[test]
+fn a_packs_allocations_are_slices_of_one_mapping() {
+    maru_tests::require_root!();
+    let d = Daemon::start(Opts::default());
+    let h = packing(&d, "kv");
+    h.mkdir("kv", 0o755).unwrap();
+    let mut hs: Vec<maru::AllocHandle> = (0..32).map(|_| h.alloc(4096).unwrap()).collect();
+    for (i, a) in hs.iter_mut().enumerate() {
+        a.as_mut_slice().copy_from_slice(&pattern(i as u64, 4096));
+    }
+    assert_eq!(packs(&d).len(), 1, "one pack");
+    assert_eq!(pack_mappings(&d), 1, "one mapping for 32 allocations");
+
+    let mut kept = hs.pop().unwrap();
+    h.publish("kv/kept", &mut kept, None).unwrap();
+    assert!(kept.is_done());
+    assert_eq!(kept.as_slice(), &pattern(31, 4096)[..]);
+    kept.as_mut_slice()[..4].copy_from_slice(b"late");
+    assert_eq!(
+        kept.as_slice()[..4],
+        *b"late",
+        "the private copy takes writes"
+    );
+    for (i, a) in hs.into_iter().enumerate() {
+        h.store(&format!("kv/k{i}"), a).unwrap();
+    }
+    let r = d.handler();
+    assert_eq!(
+        r.retrieve("kv/kept").unwrap().unwrap().as_slice(),
+        &pattern(31, 4096)[..],
+        "writes after the publication never reach the pool"
+    );
+    for i in 0..31u64 {
+        let m = r.retrieve(&format!("kv/k{i}")).unwrap().unwrap();
+        assert_eq!(m.as_slice(), &pattern(i, 4096)[..], "entry {i}");
+    }
+}
+
 /// A reader maps the pack's own pages: the frames it sees are the writer's.
 #[test]
 fn a_packed_entry_is_the_packs_own_pages() {

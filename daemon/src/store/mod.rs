@@ -283,11 +283,13 @@ impl Store {
                     let acct = align_up(size, ENTRY_ALIGN);
                     st.pools[p as usize].writing_bytes += acct;
                     // The descriptor the client maps, and where in it the allocation is.
-                    let (offset, file) = match &backing {
-                        Backing::File { file, .. } => (0, Some(file.clone())),
-                        Backing::Packed { offset, file, .. } => (*offset, Some(file.clone())),
-                        Backing::Extent { offset } => (*offset, None),
-                        Backing::Buffer { .. } => (0, None),
+                    let (offset, file, pack) = match &backing {
+                        Backing::File { file, .. } => (0, Some(file.clone()), None),
+                        Backing::Packed {
+                            pack, offset, file, ..
+                        } => (*offset, Some(file.clone()), Some(*pack)),
+                        Backing::Extent { offset } => (*offset, None, None),
+                        Backing::Buffer { .. } => (0, None, None),
                     };
                     st.allocs.insert(
                         id,
@@ -312,6 +314,7 @@ impl Store {
                         offset,
                         size,
                         fd: file.is_some(),
+                        pack,
                     };
                     out.push((grant, file));
                 }

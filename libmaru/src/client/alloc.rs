@@ -2,13 +2,13 @@
 
 use std::fs::File;
 use std::os::fd::OwnedFd;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use crate::error::{Error, Result};
 use crate::proto::{Body, Grant, MAX_FDS_PER_FRAME, Op, PoolKind};
 
-use super::state::{Inner, Pending, Spare, unexpected};
-use super::{AllocHandle, page_size};
+use super::state::{Inner, PackMap, Pending, Spare, unexpected};
+use super::{AllocHandle, Writable, page_size};
 
 impl Inner {
     /// How many allocations of `size` one request asks for.
@@ -112,6 +112,7 @@ impl Inner {
         // A memfs grant in the same pack as the one before it in the reply comes without a
         // descriptor: it is that pack.
         let mut last: Option<Arc<File>> = None;
+        let page = page_size() as u64;
         for g in grants {
             let fd = if g.fd {
                 Some(
@@ -121,7 +122,7 @@ impl Inner {
             } else {
                 None
             };
-            let file = match self.pool_kind(g.pool)? {
+            let (file, pack) = match self.pool_kind(g.pool)? {
                 PoolKind::Memfs => {
                     let f = match fd {
                         Some(fd) => Arc::new(File::from(fd)),
@@ -130,21 +131,55 @@ impl Inner {
                             .ok_or_else(|| Error::Protocol("memfs grant without a file".into()))?,
                     };
                     last = Some(f.clone());
-                    Some(f)
+                    // A grant whose pages are its own is a slice of its pack's mapping (where
+                    // pages are larger than marud's alignment it gets a mapping of its own).
+                    let pack = match g.pack {
+                        Some(id) if g.offset % page == 0 => Some(self.pack_map(g.pool, id, &f)?),
+                        _ => None,
+                    };
+                    (Some(f), pack)
                 }
                 _ => {
                     if let Some(fd) = fd {
                         self.pool_rw.insert(g.pool, Arc::new(File::from(fd)));
                     }
-                    None
+                    (None, None)
                 }
             };
-            spares.push(Spare { grant: g, file });
+            spares.push(Spare {
+                grant: g,
+                file,
+                pack,
+            });
         }
         Ok(spares)
     }
 
+    /// The writable mapping of `pool`'s pack `id`, open as `file`: the one already made while
+    /// something uses it, else a new one.
+    fn pack_map(&mut self, pool: u32, id: u32, file: &Arc<File>) -> Result<Arc<PackMap>> {
+        if let Some(m) = self.pack_maps.get(&(pool, id)).and_then(Weak::upgrade) {
+            return Ok(m);
+        }
+        let m = Arc::new(PackMap::of(file.clone())?);
+        // Packs whose grants are all gone are unmapped by then: forget them.
+        self.pack_maps.retain(|_, w| w.strong_count() > 0);
+        self.pack_maps.insert((pool, id), Arc::downgrade(&m));
+        Ok(m)
+    }
+
     pub(super) fn map_grant(&mut self, s: Spare) -> Result<AllocHandle> {
+        if let Some(p) = s.pack {
+            let at = s.grant.offset;
+            return Ok(AllocHandle {
+                grant: s.grant,
+                file: p.file.clone(),
+                map: Some(Writable::Pack(p)),
+                start: at as usize,
+                base: at,
+                done: false,
+            });
+        }
         let size = s.grant.size as usize;
         // The grant's own file or pack (memfs), else the raw pool's descriptor.
         let f = match s.file {
@@ -169,7 +204,7 @@ impl Inner {
         let file = f;
         Ok(AllocHandle {
             grant: s.grant,
-            map: Some(map),
+            map: Some(Writable::Own(map)),
             start,
             file,
             base,

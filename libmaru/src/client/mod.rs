@@ -33,18 +33,40 @@ use state::{Inner, Pending, unexpected};
 /// A writable allocation, published with [`Handler::store`].
 pub struct AllocHandle {
     grant: Grant,
-    /// The writable mapping; gone once the handle was given up to a publication.
-    map: Option<memmap2::MmapMut>,
+    /// Where the bytes are mapped writable; gone once the handle was given up to a publication.
+    map: Option<Writable>,
+    /// Where the allocation's first byte is in `map`.
     start: usize,
-    /// The file `map` maps (the entry's for memfs pools, the pool's for raw ones) from `base`.
+    /// The file mapped (the entry's or its pack for memfs pools, the pool for raw ones); the
+    /// allocation's pages start at `base` in it.
     file: Arc<std::fs::File>,
     base: u64,
     /// Published or freed: the grant is no longer this handle's.
     done: bool,
 }
 
+/// The mapping an allocation's bytes are written through.
+enum Writable {
+    /// A mapping of the allocation's pages alone (a file of its own, a range of a raw pool).
+    Own(memmap2::MmapMut),
+    /// Its pack's mapping, shared with the other allocations carved from it (each has pages of
+    /// its own in it).
+    Pack(Arc<state::PackMap>),
+}
+
+impl Writable {
+    /// The address of byte `at` of the mapping, and the mapping's length.
+    fn at(&self, at: usize) -> (*mut u8, usize) {
+        match self {
+            Writable::Own(m) => (m.as_ptr().cast_mut().wrapping_add(at), m.len()),
+            Writable::Pack(p) => (p.map.as_mut_ptr().wrapping_add(at), p.map.len()),
+        }
+    }
+}
+
 impl AllocHandle {
-    /// Address of the first writable byte (stays valid while the handle lives).
+    /// Address of the first writable byte (valid while the handle lives, unless a publication
+    /// with [`AfterPublish::Nothing`] gave its bytes up).
     pub fn as_mut_ptr(&mut self) -> *mut u8 {
         self.as_mut_slice().as_mut_ptr()
     }
@@ -54,8 +76,8 @@ impl AllocHandle {
         self.grant.alloc
     }
 
-    /// Offset of the allocation in its pool (raw pools; 0 for memfs pools, whose every
-    /// allocation is a file of its own).
+    /// Offset of the allocation in its pool (raw pools), or in its pack (memfs; 0 for an
+    /// allocation in a file of its own).
     pub fn offset(&self) -> u64 {
         self.grant.offset
     }
@@ -73,12 +95,21 @@ impl AllocHandle {
     /// pool refuses private mappings (device DAX), the range becomes read-only instead.
     fn detach(&mut self) -> Result<()> {
         use nix::sys::mman::{MapFlags, ProtFlags, mmap, mprotect};
-        let map = self.map.as_mut().expect("detached before it is given up");
-        let len = std::num::NonZeroUsize::new(map.len()).expect("never empty");
-        let addr = std::ptr::NonNull::new(map.as_mut_ptr().cast()).expect("mapped");
-        // SAFETY: the range is this handle's own mapping, replaced by one of the same length
-        // at the same address (MAP_FIXED); `map` still unmaps it on drop. Nothing else in
-        // this process owns that range.
+        let map = self.map.as_ref().expect("detached before it is given up");
+        // The allocation's pages: all of its own mapping, or its pages in its pack's.
+        let (ptr, len) = match map {
+            Writable::Own(m) => (m.as_ptr().cast_mut(), m.len()),
+            Writable::Pack(_) => {
+                let page = page_size();
+                let len = (self.grant.size as usize).div_ceil(page) * page;
+                (map.at(self.start).0, len)
+            }
+        };
+        let len = std::num::NonZeroUsize::new(len).expect("never empty");
+        let addr = std::ptr::NonNull::new(ptr.cast()).expect("mapped");
+        // SAFETY: the range is this handle's pages alone (its own mapping, or pages of its
+        // pack no other allocation is carved from), replaced by a mapping of the same length
+        // at the same address (MAP_FIXED); the mapping holding them still unmaps them.
         let remapped = unsafe {
             mmap(
                 Some(addr.addr()),
@@ -100,10 +131,10 @@ impl AllocHandle {
 
     /// Lets go of the grant being published: this process keeps no shared writable view of an
     /// entry it asked to seal, only a private copy where the caller keeps the handle.
-    fn let_go(&mut self, keep: Keep) -> Result<()> {
+    fn let_go(&mut self, keep: AfterPublish) -> Result<()> {
         match keep {
-            Keep::PrivateCopy => self.detach(),
-            Keep::Nothing => {
+            AfterPublish::PrivateCopy => self.detach(),
+            AfterPublish::Nothing => {
                 // Given up by its caller: unmapped now, while marud publishes.
                 self.map = None;
                 self.done = true;
@@ -112,23 +143,28 @@ impl AllocHandle {
         }
     }
 
-    /// The writable bytes.
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        let n = self.grant.size as usize;
-        let map = self
-            .map
-            .as_mut()
-            .expect("a handle given up is never used again");
-        &mut map[self.start..self.start + n]
-    }
-
-    /// The bytes written so far.
-    pub fn as_slice(&self) -> &[u8] {
+    /// The allocation's first byte.
+    fn first(&self) -> *mut u8 {
         let map = self
             .map
             .as_ref()
             .expect("a handle given up is never used again");
-        &map[self.start..self.start + self.grant.size as usize]
+        let (p, len) = map.at(self.start);
+        assert!(self.start + self.grant.size as usize <= len);
+        p
+    }
+
+    /// The writable bytes.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: the range is mapped (checked in `first`) while `map` lives, and is this
+        // allocation's alone until it is given up; `&mut self` makes this the only view.
+        unsafe { std::slice::from_raw_parts_mut(self.first(), self.grant.size as usize) }
+    }
+
+    /// The bytes written so far.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: as in `as_mut_slice`; shared, as `&self` is.
+        unsafe { std::slice::from_raw_parts(self.first(), self.grant.size as usize) }
     }
 
     /// Size in bytes.
@@ -213,6 +249,7 @@ impl Handler {
             pool_views: HashMap::new(),
             pack_views: HashMap::new(),
             pool_rw: HashMap::new(),
+            pack_maps: HashMap::new(),
             spares: HashMap::new(),
             sizes_seen: HashMap::new(),
             refilling: std::collections::HashSet::new(),
@@ -334,16 +371,16 @@ impl Handler {
     /// bytes readable as this process's private copy (writes to them after this call never
     /// reach the pool). Whatever the outcome the grant is gone: marud frees a refused one.
     pub fn publish(&self, path: &str, handle: &mut AllocHandle, len: Option<u64>) -> Result<()> {
-        self.publish_as(path, handle, len, Keep::PrivateCopy)
+        self.publish_then(path, handle, len, AfterPublish::PrivateCopy)
     }
 
-    /// [`publish`](Self::publish), keeping a private copy of the bytes or not.
-    fn publish_as(
+    /// [`publish`](Self::publish), leaving the handle's bytes as `keep` says.
+    pub fn publish_then(
         &self,
         path: &str,
         handle: &mut AllocHandle,
         len: Option<u64>,
-        keep: Keep,
+        keep: AfterPublish,
     ) -> Result<()> {
         let p = EntryPath::parse(path)?;
         self.make_segments(&p)?;
@@ -359,16 +396,20 @@ impl Handler {
     /// [`publish`](Self::publish) for many handles in one exchange (requests pipelined);
     /// one outcome per item, in order.
     pub fn publish_many(&self, items: &mut [(&str, &mut AllocHandle)]) -> Result<BatchResult> {
-        self.publish_many_as(items, Keep::PrivateCopy)
+        let mut items: Vec<_> = items
+            .iter_mut()
+            .map(|(p, h)| (*p, &mut **h, AfterPublish::PrivateCopy))
+            .collect();
+        self.publish_many_then(&mut items)
     }
 
-    fn publish_many_as(
+    /// [`publish_many`](Self::publish_many), leaving each handle's bytes as its item says.
+    pub fn publish_many_then(
         &self,
-        items: &mut [(&str, &mut AllocHandle)],
-        keep: Keep,
+        items: &mut [(&str, &mut AllocHandle, AfterPublish)],
     ) -> Result<BatchResult> {
         let mut ops = Vec::with_capacity(items.len());
-        for (path, h) in items.iter_mut() {
+        for (path, h, _) in items.iter_mut() {
             ops.push(
                 EntryPath::parse(path)
                     .and_then(|p| self.make_segments(&p).map(|()| p))
@@ -399,7 +440,7 @@ impl Handler {
         let let_go: Vec<Result<()>> = items
             .iter_mut()
             .zip(&valid)
-            .map(|((_, h), &v)| if v { h.let_go(keep) } else { Ok(()) })
+            .map(|((_, h, keep), &v)| if v { h.let_go(*keep) } else { Ok(()) })
             .collect();
         if let Some(e) = failed {
             return Err(e);
@@ -435,7 +476,7 @@ impl Handler {
     /// Like [`store`](Self::store), publishing only the first `len` bytes.
     pub fn store_len(&self, path: &str, mut handle: AllocHandle, len: Option<u64>) -> Result<()> {
         // The handle is the caller's no more: no private copy of its bytes to keep.
-        self.publish_as(path, &mut handle, len, Keep::Nothing)
+        self.publish_then(path, &mut handle, len, AfterPublish::Nothing)
     }
 
     /// Queues the publication of `handle` under `path` without waiting.
@@ -471,9 +512,11 @@ impl Handler {
 
     /// Publishes many handles; one outcome per item, in order.
     pub fn batch_store(&self, mut items: Vec<(String, AllocHandle)>) -> Result<BatchResult> {
-        let mut refs: Vec<(&str, &mut AllocHandle)> =
-            items.iter_mut().map(|(p, h)| (p.as_str(), h)).collect();
-        self.publish_many_as(&mut refs, Keep::Nothing)
+        let mut refs: Vec<_> = items
+            .iter_mut()
+            .map(|(p, h)| (p.as_str(), h, AfterPublish::Nothing))
+            .collect();
+        self.publish_many_then(&mut refs)
     }
 
     /// Maps a sealed entry read-only: the pool's own pages. `None` if absent.
@@ -735,12 +778,15 @@ fn already_done() -> Error {
     Error::InvalidArgument("the allocation was already stored or freed".into())
 }
 
-/// What a publication leaves the caller of the handle's bytes.
-#[derive(Clone, Copy)]
-enum Keep {
-    /// A private copy-on-write mapping (the caller keeps the handle and may read it).
+/// What a publication leaves this process of the handle's bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AfterPublish {
+    /// A private copy-on-write mapping at the same address: the caller keeps the handle and
+    /// may read it (writes never reach the pool).
     PrivateCopy,
-    /// Nothing: the handle is dropped right after (consumed by the verb).
+    /// Nothing: the bytes are unmapped from the handle, which can only be dropped, and
+    /// pointers taken from [`AllocHandle::as_mut_ptr`] must not be used any more (for callers
+    /// that know nothing looks at the bytes: no system call, where a private copy costs one).
     Nothing,
 }
 

@@ -12,7 +12,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
-use crate::index::Table;
+use crate::index::{PACK_BYTES, Table};
 use crate::mapping::Mapping;
 use crate::proto::{
     self, Body, Grant, Located, Op, Outcome, PoolInfo, PoolKind, Request, Response,
@@ -92,9 +92,30 @@ impl Default for Config {
     }
 }
 
+/// A memfs pack mapped writable whole, once for all the allocations carved from it: a mapping
+/// per allocation (made, then unmapped or made private) costs a small store two or three
+/// system calls it otherwise does without.
+pub(super) struct PackMap {
+    pub(super) map: memmap2::MmapRaw,
+    pub(super) file: Arc<File>,
+}
+
+impl PackMap {
+    pub(super) fn of(file: Arc<File>) -> Result<PackMap> {
+        // A pack is never larger than PACK_BYTES; only the granted ranges, which marud has
+        // reserved in the file, are ever touched.
+        let map = memmap2::MmapOptions::new()
+            .len(PACK_BYTES as usize)
+            .map_raw(&*file)?;
+        Ok(PackMap { map, file })
+    }
+}
+
 pub(super) struct Spare {
     pub(super) grant: Grant,
     pub(super) file: Option<Arc<File>>,
+    /// The pack the grant was carved from, mapped writable (memfs packs).
+    pub(super) pack: Option<Arc<PackMap>>,
 }
 
 pub(super) struct NsIndex {
@@ -173,6 +194,9 @@ pub(super) struct Inner {
     /// Read-only mappings of memfs packs, by pool and pack: their entries are slices of them.
     pub(super) pack_views: HashMap<(u32, u32), Arc<memmap2::Mmap>>,
     pub(super) pool_rw: HashMap<u32, Arc<File>>,
+    /// Writable mappings of the packs this client's allocations were carved from, by pool and
+    /// pack, while a spare or a handle uses them.
+    pub(super) pack_maps: HashMap<(u32, u32), std::sync::Weak<PackMap>>,
     pub(super) spares: HashMap<u64, Vec<Spare>>,
     pub(super) sizes_seen: HashMap<u64, u32>,
     pub(super) refilling: std::collections::HashSet<u64>,
