@@ -2,6 +2,7 @@
 
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
 use pyo3::exceptions::PyBufferError;
@@ -19,6 +20,9 @@ pub struct PoolBuffer {
     addr: usize,
     len: usize,
     readonly: bool,
+    /// Buffers handed out and not yet released (a `memoryview` of this holds one while it,
+    /// or any view sliced from it, lives).
+    exports: AtomicUsize,
     _keep: Keep,
 }
 
@@ -29,6 +33,7 @@ impl PoolBuffer {
             addr: m.as_ptr() as usize,
             len: m.len(),
             readonly: true,
+            exports: AtomicUsize::new(0),
             _keep: Box::new(m),
         }
     }
@@ -40,19 +45,30 @@ impl PoolBuffer {
             addr: g.as_mut_ptr() as usize,
             len: g.len(),
             readonly: false,
+            exports: AtomicUsize::new(0),
             _keep: Box::new(h.clone()),
         }
     }
 
     /// A `memoryview` of this buffer.
     pub fn view(self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        let me = Bound::new(py, self)?;
+        Self::view_of(&Bound::new(py, self)?)
+    }
+
+    /// A `memoryview` of `me`.
+    pub fn view_of(me: &Bound<'_, PoolBuffer>) -> PyResult<Py<PyAny>> {
         // SAFETY: `me` is a live object implementing the buffer protocol; the call returns a
         // new reference or NULL with an exception set.
         unsafe {
-            Bound::from_owned_ptr_or_err(py, ffi::PyMemoryView_FromObject(me.as_ptr()))
+            Bound::from_owned_ptr_or_err(me.py(), ffi::PyMemoryView_FromObject(me.as_ptr()))
                 .map(Bound::unbind)
         }
+    }
+
+    /// Whether some buffer of these bytes is still held (by a view, a slice of one, or an
+    /// object built on one).
+    pub fn exported(&self) -> bool {
+        self.exports.load(Ordering::Acquire) > 0
     }
 }
 
@@ -94,6 +110,14 @@ impl PoolBuffer {
         if rc != 0 {
             return Err(PyErr::fetch(slf.py()));
         }
+        me.exports.fetch_add(1, Ordering::AcqRel);
         Ok(())
+    }
+
+    /// # Safety
+    ///
+    /// Called by Python with a buffer this object filled.
+    unsafe fn __releasebuffer__(slf: Bound<'_, Self>, _view: *mut ffi::Py_buffer) {
+        slf.get().exports.fetch_sub(1, Ordering::AcqRel);
     }
 }

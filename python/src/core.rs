@@ -4,12 +4,12 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use maru::Error;
+use maru::{AfterPublish, Error};
 use parking_lot::{Mutex, RwLock};
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyInt, PyList, PyString};
+use pyo3::types::{PyByteArray, PyBytes, PyInt, PyList, PyMemoryView, PyString};
 
 use crate::buffers::PoolBuffer;
 
@@ -64,12 +64,61 @@ pub fn key_bytes(key: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
 /// such a handle holds no pool memory and cannot be stored).
 #[pyclass(module = "maru._native", name = "AllocHandle", frozen, weakref)]
 pub struct AllocHandle {
-    buf: Py<PyAny>,
+    /// A view of the pool memory; after a store that gave the pool's pages up (see
+    /// [`AllocHandle::after_store`]), of a copy of it.
+    buf: Mutex<Py<PyAny>>,
     region_id: u64,
     page_index: u64,
     size: u64,
-    /// The pool memory and the connection it belongs to.
-    held: Option<(Arc<Mutex<maru::AllocHandle>>, usize)>,
+    /// The pool memory, the connection it belongs to, and the object `buf` views.
+    held: Option<(Arc<Mutex<maru::AllocHandle>>, usize, Py<PoolBuffer>)>,
+}
+
+/// Most bytes a store copies for `buf` to give the pool's pages up with no system call (a
+/// private mapping of them costs one, on these machines more than copying this much).
+const COPY_ON_STORE_MAX: u64 = 64 << 10;
+
+impl AllocHandle {
+    /// What a store of this handle leaves of its bytes. When nothing but `buf` can reach them
+    /// (no other reference to it, no view sliced from it, no object built on it) and they are
+    /// few, `buf` is released and replaced by a view of a copy, and the pool's pages are
+    /// simply let go of; otherwise they become a private copy-on-write mapping at the same
+    /// address, which every view keeps seeing.
+    fn after_store(&self, py: Python<'_>) -> PyResult<AfterPublish> {
+        let Some((a, _, exporter)) = &self.held else {
+            return Ok(AfterPublish::PrivateCopy);
+        };
+        let a = a.lock();
+        if a.is_done() || self.size > COPY_ON_STORE_MAX {
+            return Ok(AfterPublish::PrivateCopy);
+        }
+        let mut buf = self.buf.lock();
+        // `release` refuses while something holds a buffer of the view itself.
+        if buf.get_refcnt(py) != 1 || buf.bind(py).call_method0("release").is_err() {
+            return Ok(AfterPublish::PrivateCopy);
+        }
+        if exporter.get().exported() {
+            // Views sliced from `buf` still see the pool's pages: they get the private copy,
+            // and so does a new view for `buf`.
+            *buf = PoolBuffer::view_of(exporter.bind(py))?;
+            return Ok(AfterPublish::PrivateCopy);
+        }
+        let copy = PyByteArray::new(py, a.as_slice());
+        *buf = PyMemoryView::from(&copy)?.into_any().unbind();
+        Ok(AfterPublish::Nothing)
+    }
+
+    /// After a store that [`after_store`](Self::after_store) prepared: where the publication
+    /// failed before it let go of the bytes (a bad length, a namespace that cannot be made),
+    /// the handle is still the caller's, and `buf` views the pool's pages again.
+    fn stored(&self, py: Python<'_>, after: AfterPublish) -> PyResult<()> {
+        if let (AfterPublish::Nothing, Some((a, _, exporter))) = (after, &self.held)
+            && !a.lock().is_done()
+        {
+            *self.buf.lock() = PoolBuffer::view_of(exporter.bind(py))?;
+        }
+        Ok(())
+    }
 }
 
 #[pymethods]
@@ -88,7 +137,7 @@ impl AllocHandle {
             None => buf.bind(py).len()? as u64,
         };
         Ok(AllocHandle {
-            buf,
+            buf: Mutex::new(buf),
             region_id: _region_id,
             page_index: _page_index,
             size,
@@ -99,7 +148,7 @@ impl AllocHandle {
     /// Writable pool memory (a `memoryview`): write the value here, then `store` it.
     #[getter]
     fn buf(&self, py: Python<'_>) -> Py<PyAny> {
-        self.buf.clone_ref(py)
+        self.buf.lock().clone_ref(py)
     }
 
     /// The region the allocation lives in (a raw pool's id, or
@@ -140,7 +189,9 @@ impl AllocHandle {
     /// True once stored or freed (its `buf` is then this process's private copy).
     #[getter]
     fn done(&self) -> bool {
-        self.held.as_ref().is_none_or(|(h, _)| h.lock().is_done())
+        self.held
+            .as_ref()
+            .is_none_or(|(h, _, _)| h.lock().is_done())
     }
 
     fn __repr__(&self) -> String {
@@ -259,7 +310,7 @@ impl Core {
         h.get()
             .held
             .as_ref()
-            .map(|(a, _)| a.clone())
+            .map(|(a, _, _)| a.clone())
             .ok_or_else(|| {
                 PyValueError::new_err(
                     "this AllocHandle holds no pool memory (it did not come from alloc())",
@@ -417,15 +468,16 @@ impl Core {
         let a = py.detach(|| h.alloc(size)).map_err(os_error)?;
         let (region_id, page_index) = self.region(a.pool(), a.offset(), a.id());
         let a = Arc::new(Mutex::new(a));
-        let buf = PoolBuffer::of_alloc(&a).view(py)?;
+        let exporter = Bound::new(py, PoolBuffer::of_alloc(&a))?;
+        let buf = PoolBuffer::view_of(&exporter)?;
         Py::new(
             py,
             AllocHandle {
-                buf,
+                buf: Mutex::new(buf),
                 region_id,
                 page_index,
                 size,
-                held: Some((a, Arc::as_ptr(&h) as usize)),
+                held: Some((a, Arc::as_ptr(&h) as usize, exporter.unbind())),
             },
         )
     }
@@ -444,7 +496,10 @@ impl Core {
         let (h, p) = (self.handler()?, self.path(key)?);
         let a = Self::held(handle)?;
         let len = length.unwrap_or(handle.get().size);
-        publish_outcome(py.detach(|| h.publish(&p, &mut a.lock(), Some(len))))
+        let after = handle.get().after_store(py)?;
+        let r = py.detach(|| h.publish_then(&p, &mut a.lock(), Some(len), after));
+        handle.get().stored(py, after)?;
+        publish_outcome(r)
     }
 
     /// Stores a copy of `views` (byte memoryviews, concatenated) under `key`: one allocation,
@@ -480,24 +535,39 @@ impl Core {
         handles: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<bool>> {
         let (h, ps) = (self.handler()?, self.paths(keys)?);
-        let mut held = Vec::with_capacity(ps.len());
+        let mut hs: Vec<Bound<'_, AllocHandle>> = Vec::with_capacity(ps.len());
         for x in handles.try_iter()? {
-            held.push(Self::held(x?.cast::<AllocHandle>()?)?);
+            hs.push(x?.cast_into::<AllocHandle>()?);
         }
-        if held.len() != ps.len() {
+        if hs.len() != ps.len() {
             return Err(PyValueError::new_err(
                 "keys and handles must have the same length",
             ));
         }
+        let mut held = Vec::with_capacity(hs.len());
+        for x in &hs {
+            let a = Self::held(x)?;
+            if held.iter().any(|(b, _)| Arc::ptr_eq(&a, b)) {
+                return Err(PyValueError::new_err("the same handle appears twice"));
+            }
+            held.push((a, AfterPublish::PrivateCopy));
+        }
+        // Every check passed: now the views may be given up.
+        for ((_, after), x) in held.iter_mut().zip(&hs) {
+            *after = x.get().after_store(py)?;
+        }
         let r = py.detach(|| {
-            let mut guards: Vec<_> = held.iter().map(|a| a.lock()).collect();
-            let mut items: Vec<(&str, &mut maru::AllocHandle)> = ps
+            let mut guards: Vec<_> = held.iter().map(|(a, after)| (a.lock(), *after)).collect();
+            let mut items: Vec<_> = ps
                 .iter()
-                .map(String::as_str)
-                .zip(guards.iter_mut().map(|g| &mut **g))
+                .zip(guards.iter_mut())
+                .map(|(p, (g, after))| (p.as_str(), &mut **g, *after))
                 .collect();
-            h.publish_many(&mut items)
+            h.publish_many_then(&mut items)
         });
+        for ((_, after), x) in held.iter().zip(&hs) {
+            x.get().stored(py, *after)?;
+        }
         r.map_err(os_error)?
             .into_iter()
             .map(publish_outcome)

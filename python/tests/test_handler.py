@@ -209,6 +209,42 @@ def test_store_then_retrieve_returns_the_bytes(handler: maru.MaruHandler) -> Non
     assert m == maru.MemoryInfo(view=memoryview(b"x"))
 
 
+def test_views_of_a_stored_handle_keep_its_bytes(handler: maru.MaruHandler) -> None:
+    # Views kept past the store (the whole buffer, a slice of it, a memoryview built on it)
+    # read the bytes stored; writes through them never reach the pool.
+    data = pattern(2, 4096)
+    a = handler.alloc(len(data))
+    a.buf[:] = data
+    whole, part, built = a.buf, a.buf[100:200], memoryview(a.buf)
+    assert handler.store("viewed", a) is True
+    assert bytes(whole) == data and bytes(part) == data[100:200] and bytes(built) == data
+    assert bytes(a.buf) == data
+    whole[0] = (data[0] + 1) % 256
+    part[0] = (data[100] + 1) % 256
+    assert handler.retrieve("viewed").view.tobytes() == data  # type: ignore[union-attr]
+    # A slice alone kept alive (the handle's own view unreferenced elsewhere).
+    b = handler.alloc(len(data))
+    b.buf[:] = data
+    tail = b.buf[-10:]
+    assert handler.store("sliced", b) is True
+    assert bytes(tail) == data[-10:] and bytes(b.buf) == data
+    tail[0] = (data[-10] + 1) % 256
+    assert handler.retrieve("sliced").view.tobytes() == data  # type: ignore[union-attr]
+
+
+def test_a_store_refused_before_publication_leaves_the_handle_usable(
+    handler: maru.MaruHandler,
+) -> None:
+    a = handler.alloc(4096)
+    a.buf[:] = pattern(3, 4096)
+    with pytest.raises(OSError):
+        handler._c().store("too-long", a, 4097)  # a length beyond the allocation
+    assert not a.done and not handler.exists("too-long")
+    a.buf[:10] = b"0123456789"  # still the pool's memory
+    assert handler.store("fixed", a) is True
+    assert handler.retrieve("fixed").view.tobytes() == b"0123456789" + pattern(3, 4096)[10:]  # type: ignore[union-attr]
+
+
 def test_store_is_true_on_an_existing_key(handler: maru.MaruHandler) -> None:
     assert put(handler, "once", b"first")
     second = handler.alloc(6)
@@ -350,6 +386,11 @@ def test_batch_operations(handler: maru.MaruHandler) -> None:
         assert info is not None and info.view.tobytes() == pattern(i, 100 + i)
     dup = handler.alloc(1)
     assert handler.batch_store(["b0"], [dup]) == [True] and dup.done
+    twice = handler.alloc(8)
+    with pytest.raises(ValueError):
+        handler.batch_store(["t0", "t1"], [twice, twice])
+    assert not twice.done and handler.batch_exists(["t0", "t1"]) == [False, False]
+    handler.free(twice)
     assert handler.batch_pin(keys[:2] + ["missing"]) == [True, True, False]
     assert xattr(handler.path_of("b0"), "holds") == "1"
     assert handler.batch_unpin(keys[:2] + ["missing"]) == [True, True, False]
