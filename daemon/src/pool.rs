@@ -31,8 +31,7 @@ use crate::acl::{self, Acl};
 
 /// Region granularity and alignment of raw pools.
 pub const REGION_ALIGN: u64 = 2 << 20;
-/// Alignment of entries inside regions (one page, so each can be mapped alone).
-pub const ENTRY_ALIGN: u64 = 4096;
+pub use maru::format::ENTRY_ALIGN;
 
 /// Transparent huge page policy of a memfs pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -21,6 +21,10 @@ use std::os::unix::fs::FileExt;
 
 use serde::{Deserialize, Serialize};
 
+/// Alignment of entries and allocations in a raw pool's regions and in a memfs pack: each
+/// takes whole units of it, so that no two share a page and each can be mapped alone.
+pub const ENTRY_ALIGN: u64 = 4096;
+
 /// Magic of the raw pool header (bytes 0..8).
 pub const DEV_MAGIC: [u8; 8] = *b"MARUDEV\0";
 /// The one raw pool format version this build reads and writes (bytes 8..12).

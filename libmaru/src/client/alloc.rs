@@ -5,6 +5,7 @@ use std::os::fd::OwnedFd;
 use std::sync::{Arc, Weak};
 
 use crate::error::{Error, Result};
+use crate::format::ENTRY_ALIGN;
 use crate::proto::{Body, Grant, MAX_FDS_PER_FRAME, Op, PoolKind};
 
 use super::state::{Inner, PackMap, Pending, Spare, unexpected};
@@ -112,7 +113,9 @@ impl Inner {
         // A memfs grant in the same pack as the one before it in the reply comes without a
         // descriptor: it is that pack.
         let mut last: Option<Arc<File>> = None;
-        let page = page_size() as u64;
+        // Where pages are no larger than the allocations' alignment, a pack's allocations
+        // have pages of their own in it.
+        let own_pages = ENTRY_ALIGN.is_multiple_of(page_size() as u64);
         for g in grants {
             let fd = if g.fd {
                 Some(
@@ -131,10 +134,10 @@ impl Inner {
                             .ok_or_else(|| Error::Protocol("memfs grant without a file".into()))?,
                     };
                     last = Some(f.clone());
-                    // A grant whose pages are its own is a slice of its pack's mapping (where
-                    // pages are larger than marud's alignment it gets a mapping of its own).
+                    // A grant is a slice of its pack's mapping where its pages are its own (else
+                    // it gets a mapping of its own).
                     let pack = match g.pack {
-                        Some(id) if g.offset % page == 0 => Some(self.pack_map(g.pool, id, &f)?),
+                        Some(id) if own_pages => Some(self.pack_map(g.pool, id, &f)?),
                         _ => None,
                     };
                     (Some(f), pack)
