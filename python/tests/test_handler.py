@@ -233,6 +233,26 @@ def test_views_of_a_stored_handle_keep_its_bytes(handler: maru.MaruHandler) -> N
     assert handler.retrieve("sliced").view.tobytes() == data  # type: ignore[union-attr]
 
 
+def test_views_kept_past_a_store_that_moves_the_entry_or_a_free_keep_its_bytes(
+    handler: maru.MaruHandler,
+) -> None:
+    # A key too long for one name nests in namespaces of its own: the entry leaves the pack
+    # its allocation was carved from, whose pages marud then frees; a freed allocation's too.
+    data = pattern(4, 8192)
+    a = handler.alloc(len(data))
+    a.buf[:] = data
+    view = a.buf
+    key = "L" * 600
+    assert handler.store(key, a) is True
+    assert bytes(view) == data
+    assert handler.retrieve(key).view.tobytes() == data  # type: ignore[union-attr]
+    b = handler.alloc(len(data))
+    b.buf[:] = data
+    view = b.buf
+    handler.free(b)
+    assert bytes(view) == data and bytes(b.buf) == data
+
+
 def test_a_store_refused_before_publication_leaves_the_handle_usable(
     handler: maru.MaruHandler,
 ) -> None:

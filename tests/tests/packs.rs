@@ -144,6 +144,15 @@ fn a_packs_allocations_are_slices_of_one_mapping() {
         *b"late",
         "the private copy takes writes"
     );
+    // Published elsewhere than the pack's namespace, or freed: marud frees its pages in the
+    // pack, and the handle's private copy still reads what was written.
+    h.mkdir("other", 0o755).unwrap();
+    let mut moved = hs.pop().unwrap();
+    h.publish("other/moved", &mut moved, None).unwrap();
+    assert_eq!(moved.as_slice(), &pattern(30, 4096)[..]);
+    let mut freed = hs.pop().unwrap();
+    h.free_in_place(&mut freed).unwrap();
+    assert_eq!(freed.as_slice(), &pattern(29, 4096)[..]);
     for (i, a) in hs.into_iter().enumerate() {
         h.store(&format!("kv/k{i}"), a).unwrap();
     }
@@ -153,7 +162,11 @@ fn a_packs_allocations_are_slices_of_one_mapping() {
         &pattern(31, 4096)[..],
         "writes after the publication never reach the pool"
     );
-    for i in 0..31u64 {
+    assert_eq!(
+        r.retrieve("other/moved").unwrap().unwrap().as_slice(),
+        &pattern(30, 4096)[..]
+    );
+    for i in 0..29u64 {
         let m = r.retrieve(&format!("kv/k{i}")).unwrap().unwrap();
         assert_eq!(m.as_slice(), &pattern(i, 4096)[..], "entry {i}");
     }

@@ -126,12 +126,30 @@ impl AllocHandle {
                 .map_err(|e| Error::Io(e.into()))?;
         }
         self.done = true;
+        if matches!(map, Writable::Pack(_)) && remapped.is_ok() {
+            // A copy-on-write page not yet written still reads the pack, and marud punches
+            // the pages of an allocation that leaves it (freed, or published where its pack's
+            // readers may not read): each page is copied now.
+            let page = page_size();
+            for at in (0..len.get()).step_by(page) {
+                // SAFETY: inside the private, writable mapping just made; writing a byte
+                // back makes the kernel copy its page.
+                unsafe {
+                    let b = ptr.add(at);
+                    b.write_volatile(b.read_volatile());
+                }
+            }
+        }
         Ok(())
     }
 
     /// Lets go of the grant being published: this process keeps no shared writable view of an
     /// entry it asked to seal, only a private copy where the caller keeps the handle.
     fn let_go(&mut self, keep: AfterPublish) -> Result<()> {
+        if self.done {
+            // Let go of already, before the publication was sent (see `leaves_pack`).
+            return Ok(());
+        }
         match keep {
             AfterPublish::PrivateCopy => self.detach(),
             AfterPublish::Nothing => {
@@ -141,6 +159,13 @@ impl AllocHandle {
                 Ok(())
             }
         }
+    }
+
+    /// Whether publishing this allocation under namespace `ns` takes it out of its pack (the
+    /// handler's allocations are packed for namespace `declared`): marud then punches its pages
+    /// out of the pack, so a private copy of them must be made before the publication goes.
+    fn leaves_pack(&self, ns: &str, declared: Option<&str>) -> bool {
+        matches!(self.map, Some(Writable::Pack(_))) && declared != Some(ns)
     }
 
     /// The allocation's first byte.
@@ -386,6 +411,11 @@ impl Handler {
         self.make_segments(&p)?;
         let op = publish_op(&p, handle, len)?;
         let mut g = self.inner.lock();
+        if keep == AfterPublish::PrivateCopy
+            && handle.leaves_pack(p.ns(), g.cfg.namespace.as_deref())
+        {
+            handle.detach()?;
+        }
         let sent = g.send(op, &[]);
         // While marud publishes (whatever the outcome, the grant is gone).
         let let_go = handle.let_go(keep);
@@ -408,12 +438,22 @@ impl Handler {
         &self,
         items: &mut [(&str, &mut AllocHandle, AfterPublish)],
     ) -> Result<BatchResult> {
+        let declared = self.inner.lock().cfg.namespace.clone();
         let mut ops = Vec::with_capacity(items.len());
-        for (path, h, _) in items.iter_mut() {
+        for (path, h, keep) in items.iter_mut() {
             ops.push(
                 EntryPath::parse(path)
                     .and_then(|p| self.make_segments(&p).map(|()| p))
-                    .and_then(|p| publish_op(&p, h, None)),
+                    .and_then(|p| {
+                        let op = publish_op(&p, h, None)?;
+                        // As in `publish_then`.
+                        if *keep == AfterPublish::PrivateCopy
+                            && h.leaves_pack(p.ns(), declared.as_deref())
+                        {
+                            h.detach()?;
+                        }
+                        Ok(op)
+                    }),
             );
         }
         let mut g = self.inner.lock();
