@@ -285,4 +285,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # LMCache keeps every process's Prometheus files in /tmp/lmcache_prometheus unless told
+    # otherwise: this run's go to a directory removed at the end.
+    with tempfile.TemporaryDirectory(prefix="maru-bench-prometheus-") as prometheus:
+        os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", prometheus)
+        sys.exit(main())

@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -39,8 +38,7 @@ SIZES = [2048, 4096, 7168]
 def instance(python: str, spec: dict) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH", "")) if p)
-    out = subprocess.run([python, str(TESTS / "vllm_child.py"), json.dumps(spec)], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+    out = vllm_util.run_child(python, spec, env)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode != 0 or not lines:
         sys.exit(f"a vLLM instance failed:\n{out.stdout[-4000:]}")

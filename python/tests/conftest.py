@@ -140,6 +140,22 @@ def handler(marud: Marud, namespace: str) -> Iterator[maru.MaruHandler]:
         h.close()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _libraries_scratch() -> Iterator[None]:
+    """LMCache keeps every process's Prometheus files in /tmp/lmcache_prometheus unless told
+    otherwise: the tests' (and their children's) go to a directory removed at the end."""
+    with tempfile.TemporaryDirectory(prefix="maru-tests-prometheus-") as d:
+        old = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = d
+        try:
+            yield
+        finally:
+            if old is None:
+                os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+            else:
+                os.environ["PROMETHEUS_MULTIPROC_DIR"] = old
+
+
 def child_env() -> dict:
     """Environment for child Python processes: they import the same ``maru`` as the tests."""
     env = dict(os.environ)

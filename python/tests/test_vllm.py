@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -44,10 +43,7 @@ def cache_root(tmp_path_factory) -> str:
 def run_instance(spec: dict) -> dict:
     env = child_env()
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env["PYTHONPATH"]])
-    out = subprocess.run(
-        [sys.executable, str(TESTS / "vllm_child.py"), json.dumps(spec)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900,
-    )
+    out = vllm_util.run_child(sys.executable, spec, env)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode != 0 or not lines:
         errors = "\n".join(line for line in out.stdout.splitlines() if "Error" in line or "ERROR" in line)

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import tempfile
 from pathlib import Path
 from typing import List
+
+CHILD = Path(__file__).resolve().parent / "vllm_child.py"
 
 VOCAB = 4096
 HIDDEN, LAYERS, HEADS, KV_HEADS, INTERMEDIATE = 256, 4, 4, 2, 512
@@ -74,3 +78,14 @@ def prompt(n_tokens: int, seed: int) -> str:
 
 def words(text: str) -> List[str]:
     return text.split()
+
+
+def run_child(python: str, spec: dict, env: dict) -> subprocess.CompletedProcess:
+    """Run one vLLM instance (``vllm_child.py`` with ``spec``), output captured. vLLM's
+    sockets between its processes go to a directory of their own, removed afterwards (by
+    default they are left in the temporary directory)."""
+    with tempfile.TemporaryDirectory(prefix="vllm-rpc-") as rpc:
+        env = dict(env, VLLM_RPC_BASE_PATH=rpc)
+        return subprocess.run([python, str(CHILD), json.dumps(spec)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=900)
