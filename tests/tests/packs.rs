@@ -7,13 +7,18 @@ use std::path::Path;
 
 use maru_tests::{Daemon, Opts, pattern, probe, xattr};
 
-/// A handler that says it publishes in namespace `ns` (so small allocations are packed).
+/// A handler that says it publishes in namespace `ns` (so small allocations are packed), with
+/// that namespace made (0755) if it is not yet.
 fn packing(d: &Daemon, ns: &str) -> maru::Handler {
-    maru::Handler::connect(maru::Config {
+    let h = maru::Handler::connect(maru::Config {
         namespace: Some(ns.into()),
         ..d.client_config()
     })
-    .unwrap()
+    .unwrap();
+    match h.mkdir(ns, 0o755) {
+        Ok(()) | Err(maru::Error::Exists(_)) => h,
+        Err(e) => panic!("mkdir {ns}: {e}"),
+    }
 }
 
 fn text(p: &Path, name: &str) -> String {
@@ -36,7 +41,6 @@ fn small_entries_share_a_pack_and_every_door_reads_them() {
     maru_tests::require_root!();
     let d = Daemon::start(Opts::default());
     let h = packing(&d, "kv");
-    h.mkdir("kv", 0o755).unwrap();
     for i in 0..40u64 {
         h.put(&format!("kv/k{i}"), &pattern(i, 4096 + i as usize))
             .unwrap();
@@ -126,7 +130,6 @@ fn a_packs_allocations_are_slices_of_one_mapping() {
     maru_tests::require_root!();
     let d = Daemon::start(Opts::default());
     let h = packing(&d, "kv");
-    h.mkdir("kv", 0o755).unwrap();
     let mut hs: Vec<maru::AllocHandle> = (0..32).map(|_| h.alloc(4096).unwrap()).collect();
     for (i, a) in hs.iter_mut().enumerate() {
         a.as_mut_slice().copy_from_slice(&pattern(i as u64, 4096));
@@ -195,7 +198,6 @@ fn an_entry_leaves_its_pack_when_its_readers_would_change() {
     maru_tests::require_root!();
     let d = Daemon::start(Opts::default());
     let h = packing(&d, "a");
-    h.mkdir("a", 0o755).unwrap();
     h.mkdir("b", 0o755).unwrap();
     let pack_dir = d.pool_dir().join("p");
     let in_pack =
@@ -267,7 +269,6 @@ fn a_pack_goes_when_its_last_entry_and_writer_did() {
         ..Opts::default()
     });
     let h = packing(&d, "g");
-    h.mkdir("g", 0o755).unwrap();
     for i in 0..8 {
         h.put(&format!("g/k{i}"), &pattern(i, 8192)).unwrap();
     }
@@ -297,7 +298,6 @@ fn packed_entries_survive_kill9() {
     maru_tests::require_root!();
     let mut d = Daemon::start(Opts::default());
     let h = packing(&d, "r");
-    h.mkdir("r", 0o755).unwrap();
     for i in 0..30u64 {
         h.put(&format!("r/k{i}"), &pattern(i, 1000 + 997 * i as usize))
             .unwrap();
@@ -362,7 +362,6 @@ fn a_full_pool_of_packed_entries_evicts_whole_packs() {
         extra: vec!["--eviction".into(), "lru".into()],
     });
     let h = packing(&d, "e");
-    h.mkdir("e", 0o755).unwrap();
     let n = 3000u64; // 32 KiB each: 94 MiB, three times the pool
     for i in 0..n {
         h.put(&format!("e/k{i}"), &pattern(i, 32 << 10))
@@ -395,7 +394,6 @@ fn with_pack_0_every_entry_is_a_file_of_its_own() {
         ..Opts::default()
     });
     let h = packing(&d, "o");
-    h.mkdir("o", 0o755).unwrap();
     h.put("o/k", &pattern(1, 4096)).unwrap();
     assert_eq!(
         text(&d.path("o/k"), "user.maru.location"),

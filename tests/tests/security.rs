@@ -94,6 +94,35 @@ fn batch_as_nobody(d: &Daemon, keys: &[String], then: &[&str]) -> String {
     String::from_utf8(out.stdout).unwrap()
 }
 
+/// Runs [`batch_as_nobody`] and checks that nobody read every key of `keys`, all in one
+/// `retrieve` from marud (`bytes` of them) and opening nothing itself, the counts being
+/// `before` until then; returns the outcomes of `then`.
+fn nobody_reads_the_batch_through_marud(
+    d: &Daemon,
+    keys: &[String],
+    then: &[&str],
+    before: &ReadCounts,
+    bytes: u64,
+) -> Vec<String> {
+    let text = batch_as_nobody(d, keys, then);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines[..keys.len()], vec!["ok"; keys.len()][..], "{text}");
+    assert_eq!(
+        lines[keys.len()],
+        ReadCounts {
+            retrieve: before.retrieve + 1,
+            accessed: before.accessed,
+            bytes: before.bytes + bytes,
+        }
+        .to_string(),
+        "nobody asked marud for the batch and opened nothing itself"
+    );
+    lines[keys.len() + 1..]
+        .iter()
+        .map(|l| l.to_string())
+        .collect()
+}
+
 /// A daemon on a memfs pool whose socket `nobody` may connect to: the socket belongs to a
 /// group the test user is in (nogroup, 65534), as `maru` would be; with the mount if `mount`.
 fn daemon_nobody_reaches(mount: bool) -> Daemon {
@@ -253,20 +282,8 @@ fn with_acl_off_only_root_clients_open_memfs_entries_themselves() {
     let c1 = ReadCounts::of(&reader).unwrap();
     assert_eq!((c1.retrieve, c1.accessed), (c0.retrieve, c0.accessed + 1));
     // nobody may read them too, but only through marud: one retrieve of the batch.
-    let text = batch_as_nobody(&d, &keys, &[]);
-    let lines: Vec<&str> = text.lines().collect();
-    assert_eq!(lines[..keys.len()], vec!["ok"; keys.len()][..], "{text}");
     let sizes: u64 = (0..10).map(|i| 3000 + i as u64).sum();
-    assert_eq!(
-        lines[keys.len()],
-        ReadCounts {
-            retrieve: c1.retrieve + 1,
-            accessed: c1.accessed,
-            bytes: c1.bytes + sizes,
-        }
-        .to_string(),
-        "nobody asked marud for the batch and opened nothing itself"
-    );
+    nobody_reads_the_batch_through_marud(&d, &keys, &[], &c1, sizes);
 }
 
 #[test]
@@ -459,17 +476,6 @@ fn packed_entries_are_read_as_the_policy_allows() {
     assert_eq!(c1.bytes - c0.bytes, sizes);
 
     // nobody: one request for the batch, and no report.
-    let text = batch_as_nobody(&d, &keys, &["closed/secret"]);
-    let lines: Vec<&str> = text.lines().collect();
-    assert_eq!(lines[..keys.len()], vec!["ok"; keys.len()][..], "{text}");
-    assert_eq!(
-        lines[keys.len()],
-        ReadCounts {
-            retrieve: c1.retrieve + 1,
-            accessed: c1.accessed,
-            bytes: c1.bytes + sizes,
-        }
-        .to_string()
-    );
-    assert_eq!(lines[keys.len() + 1], "permission_denied", "{text}");
+    let then = nobody_reads_the_batch_through_marud(&d, &keys, &["closed/secret"], &c1, sizes);
+    assert_eq!(then[0], "permission_denied", "{then:?}");
 }
