@@ -40,7 +40,7 @@ pub fn render(s: &Stats) -> String {
     for (op, n) in s
         .ops
         .iter()
-        .filter(|(k, _)| !k.starts_with("fuse_") && *k != "errors")
+        .filter(|(k, _)| !k.starts_with("fuse_") && *k != "errors" && *k != "lane_requests")
     {
         let _ = writeln!(o, "maru_ops_total{{op=\"{}\"}} {n}", esc(op));
     }
@@ -54,6 +54,17 @@ pub fn render(s: &Stats) -> String {
         o,
         "maru_errors_total {}",
         s.ops.get("errors").copied().unwrap_or(0)
+    );
+    head(
+        &mut o,
+        "maru_lane_requests_total",
+        "counter",
+        "Control requests that came through a connection's shared-memory lane.",
+    );
+    let _ = writeln!(
+        o,
+        "maru_lane_requests_total {}",
+        s.ops.get("lane_requests").copied().unwrap_or(0)
     );
     head(
         &mut o,

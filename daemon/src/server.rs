@@ -14,6 +14,7 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::Arc;
 
+use maru::lane::{LANE_CAP, Lane, NUDGE};
 use maru::proto::{
     self, Body, FrameReader, MAX_FDS_PER_FRAME, Op, Outcome, PROTOCOL_VERSION, Request, Response,
 };
@@ -137,6 +138,8 @@ pub struct Dispatcher {
     pub out_fds: Vec<File>,
     /// `out` holds a reply to send at once rather than with the next frames' replies.
     pub urgent: bool,
+    /// The connection's shared-memory lane, once the client asked for one (`Op::Lane`).
+    pub lane: Option<Lane>,
 }
 
 /// How long a connection's thread polls for the next request after answering one.
@@ -157,12 +160,13 @@ impl Drop for Dispatcher {
 }
 
 impl Conn {
-    /// Reads, handles and answers frames until the peer closes the connection.
+    /// Reads, handles and answers frames (and the lane's requests) until the peer closes the
+    /// connection.
     fn run(&mut self) -> Result<()> {
         loop {
             match self.read_next() {
-                Ok(0) => return Ok(()),
-                Ok(_) => {}
+                Ok(false) => return Ok(()),
+                Ok(true) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(e.into()),
             }
@@ -200,27 +204,80 @@ impl Conn {
             }
             // Everything the frames of this read asked for, in one send.
             self.flush()?;
+            if self.serve_lane()? {
+                return Ok(());
+            }
         }
     }
 
-    /// Reads the next frames. A client in a loop of calls sends its next request within
-    /// microseconds of a reply, so the thread polls for [`SPIN`] (yielding the CPU to any
-    /// other runnable thread between polls) before it sleeps: waking a sleeping thread costs
-    /// more than the request itself on virtual machines, and an idle client costs at most one
-    /// poll window per request.
-    fn read_next(&mut self) -> std::io::Result<usize> {
+    /// Handles the request in the lane, if there is one, and answers in the lane when the
+    /// reply fits and carries no descriptor (on the socket otherwise). True when the
+    /// connection must close.
+    fn serve_lane(&mut self) -> Result<bool> {
+        let Some(req) = self.d.lane.as_mut().and_then(Lane::take_request) else {
+            return Ok(false);
+        };
+        let (id, body) = match req {
+            Ok(r) => r,
+            Err(e) => {
+                self.d.push_err(0, &e);
+                self.flush()?;
+                return Err(e);
+            }
+        };
+        self.d.store.count("lane_requests");
+        let close = self.d.handle(&body);
+        self.d.urgent = false;
+        let fits = self.d.out.len() <= 4 + LANE_CAP;
+        if let Some(lane) = self
+            .d
+            .lane
+            .as_ref()
+            .filter(|_| fits && self.d.out_fds.is_empty())
+        {
+            // One response, framed: the lane takes its body.
+            let out = std::mem::take(&mut self.d.out);
+            if lane.post_reply(id, &out[4..]) {
+                proto::send_all(self.stream.as_fd(), &NUDGE, &[])?;
+            }
+        } else {
+            self.flush()?;
+        }
+        Ok(close)
+    }
+
+    /// Waits for the next frames or a request in the lane; false once the peer closed. A
+    /// client in a loop of calls sends its next request within microseconds of a reply, so
+    /// the thread polls for [`SPIN`] (yielding the CPU to any other runnable thread between
+    /// polls) before it sleeps on the socket: waking a sleeping thread costs more than the
+    /// request itself on virtual machines, and an idle client costs at most one poll window
+    /// per request. A client that posts in the lane while this thread sleeps nudges it.
+    fn read_next(&mut self) -> std::io::Result<bool> {
         let t0 = std::time::Instant::now();
         loop {
+            if self.d.lane.as_ref().is_some_and(Lane::has_request) {
+                return Ok(true);
+            }
             match self.reader.try_read_from(self.stream.as_fd()) {
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                r => return r,
+                r => return r.map(|n| n > 0),
             }
             if t0.elapsed() >= SPIN {
                 break;
             }
             std::thread::yield_now();
         }
-        self.reader.read_from(self.stream.as_fd())
+        if let Some(lane) = &self.d.lane
+            && lane.server_asleep(true)
+        {
+            lane.server_asleep(false);
+            return Ok(true);
+        }
+        let r = self.reader.read_from(self.stream.as_fd());
+        if let Some(lane) = &self.d.lane {
+            lane.server_asleep(false);
+        }
+        r.map(|n| n > 0)
     }
 
     /// Sends the queued responses and their descriptors (blocking).
@@ -259,6 +316,7 @@ impl Dispatcher {
             out: Vec::new(),
             out_fds: Vec::new(),
             urgent: false,
+            lane: None,
         }
     }
 
@@ -483,6 +541,17 @@ impl Dispatcher {
                 }
             }
             Op::Stats => Body::Stats(store.stats()),
+            Op::Lane => {
+                if self.lane.is_some() {
+                    return Err(Error::Protocol("this connection has a lane already".into()));
+                }
+                let (lane, file) = maru::lane::create()?;
+                self.lane = Some(lane);
+                fds.push(file);
+                Body::Lane {
+                    bytes: maru::lane::LANE_BYTES as u64,
+                }
+            }
             Op::Evict { bytes } => {
                 let (entries, bytes) = store.evict(&c, bytes)?;
                 Body::Evicted { entries, bytes }

@@ -20,6 +20,7 @@ pub mod error;
 pub mod format;
 pub mod index;
 pub mod key;
+pub mod lane;
 pub mod mapping;
 pub mod name;
 pub mod proto;

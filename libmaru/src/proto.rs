@@ -160,6 +160,8 @@ pub enum Op {
     },
     /// Store-wide statistics.
     Stats,
+    /// Asks for a shared-memory lane for this connection's calls (see [`crate::lane`]).
+    Lane,
     /// Evict least recently used entries until `bytes` are free.
     Evict {
         /// Bytes to make free.
@@ -188,6 +190,7 @@ impl Op {
             Op::Index { .. } => "index",
             Op::List { .. } => "list",
             Op::Stats => "stats",
+            Op::Lane => "lane",
             Op::Evict { .. } => "evict",
         }
     }
@@ -534,6 +537,11 @@ pub enum Body {
     },
     /// Reply to `Stats`.
     Stats(Stats),
+    /// Reply to `Lane`: the lane's file goes with it (one descriptor).
+    Lane {
+        /// Bytes of the lane file.
+        bytes: u64,
+    },
     /// Reply to `Evict`.
     Evicted {
         /// Entries evicted.
@@ -675,23 +683,29 @@ impl FrameReader {
     }
 
     /// The next complete frame body, if buffered. A length over [`MAX_FRAME`] is an error.
+    /// Empty frames are skipped: they are nudges that wake a side sleeping on the socket
+    /// ([`crate::lane`]) and carry nothing.
     pub fn next_frame(&mut self) -> Result<Option<Vec<u8>>, Error> {
-        let avail = &self.buf[self.start..self.end];
-        if avail.len() < 4 {
-            return Ok(None);
+        loop {
+            let avail = &self.buf[self.start..self.end];
+            if avail.len() < 4 {
+                return Ok(None);
+            }
+            let len = u32::from_le_bytes(avail[..4].try_into().expect("4 bytes")) as usize;
+            if len > MAX_FRAME {
+                return Err(Error::Protocol(format!(
+                    "frame of {len} bytes exceeds the limit of {MAX_FRAME}"
+                )));
+            }
+            if avail.len() < 4 + len {
+                return Ok(None);
+            }
+            let body = avail[4..4 + len].to_vec();
+            self.start += 4 + len;
+            if len > 0 {
+                return Ok(Some(body));
+            }
         }
-        let len = u32::from_le_bytes(avail[..4].try_into().expect("4 bytes")) as usize;
-        if len > MAX_FRAME {
-            return Err(Error::Protocol(format!(
-                "frame of {len} bytes exceeds the limit of {MAX_FRAME}"
-            )));
-        }
-        if avail.len() < 4 + len {
-            return Ok(None);
-        }
-        let body = avail[4..4 + len].to_vec();
-        self.start += 4 + len;
-        Ok(Some(body))
     }
 
     /// Takes the next `n` received descriptors.

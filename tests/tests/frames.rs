@@ -39,6 +39,7 @@ fn op_name() -> impl Strategy<Value = String> {
         Just("list"),
         Just("stats"),
         Just("evict"),
+        Just("lane"),
         Just("bogus"),
     ]
     .prop_map(str::to_owned)

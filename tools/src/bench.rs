@@ -379,6 +379,53 @@ fn first_batches_raw(dir: &Path, payload: &[u8], batches: u64) -> anyhow::Result
 }
 
 /// `maructl bench core`: the store engine and libmaru.
+/// Calls through the connection's shared-memory lane (`h`, the default) and on the socket
+/// alone (a second handler without a lane), in alternating blocks: a call marud answers at
+/// once (`mkdir` of a namespace that exists) and a 4 KiB store that waits.
+fn lane_against_socket(
+    d: &PrivateDaemon,
+    h: &maru::Handler,
+    payload: &[u8],
+) -> anyhow::Result<Vec<Row>> {
+    let socket = maru::Handler::connect(maru::Config {
+        lane: false,
+        ..d.config("bench")
+    })?;
+    let (blocks, n) = (20u64, 500u64);
+    let mut t = [Duration::ZERO; 4];
+    let mut seq = 0u64;
+    for _ in 0..blocks {
+        for (i, c) in [h, &socket].into_iter().enumerate() {
+            let s = Instant::now();
+            for _ in 0..n {
+                anyhow::ensure!(matches!(
+                    c.mkdir("bench", 0o755),
+                    Err(maru::Error::Exists(_))
+                ));
+            }
+            t[i] += s.elapsed();
+            let s = Instant::now();
+            for _ in 0..n {
+                seq += 1;
+                let mut a = c.alloc(payload.len() as u64)?;
+                a.as_mut_slice().copy_from_slice(payload);
+                c.store(&format!("bench/l{seq}"), a)?;
+            }
+            t[2 + i] += s.elapsed();
+        }
+    }
+    Ok([
+        "a call marud answers at once (mkdir of a namespace that exists), lane",
+        "a call marud answers at once, socket alone",
+        "store 4 KiB (each waits), lane",
+        "store 4 KiB (each waits), socket alone",
+    ]
+    .into_iter()
+    .zip(t)
+    .map(|(name, d)| rate(name, blocks * n, d))
+    .collect())
+}
+
 pub fn core(rounds: usize, json: Option<&Path>) -> anyhow::Result<String> {
     let tmp = scratch()?;
     let d = PrivateDaemon::start(tmp.path(), "core", &["memfs:{dir}/pool,size=2G"], false)?;
@@ -526,6 +573,7 @@ pub fn core(rounds: usize, json: Option<&Path>) -> anyhow::Result<String> {
         n_rt += 1;
     }
     rows.push(rate("retrieve (first time)", n_rt, s.elapsed()));
+    rows.extend(lane_against_socket(&d, &h, &payload_small)?);
     let pp = 20_000u64;
     let d_pp = echo.round_trips(pp)?;
     rows.push(rate(

@@ -131,11 +131,16 @@ impl PrivateDaemon {
 
     /// A client of this daemon that stores mostly in namespace `ns`.
     pub fn handler(&self, ns: &str) -> anyhow::Result<maru::Handler> {
-        Ok(maru::Handler::connect(maru::Config {
+        Ok(maru::Handler::connect(self.config(ns))?)
+    }
+
+    /// The configuration of [`PrivateDaemon::handler`].
+    pub fn config(&self, ns: &str) -> maru::Config {
+        maru::Config {
             socket: self.socket.clone(),
             namespace: Some(ns.to_owned()),
             ..Default::default()
-        })?)
+        }
     }
 }
 

@@ -7,8 +7,9 @@ use std::time::Duration;
 use maru::proto::LATENCY_BUCKETS_US;
 use maru_fsd::Upcall;
 
-/// The control operations counted by name (`maru::proto::Op::name`), plus `errors`.
-pub const OPS: [&str; 19] = [
+/// The control operations counted by name (`maru::proto::Op::name`), plus `errors` and
+/// `lane_requests` (requests taken from connections' shared-memory lanes).
+pub const OPS: [&str; 21] = [
     "hello",
     "mkdir",
     "rmdir",
@@ -27,7 +28,9 @@ pub const OPS: [&str; 19] = [
     "list",
     "stats",
     "evict",
+    "lane",
     "errors",
+    "lane_requests",
 ];
 
 /// Kinds of bytes counted.

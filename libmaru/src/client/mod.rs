@@ -287,6 +287,8 @@ impl Handler {
             releases: Arc::new(Mutex::new(Vec::new())),
             accessed: Vec::new(),
             accessed_since: None,
+            lane: None,
+            lane_wait: None,
         };
         let name = inner.cfg.client_name.clone();
         let (body, _) = inner.call(Op::Hello {
@@ -314,6 +316,9 @@ impl Handler {
                 inner.pools = pools;
             }
             other => return Err(unexpected(&other)),
+        }
+        if inner.cfg.lane {
+            inner.open_lane()?;
         }
         Ok(Handler {
             inner: Mutex::new(inner),
@@ -416,7 +421,7 @@ impl Handler {
         {
             handle.detach()?;
         }
-        let sent = g.send(op, &[]);
+        let sent = g.send_alone(op);
         // While marud publishes (whatever the outcome, the grant is gone).
         let let_go = handle.let_go(keep);
         let r = sent.and_then(|id| g.wait(id)).map(drop);

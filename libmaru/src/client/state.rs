@@ -13,6 +13,7 @@ use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
 use crate::index::{PACK_BYTES, Table};
+use crate::lane::{LANE_CAP, Lane, NUDGE};
 use crate::mapping::Mapping;
 use crate::proto::{
     self, Body, Grant, Located, Op, Outcome, PoolInfo, PoolKind, Request, Response,
@@ -64,6 +65,10 @@ pub struct Config {
     /// entries, so that storing one creates no file and a reader maps many at once (one
     /// published elsewhere is copied into a file of its own).
     pub namespace: Option<String>,
+    /// Ask marud for a shared-memory lane (`MARU_LANE=0` says no): a call the client waits
+    /// for then goes through memory both map, with no system call on either side while both
+    /// poll (see [`crate::lane`]).
+    pub lane: bool,
 }
 
 impl Default for Config {
@@ -88,6 +93,7 @@ impl Default for Config {
                     .unwrap_or(DEFAULT_SPIN_US),
             ),
             namespace: None,
+            lane: std::env::var("MARU_LANE").map_or(true, |v| v != "0"),
         }
     }
 }
@@ -215,6 +221,10 @@ pub(super) struct Inner {
     pub(super) accessed: Vec<u64>,
     /// When the oldest of `accessed` was opened.
     pub(super) accessed_since: Option<std::time::Instant>,
+    /// The connection's shared-memory lane, if marud gave one.
+    pub(super) lane: Option<Lane>,
+    /// The request in the lane whose reply has not been read yet.
+    pub(super) lane_wait: Option<u64>,
 }
 
 impl Drop for Inner {
@@ -238,20 +248,81 @@ impl Inner {
         Ok(id)
     }
 
+    /// Sends a request whose reply the caller waits for before it sends anything else: in the
+    /// lane when there is one, nothing else is in flight (marud handles a connection's
+    /// requests in the order it sees them, and the lane and the socket are two queues) and
+    /// it fits; on the socket otherwise.
+    pub(super) fn send_alone(&mut self, op: Op) -> Result<u64> {
+        let Some(lane) = self.lane.as_ref().filter(|_| self.pending.is_empty()) else {
+            return self.send(op, &[]);
+        };
+        if self.lane_wait.is_some() {
+            return self.send(op, &[]);
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        let frame = proto::encode(&Request { id, op });
+        if frame.len() - 4 > LANE_CAP {
+            proto::send_all(self.sock.as_fd(), &frame, &[]).map_err(io_err)?;
+            return Ok(id);
+        }
+        self.lane_wait = Some(id);
+        if lane.post_request(id, &frame[4..]) {
+            proto::send_all(self.sock.as_fd(), &NUDGE, &[]).map_err(io_err)?;
+        }
+        Ok(id)
+    }
+
+    /// Asks marud for the connection's lane. A marud without lanes refuses the request
+    /// (an unknown operation): the connection keeps to the socket.
+    pub(super) fn open_lane(&mut self) -> Result<()> {
+        match self.call(Op::Lane) {
+            Ok((Body::Lane { .. }, fds)) => {
+                let fd = fds
+                    .into_iter()
+                    .next()
+                    .ok_or_else(|| Error::Protocol("a lane reply without its file".into()))?;
+                self.lane = Some(Lane::map(&File::from(fd))?);
+                Ok(())
+            }
+            Ok((other, _)) => Err(unexpected(&other)),
+            Err(Error::Protocol(_)) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The reply to the request in the lane, if it is there.
+    fn lane_reply(&mut self) -> Option<Vec<u8>> {
+        let b = self.lane.as_ref()?.reply(self.lane_wait?)?;
+        self.lane_wait = None;
+        Some(b)
+    }
+
+    /// Forgets the lane request `id` once its reply was read (on the socket, when marud
+    /// answered there: one with descriptors, or too large for the lane).
+    fn answered(&mut self, id: u64) {
+        if self.lane_wait == Some(id) {
+            self.lane_wait = None;
+        }
+    }
+
     /// Reads one response; async ones are settled here, others returned.
     pub(super) fn recv_one(&mut self) -> Result<Option<(Response, Vec<OwnedFd>)>> {
         let body = self.next_body()?;
         self.settle(&body)
     }
 
-    /// The next frame's body, read from the socket if none is buffered.
+    /// The next frame's body: the lane's reply, a buffered frame, or one read from the
+    /// socket.
     fn next_body(&mut self) -> Result<Vec<u8>> {
         loop {
+            if let Some(b) = self.lane_reply() {
+                return Ok(b);
+            }
             if let Some(b) = self.reader.next_frame()? {
                 return Ok(b);
             }
-            let n = self.read_some()?;
-            if n == 0 {
+            if !self.read_some()? {
                 return Err(Error::Disconnected);
             }
         }
@@ -282,23 +353,48 @@ impl Inner {
         Ok(Some((resp, fds)))
     }
 
-    /// Reads what the socket has: polls for up to `cfg.spin`, then sleeps for it.
-    fn read_some(&mut self) -> Result<usize> {
+    /// Waits for the lane's reply or reads what the socket has: polls for up to `cfg.spin`,
+    /// then sleeps on the socket (marud nudges a client asleep there when it answers in the
+    /// lane). False once marud closed the connection.
+    fn read_some(&mut self) -> Result<bool> {
+        // While a reply is due in the lane the socket is looked at every few polls only:
+        // it is a system call, the lane a load.
+        let lane = self.lane_wait.filter(|_| self.lane.is_some());
+        let every = if lane.is_some() { 16 } else { 1 };
         if !self.cfg.spin.is_zero() {
             let t0 = std::time::Instant::now();
+            let mut polls = 0u32;
             loop {
-                match self.reader.try_read_from(self.sock.as_fd()) {
-                    Ok(n) => return Ok(n),
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                    Err(e) => return Err(io_err(e)),
+                if let (Some(id), Some(l)) = (lane, &self.lane)
+                    && l.reply(id).is_some()
+                {
+                    return Ok(true);
                 }
-                if t0.elapsed() >= self.cfg.spin {
-                    break;
+                if polls.is_multiple_of(every) {
+                    match self.reader.try_read_from(self.sock.as_fd()) {
+                        Ok(n) => return Ok(n > 0),
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                        Err(e) => return Err(io_err(e)),
+                    }
+                    if t0.elapsed() >= self.cfg.spin {
+                        break;
+                    }
                 }
+                polls = polls.wrapping_add(1);
                 std::hint::spin_loop();
             }
         }
-        self.reader.read_from(self.sock.as_fd()).map_err(io_err)
+        if let (Some(id), Some(l)) = (lane, &self.lane)
+            && l.client_asleep(true, id)
+        {
+            l.client_asleep(false, id);
+            return Ok(true);
+        }
+        let r = self.reader.read_from(self.sock.as_fd());
+        if let (Some(id), Some(l)) = (lane, &self.lane) {
+            l.client_asleep(false, id);
+        }
+        r.map(|n| n > 0).map_err(io_err)
     }
 
     /// [`wait`](Self::wait) for the reply to a `Retrieve`: its items and descriptors.
@@ -309,10 +405,12 @@ impl Inner {
         loop {
             let body = self.next_body()?;
             if let Some(r) = proto::decode_retrieved(&body).filter(|r| r.id == id) {
+                self.answered(id);
                 let fds = self.reader.take_fds(r.fds as usize)?;
                 return Ok((r.into_items(), fds));
             }
             if let Some((resp, fds)) = self.settle(&body)? {
+                self.answered(resp.id);
                 return match Self::outcome(id, resp)? {
                     Body::Retrieved { items } => Ok((items, fds)),
                     other => Err(unexpected(&other)),
@@ -338,6 +436,7 @@ impl Inner {
     pub(super) fn wait(&mut self, id: u64) -> Result<(Body, Vec<OwnedFd>)> {
         loop {
             if let Some((resp, fds)) = self.recv_one()? {
+                self.answered(resp.id);
                 return Ok((Self::outcome(id, resp)?, fds));
             }
         }
@@ -345,7 +444,7 @@ impl Inner {
 
     pub(super) fn call(&mut self, op: Op) -> Result<(Body, Vec<OwnedFd>)> {
         self.flush_releases()?;
-        let id = self.send(op, &[])?;
+        let id = self.send_alone(op)?;
         self.wait(id)
     }
 
