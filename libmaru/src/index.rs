@@ -321,6 +321,65 @@ impl<'a> TableWriter<'a> {
         None
     }
 
+    /// The slot holding live key `key`, if any (the writer's own probe: no sequence lock).
+    pub fn find(&self, key: &[u8]) -> Option<usize> {
+        let h = hash_key(key);
+        let n = self.t.nslots();
+        let mask = n - 1;
+        let mut i = (h as usize) & mask;
+        for _ in 0..n {
+            let s = self.t.slot(i);
+            let generation = s[1].load(Ordering::Relaxed);
+            if generation == 0 {
+                return None;
+            }
+            if generation != TOMBSTONE
+                && s[2].load(Ordering::Relaxed) == h
+                && s[6].load(Ordering::Relaxed) == key.len() as u64
+                && (0..key.len().div_ceil(8)).all(|wi| {
+                    let mut b = [0u8; 8];
+                    let hi = (wi * 8 + 8).min(key.len());
+                    b[..hi - wi * 8].copy_from_slice(&key[wi * 8..hi]);
+                    s[8 + wi].load(Ordering::Relaxed) == u64::from_le_bytes(b)
+                })
+            {
+                return Some(i);
+            }
+            i = (i + 1) & mask;
+        }
+        None
+    }
+
+    /// Copies every live slot of `old` (a table this writer also writes, or one nobody
+    /// writes any more) into this one, which must be empty and have room: slot by slot in
+    /// `old`'s order, placed by the hash the slot holds, so a growth reads the old table
+    /// once, in order, and hashes no key again.
+    pub fn copy_live_from(&self, old: &Table<'_>) -> usize {
+        let n = self.t.nslots();
+        let mask = n - 1;
+        let mut live = 0;
+        for j in 0..old.nslots() {
+            let from = old.slot(j);
+            let generation = from[1].load(Ordering::Relaxed);
+            if generation == 0 || generation == TOMBSTONE {
+                continue;
+            }
+            let mut i = (from[2].load(Ordering::Relaxed) as usize) & mask;
+            while self.t.slot(i)[1].load(Ordering::Relaxed) != 0 {
+                i = (i + 1) & mask;
+            }
+            self.write_slot(self.t.slot(i), |s| {
+                for (w, f) in s[1..].iter().zip(&from[1..]) {
+                    w.store(f.load(Ordering::Relaxed), Ordering::Relaxed);
+                }
+            });
+            live += 1;
+        }
+        self.t.words[4].fetch_add(live as u64, Ordering::Relaxed);
+        self.bump_epoch();
+        live
+    }
+
     /// Marks slot `i` deleted.
     pub fn remove(&self, i: usize) {
         let s = self.t.slot(i);
@@ -416,6 +475,40 @@ mod tests {
         let long = [b'x'; 255];
         w.insert(&long, view(99)).unwrap();
         assert_eq!(w.table().lookup(&long), Some(view(99)));
+    }
+
+    #[test]
+    fn the_writer_finds_keys_and_a_copy_keeps_only_live_ones() {
+        let n = 64;
+        let mut mem = vec![0u64; table_bytes(n) / 8];
+        // SAFETY: the vector is zeroed, aligned and outlives the writer.
+        let w = unsafe { TableWriter::init(mem.as_mut_ptr().cast(), mem.len() * 8, n) };
+        for g in 1..=40u64 {
+            let key = format!("key-{g}");
+            let at = w.insert(key.as_bytes(), view(g)).unwrap();
+            assert_eq!(w.find(key.as_bytes()), Some(at));
+        }
+        // Same length and hash bucket region, other bytes: not found.
+        assert_eq!(w.find(b"key-99"), None);
+        w.remove(w.find(b"key-7").unwrap());
+        assert_eq!(w.find(b"key-7"), None, "a tombstone is no key");
+        w.set_flags(w.find(b"key-8").unwrap(), FLAG_HELD);
+        let big = 256;
+        let mut mem2 = vec![0u64; table_bytes(big) / 8];
+        // SAFETY: as above.
+        let w2 = unsafe { TableWriter::init(mem2.as_mut_ptr().cast(), mem2.len() * 8, big) };
+        assert_eq!(w2.copy_live_from(w.table()), 39);
+        assert_eq!(w2.table().live(), 39);
+        for g in (1..=40u64).filter(|g| *g != 7) {
+            let mut v = view(g);
+            if g == 8 {
+                v.flags = FLAG_HELD;
+            }
+            assert_eq!(w2.table().lookup(format!("key-{g}").as_bytes()), Some(v));
+            assert!(w2.find(format!("key-{g}").as_bytes()).is_some());
+        }
+        assert_eq!(w2.table().lookup(b"key-7"), None);
+        assert_ne!(w2.table().epoch(), 0, "readers see the copy as a change");
     }
 
     #[test]

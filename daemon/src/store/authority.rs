@@ -7,10 +7,12 @@
 //! shared by all of them (claims as transactions in a replicated store), without the store's
 //! decisions changing shape.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 use maru::{Error, Result};
 use parking_lot::Mutex;
+
+use super::hashmap::HashMap;
 
 /// A name's state at the authority.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

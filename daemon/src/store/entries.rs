@@ -6,7 +6,6 @@ use std::time::SystemTime;
 use maru::Result;
 
 use super::authority::{Authority, Placed};
-use super::hashmap::HashMap;
 use super::namespaces::Namespace;
 use super::state::Invalidation;
 use super::state::{Entry, State};
@@ -33,15 +32,12 @@ impl State {
         e.lru = self.lru.file(e.ino);
         let n = self.ns.get_mut(&e.ns).expect("the namespace exists");
         if n.index.needs_rebuild() {
-            for (ino, slot) in rebuild_index(n, &self.entries) {
-                self.entries.get_mut(&ino).expect("indexed").slot = slot;
-            }
+            rebuild_index(n);
         }
-        let n = self.ns.get_mut(&e.ns).expect("the namespace exists");
-        e.slot = n
-            .index
-            .insert(&e.key, e.slot_view())
-            .expect("the index has room after a rebuild");
+        assert!(
+            n.index.insert(&e.key, e.slot_view()),
+            "the index has room after a rebuild"
+        );
         n.entries.insert(e.key.clone(), e.ino);
         n.bytes += e.size;
         n.mtime = SystemTime::now();
@@ -58,7 +54,7 @@ impl State {
         self.lru.remove(&e.lru);
         let n = self.ns.get_mut(&e.ns).expect("the namespace exists");
         n.entries.remove(&e.key);
-        n.index.remove(e.slot);
+        n.index.remove(&e.key);
         n.bytes -= e.size;
         n.mtime = SystemTime::now();
         let ps = &mut self.pools[e.pool as usize];
@@ -200,7 +196,7 @@ impl State {
             return;
         };
         if let Ok(n) = self.ns.get_mut(&e.ns) {
-            n.index.set_flags(e.slot, e.flags());
+            n.index.set_flags(&e.key, e.flags());
         }
     }
 
@@ -277,35 +273,23 @@ impl State {
             let Ok(n) = self.ns.get_mut(&name) else {
                 continue;
             };
-            for (ino, slot) in rebuild_index(n, &self.entries) {
-                self.entries.get_mut(&ino).expect("indexed").slot = slot;
-            }
+            rebuild_index(n);
         }
     }
 }
 
-/// Rebuilds a namespace's index into a fresh table of twice the slots its live keys need
-/// (a full one doubles: 35% loaded, rebuilt again at 70%). Returns the new slot of every
-/// entry of the namespace.
-fn rebuild_index(n: &mut Namespace, entries: &HashMap<u64, Entry>) -> Vec<(u64, usize)> {
-    let want = (n.entries.len() + 1) * 2;
-    let mut ix = match crate::nsindex::NsIndex::new(want) {
-        Ok(ix) => ix,
-        Err(e) => {
-            tracing::error!("cannot grow a namespace index: {e}");
-            return Vec::new();
+/// Replaces a namespace's index with a fresh table holding its live keys
+/// ([`crate::nsindex::NsIndex::grown`]); the old one is retired and its memory given back
+/// off the store's lock (clients map it until they see it retired).
+fn rebuild_index(n: &mut Namespace) {
+    match n.index.grown() {
+        Ok(ix) => {
+            ix.set_pending(n.pending);
+            let old = std::mem::replace(&mut n.index, ix);
+            let _ = std::thread::Builder::new()
+                .name("maru-index".into())
+                .spawn(move || drop(old));
         }
-    };
-    let mut slots = Vec::new();
-    for ino in n.entries.values() {
-        let e = &entries[ino];
-        let s = ix
-            .insert(&e.key, e.slot_view())
-            .expect("a fresh table has room");
-        slots.push((e.ino, s));
+        Err(e) => tracing::error!("cannot grow a namespace index: {e}"),
     }
-    ix.set_pending(n.pending);
-    n.index.retire();
-    n.index = ix;
-    slots
 }

@@ -37,8 +37,6 @@ pub struct Entry {
     pub holds: u32,
     /// Place in the LRU order.
     pub lru: Stamp,
-    /// Slot in its namespace's index.
-    pub slot: usize,
     /// The client session that stored it, while connected.
     pub owner: Option<u64>,
     /// Leases on its extent (raw pools): retrievals whose mappings are alive.
@@ -88,7 +86,6 @@ impl Entry {
             pinned: false,
             holds: 0,
             lru: Default::default(),
-            slot: 0,
             owner: None,
             leases: 0,
             perm,
