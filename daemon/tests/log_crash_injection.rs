@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use maru::format::{self, Record};
 use maru_daemon::pool::PoolSpec;
 use maru_daemon::store::{Eviction, Store, StoreConfig};
-use maru_daemon::wal::{FileSink, LogSink};
+use maru_daemon::wal::{Durability, FileSink, LogSink};
 use maru_fsd::Caller;
 
 /// Passes writes through until its budget is spent, then drops them (a crash at that point).
@@ -116,7 +116,11 @@ fn run(limit: i64, torn: bool) -> (Vec<Record>, tempfile::TempDir) {
         .unwrap()
         .unwrap()
         .uuid_string();
-    let sink = FileSink::open(&c.state_dir.join(format!("pool-{uuid}.wal")), false).unwrap();
+    let sink = FileSink::open(
+        &c.state_dir.join(format!("pool-{uuid}.wal")),
+        Durability::Checkpoints,
+    )
+    .unwrap();
     store.set_log_sink(
         0,
         Box::new(Stopping {

@@ -35,7 +35,7 @@ use nix::unistd::{Gid, Uid, fchown};
 use super::super::policy::Perm;
 use super::{Found, Loc};
 use crate::pool::ENTRY_ALIGN;
-use crate::wal::{FileSink, Wal};
+use crate::wal::{Durability, FileSink, Wal};
 
 pub use maru::index::PACK_BYTES;
 /// Log records after which the log is rewritten as the live entries, beyond four per record
@@ -103,13 +103,19 @@ fn errno(e: nix::Error) -> Error {
 
 impl Packs {
     /// Opens (creating) the pack directory `dir` of a pool, whose log is `log`; entries up
-    /// to `max` bytes are packed; `sync` makes each record durable (`--wal-sync`).
+    /// to `max` bytes are packed; `sync` makes each record durable (`--wal-sync`; otherwise
+    /// nothing is synced: the packs are memory, gone with the host).
     pub fn open(dir: &Path, log: &Path, max: u64, sync: bool) -> std::io::Result<Packs> {
         use std::os::unix::fs::DirBuilderExt;
         if !dir.exists() {
             std::fs::DirBuilder::new().mode(0o700).create(dir)?;
         }
-        let wal = Wal::new(Box::new(FileSink::open(log, sync)?));
+        let durability = if sync {
+            Durability::EachRecord
+        } else {
+            Durability::Process
+        };
+        let wal = Wal::new(Box::new(FileSink::open(log, durability)?));
         Ok(Packs {
             dir: dir.to_owned(),
             log: log.to_owned(),

@@ -16,7 +16,7 @@ use super::super::authority::Authority;
 use super::{Backing, Found, Loc, Pool, Requester, Seams};
 use crate::alloc::{ExtentAlloc, align_up};
 use crate::pool::{self, ENTRY_ALIGN, PoolSpec, REGION_ALIGN};
-use crate::wal::{self, FileSink, Wal};
+use crate::wal::{self, Durability, FileSink, Wal};
 use maru::format::{self, Record};
 
 #[derive(Debug, Clone)]
@@ -629,7 +629,14 @@ impl Pool for Raw {
             .iter()
             .map(|e| Self::seal_record(e, e.offset))
             .collect();
-        let sink = FileSink::open(&self.log_path, self.wal_sync)?;
+        let sink = FileSink::open(
+            &self.log_path,
+            if self.wal_sync {
+                Durability::EachRecord
+            } else {
+                Durability::Checkpoints
+            },
+        )?;
         let mut w = Wal::new(Box::new(sink));
         w.checkpoint(&recs)?;
         self.wal = Some(w);
