@@ -44,28 +44,21 @@ pub fn render(s: &Stats) -> String {
     {
         let _ = writeln!(o, "maru_ops_total{{op=\"{}\"}} {n}", esc(op));
     }
-    head(
-        &mut o,
-        "maru_errors_total",
-        "counter",
-        "Control operations that failed.",
-    );
-    let _ = writeln!(
-        o,
-        "maru_errors_total {}",
-        s.ops.get("errors").copied().unwrap_or(0)
-    );
-    head(
-        &mut o,
-        "maru_lane_requests_total",
-        "counter",
-        "Control requests that came through a connection's shared-memory lane.",
-    );
-    let _ = writeln!(
-        o,
-        "maru_lane_requests_total {}",
-        s.ops.get("lane_requests").copied().unwrap_or(0)
-    );
+    for (name, op, help) in [
+        (
+            "maru_errors_total",
+            "errors",
+            "Control operations that failed.",
+        ),
+        (
+            "maru_lane_requests_total",
+            "lane_requests",
+            "Control requests that came through a connection's shared-memory lane.",
+        ),
+    ] {
+        head(&mut o, name, "counter", help);
+        let _ = writeln!(o, "{name} {}", s.ops.get(op).copied().unwrap_or(0));
+    }
     head(
         &mut o,
         "maru_fuse_upcalls_total",

@@ -165,6 +165,13 @@ impl<'a> Table<'a> {
         prefetch_line(s[8].as_ptr());
     }
 
+    /// The slots a key hashed `h` may be in, in probing order (linear, from `h & (slots − 1)`,
+    /// each slot once).
+    fn probe(&self, h: u64) -> impl Iterator<Item = usize> {
+        let mask = self.nslots() - 1;
+        (0..=mask).map(move |k| (h as usize).wrapping_add(k) & mask)
+    }
+
     /// Looks a key up. Lock-free; retries a slot while its writer is mid-update.
     pub fn lookup(&self, key: &[u8]) -> Option<SlotView> {
         self.lookup_hashed(key, hash_key(key))
@@ -175,10 +182,7 @@ impl<'a> Table<'a> {
         if key.len() > MAX_NAME_LEN {
             return None;
         }
-        let n = self.nslots();
-        let mask = n - 1;
-        let mut i = (h as usize) & mask;
-        for _ in 0..n {
+        for i in self.probe(h) {
             let s = self.slot(i);
             loop {
                 let seq1 = s[0].load(Ordering::Acquire);
@@ -218,7 +222,6 @@ impl<'a> Table<'a> {
                 }
                 break;
             }
-            i = (i + 1) & mask;
         }
         None
     }
@@ -287,10 +290,7 @@ impl<'a> TableWriter<'a> {
     pub fn insert(&self, key: &[u8], v: SlotView) -> Option<usize> {
         assert!(key.len() <= MAX_NAME_LEN && v.generation != 0 && v.generation != TOMBSTONE);
         let h = hash_key(key);
-        let n = self.t.nslots();
-        let mask = n - 1;
-        let mut i = (h as usize) & mask;
-        for _ in 0..n {
+        for i in self.t.probe(h) {
             let s = self.t.slot(i);
             let generation = s[1].load(Ordering::Relaxed);
             if generation == 0 || generation == TOMBSTONE {
@@ -316,7 +316,6 @@ impl<'a> TableWriter<'a> {
                 self.bump_epoch();
                 return Some(i);
             }
-            i = (i + 1) & mask;
         }
         None
     }
@@ -324,10 +323,7 @@ impl<'a> TableWriter<'a> {
     /// The slot holding live key `key`, if any (the writer's own probe: no sequence lock).
     pub fn find(&self, key: &[u8]) -> Option<usize> {
         let h = hash_key(key);
-        let n = self.t.nslots();
-        let mask = n - 1;
-        let mut i = (h as usize) & mask;
-        for _ in 0..n {
+        for i in self.t.probe(h) {
             let s = self.t.slot(i);
             let generation = s[1].load(Ordering::Relaxed);
             if generation == 0 {
@@ -336,16 +332,10 @@ impl<'a> TableWriter<'a> {
             if generation != TOMBSTONE
                 && s[2].load(Ordering::Relaxed) == h
                 && s[6].load(Ordering::Relaxed) == key.len() as u64
-                && (0..key.len().div_ceil(8)).all(|wi| {
-                    let mut b = [0u8; 8];
-                    let hi = (wi * 8 + 8).min(key.len());
-                    b[..hi - wi * 8].copy_from_slice(&key[wi * 8..hi]);
-                    s[8 + wi].load(Ordering::Relaxed) == u64::from_le_bytes(b)
-                })
+                && key_matches(&s[8..8 + KEY_WORDS], key)
             {
                 return Some(i);
             }
-            i = (i + 1) & mask;
         }
         None
     }
@@ -355,8 +345,6 @@ impl<'a> TableWriter<'a> {
     /// `old`'s order, placed by the hash the slot holds, so a growth reads the old table
     /// once, in order, and hashes no key again.
     pub fn copy_live_from(&self, old: &Table<'_>) -> usize {
-        let n = self.t.nslots();
-        let mask = n - 1;
         let mut live = 0;
         for j in 0..old.nslots() {
             let from = old.slot(j);
@@ -364,10 +352,13 @@ impl<'a> TableWriter<'a> {
             if generation == 0 || generation == TOMBSTONE {
                 continue;
             }
-            let mut i = (from[2].load(Ordering::Relaxed) as usize) & mask;
-            while self.t.slot(i)[1].load(Ordering::Relaxed) != 0 {
-                i = (i + 1) & mask;
-            }
+            let Some(i) = self
+                .t
+                .probe(from[2].load(Ordering::Relaxed))
+                .find(|&i| self.t.slot(i)[1].load(Ordering::Relaxed) == 0)
+            else {
+                panic!("a table copied into has room for every live key");
+            };
             self.write_slot(self.t.slot(i), |s| {
                 for (w, f) in s[1..].iter().zip(&from[1..]) {
                     w.store(f.load(Ordering::Relaxed), Ordering::Relaxed);

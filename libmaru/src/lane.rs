@@ -98,15 +98,24 @@ impl Lane {
         out
     }
 
+    /// Writes `body` at word `at`, its length at word `len`, then `id` at word `id_at`; true
+    /// when the reader's word `asleep` says it sleeps on the socket.
+    fn post(&self, [at, len, id_at, asleep]: [usize; 4], id: u64, body: &[u8]) -> bool {
+        assert!(
+            body.len() <= LANE_CAP,
+            "a message in the lane fits the lane"
+        );
+        let w = self.words();
+        self.put(at, body);
+        w[len].store(body.len() as u64, Ordering::Relaxed);
+        w[id_at].store(id, Ordering::SeqCst);
+        w[asleep].load(Ordering::SeqCst) != 0
+    }
+
     /// Client: posts request `id` (at most [`LANE_CAP`] bytes). True when marud is asleep and
     /// must be nudged.
     pub fn post_request(&self, id: u64, body: &[u8]) -> bool {
-        assert!(body.len() <= LANE_CAP, "a lane request fits the lane");
-        let w = self.words();
-        self.put(REQ_AT, body);
-        w[REQ_LEN].store(body.len() as u64, Ordering::Relaxed);
-        w[REQ_ID].store(id, Ordering::SeqCst);
-        w[SERVER_ASLEEP].load(Ordering::SeqCst) != 0
+        self.post([REQ_AT, REQ_LEN, REQ_ID, SERVER_ASLEEP], id, body)
     }
 
     /// Client: the reply to request `id`, if it is in the lane.
@@ -161,12 +170,7 @@ impl Lane {
     /// marud: posts the reply to request `id` (at most [`LANE_CAP`] bytes). True when the
     /// client is asleep and must be nudged.
     pub fn post_reply(&self, id: u64, body: &[u8]) -> bool {
-        assert!(body.len() <= LANE_CAP, "a lane reply fits the lane");
-        let w = self.words();
-        self.put(REPLY_AT, body);
-        w[REPLY_LEN].store(body.len() as u64, Ordering::Relaxed);
-        w[REPLY_ID].store(id, Ordering::SeqCst);
-        w[CLIENT_ASLEEP].load(Ordering::SeqCst) != 0
+        self.post([REPLY_AT, REPLY_LEN, REPLY_ID, CLIENT_ASLEEP], id, body)
     }
 }
 
