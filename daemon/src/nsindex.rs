@@ -65,7 +65,7 @@ impl NsIndex {
 
     /// An empty table with room for `nslots` (rounded as [`NsIndex::new`] does) to replace
     /// this one: the one made ahead when it has that size, a new one otherwise.
-    pub fn successor(&mut self, nslots: usize) -> std::io::Result<NsIndex> {
+    fn successor(&mut self, nslots: usize) -> std::io::Result<NsIndex> {
         let want = nslots.max(MIN_SLOTS).next_power_of_two();
         if let Some(h) = self.ahead.take_if(|h| h.is_finished())
             && let Ok(Ok(ix)) = h.join()

@@ -118,12 +118,18 @@ impl Lane {
         self.post([REQ_AT, REQ_LEN, REQ_ID, SERVER_ASLEEP], id, body)
     }
 
+    /// Client: true when the reply to request `id` is in the lane (one load: what a client
+    /// polls).
+    pub fn has_reply(&self, id: u64) -> bool {
+        self.words()[REPLY_ID].load(Ordering::Acquire) == id
+    }
+
     /// Client: the reply to request `id`, if it is in the lane.
     pub fn reply(&self, id: u64) -> Option<Vec<u8>> {
-        let w = self.words();
-        if w[REPLY_ID].load(Ordering::Acquire) != id {
+        if !self.has_reply(id) {
             return None;
         }
+        let w = self.words();
         let len = (w[REPLY_LEN].load(Ordering::Relaxed) as usize).min(LANE_CAP);
         Some(self.get(REPLY_AT, len))
     }
@@ -211,8 +217,9 @@ mod tests {
         let (id, body) = server.take_request().unwrap().unwrap();
         assert_eq!((id, &body[..]), (7, &b"odd length body"[..]));
         assert!(server.take_request().is_none(), "taken once");
-        assert!(client.reply(7).is_none());
+        assert!(client.reply(7).is_none() && !client.has_reply(7));
         assert!(!server.post_reply(7, b"{}"));
+        assert!(client.has_reply(7) && !client.has_reply(8));
         assert_eq!(client.reply(7).unwrap(), b"{}");
         // Sleep announcements are seen by the writer.
         assert!(!server.server_asleep(true));

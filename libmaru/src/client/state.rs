@@ -366,7 +366,7 @@ impl Inner {
             let mut polls = 0u32;
             loop {
                 if let (Some(id), Some(l)) = (lane, &self.lane)
-                    && l.reply(id).is_some()
+                    && l.has_reply(id)
                 {
                     return Ok(true);
                 }
