@@ -13,6 +13,7 @@ use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use maru::lane::{LANE_CAP, Lane, NUDGE};
 use maru::proto::{
@@ -118,6 +119,7 @@ fn serve_conn(store: Arc<Store>, stream: UnixStream) {
         stream,
         reader: FrameReader::new(),
         d: Dispatcher::new(store, caller),
+        gap: Duration::ZERO,
     };
     if let Err(e) = conn.run() {
         tracing::debug!("connection closed: {e}");
@@ -142,13 +144,21 @@ pub struct Dispatcher {
     pub lane: Option<Lane>,
 }
 
-/// How long a connection's thread polls for the next request after answering one.
-const SPIN: std::time::Duration = std::time::Duration::from_micros(30);
+/// How long a connection's thread polls for the next request after answering one, when
+/// the client's last request came later than [`LOOP_SPIN`] after its reply.
+const SPIN: Duration = Duration::from_micros(30);
+/// ... and when it came sooner: the client is in a loop of calls. A client that waited
+/// longer than its own poll (`MARU_SPIN_US`) sleeps, and a virtual CPU takes 50–150 µs to
+/// wake it; polling for longer than that keeps this thread from sleeping in turn, so that
+/// one slow call does not leave both sides waking each other for the calls that follow.
+const LOOP_SPIN: Duration = Duration::from_micros(200);
 
 struct Conn {
     stream: UnixStream,
     reader: FrameReader,
     d: Dispatcher,
+    /// How long after its reply the client's last request came.
+    gap: Duration,
 }
 
 impl Drop for Dispatcher {
@@ -242,29 +252,50 @@ impl Conn {
             }
         } else {
             self.flush()?;
+            if let Some(lane) = &self.d.lane {
+                lane.replied_on_socket(id);
+            }
         }
         Ok(close)
     }
 
     /// Waits for the next frames or a request in the lane; false once the peer closed. A
     /// client in a loop of calls sends its next request within microseconds of a reply, so
-    /// the thread polls for [`SPIN`] (yielding the CPU to any other runnable thread between
-    /// polls) before it sleeps on the socket: waking a sleeping thread costs more than the
-    /// request itself on virtual machines, and an idle client costs at most one poll window
-    /// per request. A client that posts in the lane while this thread sleeps nudges it.
+    /// the thread polls ([`SPIN`], or [`LOOP_SPIN`] while the client's requests follow their
+    /// replies closely), yielding the CPU to any other runnable thread between polls, before
+    /// it sleeps on the socket: waking a sleeping thread costs more than the request itself
+    /// on virtual machines, and an idle client costs at most one short poll per request. A
+    /// client that posts in the lane while this thread sleeps nudges it.
     fn read_next(&mut self) -> std::io::Result<bool> {
-        let t0 = std::time::Instant::now();
+        let t0 = Instant::now();
+        let spin = if self.gap <= LOOP_SPIN {
+            LOOP_SPIN
+        } else {
+            SPIN
+        };
+        let r = self.poll(t0, spin);
+        self.gap = t0.elapsed();
+        r
+    }
+
+    fn poll(&mut self, t0: Instant, spin: Duration) -> std::io::Result<bool> {
+        let mut polls = 0u32;
         loop {
             if self.d.lane.as_ref().is_some_and(Lane::has_request) {
                 return Ok(true);
             }
-            match self.reader.try_read_from(self.stream.as_fd()) {
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                r => return r.map(|n| n > 0),
+            // The socket, a system call, is looked at every few polls only while the lane,
+            // a load, is in use: it carries only pipelined requests and nudges then.
+            if self.d.lane.is_none() || polls.is_multiple_of(4) {
+                match self.reader.try_read_from(self.stream.as_fd()) {
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    r => return r.map(|n| n > 0),
+                }
+                if t0.elapsed() >= spin {
+                    break;
+                }
             }
-            if t0.elapsed() >= SPIN {
-                break;
-            }
+            polls = polls.wrapping_add(1);
             std::thread::yield_now();
         }
         if let Some(lane) = &self.d.lane

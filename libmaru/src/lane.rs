@@ -13,11 +13,14 @@
 //! word 1   request length in bytes
 //! word 8   marud is asleep (1) on the socket, not polling the lane
 //! word 16  id of the reply in the lane (marud writes it last)
-//! word 17  reply length in bytes
+//! word 17  reply length in bytes; all ones: the reply is on the socket
 //! word 24  the client is asleep (1) on the socket
 //! byte 4096             request bytes (LANE_CAP)
 //! byte 4096 + LANE_CAP  reply bytes (LANE_CAP)
 //! ```
+//!
+//! A reply with descriptors, or larger than the lane, goes on the socket; marud then says so
+//! in the lane (after sending it), so a client waiting for a lane reply polls only the lane.
 //!
 //! A side that finds the other asleep after writing sends it a nudge on the socket: an empty
 //! frame, which every frame reader skips ([`crate::proto::FrameReader::next_frame`]). A side
@@ -45,8 +48,20 @@ const CLIENT_ASLEEP: usize = 24;
 const REQ_AT: usize = HEADER / 8;
 const REPLY_AT: usize = (HEADER + LANE_CAP) / 8;
 
+/// The reply length that says the reply is on the socket.
+const ON_SOCKET: u64 = u64::MAX;
+
 /// The frame a sleeping side is woken with: an empty body.
 pub const NUDGE: [u8; 4] = [0; 4];
+
+/// What the lane holds for a request the client waits for.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Reply {
+    /// The reply's bytes.
+    Here(Vec<u8>),
+    /// marud answered on the socket (descriptors, or too large for the lane).
+    OnSocket,
+}
 
 /// A mapped lane (either side).
 pub struct Lane {
@@ -124,14 +139,20 @@ impl Lane {
         self.words()[REPLY_ID].load(Ordering::Acquire) == id
     }
 
-    /// Client: the reply to request `id`, if it is in the lane.
-    pub fn reply(&self, id: u64) -> Option<Vec<u8>> {
+    /// Client: the reply to request `id`, if marud gave it: its bytes, or word that it is
+    /// on the socket.
+    pub fn reply(&self, id: u64) -> Option<Reply> {
         if !self.has_reply(id) {
             return None;
         }
         let w = self.words();
-        let len = (w[REPLY_LEN].load(Ordering::Relaxed) as usize).min(LANE_CAP);
-        Some(self.get(REPLY_AT, len))
+        let len = w[REPLY_LEN].load(Ordering::Relaxed);
+        if len == ON_SOCKET {
+            return Some(Reply::OnSocket);
+        }
+        Some(Reply::Here(
+            self.get(REPLY_AT, (len as usize).min(LANE_CAP)),
+        ))
     }
 
     /// Client: says it sleeps on the socket (`true`) or is awake. True when the reply to
@@ -178,6 +199,14 @@ impl Lane {
     pub fn post_reply(&self, id: u64, body: &[u8]) -> bool {
         self.post([REPLY_AT, REPLY_LEN, REPLY_ID, CLIENT_ASLEEP], id, body)
     }
+
+    /// marud: says that the reply to request `id` was sent on the socket (after sending it:
+    /// a client asleep there is woken by the reply itself).
+    pub fn replied_on_socket(&self, id: u64) {
+        let w = self.words();
+        w[REPLY_LEN].store(ON_SOCKET, Ordering::Relaxed);
+        w[REPLY_ID].store(id, Ordering::SeqCst);
+    }
 }
 
 /// marud: a new lane file (a sealed memfd of [`LANE_BYTES`]: the client can write it but
@@ -220,7 +249,9 @@ mod tests {
         assert!(client.reply(7).is_none() && !client.has_reply(7));
         assert!(!server.post_reply(7, b"{}"));
         assert!(client.has_reply(7) && !client.has_reply(8));
-        assert_eq!(client.reply(7).unwrap(), b"{}");
+        assert_eq!(client.reply(7), Some(Reply::Here(b"{}".to_vec())));
+        server.replied_on_socket(9);
+        assert_eq!(client.reply(9), Some(Reply::OnSocket));
         // Sleep announcements are seen by the writer.
         assert!(!server.server_asleep(true));
         assert!(client.post_request(8, &[1; LANE_CAP]));

@@ -1,6 +1,6 @@
 //! The connection's shared-memory lane (`maru::lane`): calls through it agree with calls on
 //! the socket, whichever side sleeps, and replies that cannot go in the lane (descriptors,
-//! more than the lane holds) come on the socket; a client that scribbles on its lane gets an
+//! more than the lane holds) come on the socket, which the lane then says; a client that scribbles on its lane gets an
 //! error and hurts no one.
 
 use std::fs::File;
@@ -9,7 +9,7 @@ use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use maru::lane::{LANE_CAP, Lane, NUDGE};
+use maru::lane::{LANE_CAP, Lane, NUDGE, Reply};
 use maru::proto::{self, FrameReader, Outcome, Response};
 use maru_tests::{Daemon, Opts, pattern};
 
@@ -150,7 +150,7 @@ fn a_client_scribbling_on_its_lane_gets_an_error_and_hurts_no_one() {
     }
     let t0 = Instant::now();
     let body = loop {
-        if let Some(b) = lane.reply(7) {
+        if let Some(Reply::Here(b)) = lane.reply(7) {
             break b;
         }
         assert!(
@@ -161,6 +161,21 @@ fn a_client_scribbling_on_its_lane_gets_an_error_and_hurts_no_one() {
     };
     let err: Response = proto::decode(&body).unwrap();
     assert!(matches!(err.result, Outcome::Err(_)), "{err:?}");
+
+    // A reply with a descriptor goes on the socket, and the lane says so.
+    let index = serde_json::json!({"id": 9, "op": "index", "args": {"ns": "keep"}}).to_string();
+    if lane.post_request(9, index.as_bytes()) {
+        proto::send_all(s.as_fd(), &NUDGE, &[]).unwrap();
+    }
+    let on_socket: Response = proto::decode(&frame(&s, &mut r).unwrap()).unwrap();
+    assert!(on_socket.id == 9 && on_socket.fds > 0, "{on_socket:?}");
+    r.drop_fds();
+    // (posted right after the send)
+    let t0 = Instant::now();
+    while lane.reply(9).is_none() && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::yield_now();
+    }
+    assert_eq!(lane.reply(9), Some(Reply::OnSocket));
 
     // A length beyond the lane: marud says why on the socket and closes the connection.
     let map = memmap2::MmapOptions::new().map_raw(&file).unwrap();

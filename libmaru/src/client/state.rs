@@ -13,7 +13,7 @@ use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
 use crate::index::{PACK_BYTES, Table};
-use crate::lane::{LANE_CAP, Lane, NUDGE};
+use crate::lane::{LANE_CAP, Lane, NUDGE, Reply};
 use crate::mapping::Mapping;
 use crate::proto::{
     self, Body, Grant, Located, Op, Outcome, PoolInfo, PoolKind, Request, Response,
@@ -291,11 +291,15 @@ impl Inner {
         }
     }
 
-    /// The reply to the request in the lane, if it is there.
+    /// The reply to the request in the lane, if it is there. When marud says it answered on
+    /// the socket, the request is no longer waited for in the lane.
     fn lane_reply(&mut self) -> Option<Vec<u8>> {
-        let b = self.lane.as_ref()?.reply(self.lane_wait?)?;
+        let r = self.lane.as_ref()?.reply(self.lane_wait?)?;
         self.lane_wait = None;
-        Some(b)
+        match r {
+            Reply::Here(b) => Some(b),
+            Reply::OnSocket => None,
+        }
     }
 
     /// Forgets the lane request `id` once its reply was read (on the socket, when marud
@@ -357,28 +361,27 @@ impl Inner {
     /// then sleeps on the socket (marud nudges a client asleep there when it answers in the
     /// lane). False once marud closed the connection.
     fn read_some(&mut self) -> Result<bool> {
-        // While a reply is due in the lane the socket is looked at every few polls only:
-        // it is a system call, the lane a load.
+        // While a reply is due in the lane only the lane is polled (a load, where the socket
+        // is a system call): marud says there when it answered on the socket instead.
         let lane = self.lane_wait.filter(|_| self.lane.is_some());
-        let every = if lane.is_some() { 16 } else { 1 };
         if !self.cfg.spin.is_zero() {
             let t0 = std::time::Instant::now();
             let mut polls = 0u32;
             loop {
-                if let (Some(id), Some(l)) = (lane, &self.lane)
-                    && l.has_reply(id)
-                {
-                    return Ok(true);
-                }
-                if polls.is_multiple_of(every) {
+                if let (Some(id), Some(l)) = (lane, &self.lane) {
+                    if l.has_reply(id) {
+                        return Ok(true);
+                    }
+                } else {
                     match self.reader.try_read_from(self.sock.as_fd()) {
                         Ok(n) => return Ok(n > 0),
                         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
                         Err(e) => return Err(io_err(e)),
                     }
-                    if t0.elapsed() >= self.cfg.spin {
-                        break;
-                    }
+                }
+                // The clock is read every few polls of the lane only.
+                if (lane.is_none() || polls.is_multiple_of(16)) && t0.elapsed() >= self.cfg.spin {
+                    break;
                 }
                 polls = polls.wrapping_add(1);
                 std::hint::spin_loop();
