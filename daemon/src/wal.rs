@@ -1,18 +1,35 @@
-//! Write-ahead log of a raw pool's metadata, kept in the state directory: the file and the
-//! writer. The records and their framing are `maru::format`'s (doc/POOL-FORMAT.md).
+//! Write-ahead log of a pool's metadata (a raw pool's entries, a memfs pool's packs), kept in
+//! the state directory: the file and the writer. The records and their framing are
+//! `maru::format`'s (doc/POOL-FORMAT.md).
 //!
 //! Reading stops at the first record that is short, fails its checksum or does not parse (a
-//! torn tail after a crash) and truncates the log there. A checkpoint rewrites the log as one
-//! `Seal` record per live entry (written to a temporary file, synced, renamed).
+//! torn tail after a crash) and truncates the log there.
+//!
+//! The log rewrites itself once the records appended since its last rewrite reach
+//! [`REWRITE_AFTER`] plus four per record that rewrite left (so each record appended pays a
+//! bounded share). A rewrite is made on a thread of its own, off the store's lock: it reads
+//! the log's bytes as they were when it began, replays them into the live records (what
+//! recovery would find) and writes those to a temporary file beside the log (synced unless
+//! the log's durability is [`Durability::Process`]). The writer then appends to it the
+//! records appended meanwhile and renames it over the log, at its next append. Replaying the
+//! live records then the records after them gives what replaying the whole log gives, and a
+//! crash before the rename leaves the whole log. At recovery the log is rewritten at once as
+//! the entries kept ([`Wal::checkpoint`]).
 //!
 //! Writes go through [`LogSink`] so tests can stop the log after the Nth write
 //! and check recovery from every such point.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Write};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::thread::JoinHandle;
 
 use maru::format;
+
+/// Records appended after which a log is rewritten, beyond four per record its last rewrite
+/// left.
+pub const REWRITE_AFTER: u64 = 16_384;
 
 /// Where log bytes go: the seam for crash injection.
 pub trait LogSink: Send {
@@ -22,6 +39,13 @@ pub trait LogSink: Send {
     fn sync(&mut self) -> io::Result<()>;
     /// Atomically replaces the whole log with `bytes` (checkpoint).
     fn replace(&mut self, bytes: &[u8]) -> io::Result<()>;
+    /// Bytes in the log.
+    fn size(&self) -> u64;
+    /// The log's file (read by a rewrite, which writes its output beside it) and durability.
+    fn file(&self) -> (&Path, Durability);
+    /// Replaces the log with the rewrite at `tmp` (of the log's first `upto` bytes), after
+    /// appending to it the log's bytes from `upto` on.
+    fn swap(&mut self, tmp: &Path, upto: u64) -> io::Result<()>;
 }
 
 /// What a log's writes wait for.
@@ -29,8 +53,8 @@ pub trait LogSink: Send {
 pub enum Durability {
     /// Every record is synced (`--wal-sync`).
     EachRecord,
-    /// A checkpoint's rewrite is synced before it replaces the log: a raw pool's log, whose
-    /// pool (a file, a device) may outlive the host's memory.
+    /// A rewrite is synced before it replaces the log: a raw pool's log, whose pool (a file, a
+    /// device) may outlive the host's memory.
     Checkpoints,
     /// Nothing is synced: the log describes memory that does not outlive the host (a memfs
     /// pool's packs, on its tmpfs), so only a crash of marud must be survived, which the
@@ -44,6 +68,9 @@ pub struct FileSink {
     path: PathBuf,
     file: File,
     durability: Durability,
+    len: u64,
+    /// The log was renamed since the directory was last synced.
+    dir_dirty: bool,
 }
 
 impl FileSink {
@@ -56,45 +83,157 @@ impl FileSink {
             .open(path)?;
         Ok(FileSink {
             path: path.to_owned(),
+            len: file.metadata()?.len(),
             file,
             durability,
+            dir_dirty: false,
         })
+    }
+
+    /// Syncs the log's directory if the log was renamed since: a sync of the log then holds
+    /// across a crash (before it, a crash leaves the log that was renamed over, whole).
+    fn sync_dir(&mut self) -> io::Result<()> {
+        if self.dir_dirty
+            && let Some(dir) = self.path.parent()
+        {
+            File::open(dir)?.sync_all()?;
+        }
+        self.dir_dirty = false;
+        Ok(())
+    }
+
+    /// Makes the file at `from` (renamed over the log) the log.
+    fn renamed(&mut self, from: &Path) -> io::Result<()> {
+        std::fs::rename(from, &self.path)?;
+        self.dir_dirty = true;
+        self.file = OpenOptions::new()
+            .append(true)
+            .read(true)
+            .open(&self.path)?;
+        self.len = self.file.metadata()?.len();
+        Ok(())
     }
 }
 
 impl LogSink for FileSink {
     fn append(&mut self, bytes: &[u8]) -> io::Result<()> {
         self.file.write_all(bytes)?;
+        self.len += bytes.len() as u64;
         if self.durability == Durability::EachRecord {
             self.file.sync_data()?;
+            self.sync_dir()?;
         }
         Ok(())
     }
 
     fn sync(&mut self) -> io::Result<()> {
-        self.file.sync_data()
+        self.file.sync_data()?;
+        self.sync_dir()
     }
 
     fn replace(&mut self, bytes: &[u8]) -> io::Result<()> {
-        let tmp = self.path.with_extension("wal.tmp");
-        let durable = self.durability != Durability::Process;
+        let tmp = rewrite_path(&self.path);
         {
             let mut f = File::create(&tmp)?;
             f.write_all(bytes)?;
-            if durable {
+            if self.durability != Durability::Process {
                 f.sync_all()?;
             }
         }
-        std::fs::rename(&tmp, &self.path)?;
-        if durable && let Some(dir) = self.path.parent() {
-            File::open(dir)?.sync_all()?;
+        self.renamed(&tmp)?;
+        if self.durability != Durability::Process {
+            self.sync_dir()?;
         }
-        self.file = OpenOptions::new()
-            .append(true)
-            .read(true)
-            .open(&self.path)?;
         Ok(())
     }
+
+    fn size(&self) -> u64 {
+        self.len
+    }
+
+    fn file(&self) -> (&Path, Durability) {
+        (&self.path, self.durability)
+    }
+
+    fn swap(&mut self, tmp: &Path, upto: u64) -> io::Result<()> {
+        let mut tail = vec![0; (self.len - upto) as usize];
+        self.file.read_exact_at(&mut tail, upto)?;
+        let mut f = OpenOptions::new().append(true).open(tmp)?;
+        f.write_all(&tail)?;
+        if self.durability == Durability::EachRecord {
+            // Those records were durable in the log renamed over.
+            f.sync_data()?;
+        }
+        self.renamed(tmp)?;
+        if self.durability == Durability::EachRecord {
+            self.sync_dir()?;
+        }
+        Ok(())
+    }
+}
+
+/// Bytes of the log a rewrite reads at a time.
+const PIECE: u64 = 4 << 20;
+/// More than any record takes (names are at most 4 KiB, escaped at most sixfold).
+const MAX_RECORD: u64 = 64 << 10;
+
+/// Where a rewrite of the log at `log` is written before it replaces it.
+fn rewrite_path(log: &Path) -> PathBuf {
+    log.with_extension("wal.tmp")
+}
+
+/// A rewrite of the log's first `upto` bytes (open as `log`) into the live records, at
+/// `tmp`; returns how many records it holds. The log is read `piece` bytes at a time: only
+/// the live records are held whole.
+fn rewrite(
+    log: &File,
+    upto: u64,
+    tmp: &Path,
+    durability: Durability,
+    piece: u64,
+) -> io::Result<u64> {
+    let mut live = std::collections::BTreeMap::new();
+    let mut buf = Vec::new();
+    let mut at = 0;
+    while at < upto {
+        let n = piece.min(upto - at);
+        let old = buf.len();
+        buf.resize(old + n as usize, 0);
+        log.read_exact_at(&mut buf[old..], at)?;
+        at += n;
+        let (recs, valid) = format::decode_records(&buf);
+        recs.into_iter().for_each(|r| format::apply(&mut live, r));
+        // A record cut by the piece's end is decoded with the next piece.
+        buf.drain(..valid);
+        if buf.len() as u64 >= piece.max(MAX_RECORD) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "no valid record at byte {} of the log",
+                    at - buf.len() as u64
+                ),
+            ));
+        }
+    }
+    if !buf.is_empty() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!(
+                "the log's first {upto} bytes do not end on a record ({} bytes over)",
+                buf.len()
+            ),
+        ));
+    }
+    let mut out = Vec::new();
+    for r in live.values() {
+        out.extend_from_slice(&format::encode_record(r));
+    }
+    let mut f = File::create(tmp)?;
+    f.write_all(&out)?;
+    if durability != Durability::Process {
+        f.sync_all()?;
+    }
+    Ok(live.len() as u64)
 }
 
 /// Reads a log file, truncating a torn tail. A missing file is an empty log.
@@ -125,8 +264,22 @@ pub fn read_log(path: &Path) -> io::Result<Vec<format::Record>> {
 /// The pool's metadata log.
 pub struct Wal {
     sink: Box<dyn LogSink>,
-    /// Records appended since the last checkpoint.
-    pub since_checkpoint: u64,
+    /// Records appended since the last rewrite began.
+    since: u64,
+    /// Records the last rewrite left.
+    kept: u64,
+    /// A rewrite on its thread.
+    rewriting: Option<Rewriting>,
+}
+
+/// A rewrite under way.
+struct Rewriting {
+    /// The log's bytes it covers.
+    upto: u64,
+    /// Where it writes.
+    tmp: PathBuf,
+    /// Its thread; the outcome is how many records it holds.
+    thread: JoinHandle<io::Result<u64>>,
 }
 
 impl Wal {
@@ -134,31 +287,92 @@ impl Wal {
     pub fn new(sink: Box<dyn LogSink>) -> Self {
         Wal {
             sink,
-            since_checkpoint: 0,
+            since: 0,
+            kept: 0,
+            rewriting: None,
         }
     }
 
-    /// Appends one record.
+    /// Appends one record; takes a finished rewrite in, or starts one when it is due.
     pub fn append(&mut self, r: &format::Record) -> io::Result<()> {
         self.sink.append(&format::encode_record(r))?;
-        self.since_checkpoint += 1;
+        self.since += 1;
+        if self
+            .rewriting
+            .as_ref()
+            .is_some_and(|r| r.thread.is_finished())
+        {
+            self.finish_rewrite();
+        } else if self.rewriting.is_none() && self.since >= REWRITE_AFTER + 4 * self.kept {
+            self.start_rewrite();
+        }
         Ok(())
     }
 
-    /// Rewrites the log as `live`.
+    /// Starts rewriting the log on a thread of its own (see the module's documentation).
+    fn start_rewrite(&mut self) {
+        let upto = self.sink.size();
+        let (path, durability) = self.sink.file();
+        let tmp = rewrite_path(path);
+        let started = File::open(path).and_then(|log| {
+            let to = tmp.clone();
+            std::thread::Builder::new()
+                .name("maru-wal".into())
+                .spawn(move || rewrite(&log, upto, &to, durability, PIECE))
+        });
+        match started {
+            Ok(thread) => {
+                self.rewriting = Some(Rewriting { upto, tmp, thread });
+            }
+            Err(e) => tracing::warn!(log = %path.display(), "starting the log's rewrite: {e}"),
+        }
+        // Counted from here, so that a rewrite that fails is tried again only after as many
+        // appends.
+        self.since = 0;
+    }
+
+    /// Waits for the rewrite under way, if any, and puts it in the log's place.
+    fn finish_rewrite(&mut self) {
+        let Some(rw) = self.rewriting.take() else {
+            return;
+        };
+        let r = rw
+            .thread
+            .join()
+            .unwrap_or_else(|_| Err(io::Error::other("the rewrite's thread panicked")))
+            .and_then(|kept| self.sink.swap(&rw.tmp, rw.upto).map(|()| kept));
+        match r {
+            Ok(kept) => self.kept = kept,
+            Err(e) => {
+                // The log stays whole.
+                tracing::warn!(log = %self.sink.file().0.display(), "rewriting the log: {e}");
+                let _ = std::fs::remove_file(&rw.tmp);
+            }
+        }
+    }
+
+    /// Rewrites the log as `live` now (recovery), after any rewrite under way.
     pub fn checkpoint(&mut self, live: &[format::Record]) -> io::Result<()> {
+        self.finish_rewrite();
         let mut bytes = Vec::new();
         for r in live {
             bytes.extend_from_slice(&format::encode_record(r));
         }
         self.sink.replace(&bytes)?;
-        self.since_checkpoint = 0;
+        self.since = 0;
+        self.kept = live.len() as u64;
         Ok(())
     }
 
     /// Syncs the log.
     pub fn sync(&mut self) -> io::Result<()> {
         self.sink.sync()
+    }
+}
+
+impl Drop for Wal {
+    fn drop(&mut self) {
+        self.finish_rewrite();
     }
 }
 
@@ -203,13 +417,169 @@ mod tests {
             FileSink::open(&path, Durability::EachRecord).unwrap(),
         ));
         w.append(&Record::Del { off: 1 }).unwrap();
-        assert_eq!(w.since_checkpoint, 1);
+        assert_eq!(w.since, 1);
         w.checkpoint(&[Record::Pin { off: 5, pin: false }]).unwrap();
-        assert_eq!(w.since_checkpoint, 0);
+        assert_eq!((w.since, w.kept), (0, 1));
         w.append(&Record::Del { off: 5 }).unwrap();
         assert_eq!(
             read_log(&path).unwrap(),
             [Record::Pin { off: 5, pin: false }, Record::Del { off: 5 }]
         );
+    }
+
+    fn seal(off: u64) -> Record {
+        Record::Seal {
+            ns: "ns".into(),
+            key: format!("k{off}"),
+            off,
+            size: 1,
+            asize: 4096,
+            pin: false,
+            uid: 0,
+            gid: 0,
+        }
+    }
+
+    /// Appends enough records to start a rewrite, and more while it runs; returns them all.
+    fn churn(w: &mut Wal) -> Vec<Record> {
+        let mut all = Vec::new();
+        let mut push = |w: &mut Wal, r: Record| {
+            w.append(&r).unwrap();
+            all.push(r);
+        };
+        for off in 0..REWRITE_AFTER {
+            push(w, seal(off));
+            if off % 3 == 0 {
+                push(w, Record::Del { off });
+            }
+        }
+        // Appended while the rewrite may still run: carried over into the rewritten log.
+        for off in 0..64 {
+            push(w, Record::Del { off: off * 3 + 1 });
+            push(
+                w,
+                Record::Pin {
+                    off: off * 3 + 2,
+                    pin: true,
+                },
+            );
+            push(
+                w,
+                Record::Rename {
+                    off: off * 3 + 2,
+                    ns: "other".into(),
+                    key: format!("r{off}"),
+                },
+            );
+        }
+        push(w, seal(1 << 40));
+        all
+    }
+
+    #[test]
+    fn a_rewrite_off_the_writer_keeps_what_replaying_the_whole_log_finds() {
+        for durability in [
+            Durability::Process,
+            Durability::Checkpoints,
+            Durability::EachRecord,
+        ] {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("pool.wal");
+            let mut w = Wal::new(Box::new(FileSink::open(&path, durability).unwrap()));
+            let all = churn(&mut w);
+            assert!(w.rewriting.is_some() || w.kept > 0, "a rewrite began");
+            drop(w); // takes the rewrite in
+            let logged = read_log(&path).unwrap();
+            assert_eq!(
+                format::replay(logged.clone()),
+                format::replay(all.clone()),
+                "{durability:?}"
+            );
+            // A third of the seals before the rewrite were deleted: those records are gone.
+            assert!(
+                logged.len() * 10 < all.len() * 7,
+                "{durability:?}: the log was rewritten ({} of {} records)",
+                logged.len(),
+                all.len()
+            );
+            assert!(!rewrite_path(&path).exists(), "{durability:?}");
+            // Records go on after the rewritten log.
+            let mut w = Wal::new(Box::new(FileSink::open(&path, durability).unwrap()));
+            w.append(&Record::Del { off: 1 << 40 }).unwrap();
+            drop(w);
+            assert_eq!(read_log(&path).unwrap().len(), logged.len() + 1);
+        }
+    }
+
+    #[test]
+    fn a_failed_rewrite_leaves_the_whole_log_and_is_tried_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("pool.wal");
+        // The rewrite cannot create its file.
+        std::fs::create_dir(rewrite_path(&path)).unwrap();
+        let mut w = Wal::new(Box::new(
+            FileSink::open(&path, Durability::Checkpoints).unwrap(),
+        ));
+        let mut all = churn(&mut w);
+        w.finish_rewrite();
+        assert_eq!(read_log(&path).unwrap(), all, "the log is whole");
+        assert_eq!(w.kept, 0);
+        // Tried again once as many records were appended, and this time it takes.
+        std::fs::remove_dir(rewrite_path(&path)).unwrap();
+        let mut n = 0;
+        while w.kept == 0 {
+            let r = seal(2 << 40 | n);
+            w.append(&r).unwrap();
+            all.push(r);
+            n += 1;
+            assert!(n <= REWRITE_AFTER + 1, "no rewrite again");
+            if w.rewriting.is_some() {
+                w.finish_rewrite();
+            }
+        }
+        assert!(n > REWRITE_AFTER / 2, "not retried at once: {n}");
+        drop(w);
+        assert_eq!(
+            format::replay(read_log(&path).unwrap()),
+            format::replay(all)
+        );
+    }
+
+    #[test]
+    fn a_rewrite_reads_the_log_in_pieces_and_refuses_a_damaged_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("pool.wal");
+        let mut sink = FileSink::open(&path, Durability::Process).unwrap();
+        let mut all = Vec::new();
+        for off in 0..500 {
+            all.push(seal(off));
+            all.push(Record::Pin {
+                off: off / 2,
+                pin: true,
+            });
+            if off % 7 == 0 {
+                all.push(Record::Del { off: off / 3 });
+            }
+        }
+        for r in &all {
+            sink.append(&format::encode_record(r)).unwrap();
+        }
+        let log = File::open(&path).unwrap();
+        let tmp = dir.path().join("out");
+        for piece in [1, 37, 4096, PIECE] {
+            let n = rewrite(&log, sink.size(), &tmp, Durability::Process, piece).unwrap();
+            let out = read_log(&tmp).unwrap();
+            assert_eq!(n as usize, out.len(), "piece {piece}");
+            assert_eq!(
+                format::replay(out),
+                format::replay(all.clone()),
+                "piece {piece}"
+            );
+        }
+        // Bytes that are no record, then records: refused, not skipped over.
+        sink.append(&[7; 100]).unwrap();
+        sink.append(&format::encode_record(&seal(9999))).unwrap();
+        let e = rewrite(&log, sink.size(), &tmp, Durability::Process, 64).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{e}");
     }
 }

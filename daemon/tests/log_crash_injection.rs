@@ -43,6 +43,19 @@ impl LogSink for Stopping {
             Ok(())
         }
     }
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn file(&self) -> (&std::path::Path, Durability) {
+        self.inner.file()
+    }
+    fn swap(&mut self, tmp: &std::path::Path, upto: u64) -> std::io::Result<()> {
+        if self.left.load(Ordering::SeqCst) > 0 {
+            self.inner.swap(tmp, upto)
+        } else {
+            Ok(())
+        }
+    }
 }
 
 fn cfg(dir: &std::path::Path) -> (StoreConfig, Vec<PoolSpec>) {

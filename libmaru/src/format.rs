@@ -261,27 +261,32 @@ pub fn decode_records(bytes: &[u8]) -> (Vec<Record>, usize) {
 pub fn replay(recs: Vec<Record>) -> BTreeMap<u64, Record> {
     let mut live = BTreeMap::new();
     for r in recs {
-        match r {
-            Record::Seal { off, .. } => {
-                live.insert(off, r);
+        apply(&mut live, r);
+    }
+    live
+}
+
+/// Applies one record to the live entries of the records before it ([`replay`]).
+pub fn apply(live: &mut BTreeMap<u64, Record>, r: Record) {
+    match r {
+        Record::Seal { off, .. } => {
+            live.insert(off, r);
+        }
+        Record::Del { off } => {
+            live.remove(&off);
+        }
+        Record::Pin { off, pin } => {
+            if let Some(Record::Seal { pin: p, .. }) = live.get_mut(&off) {
+                *p = pin;
             }
-            Record::Del { off } => {
-                live.remove(&off);
-            }
-            Record::Pin { off, pin } => {
-                if let Some(Record::Seal { pin: p, .. }) = live.get_mut(&off) {
-                    *p = pin;
-                }
-            }
-            Record::Rename { off, ns, key } => {
-                if let Some(Record::Seal { ns: n, key: k, .. }) = live.get_mut(&off) {
-                    *n = ns;
-                    *k = key;
-                }
+        }
+        Record::Rename { off, ns, key } => {
+            if let Some(Record::Seal { ns: n, key: k, .. }) = live.get_mut(&off) {
+                *n = ns;
+                *k = key;
             }
         }
     }
-    live
 }
 
 #[cfg(test)]

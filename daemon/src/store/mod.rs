@@ -473,7 +473,6 @@ impl Store {
                 committed = true;
             }
         }
-        let pool = e.pool;
         st.insert_entry(e);
         if committed {
             // Only now that the index shows the entry may lock-free readers stop asking
@@ -481,16 +480,6 @@ impl Store {
             st.ns.get_mut(ns)?.adjust_pending(-1);
         }
         self.counters.add_bytes(Bytes::Stored, size);
-        if st.pools[pool as usize].pool.checkpoint_due() {
-            let st = &mut *st;
-            let locs: Vec<_> = st
-                .entries
-                .values()
-                .filter(|e| e.pool == pool)
-                .map(Entry::loc)
-                .collect();
-            st.pools[pool as usize].pool.checkpoint(&locs);
-        }
         Ok(size)
     }
 

@@ -378,14 +378,6 @@ impl Pool for Memfs {
         self.packs.recovered(kept)
     }
 
-    fn checkpoint_due(&self) -> bool {
-        self.packs.checkpoint_due()
-    }
-
-    fn checkpoint(&mut self, live: &[Loc<'_>]) {
-        self.packs.checkpoint(live);
-    }
-
     fn detach(&mut self, session: u64) {
         self.packs.detach(session);
     }

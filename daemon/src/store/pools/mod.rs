@@ -279,10 +279,6 @@ pub trait Pool: Send {
     fn recover(&mut self) -> Result<(Vec<String>, Vec<Found>)>;
     /// After recovery: `kept` are the offsets (raw) of the found entries the store kept.
     fn recovered(&mut self, kept: &[Loc<'_>]) -> Result<()>;
-    /// Whether the metadata log has grown enough to be rewritten (raw pools, memfs packs).
-    fn checkpoint_due(&self) -> bool;
-    /// Rewrites the metadata log as the entries `live` (raw pools, memfs packs).
-    fn checkpoint(&mut self, live: &[Loc<'_>]);
     /// A client session ended: its open region (raw) or packs (memfs) take no more.
     fn detach(&mut self, session: u64);
     /// Bytes of a session's open region not yet used (raw).

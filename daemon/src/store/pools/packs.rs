@@ -38,9 +38,6 @@ use crate::pool::ENTRY_ALIGN;
 use crate::wal::{Durability, FileSink, Wal};
 
 pub use maru::index::PACK_BYTES;
-/// Log records after which the log is rewritten as the live entries, beyond four per record
-/// the last rewrite left (so that rewriting costs each record appended a bounded share).
-const CHECKPOINT_RECORDS: u64 = 16_384;
 /// Bytes a pack reserves at a time ahead of its allocations (one `fallocate` for many).
 const RESERVE_STEP: u64 = 256 << 10;
 
@@ -77,8 +74,6 @@ pub struct Packs {
     /// The largest entry packed (0: none).
     max: u64,
     wal: Wal,
-    /// Records the log was rewritten as last.
-    checkpointed: u64,
     packs: HashMap<u32, Pack>,
     /// Each session's open pack per class.
     open: HashMap<(u64, Class), u32>,
@@ -121,7 +116,6 @@ impl Packs {
             log: log.to_owned(),
             max: max.min(PACK_BYTES),
             wal,
-            checkpointed: 0,
             packs: HashMap::new(),
             open: HashMap::new(),
             next: 1,
@@ -466,21 +460,15 @@ impl Packs {
         Ok(())
     }
 
-    /// Whether the log has grown enough to be rewritten.
-    pub fn checkpoint_due(&self) -> bool {
-        self.wal.since_checkpoint >= CHECKPOINT_RECORDS + 4 * self.checkpointed
-    }
-
-    /// Rewrites the log as the packed entries among `live`.
-    pub fn checkpoint(&mut self, live: &[Loc<'_>]) {
+    /// Rewrites the log as the packed entries among `live` (at recovery).
+    fn checkpoint(&mut self, live: &[Loc<'_>]) {
         let recs: Vec<Record> = live
             .iter()
             .filter(|e| packed(e.offset).is_some())
             .map(|e| Self::seal_record(e.offset, e))
             .collect();
-        match self.wal.checkpoint(&recs) {
-            Ok(()) => self.checkpointed = recs.len() as u64,
-            Err(e) => tracing::warn!(dir = %self.dir.display(), "rewriting the pack log: {e}"),
+        if let Err(e) = self.wal.checkpoint(&recs) {
+            tracing::warn!(dir = %self.dir.display(), "rewriting the pack log: {e}");
         }
     }
 

@@ -61,8 +61,6 @@ pub struct Raw {
     regions: BTreeMap<u64, Region>,
     /// Each client session's open region.
     open: HashMap<u64, u64>,
-    /// Entries sealed since the last checkpoint's count.
-    live_entries: u64,
     /// Who may carve which region (the pool's UUID names it there).
     authority: Arc<dyn Authority>,
     uuid: String,
@@ -126,7 +124,6 @@ impl Raw {
             extents: ExtentAlloc::new(REGION_ALIGN, size),
             regions: BTreeMap::new(),
             open: HashMap::new(),
-            live_entries: 0,
             authority,
             uuid: header.uuid_string(),
             remote_units: BTreeMap::new(),
@@ -473,7 +470,6 @@ impl Pool for Raw {
             c.flushed += n;
         }
         self.log(&Self::seal_record(e, offset))?;
-        self.live_entries += 1;
         Ok(offset)
     }
 
@@ -481,7 +477,6 @@ impl Pool for Raw {
         if let Err(err) = self.log(&Record::Del { off: e.offset }) {
             tracing::error!("pool log: {err}");
         }
-        self.live_entries = self.live_entries.saturating_sub(1);
         if leased {
             return false;
         }
@@ -624,7 +619,6 @@ impl Pool for Raw {
                 },
             );
         }
-        self.live_entries = kept.len() as u64;
         let recs: Vec<Record> = kept
             .iter()
             .map(|e| Self::seal_record(e, e.offset))
@@ -641,27 +635,6 @@ impl Pool for Raw {
         w.checkpoint(&recs)?;
         self.wal = Some(w);
         Ok(())
-    }
-
-    fn checkpoint_due(&self) -> bool {
-        self.wal
-            .as_ref()
-            .is_some_and(|w| w.since_checkpoint >= 10_000 + 4 * self.live_entries)
-    }
-
-    fn checkpoint(&mut self, live: &[Loc<'_>]) {
-        let Some(w) = self.wal.as_mut() else { return };
-        let mut recs: Vec<Record> = live
-            .iter()
-            .map(|e| Self::seal_record(e, e.offset))
-            .collect();
-        recs.sort_by_key(|r| match r {
-            Record::Seal { off, .. } => *off,
-            _ => 0,
-        });
-        if let Err(e) = w.checkpoint(&recs) {
-            tracing::error!("pool log checkpoint: {e}");
-        }
     }
 
     fn detach(&mut self, session: u64) {
