@@ -402,3 +402,37 @@ fn with_pack_0_every_entry_is_a_file_of_its_own() {
     assert_eq!(text(&d.path("o/k"), "user.maru.access"), "passthrough");
     assert!(packs(&d).is_empty());
 }
+
+/// A pack holds two descriptors; the kernel doubles a process's descriptor table as it fills,
+/// and each doubling in a process with threads waits for an RCU grace period (10–19 ms,
+/// under the store's lock). marud gives its table 64 Ki slots at start (or its limit).
+#[test]
+fn marud_sizes_its_descriptor_table_at_start() {
+    maru_tests::require_root!();
+    let d = Daemon::start(Opts::default());
+    let proc = Path::new("/proc").join(d.pid().to_string());
+    let field = |file: &str, name: &str| -> String {
+        std::fs::read_to_string(proc.join(file))
+            .unwrap()
+            .lines()
+            .find(|l| l.starts_with(name))
+            .unwrap_or_else(|| panic!("{name} in {file}"))
+            .to_owned()
+    };
+    let fd_size: u64 = field("status", "FDSize:")
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    let limit: u64 = field("limits", "Max open files")
+        .split_whitespace()
+        .nth(3)
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        fd_size >= limit.min(65_536),
+        "a table of {fd_size} descriptors (limit {limit})"
+    );
+}
