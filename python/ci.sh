@@ -30,6 +30,12 @@ die() { echo "python ci: $*" >&2; exit 1; }
 [ -x "$marud" ] || die "no marud at $marud: build it (cargo build) or set MARUD=/path/to/marud"
 command -v "$python" >/dev/null || die "no $python"
 
+# What the run writes outside the repository (pytest's temporary directories, torch's compile
+# cache, which importing vLLM and LMCache creates) goes here, and goes with the run.
+scratch=$(mktemp -d -t maru-pyci-XXXXXX)
+trap 'rm -rf "$scratch"' EXIT
+export TORCHINDUCTOR_CACHE_DIR="$scratch/torchinductor"
+
 t0=$(date +%s)
 mkdir -p "$(dirname "$venv")"
 # One run at a time builds or uses the venv.
@@ -79,32 +85,31 @@ t1=$(date +%s)
 # The package's build backend is maturin (it builds the native core, python/src, with cargo).
 # One abi3 wheel, installed in both environments.
 "$venv/bin/pip" install "${pip_flags[@]}" "maturin>=1.5,<2"
-wheels=$(mktemp -d)
+wheels=$scratch/wheels
 "$venv/bin/maturin" build --release -m python/Cargo.toml -o "$wheels" 2>&1 | tail -1
 "$venv/bin/pip" install "${pip_flags[@]}" --no-deps --force-reinstall "$wheels"/maru-*.whl
 "$vllm_venv/bin/pip" install "${pip_flags[@]}" --no-deps --force-reinstall "$wheels"/maru-*.whl
-rm -rf "$wheels"
 # The handler-plugin tests' plugin (entry points in maru.handler_plugins).
 "$venv/bin/pip" install "${pip_flags[@]}" --no-deps --no-build-isolation --force-reinstall ./python/tests/plugin_pkg
 rm -rf python/build python/*.egg-info python/tests/plugin_pkg/build python/tests/plugin_pkg/*.egg-info
 t2=$(date +%s)
 
-log=$(mktemp)
+log=$scratch/pytest.log
 set +e
 # From the repository root the source tree's package is not importable: the tests use the
 # installed one. LMCACHE_LOG_LEVEL keeps LMCache's per-backend INFO lines out of the log.
 MARUD="$marud" LMCACHE_LOG_LEVEL=WARNING \
-    "$venv/bin/python" -m pytest -q -p no:cacheprovider python/tests 2>&1 | tee "$log"
+    "$venv/bin/python" -m pytest -q -p no:cacheprovider --basetemp "$scratch/pytest" python/tests 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 # The vLLM tests, in the vLLM environment (two vLLM processes per test).
-MARUD="$marud" "$vllm_venv/bin/python" -m pytest -q -p no:cacheprovider python/tests/test_vllm.py 2>&1 | tee -a "$log"
+MARUD="$marud" "$vllm_venv/bin/python" -m pytest -q -p no:cacheprovider --basetemp "$scratch/pytest-vllm" \
+    python/tests/test_vllm.py 2>&1 | tee -a "$log"
 vllm_status=${PIPESTATUS[0]}
 [ "$status" = 0 ] && status=$vllm_status
 set -e
 t3=$(date +%s)
 
 summary=$(grep -E '[0-9]+ (passed|failed|errors?)' "$log" | sed 's/=//g; s/^ *//; s/ *$//' | paste -sd ';' -)
-rm -f "$log"
 if [ "$status" = 5 ]; then
     say "pytest collected no tests"
     status=1
