@@ -51,14 +51,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, PutOptions, Txn, TxnOp,
-    TxnOpResponse, WatchOptions, WatchStream,
-};
+use etcd::{Client, Compare, EventType, Op, Range, Txn, TxnResponse, WatchStream};
 use serde::{Deserialize, Serialize};
 use tokio::task::JoinHandle;
 
+pub mod etcd;
 pub mod testing;
+
+pub use etcd::probe;
 
 /// The unit of region claims: 2 MiB, the pool's region alignment.
 pub const UNIT: u64 = 2 << 20;
@@ -94,7 +94,7 @@ fn held_units(offset: u64, len: u64) -> Vec<u64> {
 pub enum Error {
     /// etcd could not be reached or refused the request.
     #[error("etcd: {0}")]
-    Etcd(#[from] etcd_client::Error),
+    Etcd(#[from] etcd::Error),
     /// Another live host holds this node name.
     #[error("node name {0:?} is held by a live host")]
     NodeTaken(String),
@@ -336,12 +336,13 @@ impl Member {
         // A request that cannot finish within the TTL (2 s at least) fails rather than hang:
         // a host cut off from etcd learns it about when its lease runs out.
         let patience = Duration::from_secs((ttl as u64).max(2));
-        let opts = ConnectOptions::new()
-            .with_timeout(patience)
-            .with_connect_timeout(patience)
-            .with_keep_alive(patience, patience)
-            .with_require_leader(true);
-        let client = Client::connect(endpoints, Some(opts)).await?;
+        let client = Client::connect(
+            endpoints,
+            etcd::Options {
+                patience,
+                require_leader: true,
+            },
+        )?;
         let keys = Keys {
             root: format!("/maru/{pool_uuid}/"),
         };
@@ -363,17 +364,13 @@ impl Member {
         info: &NodeInfo,
         ttl: i64,
     ) -> Result<(i64, Arc<AtomicBool>, JoinHandle<()>)> {
-        let mut c = client.clone();
-        let lease = c.lease_grant(ttl, None).await?.id();
+        let c = client.clone();
+        let lease = c.lease_grant(ttl).await?;
         let key = keys.node(&info.node);
         let value = serde_json::to_vec(info).expect("serializable");
         let txn = Txn::new()
-            .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
-            .and_then([TxnOp::put(
-                key,
-                value,
-                Some(PutOptions::new().with_lease(lease)),
-            )]);
+            .when([Compare::absent(key.clone())])
+            .and_then([Op::put(key, value, lease)]);
         if !c.txn(txn).await?.succeeded() {
             let _ = c.lease_revoke(lease).await;
             return Err(Error::NodeTaken(info.node.clone()));
@@ -413,11 +410,7 @@ impl Member {
 
     /// The comparison that holds only while this host's lease owns its node record.
     fn alive_cmp(&self) -> Compare {
-        Compare::lease(
-            self.keys.node(&self.info.node),
-            CompareOp::Equal,
-            self.lease,
-        )
+        Compare::lease_is(self.keys.node(&self.info.node), self.lease)
     }
 
     /// Claims `[offset, offset + len)` of the pool for this host to carve afresh, every 2 MiB
@@ -457,30 +450,26 @@ impl Member {
         let mut when = vec![self.alive_cmp()];
         if let (true, Some(first), Some(last)) = (fresh, units.first(), units.last()) {
             // No key in the range: etcd compares a range's absent keys as created at 0.
-            when.push(
-                Compare::create_revision(self.keys.maps_from(*first), CompareOp::Equal, 0)
-                    .with_range(self.keys.maps_from(last + 1)),
-            );
+            when.push(Compare::none_in(
+                self.keys.maps_from(*first),
+                self.keys.maps_from(last + 1),
+            ));
         }
         let mut then = Vec::with_capacity(units.len());
         for &u in units {
             let key = self.keys.region(u);
-            when.push(Compare::create_revision(key.clone(), CompareOp::Equal, 0));
-            then.push(TxnOp::put(
-                key,
-                self.info.node.clone(),
-                Some(PutOptions::new().with_lease(self.lease)),
-            ));
+            when.push(Compare::absent(key.clone()));
+            then.push(Op::put(key, self.info.node.clone(), self.lease));
         }
         let txn = Txn::new()
             .when(when)
             .and_then(then)
-            .or_else([TxnOp::get(self.keys.node(&self.info.node), None)]);
-        let r = self.client.clone().txn(txn).await?;
+            .or_else([Op::get(self.keys.node(&self.info.node), Range::KEY)]);
+        let r = self.client.txn(txn).await?;
         if r.succeeded() {
             return Ok(true);
         }
-        self.check_alive(&r.op_responses())?;
+        self.check_alive(&r)?;
         Ok(false)
     }
 
@@ -499,46 +488,37 @@ impl Member {
     /// Deletes `key` if its value is this node's name (a claim or reservation of its own).
     async fn delete_if_mine(&self, key: String) -> Result<()> {
         let txn = Txn::new()
-            .when([Compare::value(
-                key.clone(),
-                CompareOp::Equal,
-                self.info.node.clone(),
-            )])
-            .and_then([TxnOp::delete(key, None)]);
-        self.client.clone().txn(txn).await?;
+            .when([Compare::value_is(key.clone(), self.info.node.clone())])
+            .and_then([Op::delete(key)]);
+        self.client.txn(txn).await?;
         Ok(())
     }
 
     /// Every claimed unit (by index: offset / [`UNIT`]) and its holder.
     pub async fn regions(&self) -> Result<BTreeMap<u64, String>> {
         let prefix = self.keys.regions();
-        let r = self
-            .client
-            .clone()
-            .get(prefix.clone(), Some(GetOptions::new().with_prefix()))
-            .await?;
+        let r = self.client.get(prefix.clone(), Range::PREFIX).await?;
         let mut out = BTreeMap::new();
-        for kv in r.kvs() {
-            let hex = &kv.key()[prefix.len()..];
+        for kv in r.kvs {
+            let hex = &kv.key.as_slice()[prefix.len()..];
             let index = std::str::from_utf8(hex)
                 .ok()
                 .and_then(|h| u64::from_str_radix(h, 16).ok())
-                .ok_or_else(|| bad(kv.key(), "not a region index".into()))?;
-            out.insert(index, String::from_utf8_lossy(kv.value()).into_owned());
+                .ok_or_else(|| bad(kv.key.as_slice(), "not a region index".into()))?;
+            out.insert(
+                index,
+                String::from_utf8_lossy(kv.value.as_slice()).into_owned(),
+            );
         }
         Ok(out)
     }
 
     /// The live members.
     pub async fn nodes(&self) -> Result<Vec<NodeInfo>> {
-        let r = self
-            .client
-            .clone()
-            .get(self.keys.nodes(), Some(GetOptions::new().with_prefix()))
-            .await?;
-        r.kvs()
+        let r = self.client.get(self.keys.nodes(), Range::PREFIX).await?;
+        r.kvs
             .iter()
-            .map(|kv| decode(kv.key(), kv.value()))
+            .map(|kv| decode(kv.key.as_slice(), kv.value.as_slice()))
             .collect()
     }
 
@@ -578,39 +558,35 @@ impl Member {
         let value = serde_json::to_vec(record).expect("serializable");
         let mut when = vec![
             self.alive_cmp(),
-            Compare::create_revision(key.clone(), CompareOp::Equal, 0),
+            Compare::absent(key.clone()),
             if reserved {
-                Compare::value(rkey.clone(), CompareOp::Equal, self.info.node.clone())
+                Compare::value_is(rkey.clone(), self.info.node.clone())
             } else {
-                Compare::create_revision(rkey.clone(), CompareOp::Equal, 0)
+                Compare::absent(rkey.clone())
             },
         ];
         for u in held_units(record.offset, record.len) {
-            when.push(Compare::value(
+            when.push(Compare::value_is(
                 self.keys.region(u),
-                CompareOp::Equal,
                 self.info.node.clone(),
             ));
         }
         let txn = Txn::new()
             .when(when)
-            .and_then([
-                TxnOp::put(key.clone(), value, None),
-                TxnOp::delete(rkey.clone(), None),
-            ])
+            .and_then([Op::put(key.clone(), value, 0), Op::delete(rkey.clone())])
             .or_else([
-                TxnOp::get(self.keys.node(&self.info.node), None),
-                TxnOp::get(key.clone(), None),
-                TxnOp::get(rkey, None),
+                Op::get(self.keys.node(&self.info.node), Range::KEY),
+                Op::get(key.clone(), Range::KEY),
+                Op::get(rkey, Range::KEY),
             ]);
-        let r = self.client.clone().txn(txn).await?;
+        let r = self.client.txn(txn).await?;
         if r.succeeded() {
-            let revision = r.header().map_or(0, |h| h.revision());
-            return Ok(Published::New { revision });
+            return Ok(Published::New {
+                revision: r.revision(),
+            });
         }
-        let ops = r.op_responses();
-        self.check_alive(&ops)?;
-        if let Some(p) = self.name_taken(&ops)? {
+        self.check_alive(&r)?;
+        if let Some(p) = self.name_taken(&r)? {
             return Ok(p);
         }
         // Alive, the name free: the entry is not (all) in units this host holds.
@@ -622,17 +598,20 @@ impl Member {
 
     /// From a failed transaction's reads (this node, the entry, its reservation): who took
     /// the name, if anyone did.
-    fn name_taken(&self, ops: &[TxnOpResponse]) -> Result<Option<Published>> {
-        if let Some(TxnOpResponse::Get(g)) = ops.get(1)
-            && let Some(kv) = g.kvs().first()
+    fn name_taken(&self, r: &TxnResponse) -> Result<Option<Published>> {
+        if let Some(g) = r.range(1)
+            && let Some(kv) = g.kvs.first()
         {
-            return Ok(Some(Published::Exists(decode(kv.key(), kv.value())?)));
+            return Ok(Some(Published::Exists(decode(
+                kv.key.as_slice(),
+                kv.value.as_slice(),
+            )?)));
         }
-        if let Some(TxnOpResponse::Get(g)) = ops.get(2)
-            && let Some(kv) = g.kvs().first()
-            && kv.value() != self.info.node.as_bytes()
+        if let Some(g) = r.range(2)
+            && let Some(kv) = g.kvs.first()
+            && kv.value.as_slice() != self.info.node.as_bytes()
         {
-            let holder = String::from_utf8_lossy(kv.value()).into_owned();
+            let holder = String::from_utf8_lossy(kv.value.as_slice()).into_owned();
             return Ok(Some(Published::Reserved(holder)));
         }
         Ok(None)
@@ -650,26 +629,21 @@ impl Member {
         let txn = Txn::new()
             .when([
                 self.alive_cmp(),
-                Compare::create_revision(key.clone(), CompareOp::Equal, 0),
-                Compare::create_revision(rkey.clone(), CompareOp::Equal, 0),
+                Compare::absent(key.clone()),
+                Compare::absent(rkey.clone()),
             ])
-            .and_then([TxnOp::put(
-                rkey.clone(),
-                self.info.node.clone(),
-                Some(PutOptions::new().with_lease(self.lease)),
-            )])
+            .and_then([Op::put(rkey.clone(), self.info.node.clone(), self.lease)])
             .or_else([
-                TxnOp::get(self.keys.node(&self.info.node), None),
-                TxnOp::get(key, None),
-                TxnOp::get(rkey, None),
+                Op::get(self.keys.node(&self.info.node), Range::KEY),
+                Op::get(key, Range::KEY),
+                Op::get(rkey, Range::KEY),
             ]);
-        let r = self.client.clone().txn(txn).await?;
+        let r = self.client.txn(txn).await?;
         if r.succeeded() {
             return Ok(None);
         }
-        let ops = r.op_responses();
-        self.check_alive(&ops)?;
-        self.name_taken(&ops)
+        self.check_alive(&r)?;
+        self.name_taken(&r)
     }
 
     /// Gives back a reservation of this host's (another's is left alone).
@@ -679,13 +653,11 @@ impl Member {
 
     /// From a failed transaction's first read (this node's record): LeaseLost unless the
     /// record is there under this host's lease.
-    fn check_alive(&self, ops: &[TxnOpResponse]) -> Result<()> {
-        let ours = match ops.first() {
-            Some(TxnOpResponse::Get(g)) => {
-                g.kvs().first().is_some_and(|kv| kv.lease() == self.lease)
-            }
-            _ => false,
-        };
+    fn check_alive(&self, r: &TxnResponse) -> Result<()> {
+        let ours = r
+            .range(0)
+            .and_then(|g| g.kvs.first())
+            .is_some_and(|kv| kv.lease == self.lease);
         if ours {
             Ok(())
         } else {
@@ -702,9 +674,9 @@ impl Member {
         let key = self.keys.entry(ns, name);
         let value = serde_json::to_vec(record).expect("serializable");
         let txn = Txn::new()
-            .when([Compare::value(key.clone(), CompareOp::Equal, value)])
-            .and_then([TxnOp::delete(key, None)]);
-        Ok(self.client.clone().txn(txn).await?.succeeded())
+            .when([Compare::value_is(key.clone(), value)])
+            .and_then([Op::delete(key)]);
+        Ok(self.client.txn(txn).await?.succeeded())
     }
 
     /// Removes entry `ns/name` (and its pin), at the revision returned.
@@ -712,13 +684,13 @@ impl Member {
         check_ns(ns)?;
         check_name(name)?;
         let txn = Txn::new().and_then([
-            TxnOp::delete(self.keys.entry(ns, name), None),
-            TxnOp::delete(self.keys.pin(ns, name), None),
+            Op::delete(self.keys.entry(ns, name)),
+            Op::delete(self.keys.pin(ns, name)),
         ]);
-        let r = self.client.clone().txn(txn).await?;
+        let r = self.client.txn(txn).await?;
         Ok(Removed {
-            existed: matches!(r.op_responses().first(), Some(TxnOpResponse::Delete(d)) if d.deleted() > 0),
-            revision: r.header().map_or(0, |h| h.revision()),
+            existed: r.deleted(0).is_some_and(|n| n > 0),
+            revision: r.revision(),
         })
     }
 
@@ -745,19 +717,13 @@ impl Member {
                 .and_then(
                     piece
                         .iter()
-                        .map(|(k, v)| {
-                            TxnOp::put(
-                                k.clone(),
-                                v.clone(),
-                                Some(PutOptions::new().with_lease(self.lease)),
-                            )
-                        })
+                        .map(|(k, v)| Op::put(k.clone(), v.clone(), self.lease))
                         .collect::<Vec<_>>(),
                 )
-                .or_else([TxnOp::get(self.keys.node(&self.info.node), None)]);
-            let r = self.client.clone().txn(txn).await?;
+                .or_else([Op::get(self.keys.node(&self.info.node), Range::KEY)]);
+            let r = self.client.txn(txn).await?;
             if !r.succeeded() {
-                self.check_alive(&r.op_responses())?;
+                self.check_alive(&r)?;
             }
         }
         Ok(())
@@ -767,37 +733,37 @@ impl Member {
     /// that has acknowledged nothing yet counts as 0. None when no other host is live.
     pub async fn acknowledged(&self) -> Result<Option<i64>> {
         let txn = Txn::new().and_then([
-            TxnOp::get(
-                self.keys.nodes(),
-                Some(GetOptions::new().with_prefix().with_keys_only()),
-            ),
-            TxnOp::get(self.keys.acks(), Some(GetOptions::new().with_prefix())),
+            Op::get(self.keys.nodes(), Range::KEYS_UNDER),
+            Op::get(self.keys.acks(), Range::PREFIX),
         ]);
-        let r = self.client.clone().txn(txn).await?;
-        let ops = r.op_responses();
-        let (Some(TxnOpResponse::Get(nodes)), Some(TxnOpResponse::Get(acks))) =
-            (ops.first(), ops.get(1))
-        else {
+        let r = self.client.txn(txn).await?;
+        let (Some(nodes), Some(acks)) = (r.range(0), r.range(1)) else {
             return Err(bad(
                 self.keys.acks().as_bytes(),
                 "an unexpected reply".into(),
             ));
         };
         let acked: std::collections::HashMap<&[u8], i64> = acks
-            .kvs()
+            .kvs
             .iter()
             .filter_map(|kv| {
-                let node = kv.key().strip_prefix(self.keys.acks().as_bytes())?;
-                let rev = std::str::from_utf8(kv.value()).ok()?.parse().ok()?;
+                let node = kv
+                    .key
+                    .as_slice()
+                    .strip_prefix(self.keys.acks().as_bytes())?;
+                let rev = std::str::from_utf8(kv.value.as_slice())
+                    .ok()?
+                    .parse()
+                    .ok()?;
                 Some((node, rev))
             })
             .collect();
         let me = self.keys.node(&self.info.node);
         Ok(nodes
-            .kvs()
+            .kvs
             .iter()
-            .filter(|kv| kv.key() != me.as_bytes())
-            .filter_map(|kv| kv.key().strip_prefix(self.keys.nodes().as_bytes()))
+            .filter(|kv| kv.key.as_slice() != me.as_bytes())
+            .filter_map(|kv| kv.key.as_slice().strip_prefix(self.keys.nodes().as_bytes()))
             .map(|node| acked.get(node).copied().unwrap_or(0))
             .min())
     }
@@ -807,8 +773,7 @@ impl Member {
     pub async fn watch_acks(&self) -> Result<AckWatch> {
         let stream = self
             .client
-            .clone()
-            .watch(self.keys.acks(), Some(WatchOptions::new().with_prefix()))
+            .watch(self.keys.acks(), Range::PREFIX, 0, false)
             .await?;
         Ok(AckWatch { stream })
     }
@@ -827,11 +792,8 @@ impl Member {
 
     async fn delete_keys(&self, keys: &[String]) -> Result<()> {
         for piece in keys.chunks(UNITS_PER_TXN) {
-            let ops: Vec<TxnOp> = piece
-                .iter()
-                .map(|k| TxnOp::delete(k.clone(), None))
-                .collect();
-            self.client.clone().txn(Txn::new().and_then(ops)).await?;
+            let ops: Vec<Op> = piece.iter().map(|k| Op::delete(k.clone())).collect();
+            self.client.txn(Txn::new().and_then(ops)).await?;
         }
         Ok(())
     }
@@ -840,18 +802,13 @@ impl Member {
     pub async fn held(&self, offsets: &[u64]) -> Result<std::collections::HashSet<u64>> {
         let mut out = std::collections::HashSet::new();
         for piece in offsets.chunks(UNITS_PER_TXN) {
-            let ops: Vec<TxnOp> = piece
+            let ops: Vec<Op> = piece
                 .iter()
-                .map(|&o| {
-                    TxnOp::get(
-                        self.keys.maps_of(o),
-                        Some(GetOptions::new().with_prefix().with_count_only()),
-                    )
-                })
+                .map(|&o| Op::get(self.keys.maps_of(o), Range::COUNT_UNDER))
                 .collect();
-            let r = self.client.clone().txn(Txn::new().and_then(ops)).await?;
-            for (&o, op) in piece.iter().zip(r.op_responses()) {
-                if matches!(op, TxnOpResponse::Get(g) if g.count() > 0) {
+            let r = self.client.txn(Txn::new().and_then(ops)).await?;
+            for (i, &o) in piece.iter().enumerate() {
+                if r.range(i).is_some_and(|g| g.count > 0) {
                     out.insert(o);
                 }
             }
@@ -861,20 +818,16 @@ impl Member {
 
     /// Every entry, read at one revision (returned): watch from the next one to miss nothing.
     pub async fn snapshot(&self) -> Result<(Vec<Listed>, i64)> {
-        let r = self
-            .client
-            .clone()
-            .get(self.keys.entries(), Some(GetOptions::new().with_prefix()))
-            .await?;
-        let revision = r.header().map_or(0, |h| h.revision());
-        let mut out = Vec::with_capacity(r.kvs().len());
-        for kv in r.kvs() {
-            let (ns, name) = self.keys.split_entry(kv.key())?;
+        let r = self.client.get(self.keys.entries(), Range::PREFIX).await?;
+        let revision = r.header.map_or(0, |h| h.revision);
+        let mut out = Vec::with_capacity(r.kvs.len());
+        for kv in r.kvs {
+            let (ns, name) = self.keys.split_entry(kv.key.as_slice())?;
             out.push(Listed {
                 ns,
                 name,
-                record: decode(kv.key(), kv.value())?,
-                revision: kv.create_revision(),
+                record: decode(kv.key.as_slice(), kv.value.as_slice())?,
+                revision: kv.create_revision,
             });
         }
         Ok((out, revision))
@@ -888,16 +841,12 @@ impl Member {
         let key = self.keys.pin(ns, name);
         let txn = if pinned {
             Txn::new()
-                .when([Compare::create_revision(
-                    self.keys.entry(ns, name),
-                    CompareOp::NotEqual,
-                    0,
-                )])
-                .and_then([TxnOp::put(key, Vec::new(), None)])
+                .when([Compare::present(self.keys.entry(ns, name))])
+                .and_then([Op::put(key, Vec::new(), 0)])
         } else {
-            Txn::new().and_then([TxnOp::delete(key, None)])
+            Txn::new().and_then([Op::delete(key)])
         };
-        Ok(self.client.clone().txn(txn).await?.succeeded())
+        Ok(self.client.txn(txn).await?.succeeded())
     }
 
     /// Records (`pinned`) or takes back that clients of this host pin entries `names`: their
@@ -913,24 +862,24 @@ impl Member {
             check_name(name)?;
         }
         for piece in names.chunks(UNITS_PER_TXN) {
-            let ops: Vec<TxnOp> = piece
+            let ops: Vec<Op> = piece
                 .iter()
                 .map(|(ns, name)| {
                     let key = self.keys.client_pin(ns, name, &self.info.node);
                     if pinned {
-                        TxnOp::put(key, "", Some(PutOptions::new().with_lease(self.lease)))
+                        Op::put(key, "", self.lease)
                     } else {
-                        TxnOp::delete(key, None)
+                        Op::delete(key)
                     }
                 })
                 .collect();
             let txn = Txn::new()
                 .when([self.alive_cmp()])
                 .and_then(ops)
-                .or_else([TxnOp::get(self.keys.node(&self.info.node), None)]);
-            let r = self.client.clone().txn(txn).await?;
+                .or_else([Op::get(self.keys.node(&self.info.node), Range::KEY)]);
+            let r = self.client.txn(txn).await?;
             if !r.succeeded() {
-                self.check_alive(&r.op_responses())?;
+                self.check_alive(&r)?;
             }
         }
         Ok(())
@@ -949,17 +898,10 @@ impl Member {
 
     /// The keys under `prefix`, read at one revision (returned).
     async fn keys_under(&self, prefix: String) -> Result<(Vec<Vec<u8>>, i64)> {
-        let r = self
-            .client
-            .clone()
-            .get(
-                prefix,
-                Some(GetOptions::new().with_prefix().with_keys_only()),
-            )
-            .await?;
-        let revision = r.header().map_or(0, |h| h.revision());
+        let r = self.client.get(prefix, Range::KEYS_UNDER).await?;
+        let revision = r.header.map_or(0, |h| h.revision);
         Ok((
-            r.kvs().iter().map(|kv| kv.key().to_vec()).collect(),
+            r.kvs.iter().map(|kv| kv.key.as_slice().to_vec()).collect(),
             revision,
         ))
     }
@@ -978,10 +920,7 @@ impl Member {
         check_name(publisher)?;
         let key = format!("{}{}", self.keys.access_to(publisher), self.info.node);
         let value = serde_json::to_vec(used).expect("serializable");
-        self.client
-            .clone()
-            .put(key, value, Some(PutOptions::new().with_lease(self.lease)))
-            .await?;
+        self.client.put(key, value, self.lease).await?;
         Ok(())
     }
 
@@ -989,10 +928,11 @@ impl Member {
     pub async fn watch_access(&self) -> Result<AccessWatch> {
         let stream = self
             .client
-            .clone()
             .watch(
                 self.keys.access_to(&self.info.node),
-                Some(WatchOptions::new().with_prefix()),
+                Range::PREFIX,
+                0,
+                false,
             )
             .await?;
         Ok(AccessWatch { stream })
@@ -1020,13 +960,12 @@ impl Member {
     pub async fn set_quota(&self, ns: &str, bytes: Option<u64>) -> Result<()> {
         check_ns(ns)?;
         let key = self.keys.quota(ns);
-        let mut c = self.client.clone();
         match bytes {
             Some(b) => {
-                c.put(key, b.to_string(), None).await?;
+                self.client.put(key, b.to_string(), 0).await?;
             }
             None => {
-                c.delete(key, None).await?;
+                self.client.delete(key).await?;
             }
         }
         Ok(())
@@ -1035,16 +974,12 @@ impl Member {
     /// Every quota, read at one revision (returned): watch from the next one.
     pub async fn quotas(&self) -> Result<(Vec<(String, u64)>, i64)> {
         let prefix = self.keys.quotas();
-        let r = self
-            .client
-            .clone()
-            .get(prefix.clone(), Some(GetOptions::new().with_prefix()))
-            .await?;
-        let revision = r.header().map_or(0, |h| h.revision());
+        let r = self.client.get(prefix.clone(), Range::PREFIX).await?;
+        let revision = r.header.map_or(0, |h| h.revision);
         let quotas = r
-            .kvs()
+            .kvs
             .iter()
-            .map(|kv| parse_quota(&prefix, kv.key(), Some(kv.value())))
+            .map(|kv| parse_quota(&prefix, kv.key.as_slice(), Some(kv.value.as_slice())))
             .map(|q| q.map(|(ns, b)| (ns, b.unwrap_or(0))))
             .collect::<Result<_>>()?;
         Ok((quotas, revision))
@@ -1060,15 +995,7 @@ impl Member {
     async fn watch_prefix(&self, prefix: String, revision: i64) -> Result<PrefixWatch> {
         let stream = self
             .client
-            .clone()
-            .watch(
-                prefix.clone(),
-                Some(
-                    WatchOptions::new()
-                        .with_prefix()
-                        .with_start_revision(revision),
-                ),
-            )
+            .watch(prefix.clone(), Range::PREFIX, revision, false)
             .await?;
         Ok(PrefixWatch {
             stream,
@@ -1082,16 +1009,7 @@ impl Member {
     pub async fn watch_entries(&self, revision: i64) -> Result<EntryWatch> {
         let stream = self
             .client
-            .clone()
-            .watch(
-                self.keys.entries(),
-                Some(
-                    WatchOptions::new()
-                        .with_prefix()
-                        .with_prev_key()
-                        .with_start_revision(revision),
-                ),
-            )
+            .watch(self.keys.entries(), Range::PREFIX, revision, true)
             .await?;
         Ok(EntryWatch {
             stream,
@@ -1103,7 +1021,7 @@ impl Member {
     /// Leaves the cluster: the lease is revoked, so this host's claims go at once.
     pub async fn leave(self) -> Result<()> {
         self.keeper.abort();
-        self.client.clone().lease_revoke(self.lease).await?;
+        self.client.lease_revoke(self.lease).await?;
         Ok(())
     }
 }
@@ -1117,7 +1035,7 @@ impl Drop for Member {
 
 /// Keeps the lease alive every third of its TTL; marks the member not live when etcd says
 /// the lease is gone, or when no renewal succeeded for a whole TTL (etcd unreachable).
-async fn keep_alive(mut c: Client, lease: i64, ttl: i64, live: Arc<AtomicBool>, node: String) {
+async fn keep_alive(c: Client, lease: i64, ttl: i64, live: Arc<AtomicBool>, node: String) {
     let period = Duration::from_millis((ttl as u64 * 1000 / 3).max(100));
     let mut last_ok = tokio::time::Instant::now();
     let mut stream = None;
@@ -1129,14 +1047,10 @@ async fn keep_alive(mut c: Client, lease: i64, ttl: i64, live: Arc<AtomicBool>, 
                 .and_then(|r| r.ok());
         }
         let mut renewed = false;
-        if let Some((keeper, responses)) = stream.as_mut() {
-            let answer = async {
-                keeper.keep_alive().await?;
-                responses.message().await
-            };
-            match tokio::time::timeout(period, answer).await {
-                Ok(Ok(Some(r))) if r.ttl() > 0 => renewed = true,
-                Ok(Ok(Some(_))) => {
+        if let Some(keeper) = stream.as_mut() {
+            match tokio::time::timeout(period, keeper.renew()).await {
+                Ok(Ok(ttl)) if ttl > 0 => renewed = true,
+                Ok(Ok(_)) => {
                     tracing::warn!(node, lease, "etcd lease expired");
                     live.store(false, Ordering::Release);
                     return;
@@ -1164,9 +1078,9 @@ pub struct EntryWatch {
 
 /// The next batch of events of a watch; `None` when it ended (etcd went away or compacted
 /// past it).
-async fn next_events(stream: &mut WatchStream) -> Result<Option<Vec<etcd_client::Event>>> {
+async fn next_events(stream: &mut WatchStream) -> Result<Option<Vec<etcd::Event>>> {
     match stream.message().await? {
-        Some(resp) if !resp.canceled() => Ok(Some(resp.events().to_vec())),
+        Some(resp) if !resp.canceled => Ok(Some(resp.events)),
         _ => Ok(None),
     }
 }
@@ -1197,8 +1111,11 @@ impl AccessWatch {
             };
             let mut used = Vec::new();
             for ev in events {
-                if let (EventType::Put, Some(kv)) = (ev.event_type(), ev.kv()) {
-                    used.extend(decode::<Vec<(String, String)>>(kv.key(), kv.value())?);
+                if let (EventType::Put, Some(kv)) = (ev.r#type(), ev.kv.as_ref()) {
+                    used.extend(decode::<Vec<(String, String)>>(
+                        kv.key.as_slice(),
+                        kv.value.as_slice(),
+                    )?);
                 }
             }
             if !used.is_empty() {
@@ -1225,9 +1142,9 @@ impl PrefixWatch {
                 return Ok(None);
             };
             for ev in events {
-                let Some(kv) = ev.kv() else { continue };
-                let value = (ev.event_type() == EventType::Put).then(|| kv.value().to_vec());
-                self.queued.push_back((kv.key().to_vec(), value));
+                let Some(kv) = ev.kv.as_ref() else { continue };
+                let value = (ev.r#type() == EventType::Put).then(|| kv.value.as_slice().to_vec());
+                self.queued.push_back((kv.key.as_slice().to_vec(), value));
             }
         }
     }
@@ -1302,23 +1219,23 @@ impl EntryWatch {
                 return Ok(None);
             };
             for ev in events {
-                let Some(kv) = ev.kv() else { continue };
-                let (ns, name) = self.keys.split_entry(kv.key())?;
-                self.queued.push_back(match ev.event_type() {
+                let Some(kv) = ev.kv.as_ref() else { continue };
+                let (ns, name) = self.keys.split_entry(kv.key.as_slice())?;
+                self.queued.push_back(match ev.r#type() {
                     EventType::Put => EntryEvent::Put {
                         ns,
                         name,
-                        record: decode(kv.key(), kv.value())?,
-                        revision: kv.create_revision(),
+                        record: decode(kv.key.as_slice(), kv.value.as_slice())?,
+                        revision: kv.create_revision,
                     },
                     EventType::Delete => {
-                        let prev = ev.prev_kv();
+                        let prev = ev.prev_kv.as_ref();
                         EntryEvent::Delete {
                             ns,
                             name,
-                            revision: kv.mod_revision(),
-                            created: prev.map_or(0, |p| p.create_revision()),
-                            record: prev.and_then(|p| decode(p.key(), p.value()).ok()),
+                            revision: kv.mod_revision,
+                            created: prev.map_or(0, |p| p.create_revision),
+                            record: prev.and_then(|p| decode(&p.key, &p.value).ok()),
                         }
                     }
                 });
