@@ -3,21 +3,13 @@
 use std::path::PathBuf;
 
 use clap::Parser;
-use serde::Deserialize;
 
 use crate::pool::PoolSpec;
 use crate::store::Eviction;
 
-/// Default mount point.
-pub const DEFAULT_MOUNT: &str = "/maru";
-/// Default control socket.
-pub const DEFAULT_SOCKET: &str = "/run/maru/marud.sock";
-/// Default state directory.
-pub const DEFAULT_STATE_DIR: &str = "/var/lib/maru";
+pub use maru::daemon_config::{DEFAULT_MOUNT, DEFAULT_POOL, DEFAULT_SOCKET, DEFAULT_STATE_DIR};
 /// Default niceness: left alone (see `--nice`).
 pub const DEFAULT_NICE: i32 = 0;
-/// Default pool of the embedded configuration.
-pub const DEFAULT_POOL: &str = "memfs:/run/maru/pool0";
 
 /// marud: the maru KV-cache store daemon.
 ///
@@ -92,50 +84,37 @@ pub struct Cli {
     /// Seconds a dead or cut-off host keeps its claims (its etcd lease's TTL; default 10).
     #[arg(long, value_name = "SECS")]
     pub cluster_ttl: Option<u64>,
+    /// The remote door: workers on hosts without CXL store and load entries in this host's
+    /// raw pool with one-sided NIXL reads and writes, their control requests on this TCP
+    /// address (e.g. 0.0.0.0:7860). Needs NIXL at run time, a raw pool, and a token file or
+    /// --remote-anonymous. See doc/REMOTE.md.
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub remote_bind: Option<std::net::SocketAddr>,
+    /// The raw pool remote entries live in (default: the first raw pool).
+    #[arg(long, value_name = "NAME")]
+    pub remote_pool: Option<String>,
+    /// Remote workers' tokens: `TOKEN UID:GID [NAME]` a line, the file root's and mode 0600.
+    #[arg(long, value_name = "FILE")]
+    pub remote_tokens: Option<PathBuf>,
+    /// Admit remote workers without a token, acting as UID:GID.
+    #[arg(long, value_name = "UID:GID")]
+    pub remote_anonymous: Option<String>,
+    /// Seconds a remote reservation lives unpublished (default 60).
+    #[arg(long, value_name = "SECS")]
+    pub remote_reserve_ttl: Option<u64>,
+    /// Seconds a remote read protection lives unreleased (default 120).
+    #[arg(long, value_name = "SECS")]
+    pub remote_read_ttl: Option<u64>,
+    /// Seconds pages of a timed-out remote write are kept from use (default 300).
+    #[arg(long, value_name = "SECS")]
+    pub remote_quarantine_ttl: Option<u64>,
+    /// UCX devices for NIXL (e.g. mlx5_0:1); default: UCX's choice (UCX_NET_DEVICES).
+    #[arg(long, value_name = "DEVICES")]
+    pub remote_ucx_devices: Option<String>,
 }
 
-/// The config file: every flag has a key.
-#[derive(Debug, Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-pub struct FileConfig {
-    /// Pool specs.
-    #[serde(default)]
-    pub pools: Vec<String>,
-    /// Mount point.
-    pub mount: Option<PathBuf>,
-    /// No mount.
-    pub no_mount: Option<bool>,
-    /// Socket.
-    pub socket: Option<PathBuf>,
-    /// Group.
-    pub group: Option<String>,
-    /// State dir.
-    pub state_dir: Option<PathBuf>,
-    /// Log filter.
-    pub log_level: Option<String>,
-    /// Eviction.
-    pub eviction: Option<String>,
-    /// Unmount pools at exit.
-    pub unmount_pools: Option<bool>,
-    /// fsync logs.
-    pub wal_sync: Option<bool>,
-    /// FUSE threads.
-    pub fuse_threads: Option<usize>,
-    /// FUSE over io_uring: auto, on, off.
-    pub fuse_uring: Option<String>,
-    /// Niceness.
-    pub nice: Option<i32>,
-    /// Pid file.
-    pub pid_file: Option<PathBuf>,
-    /// Metrics address.
-    pub metrics: Option<std::net::SocketAddr>,
-    /// etcd endpoints, comma-separated (cluster mode).
-    pub cluster: Option<String>,
-    /// Node name (cluster mode).
-    pub node: Option<String>,
-    /// Lease TTL in seconds (cluster mode).
-    pub cluster_ttl: Option<u64>,
-}
+/// The config file: every flag has a key (one definition, shared with `maructl doctor`).
+pub use maru::daemon_config::FileConfig;
 
 /// Resolved settings.
 #[derive(Debug, Clone)]
@@ -170,6 +149,8 @@ pub struct Settings {
     pub metrics: Option<std::net::SocketAddr>,
     /// Cluster mode.
     pub cluster: Option<crate::cluster::ClusterSettings>,
+    /// The remote door.
+    pub remote: Option<crate::remote::RemoteSettings>,
 }
 
 impl Settings {
@@ -236,6 +217,37 @@ impl Settings {
                 })
             }
         };
+        let remote = match cli.remote_bind.or(file.remote_bind) {
+            None => None,
+            Some(bind) => {
+                let mut r = crate::remote::RemoteSettings::new(bind);
+                r.pool = cli.remote_pool.or(file.remote_pool);
+                r.tokens = cli.remote_tokens.or(file.remote_tokens);
+                r.anonymous = cli
+                    .remote_anonymous
+                    .or(file.remote_anonymous)
+                    .map(|a| crate::remote::auth::parse_ids(&a))
+                    .transpose()
+                    .context("--remote-anonymous")?;
+                let secs = |flag: Option<u64>, key: Option<u64>, default: std::time::Duration| {
+                    flag.or(key)
+                        .map_or(default, |s| std::time::Duration::from_secs(s.max(1)))
+                };
+                r.reserve_ttl = secs(
+                    cli.remote_reserve_ttl,
+                    file.remote_reserve_ttl,
+                    r.reserve_ttl,
+                );
+                r.read_ttl = secs(cli.remote_read_ttl, file.remote_read_ttl, r.read_ttl);
+                r.quarantine_ttl = secs(
+                    cli.remote_quarantine_ttl,
+                    file.remote_quarantine_ttl,
+                    r.quarantine_ttl,
+                );
+                r.ucx_devices = cli.remote_ucx_devices.or(file.remote_ucx_devices);
+                Some(r)
+            }
+        };
         Ok(Settings {
             pools,
             mount: if no_mount {
@@ -279,6 +291,7 @@ impl Settings {
             pid_file: cli.pid_file.or(file.pid_file),
             metrics: cli.metrics.or(file.metrics),
             cluster,
+            remote,
         })
     }
 }

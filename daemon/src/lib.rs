@@ -9,6 +9,7 @@ pub mod metrics;
 pub mod mount;
 pub mod nsindex;
 pub mod pool;
+pub mod remote;
 pub mod server;
 pub mod store;
 pub mod wal;

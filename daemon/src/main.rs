@@ -180,6 +180,11 @@ fn run(s: Settings) -> anyhow::Result<()> {
     raise_fd_limit();
     set_nice(s.nice);
     drop_capabilities().context("dropping capabilities")?;
+    // NIXL is found before any thread starts (it is told its plugins by the environment).
+    let nixl = match &s.remote {
+        Some(_) => Some(maru_daemon::remote::RemoteDoor::load_nixl()?),
+        None => None,
+    };
     let group = socket_group(s.group.as_deref())?;
     let store_cfg = StoreConfig {
         eviction: s.eviction,
@@ -209,6 +214,14 @@ fn run(s: Settings) -> anyhow::Result<()> {
     for p in store.pools() {
         tracing::info!(pool = %p.name, kind = ?p.kind, capacity = p.capacity, entries = p.entries, "pool ready");
     }
+    let _door = match (&s.remote, &nixl) {
+        (Some(r), Some(nixl)) => Some(maru_daemon::remote::RemoteDoor::start(
+            store.clone(),
+            r.clone(),
+            nixl,
+        )?),
+        _ => None,
+    };
     // The runtime only accepts connections (each is served on a thread of its own), serves
     // metrics and waits for signals: the main thread, inside `block_on`, runs it all.
     let rt = tokio::runtime::Builder::new_current_thread()

@@ -211,14 +211,7 @@ fn unescape_mount(s: &str) -> String {
 
 /// Half of the machine's RAM: the default size of the embedded memfs pool.
 pub fn default_memfs_size() -> u64 {
-    let mem = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("MemTotal:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-        })
-        .unwrap_or(1 << 20);
+    let mem = maru::host::meminfo("MemTotal").unwrap_or(1 << 20);
     (mem * 1024 / 2) & !(REGION_ALIGN - 1)
 }
 

@@ -19,6 +19,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use io_uring::{IoUring, cqueue, opcode, squeue, types};
+use maru::host::FUSE_URING_PARAM;
 
 use crate::abi::{self, Plain};
 use crate::backend::Backend;
@@ -28,9 +29,6 @@ use crate::server::{Ids, Registrar, Reply, Server};
 
 /// Ring entries per queue: one being served, one already holding the next request.
 const DEPTH: usize = 2;
-
-/// Where the module parameter that allows FUSE over io_uring lives.
-const ENABLE_PARAM: &str = "/sys/module/fuse/parameters/enable_uring";
 
 /// When to serve the mount over io_uring.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,18 +56,17 @@ impl std::str::FromStr for UringMode {
 /// Makes sure the kernel lets servers use FUSE over io_uring (turning the module parameter
 /// on when it is off: it only allows servers that ask for it at INIT to use it).
 pub fn allow_uring() -> std::io::Result<()> {
-    match std::fs::read_to_string(ENABLE_PARAM) {
-        Ok(v) if v.trim() == "Y" || v.trim() == "1" => Ok(()),
-        Ok(_) => {
-            std::fs::write(ENABLE_PARAM, "Y")?;
-            tracing::info!("turned {ENABLE_PARAM} on");
+    match maru::host::fuse_uring_param()? {
+        Some(true) => Ok(()),
+        Some(false) => {
+            std::fs::write(FUSE_URING_PARAM, "Y")?;
+            tracing::info!("turned {FUSE_URING_PARAM} on");
             Ok(())
         }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(std::io::Error::new(
+        None => Err(std::io::Error::new(
             std::io::ErrorKind::Unsupported,
             "this kernel has no FUSE over io_uring (CONFIG_FUSE_IO_URING, Linux 6.14+)",
         )),
-        Err(e) => Err(e),
     }
 }
 
@@ -77,18 +74,14 @@ pub fn allow_uring() -> std::io::Result<()> {
 pub fn possible_cpus() -> usize {
     std::fs::read_to_string("/sys/devices/system/cpu/possible")
         .ok()
-        .and_then(|s| parse_cpu_list(s.trim()))
+        .and_then(|s| highest_cpu(&s))
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
 /// The highest id + 1 of a CPU list such as `0-3,8-11`.
-fn parse_cpu_list(s: &str) -> Option<usize> {
-    let mut max = None;
-    for part in s.split(',') {
-        let last = part.rsplit('-').next()?.trim().parse::<usize>().ok()?;
-        max = Some(max.map_or(last, |m: usize| m.max(last)));
-    }
-    max.map(|m| m + 1)
+fn highest_cpu(list: &str) -> Option<usize> {
+    let ranges = maru::host::parse_cpu_list(list)?;
+    ranges.iter().map(|&(_, last)| last as usize + 1).max()
 }
 
 /// The queue threads of one mount.
@@ -432,10 +425,11 @@ mod tests {
 
     #[test]
     fn cpu_lists() {
-        assert_eq!(parse_cpu_list("0"), Some(1));
-        assert_eq!(parse_cpu_list("0-1"), Some(2));
-        assert_eq!(parse_cpu_list("0-3,8-11"), Some(12));
-        assert_eq!(parse_cpu_list("x"), None);
+        assert_eq!(highest_cpu("0"), Some(1));
+        assert_eq!(highest_cpu("0-1\n"), Some(2));
+        assert_eq!(highest_cpu("0-3,8-11"), Some(12));
+        assert_eq!(highest_cpu("x"), None);
+        assert_eq!(highest_cpu(""), None);
     }
 
     #[test]

@@ -16,8 +16,10 @@
 //! ```
 
 pub mod client;
+pub mod daemon_config;
 pub mod error;
 pub mod format;
+pub mod host;
 pub mod index;
 pub mod key;
 pub mod lane;

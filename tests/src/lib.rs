@@ -129,6 +129,8 @@ pub struct Daemon {
     pub log: PathBuf,
     /// The network namespace it runs in (None: the test's).
     netns: Option<String>,
+    /// Environment variables of its own (UCX's device in a namespace, say).
+    env: Vec<(String, String)>,
 }
 
 impl Opts {
@@ -149,6 +151,11 @@ impl Daemon {
     /// `ip netns add` makes). Its socket and mount are reachable from the test as usual
     /// (paths are not network-namespaced).
     pub fn start_in(opts: Opts, netns: Option<&str>) -> Self {
+        Self::start_in_env(opts, netns, &[])
+    }
+
+    /// [`Daemon::start_in`] with environment variables of its own.
+    pub fn start_in_env(opts: Opts, netns: Option<&str>, env: &[(&str, &str)]) -> Self {
         assert!(
             is_root() || !opts.needs_root(),
             "marud needs root to mount: start the test with maru_tests::require_root!()"
@@ -196,6 +203,10 @@ impl Daemon {
             pool_dirs,
             log,
             netns: netns.map(str::to_owned),
+            env: env
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
         };
         d.spawn();
         d
@@ -215,6 +226,7 @@ impl Daemon {
         });
         let netns_fd = netns.as_ref().map(std::os::fd::AsRawFd::as_raw_fd);
         cmd.args(&self.args)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .env(
                 "MARU_LOG",
                 std::env::var("MARU_TEST_LOG").unwrap_or_else(|_| "info".into()),

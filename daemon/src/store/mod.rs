@@ -931,13 +931,5 @@ fn publication_imminent(st: &State, ns: &str, key: &str) -> bool {
 /// Bytes of shared memory held in 2 MiB pages (`ShmemHugePages`): all memfs pools and any
 /// other tmpfs together; reported per pool capped by its use.
 fn shmem_huge_bytes() -> u64 {
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("ShmemHugePages:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-        })
-        .unwrap_or(0)
-        * 1024
+    maru::host::meminfo("ShmemHugePages").unwrap_or(0) * 1024
 }

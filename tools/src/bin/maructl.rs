@@ -10,9 +10,9 @@ use maru_tools::ctl::{self, EXIT_CODES, Failure, exit};
 #[derive(Parser)]
 #[command(name = "maructl", version, after_help = EXIT_CODES)]
 struct Cli {
-    /// marud's control socket.
-    #[arg(long, global = true, env = "MARU_SOCKET", default_value = maru::DEFAULT_SOCKET)]
-    socket: PathBuf,
+    /// marud's control socket [default: /run/maru/marud.sock; for doctor, the config's].
+    #[arg(long, global = true, env = "MARU_SOCKET")]
+    socket: Option<PathBuf>,
     /// Print one JSON document (for scripts).
     #[arg(long, global = true)]
     json: bool,
@@ -94,6 +94,17 @@ enum Cmd {
         #[arg(long)]
         bytes: String,
     },
+    /// Check this host for marud, line by line, with what to do where something fails.
+    ///
+    /// FUSE (passthrough, io_uring), huge pages, NUMA nodes, DAX devices, marud on its
+    /// socket and its mount, the state directory, the group, etcd (cluster mode) and NIXL.
+    /// Exit 0 when no check fails (doc/OPERATIONS.md, `maructl doctor`).
+    Doctor {
+        /// marud's config file [default: /etc/maru/marud.toml where it exists, else marud's
+        /// built-in defaults].
+        #[arg(long, value_name = "PATH")]
+        config: Option<PathBuf>,
+    },
     /// The header of a devdax or file: pool (no daemon needed; refused while marud uses it).
     Device(ctl::DeviceArgs),
     /// Benchmarks measured side by side in one run (starts its own daemon).
@@ -141,7 +152,10 @@ fn bad(msg: String) -> Failure {
 }
 
 fn run(cli: Cli) -> Result<Option<ctl::Output>, Failure> {
-    let sock = cli.socket.clone();
+    let sock = cli
+        .socket
+        .clone()
+        .unwrap_or_else(|| maru::DEFAULT_SOCKET.into());
     let h = || ctl::connect(&sock);
     let r = match cli.cmd {
         Cmd::Status => ctl::status(&h()?),
@@ -170,6 +184,7 @@ fn run(cli: Cli) -> Result<Option<ctl::Output>, Failure> {
             ctl::evict(&h()?, b)
         }
         Cmd::Device(args) => args.run(),
+        Cmd::Doctor { .. } => unreachable!("doctor prints its own report (main)"),
         Cmd::Bench { which } => {
             let text = match which {
                 BenchCmd::Core { rounds, out_json } => {
@@ -206,5 +221,9 @@ fn run(cli: Cli) -> Result<Option<ctl::Output>, Failure> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let json = cli.json;
+    if let Cmd::Doctor { config } = &cli.cmd {
+        // Its own report and exit status: failed checks are output, not an error.
+        return maru_tools::doctor::main(config.as_deref(), cli.socket.as_deref(), json);
+    }
     ctl::finish("maructl", json, run(cli))
 }

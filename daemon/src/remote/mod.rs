@@ -1,0 +1,289 @@
+//! The remote door: workers on hosts without CXL store and load entries in this host's pool.
+//!
+//! marud maps the raw pool that remote entries live in (a CXL DAX device, or a `file:` pool)
+//! whole, registers that mapping with NIXL once (so the registration granularity is the pool:
+//! one registration, one metadata blob, every region in it from the start), and answers the
+//! control requests of `maru_remote::proto` on a TCP port. The bytes move by one-sided NIXL
+//! WRITE and READ between the workers' memory and the pool's; no thread of marud touches them.
+//!
+//! What a worker stores is an entry like any other: each connection is a store session acting
+//! as the identity its token maps to ([`auth`]), so the same policy, quotas, eviction, pins,
+//! write-once publication and persistence apply, and the entry is listed under `/maru` and
+//! retrieved by local clients. A reservation is an allocation of the session; a read
+//! protection is a lease on the entry (a lease keeps a deleted entry's extent from reuse).
+//! Both end after their TTLs ([`conn`]), when the worker says so, or when its connection
+//! ends; pages quarantined after a timed-out WRITE outlive the connection until their own TTL.
+//!
+//! Each marud run has a generation (random); a request for another is refused, and the
+//! worker reconnects. See doc/REMOTE.md.
+
+pub mod auth;
+mod conn;
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use maru_nixl::{AgentConfig, Desc, Mem, Nixl};
+use maru_remote::proto::{Blob, Registration};
+use parking_lot::Mutex;
+
+use crate::store::Store;
+
+/// The remote door's settings (marud.toml's `remote_*` keys, `--remote-*` flags).
+#[derive(Debug, Clone)]
+pub struct RemoteSettings {
+    /// Where workers connect.
+    pub bind: SocketAddr,
+    /// The raw pool remote entries live in (default: the first raw pool).
+    pub pool: Option<String>,
+    /// The token file (see [`auth`]).
+    pub tokens: Option<PathBuf>,
+    /// Admit workers without a token as this uid:gid.
+    pub anonymous: Option<(u32, u32)>,
+    /// How long a reservation lives unpublished.
+    pub reserve_ttl: Duration,
+    /// How long a read protection lives unreleased.
+    pub read_ttl: Duration,
+    /// How long pages quarantined after a timed-out transfer are kept from use.
+    pub quarantine_ttl: Duration,
+    /// UCX devices for NIXL's UCX backend (its `ucx_devices` parameter), e.g. `mlx5_0:1`.
+    pub ucx_devices: Option<String>,
+}
+
+impl RemoteSettings {
+    /// Defaults for a door at `bind`: the original's TTLs (60 s for reservations, 120 s for
+    /// read protections), 300 s of quarantine.
+    pub fn new(bind: SocketAddr) -> Self {
+        RemoteSettings {
+            bind,
+            pool: None,
+            tokens: None,
+            anonymous: None,
+            reserve_ttl: Duration::from_secs(60),
+            read_ttl: Duration::from_secs(120),
+            quarantine_ttl: Duration::from_secs(300),
+            ucx_devices: None,
+        }
+    }
+}
+
+/// Counters and the connected workers, for `maructl status`, marutop and the metrics.
+#[derive(Debug, Default)]
+pub struct RemoteStats {
+    pub connections: AtomicU64,
+    pub refused: AtomicU64,
+    pub requests: AtomicU64,
+    pub errors: AtomicU64,
+    pub pages_reserved: AtomicU64,
+    pub bytes_reserved: AtomicU64,
+    pub published: AtomicU64,
+    pub lookups: AtomicU64,
+    pub bytes_protected: AtomicU64,
+    pub expired: AtomicU64,
+    pub quarantined: AtomicU64,
+    /// The workers connected now.
+    pub workers: Mutex<Vec<WorkerInfo>>,
+}
+
+/// One connected worker.
+#[derive(Debug, Clone)]
+pub struct WorkerInfo {
+    pub id: u64,
+    pub node: String,
+    pub peer: SocketAddr,
+    pub identity: String,
+    pub uid: u32,
+    pub gid: u32,
+    /// Bytes reserved and not yet published or given back.
+    pub reserved: u64,
+    /// Read protections held.
+    pub reading: u64,
+    pub requests: u64,
+    pub errors: u64,
+}
+
+/// What every connection shares.
+pub(crate) struct Shared {
+    store: Arc<Store>,
+    settings: RemoteSettings,
+    tokens: auth::Tokens,
+    generation: u64,
+    /// The pool remote entries live in, and where marud mapped it.
+    pool: u32,
+    pool_name: String,
+    pool_uuid: String,
+    base: u64,
+    len: u64,
+    registration: Registration,
+    stats: Arc<RemoteStats>,
+    next_conn: AtomicU64,
+}
+
+/// The running door. Dropping it does not stop it: it serves until marud exits.
+pub struct RemoteDoor {
+    pub addr: SocketAddr,
+    pub generation: u64,
+    pub stats: Arc<RemoteStats>,
+}
+
+/// The pool's mapping, registered with NIXL for marud's life.
+struct PoolMapping {
+    addr: *mut libc::c_void,
+    len: usize,
+}
+
+// SAFETY: a shared mapping of the pool device, never unmapped while marud runs; marud itself
+// never reads or writes through it (only NIXL's transport does, on the workers' behalf).
+unsafe impl Send for PoolMapping {}
+// SAFETY: as above.
+unsafe impl Sync for PoolMapping {}
+
+impl RemoteDoor {
+    /// Loads NIXL before marud starts its threads (NIXL's plugin directory is an environment
+    /// variable): a clear error when NIXL is not installed.
+    pub fn load_nixl() -> anyhow::Result<Nixl> {
+        Nixl::load().context("the remote door (remote_bind) needs NIXL")
+    }
+
+    /// Starts the door: maps and registers the pool, listens, serves each worker on a
+    /// thread of its own.
+    pub fn start(
+        store: Arc<Store>,
+        settings: RemoteSettings,
+        nixl: &Nixl,
+    ) -> anyhow::Result<RemoteDoor> {
+        let tokens = auth::Tokens::load(settings.tokens.as_deref(), settings.anonymous)?;
+        let pools = store.pools();
+        let info = match &settings.pool {
+            Some(name) => pools
+                .iter()
+                .find(|p| &p.name == name)
+                .with_context(|| format!("remote_pool: no pool named `{name}`"))?,
+            None => pools.iter().find(|p| p.kind.is_raw()).context(
+                "the remote door serves a raw pool (devdax: or file:); this marud has none",
+            )?,
+        };
+        if !info.kind.is_raw() {
+            bail!(
+                "remote_pool `{}` is not a raw pool (devdax: or file:)",
+                info.name
+            );
+        }
+        let file = store
+            .raw_pool_fd(info.id, true)
+            .map_err(|e| anyhow::anyhow!("opening pool `{}`: {e}", info.name))?;
+        let pool_uuid = maru::format::read_header(&file)?
+            .map(|h| h.uuid_string())
+            .unwrap_or_else(|| info.name.clone());
+        let len = info.mapped_len as usize;
+        // SAFETY: a shared read-write mapping of the whole pool device, kept for marud's life
+        // (the registration below points into it).
+        let addr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                std::os::fd::AsRawFd::as_raw_fd(&file),
+                0,
+            )
+        };
+        if addr == libc::MAP_FAILED {
+            bail!(
+                "mapping pool `{}` for the remote door: {}",
+                info.name,
+                std::io::Error::last_os_error()
+            );
+        }
+        let mapping = Box::leak(Box::new(PoolMapping { addr, len }));
+        let generation = loop {
+            let g = uuid::Uuid::new_v4().as_u64_pair().0;
+            if g != 0 {
+                break g;
+            }
+        };
+        let agent_name = format!("marud-{generation:016x}");
+        let mut agent = nixl
+            .agent(&agent_name, &AgentConfig::default())
+            .context("creating marud's NIXL agent")?;
+        let params: Vec<(&str, &str)> = settings
+            .ucx_devices
+            .as_deref()
+            .map(|d| vec![("ucx_devices", d)])
+            .unwrap_or_default();
+        agent
+            .add_backend("UCX", &params)
+            .context("NIXL's UCX backend")?;
+        let region = Desc::host(mapping.addr as u64, mapping.len as u64);
+        agent
+            .register(Mem::Dram, &[region])
+            .with_context(|| format!("registering pool `{}` with NIXL", info.name))?;
+        let registration = Registration {
+            agent: agent_name,
+            metadata: Blob(agent.metadata().context("NIXL metadata")?),
+            version: 1,
+            regions: vec![(region.addr, region.len)],
+        };
+        // The agent serves for marud's life: its registration is what workers reach.
+        Box::leak(Box::new(agent));
+
+        let listener = TcpListener::bind(settings.bind)
+            .with_context(|| format!("remote door: binding {}", settings.bind))?;
+        let addr = listener.local_addr()?;
+        let stats = Arc::new(RemoteStats::default());
+        let shared = Arc::new(Shared {
+            store,
+            tokens,
+            generation,
+            pool: info.id,
+            pool_name: info.name.clone(),
+            pool_uuid,
+            base: region.addr,
+            len: region.len,
+            registration,
+            stats: stats.clone(),
+            next_conn: AtomicU64::new(1),
+            settings,
+        });
+        tracing::info!(
+            %addr,
+            pool = %shared.pool_name,
+            generation = format_args!("{generation:016x}"),
+            bytes = shared.len,
+            "remote door open (NIXL, one-sided)"
+        );
+        std::thread::Builder::new()
+            .name("remote-door".into())
+            .spawn(move || accept_loop(listener, shared))?;
+        Ok(RemoteDoor {
+            addr,
+            generation,
+            stats,
+        })
+    }
+}
+
+fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    for stream in listener.incoming() {
+        let stream = match stream {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!("remote door: accept: {e}");
+                std::thread::sleep(Duration::from_millis(50));
+                continue;
+            }
+        };
+        let shared = shared.clone();
+        let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+        let spawned = std::thread::Builder::new()
+            .name(format!("remote-{id}"))
+            .spawn(move || conn::serve(shared, stream, id));
+        if let Err(e) = spawned {
+            tracing::warn!("remote door: no thread for a worker: {e}");
+        }
+    }
+}

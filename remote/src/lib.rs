@@ -1,0 +1,6 @@
+//! maru's remote tier: hosts without CXL (GPU nodes) store and load KV entries in a memory
+//! node's pool. The memory node's marud registers its pool memory with NIXL and answers
+//! control requests ([`proto`]); the worker moves the bytes itself with one-sided NIXL WRITE
+//! and READ between its registered memory and the pool's. See doc/REMOTE.md.
+
+pub mod proto;
