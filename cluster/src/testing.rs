@@ -250,6 +250,11 @@ impl Net {
         format!("{}.{}", self.subnet, i + 2)
     }
 
+    /// Host `i`'s network device (its end of the veth pair).
+    pub fn host_dev(&self, i: usize) -> String {
+        format!("{}v{i}", self.prefix)
+    }
+
     /// The file naming host `i`'s network namespace (for `setns`).
     pub fn host_path(&self, i: usize) -> std::path::PathBuf {
         format!("/run/netns/{}", self.hosts[i]).into()

@@ -108,7 +108,8 @@ pub struct Cli {
     /// Seconds pages of a timed-out remote write are kept from use (default 300).
     #[arg(long, value_name = "SECS")]
     pub remote_quarantine_ttl: Option<u64>,
-    /// UCX devices for NIXL (e.g. mlx5_0:1); default: UCX's choice (UCX_NET_DEVICES).
+    /// RDMA devices for NIXL's UCX backend (e.g. mlx5_0, comma-separated; NIXL adds the
+    /// port); default: UCX's choice. For TCP interfaces set UCX_NET_DEVICES instead.
     #[arg(long, value_name = "DEVICES")]
     pub remote_ucx_devices: Option<String>,
 }

@@ -71,6 +71,9 @@ pub enum Op {
     },
     /// The pool's current NIXL registration (after a region was added).
     Metadata,
+    /// Makes namespace `ns` and the namespaces above it that are missing (mode `mode` for
+    /// those it makes; `done` when they all exist already).
+    Mkdir { ns: String, mode: u32 },
     /// Pages for new entries of namespace `ns`, one per size: all or none. May evict least
     /// recently read entries; fails with `no_space` ("pool full") otherwise.
     Reserve { ns: String, sizes: Vec<u64> },
@@ -106,6 +109,7 @@ impl Op {
         match self {
             Op::Hello { .. } => "hello",
             Op::Metadata => "metadata",
+            Op::Mkdir { .. } => "mkdir",
             Op::Reserve { .. } => "reserve",
             Op::Publish { .. } => "publish",
             Op::Abandon { .. } => "abandon",
@@ -131,7 +135,7 @@ impl Op {
             | Op::Lookup { keys, .. }
             | Op::Delete { keys, .. }
             | Op::Pin { keys, .. } => keys.len(),
-            Op::Hello { .. } | Op::Metadata | Op::Ping => 0,
+            Op::Hello { .. } | Op::Metadata | Op::Mkdir { .. } | Op::Ping => 0,
         }
     }
 }
@@ -322,6 +326,10 @@ mod tests {
             metadata: Blob(vec![0, 1, 255, 7]),
         });
         round_trip(Op::Metadata);
+        round_trip(Op::Mkdir {
+            ns: "llama/tp0".into(),
+            mode: 0o755,
+        });
         round_trip(Op::Reserve {
             ns: "llama".into(),
             sizes: vec![4096, 1 << 25],

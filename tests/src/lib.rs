@@ -81,6 +81,52 @@ pub fn is_mounted(dir: &Path) -> bool {
     info.lines().any(|l| l.split(' ').nth(4) == Some(&want))
 }
 
+/// Whether `dir` is a mount point in the mount namespace of process `pid`.
+pub fn is_mounted_in(pid: u32, dir: &Path) -> bool {
+    let Ok(info) = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")) else {
+        return false;
+    };
+    let want = dir.to_string_lossy();
+    info.lines().any(|l| l.split(' ').nth(4) == Some(&want))
+}
+
+/// Makes the calling process a host of network namespace `netns_fd`, as `ip netns exec`
+/// does: it joins the namespace, takes a mount namespace of its own whose mounts do not
+/// propagate back, and mounts a sysfs of the namespace's own on /sys (so that programs that
+/// list network devices in /sys, UCX among them, see the namespace's). For `pre_exec`: system
+/// calls only.
+pub fn enter_host(netns_fd: std::os::fd::RawFd) -> std::io::Result<()> {
+    // SAFETY: plain system calls with static C strings.
+    unsafe {
+        if libc::setns(netns_fd, libc::CLONE_NEWNET) != 0 || libc::unshare(libc::CLONE_NEWNS) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let none = std::ptr::null();
+        if libc::mount(
+            none,
+            c"/".as_ptr(),
+            none,
+            libc::MS_REC | libc::MS_SLAVE,
+            none.cast(),
+        ) != 0
+        {
+            return Err(std::io::Error::last_os_error());
+        }
+        libc::umount2(c"/sys".as_ptr(), libc::MNT_DETACH);
+        if libc::mount(
+            c"sysfs".as_ptr(),
+            c"/sys".as_ptr(),
+            c"sysfs".as_ptr(),
+            0,
+            none.cast(),
+        ) != 0
+        {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
 /// Lazily unmounts `dir` if it is mounted.
 pub fn force_unmount(dir: &Path) {
     while is_mounted(dir) {
@@ -131,6 +177,9 @@ pub struct Daemon {
     netns: Option<String>,
     /// Environment variables of its own (UCX's device in a namespace, say).
     env: Vec<(String, String)>,
+    /// It runs as a host of its network namespace with a mount namespace of its own
+    /// ([`enter_host`]): its mount is reached through `/proc/PID/root`.
+    own_mounts: bool,
 }
 
 impl Opts {
@@ -156,6 +205,17 @@ impl Daemon {
 
     /// [`Daemon::start_in`] with environment variables of its own.
     pub fn start_in_env(opts: Opts, netns: Option<&str>, env: &[(&str, &str)]) -> Self {
+        Self::start_with(opts, netns, env, false)
+    }
+
+    /// A daemon that is a host of network namespace `netns` ([`enter_host`]: a mount
+    /// namespace and a /sys of its own), with environment variables of its own. Its mount is
+    /// reached at [`Daemon::path`] through `/proc/PID/root`, and goes with its last process.
+    pub fn start_host(opts: Opts, netns: &str, env: &[(&str, &str)]) -> Self {
+        Self::start_with(opts, Some(netns), env, true)
+    }
+
+    fn start_with(opts: Opts, netns: Option<&str>, env: &[(&str, &str)], own_mounts: bool) -> Self {
         assert!(
             is_root() || !opts.needs_root(),
             "marud needs root to mount: start the test with maru_tests::require_root!()"
@@ -207,6 +267,7 @@ impl Daemon {
                 .iter()
                 .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
                 .collect(),
+            own_mounts,
         };
         d.spawn();
         d
@@ -225,6 +286,7 @@ impl Daemon {
             std::fs::File::open(format!("/run/netns/{ns}")).expect("the network namespace")
         });
         let netns_fd = netns.as_ref().map(std::os::fd::AsRawFd::as_raw_fd);
+        let own_mounts = self.own_mounts;
         cmd.args(&self.args)
             .envs(self.env.iter().map(|(k, v)| (k, v)))
             .env(
@@ -238,10 +300,12 @@ impl Daemon {
         // terminal signals do not reach it.
         unsafe {
             cmd.pre_exec(move || {
-                if let Some(fd) = netns_fd
-                    && libc::setns(fd, libc::CLONE_NEWNET) != 0
-                {
-                    return Err(std::io::Error::last_os_error());
+                match netns_fd {
+                    Some(fd) if own_mounts => enter_host(fd)?,
+                    Some(fd) if libc::setns(fd, libc::CLONE_NEWNET) != 0 => {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    _ => {}
                 }
                 libc::setsid();
                 // If the test process dies without cleaning up, the daemon stops (and
@@ -264,7 +328,10 @@ impl Daemon {
                 panic!("marud exited early ({st}):\n{}", self.log_text());
             }
             let sock_ok = std::os::unix::net::UnixStream::connect(&self.socket).is_ok();
-            let mnt_ok = self.mount.as_ref().is_none_or(|m| is_mounted(m));
+            let mnt_ok = self.mount.as_ref().is_none_or(|m| match &self.child {
+                Some(c) if self.own_mounts => is_mounted_in(c.id(), m),
+                _ => is_mounted(m),
+            });
             if sock_ok && mnt_ok {
                 return;
             }
@@ -346,7 +413,13 @@ impl Daemon {
 
     /// Path under the mount.
     pub fn path(&self, rel: &str) -> PathBuf {
-        self.mount.as_ref().expect("mounted").join(rel)
+        let m = self.mount.as_ref().expect("mounted").join(rel);
+        match &self.child {
+            Some(c) if self.own_mounts => {
+                PathBuf::from(format!("/proc/{}/root{}", c.id(), m.display()))
+            }
+            _ => m,
+        }
     }
 
     /// The first memfs pool's directory.
@@ -413,6 +486,9 @@ impl Drop for Daemon {
         self.stop();
         if std::env::var_os("MARU_TEST_SHOWLOG").is_some() {
             eprintln!("stop took {:?}", t.elapsed());
+        }
+        if self.own_mounts {
+            return; // its mounts went with its mount namespace
         }
         if let Some(m) = &self.mount {
             force_unmount(m);

@@ -86,8 +86,14 @@ fn hello(
     let mut reader = BufReader::new(stream);
     let mut writer = BufWriter::new(stream);
     let mut body = Vec::new();
-    if proto::read_frame(&mut reader, &mut body)?.is_none() {
-        return Ok(None);
+    match proto::read_frame(&mut reader, &mut body) {
+        Ok(Some(())) => {}
+        Ok(None) => return Ok(None),
+        Err(e @ FrameError::TooLarge(_)) => {
+            answer_err(&mut writer, shared, 0, &Error::Protocol(e.to_string()))?;
+            return Ok(None);
+        }
+        Err(e) => return Err(e),
     }
     let req = match proto::decode_request(&body) {
         Ok(r) => r,
@@ -277,6 +283,21 @@ impl Conn {
         match op {
             Op::Hello { .. } => Err(Error::Protocol("hello was said already".into())),
             Op::Metadata => Ok(Reply::Metadata(self.shared.registration.clone())),
+            Op::Mkdir { ns, mode } => {
+                // Each missing level, as the worker (the policy decides, as for a local mkdir).
+                let mut path = String::new();
+                for part in ns.split('/') {
+                    if !path.is_empty() {
+                        path.push('/');
+                    }
+                    path.push_str(part);
+                    match store.mkdir(&self.caller, &path, mode & 0o7777) {
+                        Ok(_) | Err(Error::Exists(_)) => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+                Ok(Reply::Done)
+            }
             Op::Ping => Ok(Reply::Pong),
             Op::Reserve { ns, sizes } => self.reserve(&ns, &sizes).map(Reply::Reserved),
             Op::Publish { ns, items } => {

@@ -50,7 +50,7 @@ pub struct RemoteSettings {
     pub read_ttl: Duration,
     /// How long pages quarantined after a timed-out transfer are kept from use.
     pub quarantine_ttl: Duration,
-    /// UCX devices for NIXL's UCX backend (its `ucx_devices` parameter), e.g. `mlx5_0:1`.
+    /// RDMA devices for NIXL's UCX backend (its `device_list` parameter), e.g. `mlx5_0`.
     pub ucx_devices: Option<String>,
 }
 
@@ -210,10 +210,17 @@ impl RemoteDoor {
         let mut agent = nixl
             .agent(&agent_name, &AgentConfig::default())
             .context("creating marud's NIXL agent")?;
-        let params: Vec<(&str, &str)> = settings
-            .ucx_devices
+        // NIXL's UCX plugin takes RDMA devices as "dev, dev" and adds the port itself.
+        let devices = settings.ucx_devices.as_deref().map(|d| {
+            d.split(',')
+                .map(|x| x.trim().trim_end_matches(":1"))
+                .filter(|x| !x.is_empty())
+                .collect::<Vec<_>>()
+                .join(", ")
+        });
+        let params: Vec<(&str, &str)> = devices
             .as_deref()
-            .map(|d| vec![("ucx_devices", d)])
+            .map(|d| vec![("device_list", d)])
             .unwrap_or_default();
         agent
             .add_backend("UCX", &params)

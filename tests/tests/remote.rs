@@ -1,0 +1,457 @@
+//! The remote tier end to end, with real NIXL over UCX/TCP: a memory node and two GPU nodes as
+//! network namespaces joined by veth pairs (maru_cluster::testing::Net), marud with
+//! `--remote-bind` in the memory node's namespace, workers (`maru-remote-worker`, a process of
+//! their own) in the others. UCX is told its device in each namespace (`UCX_NET_DEVICES`) and
+//! TCP (`UCX_TLS=tcp`: with the default it would find one kernel and use shared memory).
+//!
+//! Skips without root or NIXL, except in CI (`MARU_REQUIRE_ROOT`, `MARU_REQUIRE_NIXL`).
+
+use std::os::unix::fs::PermissionsExt;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use maru_cluster::testing::{Net, in_netns};
+use maru_tests::{Daemon, Opts, Reaped, bin, pattern};
+use serde_json::Value;
+
+const TOKEN: &str = "a-remote-token-of-some-length";
+const PORT: u16 = 7860;
+
+/// The NIXL library, or None (skip) where it is not installed.
+fn nixl_lib() -> Option<String> {
+    match maru_nixl::Nixl::locate() {
+        Ok(Some(p)) => Some(p.to_string_lossy().into_owned()),
+        Ok(None) => Some("libnixl_capi.so".into()),
+        Err(e) if std::env::var_os("MARU_REQUIRE_NIXL").is_none() => {
+            eprintln!("skipped: {e}");
+            None
+        }
+        Err(e) => panic!("MARU_REQUIRE_NIXL is set and NIXL is missing: {e}"),
+    }
+}
+
+/// A memory node (host 0) serving its pool, and two GPU nodes (hosts 1 and 2).
+struct Site {
+    net: Net,
+    marud: Daemon,
+    url: String,
+    nixl: String,
+    _tokens: tempfile::TempDir,
+}
+
+fn ucx_env(net: &Net, host: usize, nixl: &str) -> Vec<(String, String)> {
+    vec![
+        ("MARU_NIXL_LIB".into(), nixl.into()),
+        ("UCX_TLS".into(), "tcp".into()),
+        ("UCX_NET_DEVICES".into(), net.host_dev(host)),
+        ("UCX_MODULES".into(), "^ib".into()),
+    ]
+}
+
+impl Site {
+    fn new(extra: &[&str]) -> Option<Site> {
+        if !maru_tests::root_or_skip("remote") {
+            return None;
+        }
+        let nixl = nixl_lib()?;
+        let net = Net::new(3)?;
+        let tokens = tempfile::tempdir().expect("temp dir");
+        let file = tokens.path().join("tokens");
+        std::fs::write(&file, format!("# workers\n{TOKEN} 0:0 gpu\n")).expect("token file");
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+        let url = format!("{}:{PORT}", net.host_ip(0));
+        let mut args: Vec<String> = vec![
+            "--remote-bind".into(),
+            url.clone(),
+            "--remote-tokens".into(),
+            file.to_string_lossy().into_owned(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let env = ucx_env(&net, 0, &nixl);
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        let marud = Daemon::start_host(
+            Opts {
+                pools: vec!["file:{dir}/pool.img,size=256M".into()],
+                mount: true,
+                extra: args,
+            },
+            &net.hosts[0],
+            &env,
+        );
+        let site = Site {
+            net,
+            marud,
+            url,
+            nixl,
+            _tokens: tokens,
+        };
+        site.wait_door();
+        Some(site)
+    }
+
+    /// Waits until the door accepts connections (it opens just after the socket).
+    fn wait_door(&self) {
+        let t = Instant::now();
+        let url = self.url.clone();
+        while !in_netns(&self.net.hosts[1], || {
+            std::net::TcpStream::connect(&url).is_ok()
+        }) {
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "the remote door did not open:\n{}",
+                self.marud.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// A worker process on GPU node `host`.
+    fn worker(&self, host: usize, token: &str, args: &[&str]) -> Command {
+        let mut cmd = Command::new(bin("maru-remote-worker"));
+        cmd.args(args)
+            .envs(ucx_env(&self.net, host, &self.nixl))
+            .env("MARU_REMOTE_TOKEN", token)
+            .env("MARU_REMOTE_NODE", format!("gpu{host}"))
+            .stdin(Stdio::null())
+            .stderr(Stdio::inherit());
+        let ns = std::fs::File::open(self.net.host_path(host)).expect("the namespace");
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&ns);
+        // SAFETY: enter_host and prctl make system calls only; the file stays open (moved
+        // into the closure) until exec.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
+                let _keep = &ns;
+                maru_tests::enter_host(fd)?;
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        cmd
+    }
+
+    /// Runs a worker to its end; its JSON lines.
+    fn run(&self, host: usize, args: &[&str]) -> Vec<Value> {
+        let out = self
+            .worker(host, TOKEN, args)
+            .output()
+            .expect("running the worker");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "worker {args:?} failed ({}): {text}\nmarud:\n{}",
+            out.status,
+            self.marud.log_text()
+        );
+        text.lines()
+            .map(|l| serde_json::from_str(l).expect("a JSON line"))
+            .collect()
+    }
+
+    fn one(&self, host: usize, args: &[&str]) -> Value {
+        self.run(host, args).pop().expect("an answer")
+    }
+
+    /// The memory node's local client.
+    fn local(&self) -> maru::Handler {
+        self.marud.handler()
+    }
+}
+
+fn checksum(b: &[u8]) -> u64 {
+    b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
+        (h ^ u64::from(x)).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+#[test]
+fn stored_on_one_gpu_node_loaded_on_another_listed_on_the_memory_node() {
+    let Some(s) = Site::new(&[]) else { return };
+    let url = s.url.as_str();
+    // Node 1 stores 1 MiB; node 2 loads it, byte for byte.
+    let r = s.one(1, &["store", url, "llama", "k1", "1048576", "11"]);
+    assert_eq!(r["stored"], "created", "{r}");
+    let want = pattern(11, 1 << 20);
+    let got = s.one(2, &["get", url, "llama", "k1"]);
+    assert_eq!(got["len"], 1 << 20, "{got}");
+    assert_eq!(got["sum"], checksum(&want), "{got}");
+    // The memory node sees an entry like any other: under the mount and through libmaru.
+    let path = s.marud.published("llama/k1");
+    assert_eq!(std::fs::read(&path).expect("read under the mount"), want);
+    let m = s
+        .local()
+        .retrieve("llama/k1")
+        .expect("retrieve")
+        .expect("found");
+    assert_eq!(m.as_slice(), &want[..]);
+    // What a local client stores in the pool, a remote worker loads.
+    let h = s.local();
+    let value = pattern(5, 300_000);
+    let mut a = h.alloc(value.len() as u64).expect("alloc");
+    a.as_mut_slice().copy_from_slice(&value);
+    h.store("llama/local", a).expect("store");
+    let got = s.one(2, &["get", url, "llama", "local"]);
+    assert_eq!(got["sum"], checksum(&value), "{got}");
+    // Write-once across doors: the same name again, from the other node.
+    let r = s.one(2, &["store", url, "llama", "k1", "4096", "99"]);
+    assert_eq!(r["stored"], "already_present", "{r}");
+    assert_eq!(std::fs::read(&path).expect("read"), want);
+    // A batch: one exchange and one transfer list each way.
+    let b = s.one(1, &["batch", url, "llama", "b", "64", "4096", "7"]);
+    assert_eq!(b["equal"], true, "{b}");
+    assert!(
+        b["outcomes"]
+            .as_array()
+            .expect("outcomes")
+            .iter()
+            .all(|o| o["stored"] == "created"),
+        "{b}"
+    );
+    // A miss is a miss.
+    assert_eq!(s.one(2, &["get", url, "llama", "nothing"])["missing"], true);
+}
+
+#[test]
+fn of_two_workers_storing_one_name_at_once_exactly_one_wins() {
+    let Some(s) = Site::new(&[]) else { return };
+    let url = s.url.as_str();
+    for round in 0..3 {
+        let key = format!("race-{round}");
+        let at = (std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock")
+            .as_millis()
+            + 1500)
+            .to_string();
+        let spawn = |host: usize, seed: &str| {
+            Reaped(
+                s.worker(
+                    host,
+                    TOKEN,
+                    &["store", url, "race", &key, "65536", seed, &at],
+                )
+                .stdout(Stdio::piped())
+                .spawn()
+                .expect("worker"),
+            )
+        };
+        let (a, b) = (spawn(1, "1"), spawn(2, "2"));
+        let read = |mut w: Reaped| -> Value {
+            let mut out = String::new();
+            std::io::Read::read_to_string(w.0.stdout.as_mut().expect("stdout"), &mut out)
+                .expect("read");
+            serde_json::from_str(out.trim()).expect("JSON")
+        };
+        let (ra, rb) = (read(a), read(b));
+        let won: Vec<&Value> = [&ra, &rb]
+            .into_iter()
+            .filter(|r| r["stored"] == "created")
+            .collect();
+        assert_eq!(won.len(), 1, "{ra} {rb}");
+        let lost = if ra["stored"] == "created" { &rb } else { &ra };
+        assert_eq!(lost["stored"], "already_present", "{ra} {rb}");
+        let winner_seed = if ra["stored"] == "created" { 1 } else { 2 };
+        let bytes = std::fs::read(s.marud.published(&format!("race/{key}"))).expect("read");
+        assert_eq!(bytes, pattern(winner_seed, 65536), "round {round}");
+    }
+}
+
+/// The memory node's view of remote sessions: bytes reserved and leases held.
+fn remote_sessions(s: &Site) -> (u64, u64) {
+    let st = s.local().stats().expect("stats");
+    st.clients
+        .iter()
+        .filter(|c| c.name.starts_with("remote:"))
+        .fold((0, 0), |(a, l), c| (a + c.allocated, l + c.leases))
+}
+
+fn wait_until(what: &str, within: Duration, mut f: impl FnMut() -> bool) -> Duration {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < within, "{what} within {within:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    t.elapsed()
+}
+
+#[test]
+fn a_worker_killed_or_silent_leaks_no_reservation_and_no_read_protection() {
+    // Short TTLs, so that a silent worker's tickets end within the test.
+    let Some(s) = Site::new(&["--remote-reserve-ttl", "2", "--remote-read-ttl", "2"]) else {
+        return;
+    };
+    let url = s.url.as_str();
+    assert_eq!(
+        s.one(1, &["store", url, "kv", "held", "8192", "3"])["stored"],
+        "created"
+    );
+    let before = s.local().pools()[0].writing_bytes;
+
+    // kill -9 of a worker holding a reservation and a read protection: all back at once.
+    let mut w = Reaped(
+        s.worker(1, TOKEN, &["hold", url, "kv", "held"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("holder"),
+    );
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(w.0.stdout.as_mut().expect("stdout")),
+        &mut line,
+    )
+    .expect("read");
+    assert!(
+        line.contains("\"held\":true") && line.contains("\"found\":1"),
+        "{line}"
+    );
+    let (reserved, leases) = remote_sessions(&s);
+    assert!(reserved >= 4 << 20 && leases == 1, "{reserved} {leases}");
+    w.0.kill().expect("kill -9");
+    let _ = w.0.wait();
+    let took = wait_until(
+        "a dead worker's tickets reclaimed",
+        Duration::from_secs(5),
+        || remote_sessions(&s) == (0, 0),
+    );
+    eprintln!("a killed worker's tickets were reclaimed after {took:?}");
+    assert_eq!(s.local().pools()[0].writing_bytes, before);
+
+    // A worker that keeps its connection but goes silent: its tickets end with their TTL.
+    let mut w = Reaped(
+        s.worker(2, TOKEN, &["hold", url, "kv", "held"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("holder"),
+    );
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(w.0.stdout.as_mut().expect("stdout")),
+        &mut line,
+    )
+    .expect("read");
+    assert!(line.contains("\"held\":true"), "{line}");
+    let took = wait_until(
+        "a silent worker's tickets expired",
+        Duration::from_secs(6),
+        || remote_sessions(&s) == (0, 0),
+    );
+    eprintln!("a silent worker's tickets expired after {took:?} (TTL 2 s)");
+    assert_eq!(s.local().pools()[0].writing_bytes, before);
+    // Nothing sealed was lost.
+    assert_eq!(
+        std::fs::read(s.marud.published("kv/held")).expect("read"),
+        pattern(3, 8192)
+    );
+    drop(w);
+}
+
+#[test]
+fn bad_workers_get_clear_errors_and_take_nothing() {
+    let Some(s) = Site::new(&[]) else { return };
+    let url = s.url.as_str();
+    // A wrong token: refused, nothing stored.
+    let out = s
+        .worker(
+            1,
+            "not-the-token-at-all-xx",
+            &["store", url, "x", "k", "10", "1"],
+        )
+        .output()
+        .expect("worker");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("refused"), "{text}");
+    assert!(
+        s.local()
+            .retrieve("x/k")
+            .map(|m| m.is_none())
+            .unwrap_or(true)
+    );
+
+    let raw = |body: &str| s.run(1, &["raw", url, body]);
+    // A malformed first message: a protocol error, then the connection ends.
+    let r = raw("{\"id\":1,\"generation\":0,\"op\":\"explode\"}");
+    assert_eq!(r[0]["outcome"]["err"]["kind"], "protocol", "{r:?}");
+    assert_eq!(r[1]["closed_after"], true, "{r:?}");
+    // Not a hello first.
+    let r = raw("{\"id\":1,\"generation\":0,\"op\":\"ping\"}");
+    assert_eq!(r[0]["outcome"]["err"]["kind"], "protocol", "{r:?}");
+    // An oversized frame: refused before it is read (the worker sends a length over it).
+    let r = s.run(1, &["oversized", url]);
+    assert!(r[0].to_string().contains("exceeds"), "{r:?}");
+    assert_eq!(r[1]["closed_after"], true, "{r:?}");
+    // A publication of a ticket that is not the worker's: rejected, nothing published.
+    let r = s.one(1, &["foreign", url, "x", "stolen"]);
+    assert!(r["published"][0]["rejected"].is_object(), "{r}");
+    assert!(
+        s.local()
+            .retrieve("x/stolen")
+            .map(|m| m.is_none())
+            .unwrap_or(true)
+    );
+
+    // A reservation beyond the pool: a clear error, nothing reserved.
+    // Two pages of 200 MiB in a 256 MiB pool: all or nothing, so nothing, whatever eviction
+    // could free.
+    let mb200 = (200u64 << 20).to_string();
+    let r = s.one(1, &["reserve", url, "x", &mb200, &mb200]);
+    let e = r["error"].as_str().unwrap_or_default().to_owned();
+    assert!(e.starts_with("no_space") && e.contains("pool full"), "{r}");
+    // A value larger than the worker's staging buffer: refused by the worker itself.
+    let big = s.one(
+        1,
+        &[
+            "store",
+            url,
+            "x",
+            "too-big",
+            &(100u64 << 20).to_string(),
+            "1",
+        ],
+    );
+    assert!(big["error"].as_str().is_some(), "{big}");
+    // Everything still works for a good worker, and nothing is left reserved.
+    assert_eq!(
+        s.one(2, &["store", url, "x", "fine", "4096", "1"])["stored"],
+        "created"
+    );
+    assert_eq!(remote_sessions(&s), (0, 0));
+}
+
+#[test]
+fn workers_survive_a_memory_node_restart_and_sealed_entries_too() {
+    let Some(mut s) = Site::new(&[]) else { return };
+    let url = s.url.clone();
+    assert_eq!(
+        s.one(1, &["store", &url, "kv", "before", "65536", "8"])["stored"],
+        "created"
+    );
+    // Two workers store and load in a loop while marud is killed and started again.
+    let spawn = |host: usize| {
+        Reaped(
+            s.worker(host, TOKEN, &["loop", &url, "kv", "12"])
+                .stdout(Stdio::piped())
+                .spawn()
+                .expect("worker"),
+        )
+    };
+    let (a, b) = (spawn(1), spawn(2));
+    std::thread::sleep(Duration::from_secs(3));
+    s.marud.kill9();
+    std::thread::sleep(Duration::from_millis(500));
+    s.marud.restart();
+    s.wait_door();
+    for mut w in [a, b] {
+        let mut out = String::new();
+        std::io::Read::read_to_string(w.0.stdout.as_mut().expect("stdout"), &mut out)
+            .expect("read");
+        let r: Value = serde_json::from_str(out.trim()).expect("JSON");
+        eprintln!("worker across the restart: {r}");
+        assert!(r["ok"].as_u64().unwrap_or(0) > 10, "{r}");
+        assert_eq!(r["last_ok"], true, "{r}");
+        // Nothing hung past its timeouts (control 2 s, transfer 3 s).
+        assert!(r["longest_ms"].as_u64().unwrap_or(u64::MAX) < 8000, "{r}");
+        assert!(r["reconnects"].as_u64().unwrap_or(0) >= 1, "{r}");
+    }
+    // The entry sealed before the crash is intact.
+    let got = s.one(2, &["get", &url, "kv", "before"]);
+    assert_eq!(got["sum"], checksum(&pattern(8, 65536)), "{got}");
+}
