@@ -159,6 +159,43 @@ impl Drop for Etcd {
     }
 }
 
+/// Makes the calling process a host of network namespace `netns_fd`, as `ip netns exec`
+/// does: it joins the namespace, takes a mount namespace of its own whose mounts do not
+/// propagate back, and mounts a sysfs of the namespace's own on /sys (so that programs that
+/// list network devices in /sys, UCX among them, see the namespace's). For `pre_exec`: system
+/// calls only.
+pub fn enter_host(netns_fd: std::os::fd::RawFd) -> std::io::Result<()> {
+    // SAFETY: plain system calls with static C strings.
+    unsafe {
+        if libc::setns(netns_fd, libc::CLONE_NEWNET) != 0 || libc::unshare(libc::CLONE_NEWNS) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let none = std::ptr::null();
+        if libc::mount(
+            none,
+            c"/".as_ptr(),
+            none,
+            libc::MS_REC | libc::MS_SLAVE,
+            none.cast(),
+        ) != 0
+        {
+            return Err(std::io::Error::last_os_error());
+        }
+        libc::umount2(c"/sys".as_ptr(), libc::MNT_DETACH);
+        if libc::mount(
+            c"sysfs".as_ptr(),
+            c"/sys".as_ptr(),
+            c"sysfs".as_ptr(),
+            0,
+            none.cast(),
+        ) != 0
+        {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
 /// Runs `f` on a thread of its own that entered network namespace `ns`.
 pub fn in_netns<T: Send>(ns: &str, f: impl FnOnce() -> T + Send) -> T {
     std::thread::scope(|s| {
