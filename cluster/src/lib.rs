@@ -58,8 +58,6 @@ use tokio::task::JoinHandle;
 pub mod etcd;
 pub mod testing;
 
-pub use etcd::probe;
-
 /// The unit of region claims: 2 MiB, the pool's region alignment.
 pub const UNIT: u64 = 2 << 20;
 

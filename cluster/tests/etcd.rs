@@ -497,16 +497,3 @@ async fn a_running_member_keeps_its_lease_for_many_ttls() {
     assert!(a.is_live(), "the keep-alive let a 1 s lease run out");
     assert!(a.claim(0, UNIT).await.expect("claim"));
 }
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn probe_names_the_member_or_says_why_none_answers() {
-    let Some(etcd) = Etcd::start() else { return };
-    let line = maru_cluster::probe(&etcd.endpoints(), Duration::from_secs(5))
-        .await
-        .expect("probe");
-    assert!(line.starts_with("etcd 3."), "{line}");
-    let t0 = Instant::now();
-    let dead = maru_cluster::probe(&["http://127.0.0.1:1".into()], Duration::from_secs(2)).await;
-    assert!(dead.is_err(), "{dead:?}");
-    assert!(t0.elapsed() < Duration::from_secs(4), "{:?}", t0.elapsed());
-}

@@ -236,7 +236,96 @@ pub fn render(s: &Stats) -> String {
             );
         }
     }
+    if let Some(r) = &s.remote {
+        remote(&mut o, r);
+    }
     o
+}
+
+/// The remote door's counters and gauges (`maru_remote_*`).
+fn remote(o: &mut String, r: &maru::proto::RemoteInfo) {
+    let counters: [(&str, &str, u64); 11] = [
+        (
+            "maru_remote_connections_total",
+            "Remote workers admitted by the door.",
+            r.connections,
+        ),
+        (
+            "maru_remote_refused_total",
+            "Connections to the remote door refused (a bad token or hello, or closed before it).",
+            r.refused,
+        ),
+        (
+            "maru_remote_requests_total",
+            "Control requests of remote workers after their hello.",
+            r.requests,
+        ),
+        (
+            "maru_remote_errors_total",
+            "Control requests of remote workers answered with an error.",
+            r.errors,
+        ),
+        (
+            "maru_remote_pages_reserved_total",
+            "Pages reserved for remote workers' writes.",
+            r.pages_reserved,
+        ),
+        (
+            "maru_remote_reserved_bytes_total",
+            "Bytes of the pages reserved for remote workers' writes.",
+            r.bytes_reserved,
+        ),
+        (
+            "maru_remote_published_total",
+            "Entries remote workers published.",
+            r.published,
+        ),
+        (
+            "maru_remote_lookups_total",
+            "Lookup requests of remote workers.",
+            r.lookups,
+        ),
+        (
+            "maru_remote_protected_bytes_total",
+            "Bytes of entries protected for remote workers' reads.",
+            r.bytes_protected,
+        ),
+        (
+            "maru_remote_expired_total",
+            "Remote tickets (reservations, read protections) ended by their TTL.",
+            r.expired,
+        ),
+        (
+            "maru_remote_quarantined_total",
+            "Pages quarantined after a remote worker's WRITE timed out.",
+            r.quarantined,
+        ),
+    ];
+    for (name, help, v) in counters {
+        head(o, name, "counter", help);
+        let _ = writeln!(o, "{name} {v}");
+    }
+    let gauges: [(&str, &str, u64); 3] = [
+        (
+            "maru_remote_workers",
+            "Remote workers connected now.",
+            r.workers.len() as u64,
+        ),
+        (
+            "maru_remote_workers_reserved_bytes",
+            "Bytes reserved by the connected remote workers, not yet published.",
+            r.workers.iter().map(|w| w.reserved).sum(),
+        ),
+        (
+            "maru_remote_workers_protected_bytes",
+            "Bytes of entries the connected remote workers protect for reading now.",
+            r.workers.iter().map(|w| w.protected).sum(),
+        ),
+    ];
+    for (name, help, v) in gauges {
+        head(o, name, "gauge", help);
+        let _ = writeln!(o, "{name} {v}");
+    }
 }
 
 fn kind(k: maru::proto::PoolKind) -> &'static str {
@@ -353,5 +442,57 @@ mod tests {
             !text.contains("maru_cluster_claimed_bytes{node=\"c\"}"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn the_remote_door_adds_its_counters_and_gauges() {
+        let mut s: Stats = serde_json::from_value(serde_json::json!({
+            "pools": [], "namespaces": [], "clients": [], "ops": {}, "eviction": "lru"
+        }))
+        .unwrap();
+        assert!(!render(&s).contains("maru_remote"));
+        let worker = |reserved, protected| maru::proto::RemoteWorker {
+            node: "gpu".into(),
+            reserved,
+            protected,
+            ..Default::default()
+        };
+        s.remote = Some(Box::new(maru::proto::RemoteInfo {
+            addr: "10.0.0.5:7860".into(),
+            connections: 3,
+            refused: 1,
+            requests: 40,
+            errors: 2,
+            pages_reserved: 5,
+            bytes_reserved: 5 << 20,
+            published: 4,
+            lookups: 6,
+            bytes_protected: 7000,
+            expired: 8,
+            quarantined: 9,
+            workers: vec![worker(4096, 0), worker(0, 100)],
+            ..Default::default()
+        }));
+        let text = render(&s);
+        for line in [
+            "maru_remote_connections_total 3",
+            "maru_remote_refused_total 1",
+            "maru_remote_requests_total 40",
+            "maru_remote_errors_total 2",
+            "maru_remote_pages_reserved_total 5",
+            "maru_remote_reserved_bytes_total 5242880",
+            "maru_remote_published_total 4",
+            "maru_remote_lookups_total 6",
+            "maru_remote_protected_bytes_total 7000",
+            "maru_remote_expired_total 8",
+            "maru_remote_quarantined_total 9",
+            "maru_remote_workers 2",
+            "maru_remote_workers_reserved_bytes 4096",
+            "maru_remote_workers_protected_bytes 100",
+            "# TYPE maru_remote_workers gauge",
+            "# TYPE maru_remote_published_total counter",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing:\n{text}");
+        }
     }
 }

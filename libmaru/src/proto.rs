@@ -403,6 +403,67 @@ pub struct Stats {
     /// Cluster mode: this host and the others sharing its pool (None on a single host).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cluster: Option<Box<ClusterInfo>>,
+    /// A memory node's remote door and its connected workers (None without `remote_bind`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote: Option<Box<RemoteInfo>>,
+}
+
+/// A memory node's remote door as its marud sees it (`Stats::remote`, doc/REMOTE.md). The
+/// counters run from marud's start.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
+pub struct RemoteInfo {
+    /// Where workers connect (`HOST:PORT`).
+    pub addr: String,
+    /// This marud run's generation, 16 hex digits (as in the logs).
+    pub generation: String,
+    /// The pool remote entries live in: its name, and its UUID.
+    pub pool: String,
+    pub pool_uuid: String,
+    /// Workers admitted (hello accepted), and connections refused (a bad token, a bad hello,
+    /// none before the connection closed).
+    pub connections: u64,
+    pub refused: u64,
+    /// Control requests after the hello, and those answered with an error.
+    pub requests: u64,
+    pub errors: u64,
+    /// Pages reserved and their bytes.
+    pub pages_reserved: u64,
+    pub bytes_reserved: u64,
+    /// Entries published.
+    pub published: u64,
+    /// Lookup requests, and the bytes of the entries they protected for reading.
+    pub lookups: u64,
+    pub bytes_protected: u64,
+    /// Tickets (reservations, read protections) ended by their TTL.
+    pub expired: u64,
+    /// Pages quarantined after a timed-out WRITE.
+    pub quarantined: u64,
+    /// The workers connected now, in the order they connected.
+    pub workers: Vec<RemoteWorker>,
+}
+
+/// A worker connected to the remote door.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
+pub struct RemoteWorker {
+    /// The connection's number (in the door's log lines as `worker`).
+    pub id: u64,
+    /// The node the worker named in its hello.
+    pub node: String,
+    /// The name of its token (the token file's NAME), and the uid/gid it acts as.
+    pub identity: String,
+    pub uid: u32,
+    pub gid: u32,
+    /// Its address, `IP:PORT`.
+    pub peer: String,
+    /// Bytes reserved, not yet published or given back.
+    pub reserved: u64,
+    /// Bytes of entries it protects for reading (looked up, not yet released).
+    pub protected: u64,
+    /// Its control requests, and those answered with an error.
+    pub requests: u64,
+    pub errors: u64,
 }
 
 /// A cluster as one of its hosts sees it (`Stats::cluster`).

@@ -32,6 +32,10 @@
 //!
 //! Threads: [`RemoteClient`] is `Send + Sync`; its requests take turns on the one connection
 //! and staging buffer. See doc/REMOTE.md.
+//!
+//! Leased memory ([`Arena`], [`Lease`]): callers that keep values in registered memory of
+//! their own store from it and load into it with no copy through the staging buffer
+//! ([`RemoteClient::store_leased`], [`RemoteClient::retrieve_leased`]).
 
 use std::io;
 use std::net::{TcpStream, ToSocketAddrs};
@@ -47,6 +51,10 @@ use crate::proto::{
     self, Blob, FrameError, Op, Outcome, Page, PublishItem, Published, Registration, Reply,
     Request, Response,
 };
+
+mod leases;
+use leases::Keep;
+pub use leases::{ARENA_ALIGN, Arena, ArenaStats, Lease, Purpose};
 
 /// Pieces in the staging buffer start at multiples of this (a cache line).
 const STAGING_ALIGN: usize = 64;
@@ -398,6 +406,7 @@ fn reply_name(r: &Reply) -> &'static str {
         Reply::Exists(_) => "exists",
         Reply::Found(_) => "found",
         Reply::Each(_) => "each",
+        Reply::Listing(_) => "listing",
         Reply::Done => "done",
         Reply::Pong => "pong",
     }
@@ -477,6 +486,8 @@ struct Lingering {
     // Declared first: dropped (released) before the staging buffer and the agent.
     transfer: Transfer<'static>,
     staging: Option<Staging>,
+    /// The leases a READ into leased memory may still write into.
+    leases: Vec<Lease>,
     /// A WRITE's quarantined tickets, abandoned once the transfer is over.
     tickets: Vec<u64>,
     /// The connection that reserved them.
@@ -506,6 +517,15 @@ impl Drop for Lingering {
                 "a timed-out NIXL transfer never ended; its staging buffer is leaked"
             );
             s.leak();
+        }
+        if !self.leases.is_empty() && !self.over() {
+            tracing::warn!(
+                leases = self.leases.len(),
+                "a timed-out NIXL read into leased memory never ended; the leases are leaked"
+            );
+            for l in self.leases.drain(..) {
+                std::mem::forget(l);
+            }
         }
     }
 }
@@ -888,6 +908,46 @@ impl RemoteClient {
         })
     }
 
+    /// Lists namespace `ns` (`""`: the root): its child namespaces and entries, each sorted
+    /// by name; asked a page at a time (one request each), all pages in one listing.
+    pub fn list(&self, ns: &str) -> Result<proto::Listing> {
+        let mut all = proto::Listing::default();
+        let mut after: Option<String> = None;
+        loop {
+            let page = self.run(|inner| {
+                let op = Op::List {
+                    ns: ns.to_owned(),
+                    after: after.clone(),
+                };
+                match self.call(inner, op)? {
+                    Reply::Listing(l) => Ok(l),
+                    other => Err(unexpected("list", &other)),
+                }
+            })?;
+            let last = page
+                .children
+                .iter()
+                .chain(page.entries.iter().map(|e| &e.key))
+                .max()
+                .cloned();
+            all.children.extend(page.children);
+            all.entries.extend(page.entries);
+            if !page.more {
+                all.children.sort();
+                all.entries.sort_by(|a, b| a.key.cmp(&b.key));
+                return Ok(all);
+            }
+            match last {
+                Some(l) if after.as_ref().is_none_or(|a| l > *a) => after = Some(l),
+                _ => {
+                    return Err(Error::Protocol(
+                        "a listing's page said more names follow, and named none further".into(),
+                    ));
+                }
+            }
+        }
+    }
+
     /// Asks marud whether it is there; the round trip's time.
     pub fn ping(&self) -> Result<Duration> {
         self.run(|inner| {
@@ -1259,10 +1319,27 @@ impl RemoteClient {
         remote: &[Desc],
         tickets: Vec<u64>,
     ) -> std::result::Result<(), maru_nixl::Error> {
+        self.transfer_on(inner, op, Mem::Dram, local, remote, tickets, Keep::Staging)
+    }
+
+    /// [`transfer`](Self::transfer) with local memory of kind `local_mem`; one that times out
+    /// keeps what `keep` names (the staging buffer, or the leases it reads into) until NIXL
+    /// says it is over.
+    #[allow(clippy::too_many_arguments)]
+    fn transfer_on(
+        &self,
+        inner: &mut Inner,
+        op: maru_nixl::Op,
+        local_mem: Mem,
+        local: &[Desc],
+        remote: &[Desc],
+        tickets: Vec<u64>,
+        keep: Keep<'_>,
+    ) -> std::result::Result<(), maru_nixl::Error> {
         let peer = inner.peer.as_deref().unwrap_or_default();
         let mut t = self
             .agent
-            .transfer(op, Mem::Dram, local, Mem::Dram, remote, peer)?;
+            .transfer(op, local_mem, local, Mem::Dram, remote, peer)?;
         match t.wait(self.cfg.transfer_timeout) {
             Ok(()) => {
                 let bytes: u64 = local.iter().map(|d| d.len).sum();
@@ -1279,9 +1356,14 @@ impl RemoteClient {
                 // moves; the `Lingering` holds a clone of that `Arc` in a field dropped after
                 // `transfer`, so the agent outlives the borrow the lifetime no longer names.
                 let transfer = unsafe { std::mem::transmute::<Transfer<'_>, Transfer<'static>>(t) };
+                let (staging, leases) = match keep {
+                    Keep::Staging => (inner.staging.take(), Vec::new()),
+                    Keep::Leases(v) => (None, std::mem::take(v)),
+                };
                 inner.lingering.push(Lingering {
                     transfer,
-                    staging: inner.staging.take(),
+                    staging,
+                    leases,
                     tickets,
                     conn: inner.conn.as_ref().map_or(0, |c| c.serial),
                     _agent: self.agent.clone(),

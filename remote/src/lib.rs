@@ -7,4 +7,7 @@
 pub mod client;
 pub mod proto;
 
-pub use client::{Error as RemoteError, RemoteClient, RemoteConfig, Stats, Stored};
+pub use client::{
+    ARENA_ALIGN, Arena, ArenaStats, Error as RemoteError, Lease, Purpose, RemoteClient,
+    RemoteConfig, Stats, Stored,
+};

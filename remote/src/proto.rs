@@ -99,6 +99,15 @@ pub enum Op {
         keys: Vec<String>,
         pinned: bool,
     },
+    /// Lists namespace `ns` (`""`: the root) under the policy of a local list: its child
+    /// namespaces and entries by name, in order, a page at a time: the names after `after`
+    /// (from the first without it) that fit one reply; [`Listing::more`] when names remain.
+    /// The pages that continue a listing come from the first page's look at the namespace.
+    List {
+        ns: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        after: Option<String>,
+    },
     /// Liveness.
     Ping,
 }
@@ -119,6 +128,7 @@ impl Op {
             Op::Release { .. } => "release",
             Op::Delete { .. } => "delete",
             Op::Pin { .. } => "pin",
+            Op::List { .. } => "list",
             Op::Ping => "ping",
         }
     }
@@ -135,7 +145,7 @@ impl Op {
             | Op::Lookup { keys, .. }
             | Op::Delete { keys, .. }
             | Op::Pin { keys, .. } => keys.len(),
-            Op::Hello { .. } | Op::Metadata | Op::Mkdir { .. } | Op::Ping => 0,
+            Op::Hello { .. } | Op::Metadata | Op::Mkdir { .. } | Op::List { .. } | Op::Ping => 0,
         }
     }
 }
@@ -168,6 +178,26 @@ pub enum Published {
     AlreadyPresent,
     /// Refused (policy, quota, a bad name or ticket): the page is freed.
     Rejected(WireError),
+}
+
+/// One page of a namespace's listing (`list`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Listing {
+    /// Child namespaces: their names in the namespace listed.
+    pub children: Vec<String>,
+    /// Entries, each in the namespace's pools (one the door does not serve too: such an
+    /// entry is listed, and a lookup does not find it).
+    pub entries: Vec<Listed>,
+    /// Names remain after this page: ask again with `after` = its last name.
+    #[serde(default)]
+    pub more: bool,
+}
+
+/// An entry of a listing.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Listed {
+    pub key: String,
+    pub size: u64,
 }
 
 /// The pool's memory as NIXL sees it.
@@ -216,6 +246,7 @@ pub enum Reply {
     Found(Vec<Option<Page>>),
     /// One outcome per key (deletions, pins): `None` when it succeeded.
     Each(Vec<Option<WireError>>),
+    Listing(Listing),
     Done,
     Pong,
 }
@@ -362,7 +393,53 @@ mod tests {
             keys: vec!["x".into()],
             pinned: true,
         });
+        round_trip(Op::List {
+            ns: "llama".into(),
+            after: None,
+        });
+        round_trip(Op::List {
+            ns: "".into(),
+            after: Some("k\"7".into()),
+        });
         round_trip(Op::Ping);
+        // A list without `after` is the first page.
+        assert_eq!(
+            decode_request(br#"{"id":1,"generation":2,"op":"list","args":{"ns":"a"}}"#)
+                .unwrap()
+                .op,
+            Op::List {
+                ns: "a".into(),
+                after: None
+            }
+        );
+    }
+
+    #[test]
+    fn listings_survive_the_wire() {
+        let r = Response {
+            id: 4,
+            generation: 5,
+            registration: 1,
+            outcome: Outcome::Ok(Reply::Listing(Listing {
+                children: vec!["tp0".into(), "tp1".into()],
+                entries: vec![Listed {
+                    key: "k1".into(),
+                    size: 1 << 20,
+                }],
+                more: true,
+            })),
+        };
+        let mut buf = Vec::new();
+        write_frame(&mut buf, &r).unwrap();
+        let mut body = Vec::new();
+        read_frame(&mut buf.as_slice(), &mut body).unwrap().unwrap();
+        assert_eq!(decode_response(&body).unwrap(), r);
+        // `more` is false unless said.
+        let last = br#"{"id":1,"generation":1,"registration":1,"outcome":{"ok":{"reply":"listing","data":{"children":[],"entries":[]}}}}"#;
+        assert_eq!(
+            decode_response(last).unwrap().outcome,
+            Outcome::Ok(Reply::Listing(Listing::default()))
+        );
     }
 
     #[test]

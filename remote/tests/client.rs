@@ -162,6 +162,22 @@ fn a_worker_stores_and_loads_through_nixl() {
     assert_eq!(got[64], None);
     let there = client.batch_exists("ns", &keys).unwrap();
     assert!(there[..64].iter().all(|&x| x) && !there[64]);
+    // A listing of 67 entries comes in pages of 16, whole and in order.
+    let listing = client.list("ns").unwrap();
+    let mut want: Vec<(String, u64)> = names.iter().map(|n| (n.clone(), 4096)).collect();
+    want.extend([
+        ("big".into(), 32 << 20),
+        ("small".into(), 1000),
+        ("twice".into(), 5000),
+    ]);
+    want.sort();
+    let got: Vec<(String, u64)> = listing
+        .entries
+        .iter()
+        .map(|e| (e.key.clone(), e.size))
+        .collect();
+    assert_eq!(got, want);
+    assert_eq!(server.count("list"), 5);
 
     // Threads share one client.
     let shared = std::sync::Arc::new(client);
@@ -746,6 +762,26 @@ mod pool {
                     })
                     .collect(),
             ),
+            Op::List { ns, after } => {
+                // Pages of 16 names, so that a listing takes several.
+                let mut names: Vec<(String, u64)> = st
+                    .entries
+                    .iter()
+                    .filter(|((n, k), _)| *n == ns && after.as_ref().is_none_or(|a| k > a))
+                    .map(|((_, k), &(_, len))| (k.clone(), len))
+                    .collect();
+                names.sort();
+                let more = names.len() > 16;
+                names.truncate(16);
+                Reply::Listing(proto::Listing {
+                    children: Vec::new(),
+                    entries: names
+                        .into_iter()
+                        .map(|(key, size)| proto::Listed { key, size })
+                        .collect(),
+                    more,
+                })
+            }
         })
     }
 

@@ -205,6 +205,27 @@ fn an_unreachable_etcd_fails_quickly() {
 }
 
 #[test]
+fn a_healthy_etcd_is_named_with_its_version() {
+    let Some(etcd) = maru_cluster::testing::Etcd::start() else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("temp dir");
+    let body = format!(
+        "no_mount = true\npools = [\"file:{}/pool.img,size=64M\"]\ncluster = \"{}\"\nnode = \"a\"\n",
+        dir.path().display(),
+        etcd.endpoints().join(",")
+    );
+    let (_, report) = doctor(&config(dir.path(), &body), &[]);
+    let c = check(&report, "etcd");
+    assert_eq!(c["status"], "ok", "{c:#}");
+    let detail = c["detail"].as_str().expect("detail");
+    assert!(
+        detail.contains("etcd 3.") && detail.contains("healthy"),
+        "{c:#}"
+    );
+}
+
+#[test]
 fn nixl_is_looked_for_where_the_remote_tier_looks() {
     let dir = tempfile::tempdir().expect("temp dir");
     let lib = dir.path().join("libnixl_capi.so");

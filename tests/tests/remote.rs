@@ -1,8 +1,9 @@
 //! The remote tier end to end, with real NIXL over UCX/TCP: a memory node and two GPU nodes as
 //! network namespaces joined by veth pairs (maru_cluster::testing::Net), marud with
 //! `--remote-bind` in the memory node's namespace, workers (`maru-remote-worker`, a process of
-//! their own) in the others. UCX is told its device in each namespace (`UCX_NET_DEVICES`) and
-//! TCP (`UCX_TLS=tcp`: with the default it would find one kernel and use shared memory).
+//! their own) and `maructl --remote` in the others. UCX is told its device in each namespace
+//! (`UCX_NET_DEVICES`) and TCP (`UCX_TLS=tcp`: with the default it would find one kernel and
+//! use shared memory).
 //!
 //! Skips without root or NIXL, except in CI (`MARU_REQUIRE_ROOT`, `MARU_REQUIRE_NIXL`).
 
@@ -107,11 +108,30 @@ impl Site {
 
     /// A worker process on GPU node `host`.
     fn worker(&self, host: usize, token: &str, args: &[&str]) -> Command {
-        let mut cmd = Command::new(bin("maru-remote-worker"));
+        let mut cmd = self.on_node(host, "maru-remote-worker");
         cmd.args(args)
-            .envs(ucx_env(&self.net, host, &self.nixl))
             .env("MARU_REMOTE_TOKEN", token)
-            .env("MARU_REMOTE_NODE", format!("gpu{host}"))
+            .env("MARU_REMOTE_NODE", format!("gpu{host}"));
+        cmd
+    }
+
+    /// `maructl --remote` on GPU node `host`, with `args` after the door's URL (the token in
+    /// the environment unless `args` name a file).
+    fn maructl(&self, host: usize, args: &[&str]) -> std::process::Output {
+        let mut cmd = self.on_node(host, "maructl");
+        cmd.arg("--remote")
+            .arg(format!("tcp://{}", self.url))
+            .args(args)
+            .env("MARU_REMOTE_TOKEN", TOKEN)
+            .output()
+            .expect("running maructl")
+    }
+
+    /// Program `name` as a process of GPU node `host` (its network namespace and /sys, UCX's
+    /// environment for it).
+    fn on_node(&self, host: usize, name: &str) -> Command {
+        let mut cmd = Command::new(bin(name));
+        cmd.envs(ucx_env(&self.net, host, &self.nixl))
             .stdin(Stdio::null())
             .stderr(Stdio::inherit());
         let ns = std::fs::File::open(self.net.host_path(host)).expect("the namespace");
@@ -454,4 +474,245 @@ fn workers_survive_a_memory_node_restart_and_sealed_entries_too() {
     // The entry sealed before the crash is intact.
     let got = s.one(2, &["get", &url, "kv", "before"]);
     assert_eq!(got["sum"], checksum(&pattern(8, 65536)), "{got}");
+}
+
+/// `maructl --json --remote URL ARGS` on GPU node `host`: its document (it must succeed).
+fn ctl_json(s: &Site, host: usize, args: &[&str]) -> Value {
+    let mut a = vec!["--json"];
+    a.extend_from_slice(args);
+    let o = s.maructl(host, &a);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "maructl --remote {args:?} ({}): {text}{}\nmarud:\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stderr),
+        s.marud.log_text()
+    );
+    serde_json::from_str(&text).expect("one JSON document")
+}
+
+/// The memory node's `maructl status --json` (its local socket).
+fn status(s: &Site) -> Value {
+    let o = Command::new(bin("maructl"))
+        .arg("--socket")
+        .arg(&s.marud.socket)
+        .args(["--json", "status"])
+        .output()
+        .expect("maructl status");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_slice(&o.stdout).expect("JSON")
+}
+
+/// The remote door's connected workers in `status`.
+fn door_workers(st: &Value) -> Vec<Value> {
+    st["remote"]["workers"]
+        .as_array()
+        .expect("the door's workers")
+        .clone()
+}
+
+/// marud's metrics, fetched inside the memory node's namespace: `name{labels}` -> value.
+fn metrics(s: &Site, addr: &str) -> std::collections::BTreeMap<String, f64> {
+    let text = in_netns(&s.net.hosts[0], || {
+        let mut c = std::net::TcpStream::connect(addr).expect("the metrics port");
+        std::io::Write::write_all(&mut c, b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n")
+            .expect("ask");
+        let mut out = String::new();
+        std::io::Read::read_to_string(&mut c, &mut out).expect("answer");
+        out
+    });
+    let body = text.split_once("\r\n\r\n").expect("a body").1;
+    body.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| l.rsplit_once(' '))
+        .map(|(k, v)| (k.to_owned(), v.parse().expect("a number")))
+        .collect()
+}
+
+#[test]
+fn maructl_remote_lists_gets_and_puts_and_the_memory_node_shows_its_workers() {
+    const METRICS: &str = "127.0.0.1:9860";
+    let Some(s) = Site::new(&["--metrics", METRICS]) else {
+        return;
+    };
+    let url = s.url.as_str();
+    // Entries stored by a worker on node 1, one of them in a namespace below.
+    for (ns, key, len, seed) in [
+        ("ctl", "k1", "100000", "21"),
+        ("ctl", "k2", "4096", "22"),
+        ("ctl/sub", "x", "64", "23"),
+    ] {
+        let r = s.one(1, &["store", url, ns, key, len, seed]);
+        assert_eq!(r["stored"], "created", "{r}");
+    }
+
+    // maructl --remote from node 2: ls, stat, get, put.
+    let ls = ctl_json(&s, 2, &["ls", "ctl"]);
+    assert_eq!(ls["children"], serde_json::json!(["sub"]), "{ls}");
+    assert_eq!(
+        ls["entries"],
+        serde_json::json!([{"key": "k1", "size": 100000}, {"key": "k2", "size": 4096}]),
+        "{ls}"
+    );
+    let o = s.maructl(2, &["ls", "ctl"]);
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout),
+        format!("sub/\n{:>12} k1\n{:>12} k2\n", 100000, 4096)
+    );
+    // A namespace of more names than one reply carries: listed whole, in pages.
+    let b = s.one(1, &["batch", url, "many", "e", "4200", "64", "5"]);
+    assert_eq!(b["equal"], true, "{b}");
+    let ls = ctl_json(&s, 2, &["ls", "many"]);
+    let listed = ls["entries"].as_array().expect("entries");
+    assert_eq!(listed.len(), 4200, "{}", listed.len());
+    let mut want: Vec<String> = (0..4200).map(|i| format!("e-{i}")).collect();
+    want.sort();
+    let keys: Vec<&str> = listed.iter().filter_map(|e| e["key"].as_str()).collect();
+    assert_eq!(keys, want);
+    assert!(listed.iter().all(|e| e["size"] == 64));
+    let st = ctl_json(&s, 2, &["stat", "ctl/k1"]);
+    assert_eq!(
+        (st["size"].as_u64(), st["exists"].as_bool()),
+        (Some(100000), Some(true))
+    );
+    let missing = s.maructl(2, &["stat", "ctl/nothing"]);
+    assert_eq!(missing.status.code(), Some(3), "{missing:?}");
+    let o = s.maructl(2, &["get", "ctl/k1"]);
+    assert!(o.status.success(), "{o:?}");
+    assert_eq!(o.stdout, pattern(21, 100000));
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("k2");
+    let got = ctl_json(
+        &s,
+        2,
+        &["get", "ctl/k2", "-o", file.to_str().expect("utf-8")],
+    );
+    assert_eq!(got["size"], 4096, "{got}");
+    assert_eq!(std::fs::read(&file).expect("read"), pattern(22, 4096));
+    assert_eq!(s.maructl(2, &["get", "ctl/nothing"]).status.code(), Some(3));
+    // A put, with the token from a file: the memory node has the bytes.
+    let value = pattern(24, 300_000);
+    let input = dir.path().join("in");
+    std::fs::write(&input, &value).expect("write");
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, format!("{TOKEN}\n")).expect("write");
+    let tf = token_file.to_str().expect("utf-8");
+    let put = |host| {
+        let o = s.maructl(
+            host,
+            &[
+                "--remote-token-file",
+                tf,
+                "put",
+                "ctl/put",
+                input.to_str().expect("utf-8"),
+            ],
+        );
+        assert!(o.status.success(), "{o:?}");
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    assert!(put(2).starts_with("created ctl/put"));
+    assert_eq!(
+        s.local()
+            .retrieve("ctl/put")
+            .expect("retrieve")
+            .expect("found")
+            .as_slice(),
+        &value[..]
+    );
+    // Write-once: the same name again is already present, its bytes untouched.
+    assert!(put(1).starts_with("already present: ctl/put"));
+    let got = s.one(1, &["get", url, "ctl", "put"]);
+    assert_eq!(got["sum"], checksum(&value), "{got}");
+    // A wrong token: refused, with the local commands' exit code.
+    let bad = dir.path().join("bad");
+    std::fs::write(&bad, "not-the-token-at-all-xx").expect("write");
+    let o = s.maructl(
+        2,
+        &[
+            "--remote-token-file",
+            bad.to_str().expect("utf-8"),
+            "ls",
+            "ctl",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(5), "{o:?}");
+
+    // The memory node: the door in status and the metrics, a holding worker listed with its
+    // reservation and read protection while it is connected, and gone once killed.
+    let st = status(&s);
+    assert_eq!(st["remote"]["addr"], url, "{st}");
+    assert_eq!(
+        st["remote"]["generation"].as_str().map(str::len),
+        Some(16),
+        "{st}"
+    );
+    assert!(door_workers(&st).is_empty(), "{st}");
+    let mut w = Reaped(
+        s.worker(1, TOKEN, &["hold", url, "ctl", "k1"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("holder"),
+    );
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(w.0.stdout.as_mut().expect("stdout")),
+        &mut line,
+    )
+    .expect("read");
+    assert!(line.contains("\"held\":true"), "{line}");
+    let st = status(&s);
+    let workers = door_workers(&st);
+    assert_eq!(workers.len(), 1, "{st}");
+    let h = &workers[0];
+    assert_eq!(h["node"], "holder", "{h}");
+    assert_eq!(h["identity"], "gpu", "{h}");
+    assert_eq!(h["reserved"], 4 << 20, "{h}");
+    assert_eq!(h["protected"], 100000, "{h}");
+    assert!(
+        h["peer"]
+            .as_str()
+            .is_some_and(|p| p.starts_with(&s.net.host_ip(1))),
+        "{h}"
+    );
+    let text = Command::new(bin("maructl"))
+        .arg("--socket")
+        .arg(&s.marud.socket)
+        .arg("status")
+        .output()
+        .expect("maructl status");
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains(&format!("remote door: {url}")), "{text}");
+    assert!(
+        text.lines()
+            .any(|l| l.contains("worker holder") && l.contains("4.0 MiB")),
+        "{text}"
+    );
+    let m = metrics(&s, METRICS);
+    let get = |m: &std::collections::BTreeMap<String, f64>, k: &str| {
+        *m.get(k).unwrap_or_else(|| panic!("no {k} in {m:?}"))
+    };
+    assert_eq!(get(&m, "maru_remote_workers"), 1.0);
+    assert_eq!(
+        get(&m, "maru_remote_workers_reserved_bytes"),
+        (4u64 << 20) as f64
+    );
+    assert_eq!(get(&m, "maru_remote_workers_protected_bytes"), 100000.0);
+    // The worker's three stores and batch of 4200, maructl's one store.
+    assert_eq!(get(&m, "maru_remote_published_total"), 4204.0);
+    assert!(get(&m, "maru_remote_connections_total") >= 12.0, "{m:?}");
+    // The bad token, and the probe that waited for the door to open (gone before its hello).
+    assert!(get(&m, "maru_remote_refused_total") >= 1.0, "{m:?}");
+    assert!(get(&m, "maru_remote_lookups_total") >= 4.0, "{m:?}");
+    w.0.kill().expect("kill -9");
+    let _ = w.0.wait();
+    wait_until(
+        "the killed worker off the list",
+        Duration::from_secs(5),
+        || door_workers(&status(&s)).is_empty(),
+    );
+    let m = metrics(&s, METRICS);
+    assert_eq!(get(&m, "maru_remote_workers"), 0.0);
+    assert_eq!(get(&m, "maru_remote_workers_reserved_bytes"), 0.0);
 }

@@ -66,7 +66,8 @@ pub struct Failure {
 }
 
 impl Failure {
-    fn new(code: i32, kind: &str, message: impl Into<String>) -> Self {
+    /// A failure with exit code `code` and kind `kind`.
+    pub fn new(code: i32, kind: &str, message: impl Into<String>) -> Self {
         Failure {
             code,
             kind: kind.into(),
@@ -112,7 +113,8 @@ pub struct Output {
     pub text: String,
 }
 
-type R = Result<Output, Failure>;
+/// What a command returns.
+pub type R = Result<Output, Failure>;
 
 /// Prints a command's result as maructl does and returns its exit code: the output's JSON
 /// document (`json`) or text on stdout; a failure as its JSON document on stdout (`json`) or
@@ -142,7 +144,8 @@ pub fn finish(prog: &str, json: bool, r: Result<Option<Output>, Failure>) -> Exi
     }
 }
 
-fn out(json: Value, text: impl Into<String>) -> R {
+/// A command's output: its JSON document and its text.
+pub fn out(json: Value, text: impl Into<String>) -> R {
     Ok(Output {
         json,
         text: text.into(),
@@ -211,10 +214,52 @@ pub fn status(h: &maru::Handler) -> R {
             ));
         }
     }
+    if let Some(r) = &s.remote {
+        text.push_str(&remote_lines(r));
+    }
     let mut j =
         serde_json::to_value(&s).map_err(|e| Failure::new(exit::FAILED, "io", e.to_string()))?;
     j["server"] = json!(h.server());
     out(j, text)
+}
+
+/// `maructl status`'s lines of the remote door: the door, its counters, a line per connected
+/// worker.
+pub fn remote_lines(r: &maru::proto::RemoteInfo) -> String {
+    let mut text = format!(
+        "remote door: {} (generation {}), pool {} ({}), {} workers\n  \
+         {} connections, {} refused; {} requests, {} errors; reserved {} pages ({}), \
+         {} published, {} lookups ({} protected), {} expired, {} quarantined\n",
+        r.addr,
+        r.generation,
+        r.pool,
+        r.pool_uuid,
+        r.workers.len(),
+        r.connections,
+        r.refused,
+        r.requests,
+        r.errors,
+        r.pages_reserved,
+        format_size(r.bytes_reserved),
+        r.published,
+        r.lookups,
+        format_size(r.bytes_protected),
+        r.expired,
+        r.quarantined
+    );
+    for w in &r.workers {
+        text.push_str(&format!(
+            "  worker {:<16} {:<12} {:<21} reserved {:>10}  protected {:>10}  requests {:<8} errors {}\n",
+            w.node,
+            format!("{} ({}:{})", w.identity, w.uid, w.gid),
+            w.peer,
+            format_size(w.reserved),
+            format_size(w.protected),
+            w.requests,
+            w.errors
+        ));
+    }
+    text
 }
 
 /// `maructl pools`.
@@ -568,6 +613,53 @@ mod tests {
         let f = r.err().expect("a failure");
         assert_eq!((f.code, f.kind.as_str()), (code, kind), "{}", f.message);
         f
+    }
+
+    #[test]
+    fn status_lists_the_remote_door_and_its_workers() {
+        let r = maru::proto::RemoteInfo {
+            addr: "10.0.0.5:7860".into(),
+            generation: "00c0ffee00c0ffee".into(),
+            pool: "pool0".into(),
+            pool_uuid: "1234".into(),
+            connections: 3,
+            published: 7,
+            workers: vec![maru::proto::RemoteWorker {
+                id: 2,
+                node: "gpu-1".into(),
+                identity: "gpu".into(),
+                uid: 1000,
+                gid: 1000,
+                peer: "10.0.0.7:51234".into(),
+                reserved: 4 << 20,
+                protected: 8192,
+                requests: 12,
+                errors: 1,
+            }],
+            ..Default::default()
+        };
+        let text = remote_lines(&r);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3, "{text}");
+        assert!(
+            lines[0].starts_with("remote door: 10.0.0.5:7860 (generation 00c0ffee00c0ffee), pool pool0 (1234), 1 workers"),
+            "{text}"
+        );
+        assert!(
+            lines[1].contains("3 connections") && lines[1].contains("7 published"),
+            "{text}"
+        );
+        for part in [
+            "gpu-1",
+            "gpu (1000:1000)",
+            "10.0.0.7:51234",
+            "4.0 MiB",
+            "8.0 KiB",
+            "requests 12",
+            "errors 1",
+        ] {
+            assert!(lines[2].contains(part), "{part}: {text}");
+        }
     }
 
     #[test]

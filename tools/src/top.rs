@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use maru::proto::{ClusterInfo, LATENCY_BUCKETS_US, Stats};
+use maru::proto::{ClusterInfo, LATENCY_BUCKETS_US, RemoteInfo, Stats};
 use maru::size::format_size;
 use ratatui::Frame;
 use ratatui::layout::{Constraint, Layout, Rect};
@@ -184,28 +184,102 @@ fn draw_pools(f: &mut Frame, area: Rect, m: &Model) {
     }
 }
 
-/// Rows the pools view takes: a gauge per pool, and in cluster mode a line per host.
+/// Rows the pools view takes: a gauge per pool, in cluster mode a line per host, and on a
+/// memory node a line per remote worker.
 fn pools_height(m: &Model) -> u16 {
     let hosts = m
         .cur
         .cluster
         .as_ref()
         .map_or(0, |c| c.hosts.len() as u16 + 3);
-    (m.cur.pools.len() as u16) * 3 + 2 + hosts
+    let workers = m
+        .cur
+        .remote
+        .as_ref()
+        .map_or(0, |r| r.workers.len() as u16 + 3);
+    (m.cur.pools.len() as u16) * 3 + 2 + hosts + workers
 }
 
-/// The pools, and in cluster mode the hosts below them.
+/// The pools, and below them the cluster's hosts (cluster mode) and the remote door's workers
+/// (a memory node).
 fn draw_pools_and_hosts(f: &mut Frame, area: Rect, m: &Model) {
-    let Some(c) = m.cur.cluster.as_deref() else {
-        return draw_pools(f, area, m);
-    };
-    let [a, b] = Layout::vertical([
-        Constraint::Fill(1),
-        Constraint::Length(c.hosts.len() as u16 + 3),
+    let cluster = m.cur.cluster.as_deref();
+    let remote = m.cur.remote.as_deref();
+    let mut parts = vec![Constraint::Fill(1)];
+    parts.extend(cluster.map(|c| Constraint::Length(c.hosts.len() as u16 + 3)));
+    parts.extend(remote.map(|r| Constraint::Length(r.workers.len() as u16 + 3)));
+    let areas = Layout::vertical(parts).split(area);
+    draw_pools(f, areas[0], m);
+    let mut below = areas.iter().skip(1);
+    if let Some(c) = cluster
+        && let Some(a) = below.next()
+    {
+        draw_hosts(f, *a, c);
+    }
+    if let Some(r) = remote
+        && let Some(a) = below.next()
+    {
+        draw_remote(f, *a, r);
+    }
+}
+
+/// The remote door (its address, generation, pool and counters in the title) and a line per
+/// connected worker.
+fn draw_remote(f: &mut Frame, area: Rect, r: &RemoteInfo) {
+    let header = Row::new([
+        "worker",
+        "identity",
+        "peer",
+        "reserved",
+        "protected",
+        "requests",
+        "errors",
     ])
-    .areas(area);
-    draw_pools(f, a, m);
-    draw_hosts(f, b, c);
+    .style(Style::default().add_modifier(Modifier::BOLD));
+    let rows = r.workers.iter().map(|w| {
+        Row::new(vec![
+            w.node.clone(),
+            format!("{} ({}:{})", w.identity, w.uid, w.gid),
+            w.peer.clone(),
+            format_size(w.reserved),
+            format_size(w.protected),
+            w.requests.to_string(),
+            w.errors.to_string(),
+        ])
+    });
+    let t = Table::new(
+        rows,
+        [
+            Constraint::Fill(2),
+            Constraint::Fill(2),
+            Constraint::Length(22),
+            Constraint::Length(10),
+            Constraint::Length(10),
+            Constraint::Length(9),
+            Constraint::Length(7),
+        ],
+    )
+    .header(header)
+    .block(
+        Block::default()
+            .borders(Borders::ALL)
+            .title(format!(
+                " remote door {} · generation {} · pool {} ",
+                r.addr, r.generation, r.pool
+            ))
+            .title_bottom(format!(
+                " {} connections · {} refused · {} requests · {} errors · {} published · {} lookups · {} expired · {} quarantined ",
+                r.connections,
+                r.refused,
+                r.requests,
+                r.errors,
+                r.published,
+                r.lookups,
+                r.expired,
+                r.quarantined
+            )),
+    );
+    f.render_widget(t, area);
 }
 
 /// The cluster's hosts (live, then gone ones whose entries stay): what each claimed of the
@@ -368,8 +442,12 @@ pub fn draw(f: &mut Frame, view: View, m: &Model) {
             c.entries_elsewhere
         )
     });
+    // A memory node: its remote door and the workers connected to it.
+    let door = m.cur.remote.as_ref().map_or(String::new(), |r| {
+        format!("door {} · {} remote workers · ", r.addr, r.workers.len())
+    });
     let title = Line::from(format!(
-        " marutop · up {:.0}s · {cluster}{} pools · {} namespaces · {} clients · [1] pools [2] usage [3] stats [a] all [q] quit",
+        " marutop · up {:.0}s · {cluster}{door}{} pools · {} namespaces · {} clients · [1] pools [2] usage [3] stats [a] all [q] quit",
         m.cur.uptime_s,
         m.cur.pools.len(),
         m.cur.namespaces.len(),
@@ -526,6 +604,7 @@ mod tests {
             latency_sum_us: BTreeMap::new(),
             uptime_s: 12.0,
             cluster: None,
+            remote: None,
         }
     }
 
@@ -614,6 +693,61 @@ mod tests {
             assert!(b.contains("8.0 MiB") && b.contains(" 5 "), "{b}");
             let c = find("host-c").expect("the gone host's line");
             assert!(c.contains("(gone)") && c.contains(" 3 "), "{c}");
+        }
+    }
+
+    #[test]
+    fn the_pools_view_lists_the_remote_workers() {
+        let worker = |node: &str, reserved: u64| maru::proto::RemoteWorker {
+            id: 1,
+            node: node.into(),
+            identity: "gpu".into(),
+            uid: 0,
+            gid: 0,
+            peer: format!("{node}.lan:40000"),
+            reserved,
+            protected: 8192,
+            requests: 17,
+            errors: 0,
+        };
+        let mut s = stats(100);
+        s.remote = Some(Box::new(RemoteInfo {
+            addr: "10.0.0.5:7860".into(),
+            generation: "00c0ffee00c0ffee".into(),
+            pool: "pool0".into(),
+            connections: 4,
+            published: 9,
+            workers: vec![worker("gpu-1", 4 << 20), worker("gpu-2", 0)],
+            ..Default::default()
+        }));
+        let m = Model::new(s);
+        for view in [View::Pool, View::All] {
+            let mut t = Terminal::new(TestBackend::new(140, 44)).unwrap();
+            t.draw(|f| draw(f, view, &m)).unwrap();
+            let screen: Vec<String> = (0..44)
+                .map(|y| {
+                    (0..140)
+                        .map(|x| t.backend().buffer()[(x, y)].symbol().to_owned())
+                        .collect()
+                })
+                .collect();
+            let find = |what: &str| screen.iter().find(|l| l.contains(what)).cloned();
+            assert!(
+                screen[0].contains("door 10.0.0.5:7860 · 2 remote workers"),
+                "{view:?}: {screen:#?}"
+            );
+            assert!(
+                find("remote door 10.0.0.5:7860 · generation 00c0ffee00c0ffee · pool pool0")
+                    .is_some(),
+                "{view:?}: {screen:#?}"
+            );
+            assert!(find("4 connections").is_some_and(|l| l.contains("9 published")));
+            let one = find("gpu-1.lan:40000").expect("gpu-1's line");
+            assert!(
+                one.contains("gpu (0:0)") && one.contains("4.0 MiB") && one.contains("8.0 KiB"),
+                "{one}"
+            );
+            assert!(find("gpu-2.lan:40000").is_some(), "{screen:#?}");
         }
     }
 

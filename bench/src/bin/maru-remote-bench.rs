@@ -10,8 +10,10 @@
 //! - 16K tokens of Llama-3.1-8B KV (64 chunks of 32 MiB, 2 GiB) loaded by two workers at once,
 //!   against the same chunks fetched from Redis over TCP between the same namespaces.
 //!
-//!     sudo ./target/release/maru-remote-bench [--rounds 8] [--small 2000] [--chunks 64]
-//!         [--no-redis] [--out-json F]
+//! ```text
+//! sudo ./target/release/maru-remote-bench [--rounds 8] [--small 2000] [--chunks 64]
+//!     [--no-redis] [--out-json F]
+//! ```
 //!
 //! Needs root, iproute2, NIXL (MARU_NIXL_LIB or the nixl-cu12 wheel) and, for the Redis row,
 //! redis-server.
@@ -79,7 +81,10 @@ fn main() -> anyhow::Result<()> {
 
     // 1. The transport's limit: bare NIXL between the memory node and GPU node 1.
     let md = b.dir.join("target.md");
-    let mut target = b.spawn(0, &["nixl-target", &md.to_string_lossy(), &CHUNK.to_string()])?;
+    let mut target = b.spawn(
+        0,
+        &["nixl-target", &md.to_string_lossy(), &CHUNK.to_string()],
+    )?;
     wait_for(&md, Duration::from_secs(30))?;
     let bare = b.run(
         1,
@@ -97,7 +102,10 @@ fn main() -> anyhow::Result<()> {
     let mut marud = b.marud(pool_bytes)?;
     let url = format!("{}:{PORT}", b.net.host_ip(0));
     b.wait_door(&url, &mut marud)?;
-    let big = b.run(1, &["big", &url, &CHUNK.to_string(), &cli.rounds.to_string()])?;
+    let big = b.run(
+        1,
+        &["big", &url, &CHUNK.to_string(), &cli.rounds.to_string()],
+    )?;
     let small = b.run(1, &["small", &url, &cli.small.to_string()])?;
 
     // 3. 2 GiB loaded by two workers at once, from maru and from Redis.
@@ -126,7 +134,11 @@ fn main() -> anyhow::Result<()> {
     line("32 MiB READ, bare NIXL", bare_r, "GB/s");
     line("32 MiB retrieve, maru remote", maru_r, "GB/s");
     line("  retrieve / bare READ", maru_r / bare_r, "x");
-    line("4 KiB store (reserve+WRITE+publish)", f(&small, "store_per_s"), "/s");
+    line(
+        "4 KiB store (reserve+WRITE+publish)",
+        f(&small, "store_per_s"),
+        "/s",
+    );
     line("4 KiB exists", f(&small, "exists_per_s"), "/s");
     let batch = f(&small, "batch64_per_s");
     let singles = f(&small, "single_per_s");
@@ -252,20 +264,28 @@ impl Bench {
             "--remote-anonymous",
             "0:0",
         ];
-        Ok(self.host_cmd(0, &marud, &args)?.stdout(Stdio::null()).spawn()?)
+        Ok(self
+            .host_cmd(0, &marud, &args)?
+            .stdout(Stdio::null())
+            .spawn()?)
     }
 
     fn wait_door(&self, url: &str, marud: &mut Child) -> anyhow::Result<()> {
         let t = Instant::now();
         loop {
             let url = url.to_owned();
-            if in_netns(&self.net.hosts[1], move || std::net::TcpStream::connect(url).is_ok()) {
+            if in_netns(&self.net.hosts[1], move || {
+                std::net::TcpStream::connect(url).is_ok()
+            }) {
                 return Ok(());
             }
             if let Some(st) = marud.try_wait()? {
                 anyhow::bail!("marud exited ({st})");
             }
-            anyhow::ensure!(t.elapsed() < Duration::from_secs(30), "the door did not open");
+            anyhow::ensure!(
+                t.elapsed() < Duration::from_secs(30),
+                "the door did not open"
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
     }

@@ -572,38 +572,6 @@ impl LeaseKeeper {
     }
 }
 
-/// Asks the etcd members at `endpoints` for their status within `timeout`: one line naming
-/// the member that answered, its version and its leader, or why none answered.
-pub async fn probe(endpoints: &[String], timeout: Duration) -> Result<String> {
-    let client = Client::connect(
-        endpoints,
-        Options {
-            patience: timeout,
-            require_leader: false,
-        },
-    )?;
-    let status = tokio::time::timeout(timeout, client.status())
-        .await
-        .map_err(|_| Error::Status(tonic::Status::deadline_exceeded("no answer in time")))??;
-    let member = status.header.map_or(0, |h| h.member_id);
-    if status.leader == 0 {
-        return Err(Error::Status(tonic::Status::unavailable(format!(
-            "member {member:x} (etcd {}) has no leader",
-            status.version
-        ))));
-    }
-    let mut line = format!(
-        "etcd {} answers: member {member:x}, leader {:x}, database {} KiB",
-        status.version,
-        status.leader,
-        status.db_size / 1024
-    );
-    if !status.errors.is_empty() {
-        line.push_str(&format!(", alarms: {}", status.errors.join("; ")));
-    }
-    Ok(line)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

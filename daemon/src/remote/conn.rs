@@ -17,10 +17,11 @@ use std::time::{Duration, Instant};
 use maru::{Error, Result};
 use maru_fsd::Caller;
 use maru_remote::proto::{
-    self, FrameError, Op, Outcome, Page, Published, Reply, Response, Welcome,
+    self, FrameError, Listed, Listing, Op, Outcome, Page, Published, Reply, Response, Welcome,
 };
 
-use super::{Shared, WorkerInfo};
+use super::listing::{self, Cursor};
+use super::state::{Shared, WorkerInfo};
 
 /// How long a connection may take to say hello.
 const HELLO_WITHIN: Duration = Duration::from_secs(10);
@@ -47,6 +48,8 @@ struct Conn {
     writes: HashMap<u64, WriteTicket>,
     reads: HashMap<u64, ReadTicket>,
     next_read: u64,
+    /// The listing this connection reads page by page (`list`), until its last page.
+    listing: Option<Cursor>,
     requests: u64,
     errors: u64,
 }
@@ -169,7 +172,7 @@ fn hello(
         uid: who.uid,
         gid: who.gid,
         reserved: 0,
-        reading: 0,
+        protected: 0,
         requests: 0,
         errors: 0,
     });
@@ -181,6 +184,7 @@ fn hello(
         writes: HashMap::new(),
         reads: HashMap::new(),
         next_read: 1,
+        listing: None,
         requests: 0,
         errors: 0,
     }))
@@ -346,7 +350,40 @@ impl Conn {
             Op::Pin { ns, keys, pinned } => store
                 .pin(&self.caller, &ns, &keys, pinned)
                 .map(|r| Reply::Each(each(r))),
+            Op::List { ns, after } => self.list(ns, after).map(Reply::Listing),
         }
+    }
+
+    /// A page of namespace `ns`'s listing: the next of the listing this connection reads, or
+    /// the first of a new one (a `list` of the store, under its policy) when `after` is not
+    /// where that one stopped.
+    fn list(&mut self, ns: String, after: Option<String>) -> Result<Listing> {
+        let mut cursor = match self.listing.take() {
+            Some(c) if c.continues(&ns, after.as_deref()) => c,
+            _ => {
+                let (_, children, entries) = self.shared.store.list(&self.caller, &ns)?;
+                let children = children
+                    .into_iter()
+                    .map(|c| match c.ns.rsplit_once('/') {
+                        Some((_, name)) => name.to_owned(),
+                        None => c.ns,
+                    })
+                    .collect();
+                let entries = entries
+                    .into_iter()
+                    .map(|e| Listed {
+                        key: e.key,
+                        size: e.size,
+                    })
+                    .collect();
+                Cursor::new(ns, children, entries, after.as_deref())
+            }
+        };
+        let page = cursor.next_page(listing::PAGE_BYTES);
+        if page.more {
+            self.listing = Some(cursor);
+        }
+        Ok(page)
     }
 
     /// All the pages or none.
@@ -521,7 +558,7 @@ impl Conn {
         let mut workers = self.shared.stats.workers.lock();
         if let Some(w) = workers.iter_mut().find(|w| w.id == self.id) {
             w.reserved = self.writes.values().map(|t| t.size).sum();
-            w.reading = self.reads.values().map(|r| r.size).sum();
+            w.protected = self.reads.values().map(|r| r.size).sum();
             w.requests = self.requests;
             w.errors = self.errors;
         }

@@ -19,9 +19,13 @@
 
 pub mod auth;
 mod conn;
+mod listing;
+mod state;
+
+use state::Shared;
+pub use state::{RemoteSettings, RemoteStats, WorkerInfo};
 
 use std::net::{SocketAddr, TcpListener};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -29,99 +33,8 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use maru_nixl::{AgentConfig, Desc, Mem, Nixl};
 use maru_remote::proto::{Blob, Registration};
-use parking_lot::Mutex;
 
 use crate::store::Store;
-
-/// The remote door's settings (marud.toml's `remote_*` keys, `--remote-*` flags).
-#[derive(Debug, Clone)]
-pub struct RemoteSettings {
-    /// Where workers connect.
-    pub bind: SocketAddr,
-    /// The raw pool remote entries live in (default: the first raw pool).
-    pub pool: Option<String>,
-    /// The token file (see [`auth`]).
-    pub tokens: Option<PathBuf>,
-    /// Admit workers without a token as this uid:gid.
-    pub anonymous: Option<(u32, u32)>,
-    /// How long a reservation lives unpublished.
-    pub reserve_ttl: Duration,
-    /// How long a read protection lives unreleased.
-    pub read_ttl: Duration,
-    /// How long pages quarantined after a timed-out transfer are kept from use.
-    pub quarantine_ttl: Duration,
-    /// RDMA devices for NIXL's UCX backend (its `device_list` parameter), e.g. `mlx5_0`.
-    pub ucx_devices: Option<String>,
-}
-
-impl RemoteSettings {
-    /// Defaults for a door at `bind`: the original's TTLs (60 s for reservations, 120 s for
-    /// read protections), 300 s of quarantine.
-    pub fn new(bind: SocketAddr) -> Self {
-        RemoteSettings {
-            bind,
-            pool: None,
-            tokens: None,
-            anonymous: None,
-            reserve_ttl: Duration::from_secs(60),
-            read_ttl: Duration::from_secs(120),
-            quarantine_ttl: Duration::from_secs(300),
-            ucx_devices: None,
-        }
-    }
-}
-
-/// Counters and the connected workers, for `maructl status`, marutop and the metrics.
-#[derive(Debug, Default)]
-pub struct RemoteStats {
-    pub connections: AtomicU64,
-    pub refused: AtomicU64,
-    pub requests: AtomicU64,
-    pub errors: AtomicU64,
-    pub pages_reserved: AtomicU64,
-    pub bytes_reserved: AtomicU64,
-    pub published: AtomicU64,
-    pub lookups: AtomicU64,
-    pub bytes_protected: AtomicU64,
-    pub expired: AtomicU64,
-    pub quarantined: AtomicU64,
-    /// The workers connected now.
-    pub workers: Mutex<Vec<WorkerInfo>>,
-}
-
-/// One connected worker.
-#[derive(Debug, Clone)]
-pub struct WorkerInfo {
-    pub id: u64,
-    pub node: String,
-    pub peer: SocketAddr,
-    pub identity: String,
-    pub uid: u32,
-    pub gid: u32,
-    /// Bytes reserved and not yet published or given back.
-    pub reserved: u64,
-    /// Read protections held.
-    pub reading: u64,
-    pub requests: u64,
-    pub errors: u64,
-}
-
-/// What every connection shares.
-pub(crate) struct Shared {
-    store: Arc<Store>,
-    settings: RemoteSettings,
-    tokens: auth::Tokens,
-    generation: u64,
-    /// The pool remote entries live in, and where marud mapped it.
-    pool: u32,
-    pool_name: String,
-    pool_uuid: String,
-    base: u64,
-    len: u64,
-    registration: Registration,
-    stats: Arc<RemoteStats>,
-    next_conn: AtomicU64,
-}
 
 /// The running door. Dropping it does not stop it: it serves until marud exits.
 pub struct RemoteDoor {
@@ -187,7 +100,10 @@ impl RemoteDoor {
                 std::ptr::null_mut(),
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
+                // Populated now: a remote WRITE into a page nobody touched yet would otherwise
+                // fault it in on the transport's receive path (a memory pool is meant to be
+                // resident anyway).
+                libc::MAP_SHARED | libc::MAP_POPULATE,
                 std::os::fd::AsRawFd::as_raw_fd(&file),
                 0,
             )
@@ -241,7 +157,13 @@ impl RemoteDoor {
         let listener = TcpListener::bind(settings.bind)
             .with_context(|| format!("remote door: binding {}", settings.bind))?;
         let addr = listener.local_addr()?;
-        let stats = Arc::new(RemoteStats::default());
+        let stats = Arc::new(RemoteStats::new(
+            addr,
+            generation,
+            info.name.clone(),
+            pool_uuid.clone(),
+        ));
+        store.set_remote(stats.clone());
         let shared = Arc::new(Shared {
             store,
             tokens,

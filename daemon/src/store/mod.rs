@@ -33,7 +33,7 @@ pub mod state;
 pub mod stats;
 
 use std::fs::File;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant, SystemTime};
 
 use maru::name::{check_component, split_ns};
@@ -64,6 +64,13 @@ pub type InvalidateFn = Box<dyn Fn(Invalidation) + Send + Sync>;
 /// (tests: a device error in the middle of a store).
 pub type DataFault = Box<dyn Fn(u64) -> Option<i32> + Send + Sync>;
 
+/// What the store reports of a door that serves it to other hosts (marud's remote door, which
+/// keeps its own counters): read when statistics are asked for, never on a request's path.
+pub trait RemoteView: Send + Sync {
+    /// The door, its counters and its connected workers, now.
+    fn info(&self) -> maru::proto::RemoteInfo;
+}
+
 /// The store.
 pub struct Store {
     cfg: StoreConfig,
@@ -76,6 +83,8 @@ pub struct Store {
     sealed: Condvar,
     /// The fault-injection seam of writes through the mount (tests).
     data_fault: parking_lot::RwLock<Option<DataFault>>,
+    /// The remote door, once it is open (reported in [`Store::stats`]).
+    remote: OnceLock<Arc<dyn RemoteView>>,
 }
 
 impl Store {
@@ -100,6 +109,7 @@ impl Store {
             started: Instant::now(),
             sealed: Condvar::new(),
             data_fault: parking_lot::RwLock::new(None),
+            remote: OnceLock::new(),
         }))
     }
 
@@ -120,6 +130,14 @@ impl Store {
     /// Installs the fault-injection seam of writes through the mount (tests).
     pub fn set_data_fault(&self, f: Option<DataFault>) {
         *self.data_fault.write() = f;
+    }
+
+    /// Tells the store of the remote door, whose view its statistics then include (once: a
+    /// second door is ignored).
+    pub fn set_remote(&self, door: Arc<dyn RemoteView>) {
+        if self.remote.set(door).is_err() {
+            tracing::warn!("a second remote door's statistics are not reported");
+        }
     }
 
     /// Registers the mount's invalidation hook.
@@ -799,6 +817,7 @@ impl Store {
             latency_sum_us,
             uptime_s: self.started.elapsed().as_secs_f64(),
             cluster,
+            remote: self.remote.get().map(|r| Box::new(r.info())),
         }
     }
 

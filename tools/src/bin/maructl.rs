@@ -16,6 +16,23 @@ struct Cli {
     /// Print one JSON document (for scripts).
     #[arg(long, global = true)]
     json: bool,
+    /// A memory node's remote door, tcp://HOST:PORT: ls, stat, get and put there, as a
+    /// remote worker (NIXL), instead of through the local socket.
+    #[arg(long, global = true, value_name = "URL")]
+    remote: Option<String>,
+    /// The remote door's token: the file's first line [default: $MARU_REMOTE_TOKEN, else
+    /// none (anonymous)].
+    #[arg(long, global = true, value_name = "FILE", requires = "remote")]
+    remote_token_file: Option<PathBuf>,
+    /// With --remote: the largest entry get moves (its staging buffer, registered with NIXL).
+    #[arg(
+        long,
+        global = true,
+        value_name = "SIZE",
+        default_value = "64M",
+        requires = "remote"
+    )]
+    remote_staging: String,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -49,6 +66,14 @@ enum Cmd {
         path: String,
         /// Output file; `-` or nothing for stdout.
         file: Option<PathBuf>,
+        /// Output file (the same as FILE).
+        #[arg(
+            short = 'o',
+            long = "output",
+            value_name = "FILE",
+            conflicts_with = "file"
+        )]
+        output: Option<PathBuf>,
     },
     /// Delete entries.
     Rm {
@@ -151,7 +176,42 @@ fn bad(msg: String) -> Failure {
     }
 }
 
+/// `maructl --remote URL COMMAND`: the commands a remote worker can do.
+fn run_remote(cli: Cli, url: &str) -> Result<Option<ctl::Output>, Failure> {
+    use maru_tools::remote;
+    let token = remote::token(cli.remote_token_file.as_deref())?;
+    let staging = maru::size::parse_size(&cli.remote_staging)
+        .map_err(|e| bad(format!("--remote-staging: {e}")))?;
+    let r = match cli.cmd {
+        Cmd::Ls { ns } => {
+            let c = remote::connect(url, token, 4096)?;
+            remote::ls(&c, ns.as_deref().unwrap_or(""))
+        }
+        Cmd::Stat { path } => remote::stat(&remote::connect(url, token, 4096)?, &path),
+        Cmd::Get { path, file, output } => {
+            let c = remote::connect(url, token, staging)?;
+            remote::get(&c, &path, output.or(file).as_deref(), cli.json)
+        }
+        Cmd::Put { path, file } => {
+            let data = remote::input(file.as_deref())?;
+            let c = remote::connect(url, token, data.len() as u64)?;
+            remote::put(&c, &path, &data)
+        }
+        _ => Err(Failure {
+            code: exit::USAGE,
+            kind: "usage".into(),
+            message: "with --remote, maructl does ls, stat, get and put; the other commands \
+                      talk to the local marud (leave --remote out)"
+                .into(),
+        }),
+    };
+    r.map(Some)
+}
+
 fn run(cli: Cli) -> Result<Option<ctl::Output>, Failure> {
+    if let Some(url) = cli.remote.clone() {
+        return run_remote(cli, &url);
+    }
     let sock = cli
         .socket
         .clone()
@@ -163,7 +223,9 @@ fn run(cli: Cli) -> Result<Option<ctl::Output>, Failure> {
         Cmd::Ls { ns } => ctl::ls(&h()?, ns.as_deref().unwrap_or("")),
         Cmd::Stat { path } => ctl::stat(&h()?, &path),
         Cmd::Put { path, file } => ctl::put(&h()?, &path, file.as_deref()),
-        Cmd::Get { path, file } => ctl::get(&h()?, &path, file.as_deref(), cli.json),
+        Cmd::Get { path, file, output } => {
+            ctl::get(&h()?, &path, output.or(file).as_deref(), cli.json)
+        }
         Cmd::Rm { paths } => ctl::rm(&h()?, &paths),
         Cmd::Pin { paths } => ctl::pin(&h()?, &paths, true),
         Cmd::Unpin { paths } => ctl::pin(&h()?, &paths, false),

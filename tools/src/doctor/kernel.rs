@@ -5,7 +5,7 @@ use std::io::ErrorKind;
 
 use maru::host;
 
-use super::{Check, Target, is_root};
+use super::target::{Check, Target, is_root};
 
 /// `/dev/fuse` and the two FUSE features the mount uses when the kernel has them.
 pub(super) fn fuse(t: &Target) -> Vec<Check> {

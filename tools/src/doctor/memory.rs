@@ -8,7 +8,7 @@ use maru::format::{self, HeaderError};
 use maru::host;
 use maru::size::format_size;
 
-use super::{Check, LIMIT, Status, Target, bounded};
+use super::target::{Check, LIMIT, Status, Target, bounded};
 
 /// The selected value of a sysfs choice such as `always within_size [never] deny`.
 fn selected(choices: &str) -> Option<&str> {

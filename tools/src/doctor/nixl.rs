@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use maru_nixl::{Error, Nixl};
 
-use super::{Check, Status, Target, bounded};
+use super::target::{Check, Status, Target, bounded};
 
 /// The search asks `python3` for its paths (within 5 s) and may load the library.
 const SEARCH_LIMIT: Duration = Duration::from_secs(8);

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use maru::size::format_size;
 
-use super::{Check, LIMIT, Target, bounded, is_root};
+use super::target::{Check, LIMIT, Target, bounded, is_root};
 
 /// Less free space than this in the state directory is worth a warning (raw pool logs grow).
 const LOW_STATE_SPACE: u64 = 64 << 20;
@@ -323,15 +323,97 @@ pub(super) fn etcd(t: &Target) -> Check {
     }
 }
 
-/// What the etcd members at `endpoints` say of themselves within `limit` (their version and
-/// leader), through maru's own etcd client: the error says why none answered.
-fn etcd_probe(endpoints: &[String], limit: Duration) -> Result<String, String> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
+/// `HOST:PORT` of an etcd endpoint URL (`http://10.0.0.1:2379`; etcd's port by default).
+fn endpoint_addr(url: &str) -> String {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let host = rest.split('/').next().unwrap_or(rest);
+    if host
+        .rsplit_once(':')
+        .is_some_and(|(_, p)| p.parse::<u16>().is_ok())
+    {
+        host.to_owned()
+    } else {
+        format!("{host}:2379")
+    }
+}
+
+/// One HTTP/1.1 GET of `path` on etcd's client port (etcd serves `/health` and `/version` there
+/// beside its gRPC API): the status code and the body, within `limit`.
+fn http_get(addr: &str, path: &str, limit: Duration) -> Result<(u16, String), String> {
+    use std::io::{Read, Write};
+    use std::net::{TcpStream, ToSocketAddrs};
+    let a = addr
+        .to_socket_addrs()
+        .map_err(|e| e.to_string())?
+        .next()
+        .ok_or("no address")?;
+    let mut s = TcpStream::connect_timeout(&a, limit).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(limit)).map_err(|e| e.to_string())?;
+    s.set_write_timeout(Some(limit))
         .map_err(|e| e.to_string())?;
-    rt.block_on(maru_cluster::probe(endpoints, limit))
-        .map_err(|e| e.to_string())
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .map_err(|e| e.to_string())?;
+    let mut reply = Vec::new();
+    s.take(64 << 10)
+        .read_to_end(&mut reply)
+        .map_err(|e| e.to_string())?;
+    let text = String::from_utf8_lossy(&reply);
+    let code = text
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| format!("not an HTTP answer from {addr}"))?;
+    let body = text
+        .split_once("\r\n\r\n")
+        .map_or("", |(_, b)| b)
+        .to_owned();
+    Ok((code, body))
+}
+
+/// Whether one of the etcd `endpoints` answers healthy (it has a leader and a quorum) within
+/// `limit`, and its version. An `https` endpoint is only checked to accept connections (the
+/// doctor speaks no TLS).
+fn etcd_probe(endpoints: &[String], limit: Duration) -> Result<String, String> {
+    let mut errors = Vec::new();
+    for url in endpoints {
+        let addr = endpoint_addr(url);
+        let r = if url.starts_with("https://") {
+            http_get(&addr, "/health", limit)
+                .map(|_| format!("{addr} accepts connections (TLS: health not checked)"))
+                .or_else(|e| {
+                    std::net::TcpStream::connect(&addr)
+                        .map(|_| format!("{addr} accepts connections (TLS: health not checked)"))
+                        .map_err(|_| e)
+                })
+        } else {
+            http_get(&addr, "/health", limit).and_then(|(code, body)| {
+                if code == 200 && body.contains("\"health\":\"true\"") {
+                    let version = http_get(&addr, "/version", limit)
+                        .ok()
+                        .and_then(|(_, v)| {
+                            let v: serde_json::Value = serde_json::from_str(&v).ok()?;
+                            Some(v["etcdserver"].as_str()?.to_owned())
+                        })
+                        .unwrap_or_else(|| "?".into());
+                    Ok(format!("etcd {version} at {addr} is healthy"))
+                } else {
+                    Err(format!(
+                        "{addr} answers unhealthy ({code}): {}",
+                        body.trim()
+                    ))
+                }
+            })
+        };
+        match r {
+            Ok(line) => return Ok(line),
+            Err(e) if endpoints.len() == 1 => errors.push(e),
+            Err(e) => errors.push(format!("{addr}: {e}")),
+        }
+    }
+    Err(errors.join("; "))
 }
 
 #[cfg(test)]
@@ -352,6 +434,9 @@ mod tests {
 
     #[test]
     fn etcd_endpoints() {
+        assert_eq!(endpoint_addr("http://10.0.0.1:2379"), "10.0.0.1:2379");
+        assert_eq!(endpoint_addr("https://etcd.example/"), "etcd.example:2379");
+        assert_eq!(endpoint_addr("127.0.0.1:1"), "127.0.0.1:1");
         let t = std::time::Instant::now();
         let e = etcd_probe(&["http://127.0.0.1:1".into()], LIMIT).unwrap_err();
         assert!(e.contains("refused"), "{e}");
