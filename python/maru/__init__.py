@@ -11,6 +11,8 @@
   entry name (the encoding every maru client shares); ``MaruHandler.path_of`` its file
   under the mount.
 - Handler plugins: entry points in ``maru.handler_plugins`` (:mod:`maru.plugins`).
+- ``MaruConfig(storage_backend="remote", remote_url="tcp://memnode:PORT", ...)``: the same
+  handler over a memory node's pool, its bytes moved by NIXL (:mod:`maru.remote`).
 
 The LMCache storage plugin lives in :mod:`maru.lmcache_plugin` (it needs LMCache and torch).
 """
@@ -26,6 +28,7 @@ from .errors import (
     NoSpaceError,
     NotFoundError,
     PermissionDeniedError,
+    StagingFullError,
 )
 from .handler import AllocHandle, MaruHandler, MemoryInfo
 
@@ -45,6 +48,7 @@ __all__ = [
     "NoSpaceError",
     "NotFoundError",
     "PermissionDeniedError",
+    "StagingFullError",
     "__version__",
     "address_of",
     "decode_key",

@@ -4,6 +4,9 @@ Every field of the original keeps its name, default and environment variable
 (``MARU_EAGER_MAP``, ``MARU_STAT``), so code written for it runs unchanged. maru adds
 where its daemon listens (``socket_path``), the namespace the keys live in, and the mount
 that shows entries as files (for :meth:`~maru.MaruHandler.path_of`).
+
+``storage_backend="remote"`` selects the original's remote backend: the handler then talks
+to a memory node's marud (``remote_url``) and moves bytes with NIXL (:mod:`maru.remote`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,10 @@ DEFAULT_SOCKET = "/run/maru/marud.sock"
 
 _LOCAL_HOSTS = {"", "localhost", "127.0.0.1", "::1", "0.0.0.0", "ip6-localhost"}
 
+#: ``storage_backend`` values: the local marud's pools (the original's CXL backend) and a
+#: memory node's pool over NIXL. The original's ``"cpu"`` and ``"mixed"`` are not built.
+STORAGE_BACKENDS = ("cxl", "remote")
+
 
 def _default_mount() -> str:
     return os.environ.get("MARU_MOUNT", DEFAULT_MOUNT)
@@ -32,6 +39,14 @@ def _default_namespace() -> str:
 
 def _default_socket() -> str:
     return os.environ.get("MARU_SOCKET", DEFAULT_SOCKET)
+
+
+def _default_remote_token() -> str:
+    return os.environ.get("MARU_REMOTE_TOKEN", "")
+
+
+def _positive_number(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and value > 0
 
 
 def _parse_env_bool(name: str) -> Optional[bool]:
@@ -120,6 +135,34 @@ class MaruConfig:
         mount_path: the maru mount, for :meth:`~maru.MaruHandler.path_of` (default
             ``$MARU_MOUNT`` or ``/maru``).
         namespace_mode: permission bits of namespaces the handler creates.
+        storage_backend: ``"cxl"`` (the default: the local marud's pools) or ``"remote"`` (a
+            memory node's pool, reached over NIXL: doc/PYTHON.md, "Remote"). The original's
+            ``"cpu"`` and ``"mixed"`` backends are refused (``ValueError``): not built.
+        remote_url: the memory node's marud, ``tcp://HOST:PORT`` (its ``remote_bind``);
+            required by, and only accepted with, the remote backend.
+        remote_ucx_device: the RDMA device NIXL's UCX backend uses (``mlx5_0`` or
+            ``mlx5_0:1``); empty: UCX's own choice (``UCX_NET_DEVICES``). For TCP leave it
+            empty and set ``UCX_NET_DEVICES``/``UCX_TLS`` in the environment.
+        remote_transfer_timeout_s: how long one NIXL READ or WRITE list may take.
+        remote_retry_s: how long the handler leaves the pool alone after a failure (lookups
+            miss, stores return False meanwhile).
+        remote_load_reserve: the share of the staging buffer (``pool_size``) that
+            allocations for stores leave free for loads, in [0, 1): an ``alloc`` that would
+            take it raises :class:`~maru.StagingFullError`.
+        remote_token: the token marud's ``remote_tokens`` file maps to a uid/gid (default
+            ``$MARU_REMOTE_TOKEN``; never shown by ``repr``).
+        cache_namespace: the original's name for the namespace of the remote backend; when
+            given it sets ``namespace``.
+        node_id: this worker's name, sent to marud and in its NIXL agent's name (default:
+            the host's name).
+        engine_id, storage_schema, write_order, read_order: the original's fields for its
+            cpu and mixed backends: accepted, not used (entries are opaque bytes here).
+        metadata_only, cxl_pool_size: refused (``ValueError``) when set: a handler without
+            memory and the mixed backend are not built.
+
+    With ``storage_backend="remote"``, ``pool_size`` is the staging buffer's size (the
+    original's meaning), ``timeout_ms`` the control connection's timeout, and ``server_url``,
+    ``socket_path`` and ``mount_path`` are not used (the local marud is not contacted).
     """
 
     server_url: str = "tcp://localhost:5555"
@@ -139,10 +182,46 @@ class MaruConfig:
     namespace: str = field(default_factory=_default_namespace)
     mount_path: str = field(default_factory=_default_mount)
     namespace_mode: int = 0o755
+    storage_backend: str = "cxl"
+    remote_url: Optional[str] = None
+    remote_ucx_device: str = ""
+    remote_transfer_timeout_s: float = 30.0
+    remote_retry_s: float = 30.0
+    remote_load_reserve: float = 0.5
+    remote_token: str = field(default_factory=_default_remote_token, repr=False)
+    cache_namespace: Optional[str] = None
+    node_id: Optional[str] = None
+    # The original's fields of its cpu and mixed backends (not built here): accepted so that
+    # configurations written for it load; see __post_init__ for what each means here.
+    metadata_only: bool = False
+    engine_id: Optional[str] = None
+    storage_schema: str = "opaque-bytes-v1"
+    cxl_pool_size: Optional[int] = None
+    write_order: tuple = ("cpu", "cxl")
+    read_order: tuple = ("cpu", "cxl")
 
     def __post_init__(self) -> None:
         if self.instance_id is None:
             self.instance_id = str(uuid.uuid4())
+        if self.storage_backend not in STORAGE_BACKENDS:
+            raise ValueError(
+                f"storage_backend must be one of {', '.join(map(repr, STORAGE_BACKENDS))} "
+                f"(got {self.storage_backend!r}; the original's cpu and mixed backends are not built)"
+            )
+        if self.storage_backend == "remote":
+            self._validate_remote()
+        elif self.remote_url is not None:
+            raise ValueError("remote_url is only used by storage_backend='remote'")
+        if self.metadata_only:
+            raise ValueError("metadata_only (a handler without memory, for exists only) is not built")
+        if self.cxl_pool_size is not None:
+            raise ValueError("cxl_pool_size is only used by the original's mixed backend, not built")
+        if self.cache_namespace:
+            self.namespace = self.cache_namespace
+        if self.node_id is None:
+            import socket
+
+            self.node_id = socket.gethostname() or "worker"
         eager = _parse_env_bool("MARU_EAGER_MAP")
         if eager is not None:
             self.eager_map = eager
@@ -164,6 +243,23 @@ class MaruConfig:
                 )
         if self.timeout_ms < 0:
             raise ValueError("timeout_ms must be >= 0")
+
+    def _validate_remote(self) -> None:
+        if not self.remote_url:
+            raise ValueError("storage_backend='remote' requires remote_url (tcp://HOST:PORT)")
+        for name in ("remote_transfer_timeout_s", "remote_retry_s"):
+            if not _positive_number(getattr(self, name)):
+                raise ValueError(f"{name} must be a positive number")
+        reserve = self.remote_load_reserve
+        if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or not 0 <= reserve < 1:
+            raise ValueError("remote_load_reserve must be in [0, 1)")
+        if self.expand_size is not None:
+            raise ValueError("storage_backend='remote' uses a fixed staging buffer: expand_size is not used")
+
+    @property
+    def is_remote(self) -> bool:
+        """Whether this configuration names a memory node's pool (``storage_backend="remote"``)."""
+        return self.storage_backend == "remote"
 
     @property
     def socket(self) -> str:

@@ -65,6 +65,12 @@ class InvalidKeyError(MaruError, ValueError):
     """A key or namespace name breaks the naming rules (``EINVAL``, ``ENAMETOOLONG``)."""
 
 
+class StagingFullError(NoSpaceError, MemoryError):
+    """A remote handler's staging buffer (``pool_size`` bytes) has no room for an allocation
+    outside the share kept for loads (``remote_load_reserve``). Also a :class:`MemoryError`,
+    what the original design's remote backend raised."""
+
+
 class EntryFormatError(MaruError):
     """An entry does not hold what the reader expects (for example a bad chunk header)."""
 

@@ -9,6 +9,10 @@
 - every ``batch_*`` verb is one exchange with marud;
 - the GIL is released while a call waits for marud.
 
+With ``MaruConfig(storage_backend="remote")`` the same verbs run against a memory node's
+pool over NIXL (:mod:`maru.remote`); ``connect`` picks the core, everything else goes
+through it.
+
 Keys are ``str``, ``bytes`` or ``int``; :func:`maru.keys.encode_key` maps each to an
 entry name (any key works: ``/``, NUL, unicode, long keys), the one encoding the Rust
 client and the LMCache plugin use too. :meth:`MaruHandler.path_of` gives the entry's file
@@ -24,7 +28,7 @@ import os
 import threading
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
 
-from . import _native, plugins
+from . import _native, plugins, remote
 from ._native import AllocHandle, MemoryInfo
 from .config import MaruConfig
 from .tensors import TensorIO
@@ -51,7 +55,8 @@ class MaruHandler:
 
     def __init__(self, config: Optional[MaruConfig] = None) -> None:
         self._config = config or MaruConfig()
-        self._core: Optional[_native.Core] = None
+        # The local marud's core, or a memory node's (storage_backend="remote"): the same verbs.
+        self._core: Any = None
         self._plugins: List[Any] = []
         self._lock = threading.Lock()
         self._on_region_added: Optional[Callable[[int, int], None]] = None
@@ -67,8 +72,8 @@ class MaruHandler:
     # -- connection ---------------------------------------------------------------------
 
     def connect(self) -> bool:
-        """Connect to marud. True on success (or if connected already), False on failure
-        (logged), as the original.
+        """Connect to marud (with ``storage_backend="remote"``: to the memory node's). True
+        on success (or if connected already), False on failure (logged), as the original.
 
         Raises:
             ValueError: ``server_url`` names another host (a client talks to its own host's
@@ -77,34 +82,38 @@ class MaruHandler:
         with self._lock:
             if self._core is not None:
                 return True
-            socket = self._config.socket  # raises ValueError for another host
-            try:
-                core = _native.Core(
-                    socket,
-                    self._config.namespace,
-                    str(self._config.instance_id),
-                    int(self._config.timeout_ms),
-                    int(self._config.chunk_size_bytes),
-                    True,
-                    int(self._config.namespace_mode),
-                )
-            except Exception as e:
-                logger.error("maru: cannot connect to marud at %s: %s", socket, e)
+            core = remote.open_core(self._config) if self.is_remote else self._open_local()
+            if core is None:
                 return False
-            pools = json.loads(core.pools_json())
-            capacity = sum(int(p["capacity"]) for p in pools)
-            if capacity < self._config.pool_size:
-                logger.error(
-                    "maru: the pools hold %d bytes, less than pool_size=%d", capacity, self._config.pool_size
-                )
-                core.close()
-                return False
-            self._pools = pools
+            self._pools = json.loads(core.pools_json())
             self._core = core
             self._closing = False
         self._plugins = plugins.load()
         plugins.call(self._plugins, "on_init", self)
         return True
+
+    def _open_local(self) -> Optional[_native.Core]:
+        """The local marud's core, or None (logged)."""
+        socket = self._config.socket  # raises ValueError for another host
+        try:
+            core = _native.Core(
+                socket,
+                self._config.namespace,
+                str(self._config.instance_id),
+                int(self._config.timeout_ms),
+                int(self._config.chunk_size_bytes),
+                True,
+                int(self._config.namespace_mode),
+            )
+        except Exception as e:
+            logger.error("maru: cannot connect to marud at %s: %s", socket, e)
+            return None
+        capacity = sum(int(p["capacity"]) for p in json.loads(core.pools_json()))
+        if capacity < self._config.pool_size:
+            logger.error("maru: the pools hold %d bytes, less than pool_size=%d", capacity, self._config.pool_size)
+            core.close()
+            return None
+        return core
 
     def close(self) -> None:
         """Close the connection: marud frees what was allocated but not stored and drops
@@ -145,6 +154,11 @@ class MaruHandler:
         return self._core is not None
 
     @property
+    def is_remote(self) -> bool:
+        """Whether this handler uses a memory node's pool (``storage_backend="remote"``)."""
+        return self._config.is_remote
+
+    @property
     def instance_id(self) -> str:
         return str(self._config.instance_id)
 
@@ -157,7 +171,7 @@ class MaruHandler:
         core = self._core
         return core is not None and not self._closing and core.healthcheck()
 
-    def _c(self) -> _native.Core:
+    def _c(self) -> Any:
         core = self._core
         if core is None:
             raise RuntimeError("Not connected. Call connect() first.")
@@ -169,8 +183,16 @@ class MaruHandler:
 
     def path_of(self, key: Key) -> str:
         """The file of ``key``'s entry under the mount (``config.mount_path``), for programs
-        that read entries by path (``mmap`` it read-only)."""
-        return os.path.join(self._config.mount_path, self._c().entry_path(key))
+        that read entries by path (``mmap`` it read-only).
+
+        Raises:
+            NotImplementedError: a remote handler's entries are files on the memory node
+                (under its mount, at ``entry_path``), not on this host.
+        """
+        path = self._c().entry_path(key)
+        if self.is_remote:
+            raise NotImplementedError(f"a remote entry is a file on the memory node only (<its mount>/{path})")
+        return os.path.join(self._config.mount_path, path)
 
     def list_keys(self) -> Iterator[bytes]:
         """The keys of this handler's namespace, as bytes (decoded entry names)."""
@@ -223,11 +245,22 @@ class MaruHandler:
 
     def retrieve(self, key: Key) -> Optional[MemoryInfo]:
         """The entry of ``key`` (``MemoryInfo.view``: a read-only memoryview of the pool's own
-        pages, valid while referenced), or None."""
+        pages, valid while referenced; remote: of the bytes read into the staging buffer), or
+        None."""
         info = self._c().retrieve(key)
         if self._located is not None and info is not None:
             self._remember([info])
         return info
+
+    @staticmethod
+    def release_retrieved(infos: Iterable[Optional[MemoryInfo]]) -> None:
+        """Let go of retrieved entries now rather than when they are collected (the original
+        design's verb): each ``view`` is released, and with it the memory it held (a remote
+        handler's piece of staging buffer; a local entry's mapping). A view that something
+        still exports (a slice of it, a tensor over it) stays valid and keeps its memory."""
+        for info in infos:
+            if info is not None:
+                info.release()
 
     # -- tensors (device memory <-> pool pages; see maru.tensors) -------------------------
 
@@ -418,7 +451,10 @@ class MaruHandler:
 
     def get_stats(self) -> Dict[str, Any]:
         """The original's keys (``kv_manager``, ``allocation_manager``, ``store_regions``,
-        ``allocator``, ``plugins``) from marud's statistics, plus maru's own under ``maru``."""
+        ``allocator``, ``plugins``) from marud's statistics, plus maru's own under ``maru``;
+        for a remote handler the original's ``remote_storage`` (see :func:`maru.remote.get_stats`)."""
+        if self.is_remote:
+            return remote.get_stats(self, self._c(), plugins.stats(self._plugins, self))
         raw = json.loads(self._c().stats_json())
         pools = raw.get("pools", [])
         entries = sum(int(p.get("entries", 0)) for p in pools)
@@ -460,5 +496,6 @@ class MaruHandler:
 
     def __repr__(self) -> str:
         state = "connected" if self._core is not None else "not connected"
-        return f"MaruHandler({self._config.namespace!r}, {state})"
+        where = f", remote {self._config.remote_url}" if self.is_remote else ""
+        return f"MaruHandler({self._config.namespace!r}{where}, {state})"
 

@@ -16,6 +16,12 @@ registry holds the object that keeps the mapping alive until it unregisters).
 :class:`TensorIO` does the copies for :class:`maru.MaruHandler`'s ``retrieve_into`` /
 ``store_from`` verbs. CPU tensors take the same path (a memcpy, nothing registered); torch is
 imported only when a tensor verb is used, and CUDA only when a CUDA tensor is.
+
+A remote handler (``storage_backend="remote"``) moves CPU tensors the same way, through its
+staging buffer (the copy between the tensor and the staging piece is the only one; NIXL moves
+the piece to and from the pool). CUDA tensors are refused there: that needs the staging
+buffer in GPU memory registered with NIXL (GPUDirect RDMA), or the host staging buffer
+registered with CUDA whole, neither built (doc/PYTHON.md, "Remote").
 """
 
 from __future__ import annotations
@@ -287,6 +293,15 @@ class TensorIO:
         self._cv = threading.Condition(self._lock)
         self._refiller: Optional[threading.Thread] = None
         self._closed = False
+        # A remote handler's buffers are pieces of its staging buffer: nothing registers them
+        # with CUDA (a registration would keep its piece held), and CUDA tensors are refused.
+        self._remote = bool(getattr(handler, "is_remote", False))
+
+    def _host_only(self, tensors: Iterable[Any]) -> None:
+        if self._remote and any(t.is_cuda for t in tensors):
+            raise NotImplementedError(
+                "a remote handler moves CPU tensors only: CUDA tensors need a staging buffer in "
+                "GPU memory registered with NIXL, which is not built (doc/PYTHON.md, Remote)")
 
     # -- registration ----------------------------------------------------------------------
 
@@ -336,6 +351,7 @@ class TensorIO:
         if len(keys) != len(tensors):
             raise ValueError("keys and tensors must have the same length")
         dsts = [tensor_bytes(t) for t in tensors]
+        self._host_only(dsts)
         infos = self._h.batch_retrieve(keys)
         for key, info, dst in zip(keys, infos, dsts):
             if info is not None and len(info.view) != dst.numel():
@@ -454,6 +470,7 @@ class TensorIO:
         if len(keys) != len(tensors):
             raise ValueError("keys and tensors must have the same length")
         srcs = [tensor_bytes(t) for t in tensors]
+        self._host_only(srcs)
         for key, src in zip(keys, srcs):
             if src.numel() == 0:
                 raise ValueError(f"the tensor for {key!r} is empty (entries hold at least a byte)")
@@ -485,6 +502,8 @@ class TensorIO:
     # -- helpers --------------------------------------------------------------------------------
 
     def _cuda_present(self) -> bool:
+        if self._remote:
+            return False
         if self._explicit:
             return True
         if self._cuda is None:

@@ -10,7 +10,8 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 
 /// What keeps an exported range mapped: a [`maru::Mapping`] (a sealed entry, or a raw pool,
-/// read-only) or an allocation (its mapping lives as long as the handle).
+/// read-only), an allocation (its mapping lives as long as the handle), or a lease of a remote
+/// handler's staging buffer (its piece stays leased while the buffer lives).
 type Keep = Box<dyn std::any::Any + Send + Sync>;
 
 /// A range of pool memory; `memoryview(b)` (or `numpy.frombuffer`, `torch.frombuffer`) sees
@@ -47,6 +48,18 @@ impl PoolBuffer {
             readonly: false,
             exports: AtomicUsize::new(0),
             _keep: Box::new(h.clone()),
+        }
+    }
+
+    /// A buffer over a lease of a remote handler's staging buffer (writable: an allocation;
+    /// read-only: a retrieved entry's bytes).
+    pub fn of_lease(lease: Arc<maru_remote::Lease>, readonly: bool) -> Self {
+        PoolBuffer {
+            addr: lease.as_mut_ptr() as usize,
+            len: lease.len(),
+            readonly,
+            exports: AtomicUsize::new(0),
+            _keep: Box::new(lease),
         }
     }
 

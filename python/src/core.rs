@@ -66,17 +66,19 @@ pub fn key_bytes(key: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
 pub struct AllocHandle {
     /// A view of the pool memory; after a store that gave the pool's pages up (see
     /// [`AllocHandle::after_store`]), of a copy of it.
-    buf: Mutex<Py<PyAny>>,
-    region_id: u64,
-    page_index: u64,
-    size: u64,
+    pub(crate) buf: Mutex<Py<PyAny>>,
+    pub(crate) region_id: u64,
+    pub(crate) page_index: u64,
+    pub(crate) size: u64,
     /// The pool memory, the connection it belongs to, and the object `buf` views.
-    held: Option<(Arc<Mutex<maru::AllocHandle>>, usize, Py<PoolBuffer>)>,
+    pub(crate) held: Option<(Arc<Mutex<maru::AllocHandle>>, usize, Py<PoolBuffer>)>,
+    /// A remote handler's allocation instead: a piece of its registered staging buffer.
+    pub(crate) staged: Option<crate::remote::Staged>,
 }
 
 /// Most bytes a store copies for `buf` to give the pool's pages up with no system call (a
 /// private mapping of them costs one, on these machines more than copying this much).
-const COPY_ON_STORE_MAX: u64 = 64 << 10;
+pub(crate) const COPY_ON_STORE_MAX: u64 = 64 << 10;
 
 impl AllocHandle {
     /// What a store of this handle leaves of its bytes. When nothing but `buf` can reach them
@@ -142,6 +144,7 @@ impl AllocHandle {
             page_index: _page_index,
             size,
             held: None,
+            staged: None,
         })
     }
 
@@ -189,6 +192,9 @@ impl AllocHandle {
     /// True once stored or freed (its `buf` is then this process's private copy).
     #[getter]
     fn done(&self) -> bool {
+        if let Some(s) = &self.staged {
+            return s.done();
+        }
         self.held
             .as_ref()
             .is_none_or(|(h, _, _)| h.lock().is_done())
@@ -208,9 +214,9 @@ impl AllocHandle {
 /// A retrieved entry: `view` is a read-only `memoryview` of the pool's own pages.
 #[pyclass(module = "maru._native", name = "MemoryInfo", get_all, set_all)]
 pub struct MemoryInfo {
-    view: Py<PyAny>,
-    region_id: u64,
-    page_index: u64,
+    pub(crate) view: Py<PyAny>,
+    pub(crate) region_id: u64,
+    pub(crate) page_index: u64,
 }
 
 #[pymethods]
@@ -225,12 +231,22 @@ impl MemoryInfo {
         }
     }
 
+    /// Lets go of the entry's memory now rather than when this object is collected: `view`
+    /// is released (a view something still exports, a slice of it or a tensor over it, stays
+    /// valid and keeps the memory). What the original design's remote leases call `release`.
+    fn release(&self, py: Python<'_>) {
+        let _ = self.view.bind(py).call_method0("release");
+    }
+
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        // A released view has no length.
+        let view = match self.view.bind(py).len() {
+            Ok(n) => format!("{n} bytes"),
+            Err(_) => "released".to_owned(),
+        };
         Ok(format!(
-            "MemoryInfo(view=<{} bytes>, region_id={}, page_index={})",
-            self.view.bind(py).len()?,
-            self.region_id,
-            self.page_index
+            "MemoryInfo(view=<{view}>, region_id={}, page_index={})",
+            self.region_id, self.page_index
         ))
     }
 
@@ -478,6 +494,7 @@ impl Core {
                 page_index,
                 size,
                 held: Some((a, Arc::as_ptr(&h) as usize, exporter.unbind())),
+                staged: None,
             },
         )
     }

@@ -167,6 +167,24 @@ impl Site {
             .collect()
     }
 
+    /// A `hold` worker on `host`, once it holds (a reservation, and `ns/key` protected): the
+    /// process and the line it printed.
+    fn holder(&self, host: usize, ns: &str, key: &str) -> (Reaped, String) {
+        let mut w = Reaped(
+            self.worker(host, TOKEN, &["hold", &self.url, ns, key])
+                .stdout(Stdio::piped())
+                .spawn()
+                .expect("holder"),
+        );
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(w.0.stdout.as_mut().expect("stdout")),
+            &mut line,
+        )
+        .expect("read");
+        (w, line)
+    }
+
     fn one(&self, host: usize, args: &[&str]) -> Value {
         self.run(host, args).pop().expect("an answer")
     }
@@ -307,18 +325,7 @@ fn a_worker_killed_or_silent_leaks_no_reservation_and_no_read_protection() {
     let before = s.local().pools()[0].writing_bytes;
 
     // kill -9 of a worker holding a reservation and a read protection: all back at once.
-    let mut w = Reaped(
-        s.worker(1, TOKEN, &["hold", url, "kv", "held"])
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("holder"),
-    );
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(w.0.stdout.as_mut().expect("stdout")),
-        &mut line,
-    )
-    .expect("read");
+    let (mut w, line) = s.holder(1, "kv", "held");
     assert!(
         line.contains("\"held\":true") && line.contains("\"found\":1"),
         "{line}"
@@ -336,18 +343,7 @@ fn a_worker_killed_or_silent_leaks_no_reservation_and_no_read_protection() {
     assert_eq!(s.local().pools()[0].writing_bytes, before);
 
     // A worker that keeps its connection but goes silent: its tickets end with their TTL.
-    let mut w = Reaped(
-        s.worker(2, TOKEN, &["hold", url, "kv", "held"])
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("holder"),
-    );
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(w.0.stdout.as_mut().expect("stdout")),
-        &mut line,
-    )
-    .expect("read");
+    let (w, line) = s.holder(2, "kv", "held");
     assert!(line.contains("\"held\":true"), "{line}");
     let took = wait_until(
         "a silent worker's tickets expired",
@@ -649,18 +645,7 @@ fn maructl_remote_lists_gets_and_puts_and_the_memory_node_shows_its_workers() {
         "{st}"
     );
     assert!(door_workers(&st).is_empty(), "{st}");
-    let mut w = Reaped(
-        s.worker(1, TOKEN, &["hold", url, "ctl", "k1"])
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("holder"),
-    );
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(w.0.stdout.as_mut().expect("stdout")),
-        &mut line,
-    )
-    .expect("read");
+    let (mut w, line) = s.holder(1, "ctl", "k1");
     assert!(line.contains("\"held\":true"), "{line}");
     let st = status(&s);
     let workers = door_workers(&st);

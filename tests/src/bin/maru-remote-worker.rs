@@ -271,52 +271,19 @@ fn foreign(url: &str, ns: &str, key: &str) -> anyhow::Result<()> {
 
 /// Raw protocol: hello, a reservation, a read protection; then sleeps holding them.
 fn hold(url: &str, ns: &str, key: &str) -> anyhow::Result<()> {
-    let mut s = TcpStream::connect(url)?;
-    let mut id = 0u64;
-    let mut call = |s: &mut TcpStream, generation: u64, op: Op| -> anyhow::Result<Reply> {
-        id += 1;
-        proto::write_frame(s, &Request { id, generation, op })?;
-        let mut buf = Vec::new();
-        proto::read_frame(s, &mut buf)?.ok_or_else(|| anyhow::anyhow!("closed"))?;
-        match proto::decode_response(&buf)?.outcome {
-            Outcome::Ok(r) => Ok(r),
-            Outcome::Err(w) => anyhow::bail!("{}: {}", w.kind, w.message),
-        }
+    let (mut s, g) = raw_session(url)?;
+    let op = Op::Reserve {
+        ns: ns.into(),
+        sizes: vec![4 << 20],
     };
-    let Reply::Hello(w) = call(
-        &mut s,
-        0,
-        Op::Hello {
-            version: proto::VERSION,
-            token: std::env::var("MARU_REMOTE_TOKEN").unwrap_or_default(),
-            node: "holder".into(),
-            metadata: Blob(Vec::new()),
-        },
-    )?
-    else {
-        anyhow::bail!("no welcome");
-    };
-    let g = w.generation;
-    let Reply::Reserved(pages) = call(
-        &mut s,
-        g,
-        Op::Reserve {
-            ns: ns.into(),
-            sizes: vec![4 << 20],
-        },
-    )?
-    else {
+    let Reply::Reserved(pages) = raw_call(&mut s, 2, g, op)? else {
         anyhow::bail!("no pages");
     };
-    let Reply::Found(found) = call(
-        &mut s,
-        g,
-        Op::Lookup {
-            ns: ns.into(),
-            keys: vec![key.into()],
-        },
-    )?
-    else {
+    let op = Op::Lookup {
+        ns: ns.into(),
+        keys: vec![key.into()],
+    };
+    let Reply::Found(found) = raw_call(&mut s, 3, g, op)? else {
         anyhow::bail!("no lookup");
     };
     say(json!({"held": true, "pages": pages.len(), "found": found.iter().flatten().count()}));
