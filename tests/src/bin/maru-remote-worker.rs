@@ -119,7 +119,7 @@ fn main() -> anyhow::Result<()> {
         Some(["hold", url, ns, key]) => hold(url, ns, key)?,
         Some(["foreign", url, ns, key]) => foreign(url, ns, key)?,
         Some(["reserve", url, ns, sizes @ ..]) => {
-            let (mut s, g) = raw_session(url)?;
+            let (mut s, g) = raw_session(url, "raw")?;
             raw_call(
                 &mut s,
                 2,
@@ -208,7 +208,7 @@ fn run_loop(url: &str, ns: &str, secs: u64) -> anyhow::Result<()> {
 }
 
 /// A raw-protocol connection after its hello: the stream, the generation, the next id.
-fn raw_session(url: &str) -> anyhow::Result<(TcpStream, u64)> {
+fn raw_session(url: &str, node: &str) -> anyhow::Result<(TcpStream, u64)> {
     let mut s = TcpStream::connect(url)?;
     let Reply::Hello(w) = raw_call(
         &mut s,
@@ -217,7 +217,7 @@ fn raw_session(url: &str) -> anyhow::Result<(TcpStream, u64)> {
         Op::Hello {
             version: proto::VERSION,
             token: std::env::var("MARU_REMOTE_TOKEN").unwrap_or_default(),
-            node: "raw".into(),
+            node: node.into(),
             metadata: Blob(Vec::new()),
         },
     )?
@@ -239,7 +239,7 @@ fn raw_call(s: &mut TcpStream, id: u64, generation: u64, op: Op) -> anyhow::Resu
 
 /// Raw protocol: publishes a ticket nobody gave it.
 fn foreign(url: &str, ns: &str, key: &str) -> anyhow::Result<()> {
-    let (mut s, g) = raw_session(url)?;
+    let (mut s, g) = raw_session(url, "raw")?;
     raw_call(
         &mut s,
         2,
@@ -271,7 +271,7 @@ fn foreign(url: &str, ns: &str, key: &str) -> anyhow::Result<()> {
 
 /// Raw protocol: hello, a reservation, a read protection; then sleeps holding them.
 fn hold(url: &str, ns: &str, key: &str) -> anyhow::Result<()> {
-    let (mut s, g) = raw_session(url)?;
+    let (mut s, g) = raw_session(url, "holder")?;
     let op = Op::Reserve {
         ns: ns.into(),
         sizes: vec![4 << 20],
