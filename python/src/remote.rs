@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use maru_remote::client::Error as RemoteError;
+use maru_remote::error_chain as chain;
 use maru_remote::{ARENA_ALIGN, Arena, Lease, Purpose, RemoteClient, RemoteConfig, Stored};
 use parking_lot::{Mutex, RwLock};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -121,17 +122,6 @@ fn remote_error(e: RemoteError) -> PyErr {
             })
         }
     }
-}
-
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
 }
 
 /// Logs to the `maru.remote` logger (Python's logging).

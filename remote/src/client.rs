@@ -199,8 +199,8 @@ fn remaining(until: Instant) -> Duration {
     Duration::from_millis(d.as_millis() as u64)
 }
 
-/// An error and its sources, as one line.
-fn chain(e: &dyn std::error::Error) -> String {
+/// An error and its sources, as one line (for messages shown to people: maructl, Python).
+pub fn chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut cur = e.source();
     while let Some(c) = cur {

@@ -9,5 +9,5 @@ pub mod proto;
 
 pub use client::{
     ARENA_ALIGN, Arena, ArenaStats, Error as RemoteError, Lease, Purpose, RemoteClient,
-    RemoteConfig, Stats, Stored,
+    RemoteConfig, Stats, Stored, chain as error_chain,
 };

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use maru::name::EntryPath;
 use maru::size::format_size;
+use maru_remote::error_chain as chain;
 use maru_remote::{RemoteClient, RemoteConfig, RemoteError, Stored};
 use serde_json::json;
 
@@ -62,18 +63,6 @@ pub fn connect(url: &str, token: String, staging: u64) -> Result<RemoteClient, F
         ..Default::default()
     })
     .map_err(failure)
-}
-
-/// An error and its sources, as one line.
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
 }
 
 /// A remote error as maructl's failure: marud's refusals keep their kind and exit code; a
