@@ -44,11 +44,10 @@ def run_instance(spec: dict) -> dict:
     env = child_env()
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env["PYTHONPATH"]])
     out = vllm_util.run_child(sys.executable, spec, env)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    if out.returncode != 0 or not lines:
+    if out.returncode != 0 or out.result is None:
         errors = "\n".join(line for line in out.stdout.splitlines() if "Error" in line or "ERROR" in line)
         pytest.fail(f"vLLM instance failed:\n{errors[-5000:]}\n...\n{out.stdout[-2000:]}")
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = json.loads(out.result)
     print(spec["connector"], {k: (v["ttft"], v["cached"], v["prompt_tokens"]) for k, v in result.items()})
     return result
 

@@ -75,6 +75,12 @@ def main() -> int:
             "cached": first[0].num_cached_tokens,
             "prompt_tokens": len(first[0].prompt_token_ids),
         }
+    # The result goes to a file of its own: vLLM's engine process writes to the same stdout,
+    # and its lines can land inside ours.
+    path = os.environ.get("MARU_VLLM_RESULT")
+    if path:
+        with open(path, "w") as f:
+            json.dump(out, f)
     print("RESULT", json.dumps(out), flush=True)
     return 0
 

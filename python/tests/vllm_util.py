@@ -81,11 +81,16 @@ def words(text: str) -> List[str]:
 
 
 def run_child(python: str, spec: dict, env: dict) -> subprocess.CompletedProcess:
-    """Run one vLLM instance (``vllm_child.py`` with ``spec``), output captured. vLLM's
+    """Run one vLLM instance (``vllm_child.py`` with ``spec``), output captured, and its result
+    (JSON text, or None) as ``.result``. vLLM's
     sockets between its processes go to a directory of their own, removed afterwards (by
     default they are left in the temporary directory)."""
     with tempfile.TemporaryDirectory(prefix="vllm-rpc-") as rpc:
-        env = dict(env, VLLM_RPC_BASE_PATH=rpc)
-        return subprocess.run([python, str(CHILD), json.dumps(spec)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=900)
+        result = os.path.join(rpc, "result.json")
+        env = dict(env, VLLM_RPC_BASE_PATH=rpc, MARU_VLLM_RESULT=result)
+        out = subprocess.run([python, str(CHILD), json.dumps(spec)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             timeout=900)
+        # The child's result, from its file (its stdout is shared with vLLM's processes).
+        out.result = open(result).read() if os.path.exists(result) else None
+        return out
