@@ -1444,15 +1444,38 @@ impl RemoteClient {
                 off += value.len();
             }
         }
-        if let Err(e) = self.transfer(
+        let written = self.transfer(
             inner,
             maru_nixl::Op::Write,
             &local,
             &remote,
             tickets.clone(),
-        ) {
-            // A WRITE that timed out may still land: its pages are kept from every use until
-            // it is known over. One that failed is over.
+        );
+        let names: Vec<(String, u64)> = todo
+            .iter()
+            .map(|&i| (items[i].1.to_owned(), items[i].2.len() as u64))
+            .collect();
+        self.finish_store(inner, ns, written, tickets, &todo, &pages, names, &mut out)?;
+        Ok(out)
+    }
+
+    /// Ends a store after its WRITE of `pages` (for items `todo` of the chunk, named and sized
+    /// by `names`): a WRITE that failed gives the pages back (quarantined when it timed out: it
+    /// may still land, so they are kept from every use until it is known over); one that
+    /// succeeded publishes them, each outcome in `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn finish_store(
+        &self,
+        inner: &mut Inner,
+        ns: &str,
+        written: std::result::Result<(), maru_nixl::Error>,
+        tickets: Vec<u64>,
+        todo: &[usize],
+        pages: &[proto::Page],
+        names: Vec<(String, u64)>,
+        out: &mut [Result<Stored>],
+    ) -> Result<()> {
+        if let Err(e) = written {
             let op = if matches!(e, maru_nixl::Error::TimedOut(_)) {
                 Op::Quarantine { tickets }
             } else {
@@ -1464,23 +1487,20 @@ impl RemoteClient {
                 source: e,
             });
         }
-
-        let publish = todo
+        let publish = pages
             .iter()
-            .zip(&pages)
-            .map(|(&i, p)| PublishItem {
+            .zip(names)
+            .map(|(p, (key, len))| PublishItem {
                 ticket: p.ticket,
-                key: items[i].1.to_owned(),
-                len: items[i].2.len() as u64,
+                key,
+                len,
             })
             .collect();
-        let outcomes = match self.call(
-            inner,
-            Op::Publish {
-                ns: ns.into(),
-                items: publish,
-            },
-        )? {
+        let op = Op::Publish {
+            ns: ns.into(),
+            items: publish,
+        };
+        let outcomes = match self.call(inner, op)? {
             Reply::Published(v) if v.len() == todo.len() => v,
             Reply::Published(v) => return Err(count_mismatch("publish", todo.len(), v.len())),
             other => return Err(unexpected("publish", &other)),
@@ -1492,7 +1512,7 @@ impl RemoteClient {
                 Published::Rejected(w) => Err(server_error(w)),
             };
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Checks reserved pages: one per size, each large enough, in marud's registered memory.

@@ -514,45 +514,11 @@ impl RemoteClient {
             tickets.clone(),
             Keep::Leases(&mut keep),
         );
-        if let Err(e) = written {
-            let op = if matches!(e, maru_nixl::Error::TimedOut(_)) {
-                Op::Quarantine { tickets }
-            } else {
-                Op::Abandon { tickets }
-            };
-            self.give_back(inner, op);
-            return Err(Error::Nixl {
-                during: "writing into the pool",
-                source: e,
-            });
-        }
-        let publish = todo
+        let names: Vec<(String, u64)> = todo
             .iter()
-            .zip(&pages)
-            .map(|(&i, p)| PublishItem {
-                ticket: p.ticket,
-                key: items[i].1.to_owned(),
-                len: items[i].3 as u64,
-            })
+            .map(|&i| (items[i].1.to_owned(), items[i].3 as u64))
             .collect();
-        let outcomes = match self.call(
-            inner,
-            Op::Publish {
-                ns: ns.into(),
-                items: publish,
-            },
-        )? {
-            Reply::Published(v) if v.len() == todo.len() => v,
-            Reply::Published(v) => return Err(count_mismatch("publish", todo.len(), v.len())),
-            other => return Err(unexpected("publish", &other)),
-        };
-        for (&i, o) in todo.iter().zip(outcomes) {
-            out[i] = match o {
-                Published::Created => Ok(Stored::Created),
-                Published::AlreadyPresent => Ok(Stored::AlreadyPresent),
-                Published::Rejected(w) => Err(server_error(w)),
-            };
-        }
+        self.finish_store(inner, ns, written, tickets, &todo, &pages, names, &mut out)?;
         Ok(out)
     }
 
