@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, List, Mapping, Optional, Sequence, Union
 
 from .config import MaruConfig
 
@@ -53,6 +53,7 @@ class PrivateMarud:
         socket: the control socket.
         log: marud's log file.
         proc: the daemon process (only this object signals it).
+        env: marud's environment (None: this process's).
     """
 
     def __init__(
@@ -63,6 +64,7 @@ class PrivateMarud:
         extra_args: Sequence[str] = (),
         start_timeout: float = 30.0,
         pool_kind: str = "memfs",
+        env: Optional[Mapping[str, str]] = None,
     ) -> None:
         if pool_kind not in ("memfs", "file"):
             raise ValueError(f"pool_kind must be 'memfs' or 'file', not {pool_kind!r}")
@@ -81,6 +83,7 @@ class PrivateMarud:
         self.log = self.root / "marud.log"
         self.extra_args: List[str] = list(extra_args)
         self.start_timeout = start_timeout
+        self.env = dict(env) if env is not None else None
         self.proc: "Optional[subprocess.Popen[bytes]]" = None
 
     def start(self) -> "PrivateMarud":
@@ -106,7 +109,8 @@ class PrivateMarud:
             *self.extra_args,
         ]
         with open(self.log, "wb") as logf:
-            self.proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=self.env)
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -14,11 +14,19 @@ KV computed in a step is copied from the paged cache straight into pool memory a
 each chunk and published once every layer is in (``batch_store``: one exchange per step).
 
 Configuration (``kv_connector_extra_config``), the original's names:
-``maru_server_url`` (default ``maru://localhost:5555``: this host's marud), ``maru_pool_size``
-(a check, default 1G), ``maru_kv_chunk_tokens`` (default 256), ``maru_instance_id``;
-``maru_chunk_size`` and ``maru_eager_map`` are accepted and unused (an entry's size follows
-from the model's KV layout; entries are mapped when retrieved); plus maru's
-``maru_namespace`` (default ``vllm``) and ``maru_timeout_ms``.
+``maru_storage_backend`` (``cxl``, the default, and ``cpu``: this host's marud, whatever its
+pools are; ``remote``: a memory node's pool over NIXL), ``maru_server_url`` (default
+``maru://localhost:5555``: this host's marud), ``maru_pool_size`` (a check, default 1G),
+``maru_kv_chunk_tokens`` (default 256), ``maru_instance_id``, ``maru_cache_namespace`` (or
+maru's ``maru_namespace``; default ``vllm``); ``maru_chunk_size`` and ``maru_eager_map`` are
+accepted and unused (an entry's size follows from the model's KV layout; entries are mapped
+when retrieved); plus maru's ``maru_timeout_ms`` and ``maru_retry_s`` (how long an
+unreachable marud is left alone). The remote backend reads ``maru_remote_url``
+(``tcp://HOST:PORT``), ``maru_remote_token``, ``maru_remote_ucx_device``,
+``maru_remote_staging_size`` (the registered staging buffer, default ``maru_pool_size``),
+``maru_remote_load_reserve``, ``maru_remote_timeout_s`` (one transfer),
+``maru_remote_retry_s`` and ``maru_node_id``, and needs ``kv_load_failure_policy``
+``recompute``. A store that cannot be reached is a miss: vLLM computes, nothing fails.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import hashlib
 import re
 import struct
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
@@ -64,23 +73,105 @@ def parse_size(value: Any) -> int:
     return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2) or " "))
 
 
-def _handler(extra: Dict[str, Any], entry_bytes: int):
-    """A connected MaruHandler for the connector's namespace."""
-    from maru import MaruConfig, MaruHandler
+#: The original's ``maru_storage_backend`` values: ``cxl`` and ``cpu`` are this host's marud
+#: (whatever its pools are: CXL, DAX or DRAM), ``remote`` a memory node's pool over NIXL.
+BACKENDS = ("cxl", "cpu", "remote")
+#: Keys only the remote backend reads.
+REMOTE_KEYS = (
+    "maru_remote_url", "maru_remote_token", "maru_remote_ucx_device", "maru_remote_staging_size",
+    "maru_remote_load_reserve", "maru_remote_timeout_s", "maru_remote_retry_s",
+)
 
-    cfg = MaruConfig(
-        server_url=extra.get("maru_server_url", "maru://localhost:5555"),
-        pool_size=max(parse_size(extra.get("maru_pool_size", "1G")), entry_bytes),
+
+def handler_config(extra: Dict[str, Any], entry_bytes: int):
+    """The MaruConfig ``kv_connector_extra_config`` describes; ValueError on a setting that
+    cannot work (never ignored in silence)."""
+    from maru import MaruConfig
+
+    backend = str(extra.get("maru_storage_backend", "cxl"))
+    if backend not in BACKENDS:
+        raise ValueError(f"MaruKVConnector: maru_storage_backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    ns = extra.get("maru_namespace")
+    cache_ns = extra.get("maru_cache_namespace")
+    if ns is not None and cache_ns is not None and str(ns) != str(cache_ns):
+        raise ValueError(
+            f"MaruKVConnector: maru_namespace {ns!r} and maru_cache_namespace {cache_ns!r} name two "
+            "namespaces; give one"
+        )
+    common = dict(
         chunk_size_bytes=entry_bytes,
         instance_id=extra.get("maru_instance_id"),
         timeout_ms=int(extra.get("maru_timeout_ms", 5000)),
-        namespace=str(extra.get("maru_namespace", "vllm")),
+        namespace=str(cache_ns if cache_ns is not None else ns if ns is not None else "vllm"),
         auto_connect=False,
     )
-    h = MaruHandler(cfg)
-    if not h.connect():
-        raise RuntimeError(f"MaruKVConnector: cannot connect to marud ({cfg.socket})")
-    return h
+    if backend != "remote":
+        stray = [k for k in REMOTE_KEYS if k in extra]
+        if stray:
+            raise ValueError(f"MaruKVConnector: {', '.join(stray)} only apply to maru_storage_backend 'remote'")
+        return MaruConfig(
+            server_url=extra.get("maru_server_url", "maru://localhost:5555"),
+            pool_size=max(parse_size(extra.get("maru_pool_size", "1G")), entry_bytes),
+            **common,
+        )
+    url = extra.get("maru_remote_url")
+    if not url:
+        raise ValueError("MaruKVConnector: maru_storage_backend 'remote' needs maru_remote_url (tcp://HOST:PORT)")
+    if "maru_server_url" in extra:
+        raise ValueError("MaruKVConnector: maru_server_url names a local marud; the remote backend uses maru_remote_url")
+    # The staging buffer (registered with NIXL once): a step's loads and saves pass through it.
+    staging = parse_size(extra.get("maru_remote_staging_size", extra.get("maru_pool_size", "1G")))
+    remote = dict(
+        storage_backend="remote",
+        remote_url=str(url),
+        pool_size=max(staging, 4 * entry_bytes),
+        remote_ucx_device=str(extra.get("maru_remote_ucx_device", "")),
+        remote_transfer_timeout_s=float(extra.get("maru_remote_timeout_s", 30.0)),
+        remote_retry_s=float(extra.get("maru_remote_retry_s", 30.0)),
+        remote_load_reserve=float(extra.get("maru_remote_load_reserve", 0.5)),
+        node_id=extra.get("maru_node_id"),
+    )
+    if extra.get("maru_remote_token") is not None:
+        remote["remote_token"] = str(extra["maru_remote_token"])
+    return MaruConfig(**common, **remote)
+
+
+class _Store:
+    """The connector's handler, connected on first use. A marud (or memory node) that cannot
+    be reached is a miss, not an error: the connector logs it, vLLM computes, and the next
+    attempt comes after ``retry_s``."""
+
+    def __init__(self, config: Any, retry_s: float) -> None:
+        self._config = config
+        self._retry_s = retry_s
+        self._h = None
+        self._next_try = 0.0
+        self._lock = threading.Lock()
+
+    def get(self):
+        """The connected handler, or None while the store is unreachable."""
+        if self._h is not None:
+            return self._h
+        with self._lock:
+            if self._h is None and time.monotonic() >= self._next_try:
+                from maru import MaruHandler
+
+                h = MaruHandler(self._config)
+                if h.connect():
+                    self._h = h
+                else:
+                    where = self._config.remote_url if self._config.is_remote else self._config.socket
+                    logger.warning(
+                        "MaruKVConnector: cannot reach %s; computing without it, next try in %.0f s",
+                        where, self._retry_s,
+                    )
+                    self._next_try = time.monotonic() + self._retry_s
+        return self._h
+
+    def close(self) -> None:
+        if self._h is not None:
+            self._h.close()
+            self._h = None
 
 
 @dataclass
@@ -148,29 +239,34 @@ class MaruKVConnector(KVConnectorBase_V1):
         # (suffix @tpN); the scheduler looks up rank 0's.
         self._tp = parallel.tensor_parallel_size
         self._suffix = ""
-        self._h = None
-        self._lock = threading.Lock()
+        self._config = handler_config(extra, self._entry_bytes)
+        if self._config.is_remote:
+            # A memory node that dies between a lookup and its load fails that load: vLLM must
+            # recompute those blocks rather than fail the request.
+            policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
+            if policy != "recompute":
+                raise ValueError(
+                    "MaruKVConnector: maru_storage_backend 'remote' needs kv_load_failure_policy "
+                    f"'recompute' (it is {policy!r}): a memory node that fails must make vLLM recompute"
+                )
+        retry = self._config.remote_retry_s if self._config.is_remote else float(extra.get("maru_retry_s", 5.0))
+        self._store = _Store(self._config, retry)
         # Scheduler state.
         self._reqs: Dict[str, _ReqState] = {}
         self._held: Dict[str, List[str]] = {}
         # Worker state.
         self._kv_caches: Dict[str, torch.Tensor] = {}
         self._pending: Dict[str, Tuple[Any, torch.Tensor, int]] = {}  # key -> (handle, tensor, layers written)
+        self._skip: set = set()  # chunks this step does not save (stored already, or no memory)
         self._load_errors: set = set()
         self._save_device: Optional[torch.device] = None  # a CUDA device saves copy from
         logger.info(
-            "MaruKVConnector: %s chunks of %d tokens, %d bytes each, namespace %s",
-            self._prefix, self._chunk, self._entry_bytes, extra.get("maru_namespace", "vllm"),
+            "MaruKVConnector: %s chunks of %d tokens, %d bytes each, namespace %s%s",
+            self._prefix, self._chunk, self._entry_bytes, self._config.namespace,
+            f", remote {self._config.remote_url}" if self._config.is_remote else "",
         )
 
     # -- shared --------------------------------------------------------------------------------
-
-    def _handler(self):
-        if self._h is None:
-            with self._lock:
-                if self._h is None:
-                    self._h = _handler(self._extra, self._entry_bytes)
-        return self._h
 
     def chunk_keys(self, tokens: List[int]) -> List[str]:
         """The keys of the full chunks of ``tokens``: chunk i's names tokens[: (i+1)*chunk]."""
@@ -191,19 +287,19 @@ class MaruKVConnector(KVConnectorBase_V1):
         tokens = list(request.prompt_token_ids or [])
         keys = self.chunk_keys(tokens)
         hits = 0
-        if keys:
-            h = self._handler()
-            found = h.batch_pin(keys)  # held: not evicted before the worker loads them
+        self._unhold(self._held.pop(request.request_id, None))
+        h = self._store.get() if keys else None
+        if h is not None:
+            try:
+                found = h.batch_pin(keys)  # held: not evicted before the worker loads them
+            except OSError as e:  # the store failed: a miss, vLLM computes
+                logger.warning("MaruKVConnector: lookup failed, computing: %s", e)
+                found = []
             while hits < len(found) and found[hits]:
                 hits += 1
-            extra_held = [k for k, f in zip(keys[hits:], found[hits:]) if f]
-            if extra_held:
-                h.batch_unpin(extra_held)
-            old = self._held.pop(request.request_id, None)
-            if old:
-                h.batch_unpin(old)
             if hits:
                 self._held[request.request_id] = keys[:hits]
+            self._unhold([k for k, f in zip(keys[hits:], found[hits:]) if f])
         self._reqs[request.request_id] = _ReqState(
             tokens=tokens, keys=keys, block_ids=[], hits=hits, next_save=hits,
         )
@@ -268,14 +364,18 @@ class MaruKVConnector(KVConnectorBase_V1):
             meta.saves.append(ChunkIO(key=st.keys[c], index=c, blocks=self._blocks(st.block_ids, start, start + self._chunk)))
             st.next_save += 1
 
+    def _unhold(self, keys: Optional[List[str]]) -> None:
+        h = self._store.get() if keys else None
+        if h is None:
+            return
+        try:
+            h.batch_unpin(keys)
+        except OSError as e:  # a local marud's holds end with the connection anyway
+            logger.warning("MaruKVConnector: unpin failed: %s", e)
+
     def request_finished(self, request: "Request", block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
         self._reqs.pop(request.request_id, None)
-        held = self._held.pop(request.request_id, None)
-        if held:
-            try:
-                self._handler().batch_unpin(held)
-            except Exception as e:  # the holds end with the connection anyway
-                logger.warning("MaruKVConnector: unpin failed: %s", e)
+        self._unhold(self._held.pop(request.request_id, None))
         return False, None
 
     # -- worker side ---------------------------------------------------------------------------
@@ -306,27 +406,34 @@ class MaruKVConnector(KVConnectorBase_V1):
         assert isinstance(meta, MaruConnectorMetadata)
         if not meta.loads:
             return
-        h = self._handler()
+        h = self._store.get()
         layers = {name: forward_context.no_compile_layers[name].kv_cache for name in self._layers}
         some = next(iter(layers.values()))
         in_flight = []  # the entries copies read from, kept until the copies are done
         for req_id, plan in meta.loads.items():
-            infos = h.batch_retrieve([c.key for c in plan])
+            infos: List[Any] = [None] * len(plan)
+            if h is not None:
+                try:
+                    infos = h.batch_retrieve([c.key for c in plan])
+                except OSError as e:  # the store failed after the lookup: vLLM recomputes
+                    logger.warning("MaruKVConnector: load of %s failed, recomputing: %s", req_id, e)
             for chunk, info in zip(plan, infos):
                 if info is None or len(info.view) < self._entry_bytes:
-                    # Evicted or deleted after all: vLLM recomputes these blocks.
+                    # Evicted, deleted or unreachable after all: vLLM recomputes these blocks.
                     self._load_errors.update(chunk.blocks[chunk.first :].tolist())
                     continue
-                if some.is_cuda:
+                if some.is_cuda and not h.is_remote:
                     h.tensors.register_entry(info)  # DMA from the pool's pages
-                    in_flight.append(info)
                 src = self._chunk_tensor(info.view, some)
                 n = len(chunk.blocks)
                 blocks = chunk.blocks[chunk.first :].to(some.device)
                 for name, i in self._layer_index.items():
                     layers[name].index_copy_(0, blocks, src[i, chunk.first : n].to(some.device, non_blocking=True))
-        if in_flight:
+            in_flight.extend(infos)
+        if some.is_cuda:
             torch.cuda.current_stream(some.device).synchronize()
+        if h is not None and h.is_remote:
+            h.release_retrieved(in_flight)  # their staging memory serves the next loads
         logger.debug("MaruKVConnector: loaded %d requests", len(meta.loads))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -340,13 +447,23 @@ class MaruKVConnector(KVConnectorBase_V1):
         i = self._layer_index.get(layer_name)
         if i is None:
             return
-        h = self._handler()
+        h = self._store.get()
+        if h is None:
+            return  # unreachable: nothing is saved this step
         for chunk in meta.saves:
+            if chunk.key in self._skip:
+                continue
             pending = self._pending.get(chunk.key)
             if pending is None:
-                if h.exists(chunk.key):
-                    continue  # another instance stored it meanwhile
-                handle = h.tensors.take(self._entry_bytes)  # registered for DMA where CUDA is
+                try:
+                    if h.exists(chunk.key):
+                        self._skip.add(chunk.key)  # another instance stored it meanwhile
+                        continue
+                    handle = h.tensors.take(self._entry_bytes)  # registered for DMA where CUDA is
+                except OSError as e:  # full or failed: this chunk is not saved
+                    logger.warning("MaruKVConnector: chunk %d not saved: %s", chunk.index, e)
+                    self._skip.add(chunk.key)
+                    continue
                 pending = (handle, self._chunk_tensor(handle.buf, kv_layer), 0)
             handle, dst, written = pending
             blocks = chunk.blocks.to(kv_layer.device)
@@ -358,20 +475,25 @@ class MaruKVConnector(KVConnectorBase_V1):
             self._pending[chunk.key] = (handle, dst, written + 1)
 
     def wait_for_save(self):
+        self._skip.clear()
         ready = [(k, p[0]) for k, p in self._pending.items() if p[2] == len(self._layers)]
         if not ready:
             return
         for k, _ in ready:
             del self._pending[k]
-        h = self._handler()
+        h = self._store.get()
         if self._save_device is not None:
             torch.cuda.current_stream(self._save_device).synchronize()
-        for _, handle in ready:
-            h.tensors.unregister_alloc(handle)  # publication replaces the mapping
-        results = h.batch_store([k for k, _ in ready], [h for _, h in ready])
+        try:
+            for _, handle in ready:
+                h.tensors.unregister_alloc(handle)  # publication replaces the mapping
+            results = h.batch_store([k for k, _ in ready], [h for _, h in ready])
+        except OSError as e:  # the allocations end with the failed store
+            logger.warning("MaruKVConnector: %d chunks not stored: %s", len(ready), e)
+            return
         failed = [k for (k, _), ok in zip(ready, results) if not ok]
         if failed:
-            logger.warning("MaruKVConnector: %d chunks not stored (pools full)", len(failed))
+            logger.warning("MaruKVConnector: %d chunks not stored (pools full or unreachable)", len(failed))
 
     def get_block_ids_with_load_errors(self) -> set:
         errors, self._load_errors = self._load_errors, set()
@@ -380,13 +502,12 @@ class MaruKVConnector(KVConnectorBase_V1):
     def shutdown(self):
         if self._pending and self._save_device is not None:
             torch.cuda.current_stream(self._save_device).synchronize()
-        for handle, _, _ in self._pending.values():
+        h = self._store.get() if self._pending else None
+        for handle, _, _ in self._pending.values() if h is not None else ():
             try:
-                self._handler().tensors.unregister_alloc(handle)
-                self._handler().free(handle)
-            except Exception:
-                pass
+                h.tensors.unregister_alloc(handle)
+                h.free(handle)
+            except (OSError, ValueError) as e:
+                logger.debug("MaruKVConnector: an unsaved chunk's allocation: %s", e)
         self._pending.clear()
-        if self._h is not None:
-            self._h.close()
-            self._h = None
+        self._store.close()

@@ -15,8 +15,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,20 +27,11 @@ from typing import Any, Iterator, List
 import pytest
 
 import maru
-from conftest import _require_privileges, child_env, marud_binary
-from maru.testing import PrivateMarud, is_mounted
+from conftest import child_env
+from remote_util import RETRY_S, TIMEOUT_MS, TOKEN, TRANSFER_S, MemoryNode, MiB, free_port, require_nixl, ucx_env
 
 # Before anything loads NIXL (the first remote handler does).
-os.environ["UCX_TLS"] = "tcp"
-os.environ["UCX_NET_DEVICES"] = "lo"
-os.environ["UCX_MODULES"] = "^ib"  # where rdma-core is installed, UCX's ib module crashes NIXL at exit
-
-TOKEN = "a-token-for-the-python-tests"
-MiB = 1 << 20
-# Short enough for the tests, long enough for a 2-core machine under load.
-TIMEOUT_MS = 2000
-TRANSFER_S = 5.0
-RETRY_S = 1.0
+os.environ.update(ucx_env("lo"))
 
 
 def pattern(seed: Any, size: int) -> bytes:
@@ -50,77 +39,9 @@ def pattern(seed: Any, size: int) -> bytes:
     return (block * (size // len(block) + 1))[:size]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class MemoryNode:
-    """A private marud on a 256 MiB file pool with its remote door on 127.0.0.1."""
-
-    def __init__(self, root: Path) -> None:
-        self.port = free_port()
-        self.url = f"tcp://127.0.0.1:{self.port}"
-        tokens = root / "remote-tokens"
-        tokens.write_text(f"# the tests\n{TOKEN} 0:0 pytest\n")
-        tokens.chmod(0o600)
-        self.marud = PrivateMarud(
-            marud_binary(),
-            pool_size="256M",
-            root=root / "marud",
-            pool_kind="file",
-            extra_args=["--remote-bind", f"127.0.0.1:{self.port}", "--remote-tokens", str(tokens)],
-        )
-
-    def start(self) -> None:
-        self.marud.start()
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"the remote door did not open:\n{self.marud.log_tail()}")
-                time.sleep(0.05)
-
-    def kill(self) -> None:
-        """kill -9: no clean shutdown; its mount is left to unmount, as after a crash."""
-        proc = self.marud.proc
-        assert proc is not None and proc.poll() is None, "marud is not running"
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=20)
-        if is_mounted(self.marud.mount):
-            subprocess.run(["umount", "-l", str(self.marud.mount)], check=False)
-        self.marud.pid_file.unlink(missing_ok=True)
-
-    def config(self, namespace: str, **kw: Any) -> maru.MaruConfig:
-        kw.setdefault("pool_size", 64 * MiB)
-        kw.setdefault("chunk_size_bytes", 4 * MiB)
-        kw.setdefault("timeout_ms", TIMEOUT_MS)
-        kw.setdefault("remote_transfer_timeout_s", TRANSFER_S)
-        kw.setdefault("remote_retry_s", RETRY_S)
-        kw.setdefault("remote_token", TOKEN)
-        kw.setdefault("remote_url", self.url)
-        return maru.MaruConfig(storage_backend="remote", namespace=namespace, **kw)
-
-    def local_handler(self, namespace: str) -> maru.MaruHandler:
-        """A local client of the memory node's marud (its socket): what a process there sees."""
-        h = maru.MaruHandler(self.marud.config(namespace))
-        assert h.connect(), self.marud.log_tail()
-        return h
-
-
 @pytest.fixture(scope="module")
 def node() -> Iterator[MemoryNode]:
-    _require_privileges()
-    try:
-        maru._native.nixl_library()
-    except OSError as e:
-        if os.environ.get("MARU_REQUIRE_NIXL"):
-            pytest.fail(f"MARU_REQUIRE_NIXL is set and NIXL does not load: {e}")
-        pytest.skip(str(e))
+    require_nixl()
     root = Path(tempfile.mkdtemp(prefix="maru-pytest-remote-"))
     n = MemoryNode(root)
     n.start()

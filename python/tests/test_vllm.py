@@ -13,13 +13,18 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
+from typing import Iterator, Optional, Sequence
 
 import pytest
 
 pytest.importorskip("vllm")
 
 from conftest import Marud, child_env  # noqa: E402
+from remote_util import TOKEN, GpuNodes, MemoryNode, require_nixl  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
@@ -40,10 +45,12 @@ def cache_root(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("vllm-cache"))
 
 
-def run_instance(spec: dict) -> dict:
-    env = child_env()
+def run_instance(spec: dict, env: Optional[dict] = None, prefix: Sequence[str] = ()) -> dict:
+    """Run one vLLM instance (vllm_child.py); ``env``: more environment, ``prefix``: a
+    command it runs under (a GPU node's ``ip netns exec``)."""
+    env = child_env() | (env or {})
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env["PYTHONPATH"]])
-    out = vllm_util.run_child(sys.executable, spec, env)
+    out = vllm_util.run_child(sys.executable, spec, env, prefix)
     if out.returncode != 0 or out.result is None:
         errors = "\n".join(line for line in out.stdout.splitlines() if "Error" in line or "ERROR" in line)
         pytest.fail(f"vLLM instance failed:\n{errors[-5000:]}\n...\n{out.stdout[-2000:]}")
@@ -96,3 +103,92 @@ def test_example_connector_runs_unmodified_on_maru(marud: Marud, namespace: str,
     b = run_instance(base | {"prompts": [{"name": "shared", "parts": SHARED}]})
     assert b["shared"]["cached"] > 6000
     assert b["shared"]["tokens"] == a["shared"]["tokens"]
+
+
+def test_connector_configuration_is_checked(model_dir: str) -> None:
+    from maru_vllm.connector import handler_config
+
+    entry = 1 << 20
+    local = handler_config({"maru_storage_backend": "cpu", "maru_cache_namespace": "llama"}, entry)
+    assert not local.is_remote and local.namespace == "llama"
+    remote = handler_config({"maru_storage_backend": "remote", "maru_remote_url": "tcp://m:7860",
+                             "maru_remote_staging_size": "256M", "maru_remote_timeout_s": 3,
+                             "maru_remote_retry_s": 4, "maru_remote_token": "t" * 20, "maru_node_id": "gpu7"}, entry)
+    assert remote.is_remote and remote.remote_url == "tcp://m:7860" and remote.pool_size == 256 << 20
+    assert (remote.remote_transfer_timeout_s, remote.remote_retry_s, remote.node_id) == (3.0, 4.0, "gpu7")
+    for extra, message in [
+        ({"maru_storage_backend": "nvme"}, "not one of"),
+        ({"maru_storage_backend": "remote"}, "maru_remote_url"),
+        ({"maru_storage_backend": "remote", "maru_remote_url": "tcp://m:1", "maru_server_url": "maru://x:1"},
+         "maru_server_url"),
+        ({"maru_remote_url": "tcp://m:1"}, "only apply to maru_storage_backend 'remote'"),
+        ({"maru_namespace": "a", "maru_cache_namespace": "b"}, "two namespaces"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            handler_config(extra, entry)
+
+
+@pytest.fixture(scope="module")
+def remote_nodes() -> Iterator[tuple]:
+    """A memory node (marud with its door, this host's namespace) and two GPU nodes (network
+    namespaces joined to it by veth pairs)."""
+    require_nixl()
+    with GpuNodes(2) as gpus:
+        node = MemoryNode(Path(tempfile.mkdtemp(prefix="maru-pytest-vllm-remote-")), host=gpus.host_addrs[0],
+                          env=os.environ | gpus.host_ucx_env)
+        node.start()
+        try:
+            yield node, gpus
+        finally:
+            node.marud.stop()
+
+
+def test_remote_instances_share_kv_through_a_memory_node_and_recompute_without_it(
+    remote_nodes: tuple, model_dir: str, cache_root: str, tmp_path: Path
+) -> None:
+    """A on GPU node 1 stores through the memory node's pool; B on GPU node 2 loads it (its
+    cached tokens cover A's prompt, its output is A's); then the memory node dies and B's next
+    prompt, which A stored too, is computed: same output, nothing loaded, no hang."""
+    node, gpus = remote_nodes
+    ns = f"vllm-remote-{os.getpid()}"
+
+    def spec(i: int, prompts: list) -> dict:
+        return {"model": model_dir, "cache_root": cache_root, "connector": "maru", "namespace": ns,
+                "remote": {"url": node.url, "token": TOKEN, "node": f"gpu{i + 1}"}, "prompts": prompts}
+
+    second = [[6912, 4]]
+    a = run_instance(spec(0, [{"name": "shared", "parts": SHARED}, {"name": "second", "parts": second}]),
+                     gpus.node_ucx_env(0), gpus.exec_prefix(0))
+    assert a["shared"]["cached"] == 0
+    # The memory node sees the chunks as entries of its own pool.
+    assert len(os.listdir(node.marud.mount / ns)) == 2 * (6912 // 256)
+
+    gate = str(tmp_path / "memory-node-killed")
+    results: dict = {}
+
+    def b() -> None:
+        try:
+            results["b"] = run_instance(
+                spec(1, [{"name": "shared", "parts": SHARED}, {"name": "second", "parts": second, "wait": gate}]),
+                gpus.node_ucx_env(1), gpus.exec_prefix(1))
+        except BaseException as e:  # pytest.fail's exception included: raised below
+            results["error"] = e
+
+    t = threading.Thread(target=b)
+    t.start()
+    try:
+        deadline = time.monotonic() + 900
+        while not os.path.exists(gate + ".ready") and t.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert os.path.exists(gate + ".ready"), "B never reached its second prompt"
+        node.kill()
+    finally:
+        Path(gate).touch()
+        t.join()
+    if "error" in results:
+        raise results["error"]
+    b_out = results["b"]
+    assert b_out["shared"]["cached"] == (6912 - 1) // 128 * 128
+    assert b_out["shared"]["tokens"] == a["shared"]["tokens"]
+    assert b_out["second"]["cached"] == 0
+    assert b_out["second"]["tokens"] == a["second"]["tokens"]

@@ -3,8 +3,11 @@
 ``python vllm_child.py SPEC_JSON``: SPEC is a JSON object with ``model`` (a model directory,
 see vllm_util.make_model), ``connector`` (``maru``: MaruKVConnector; ``example``: vLLM's
 ExampleConnector with ``storage`` as its shared_storage_path; ``none``), ``socket`` and
-``namespace`` (maru), and ``prompts``: a list of {``name``, ``parts``: [[tokens, seed], ...]}
-(a prompt is its parts' words concatenated, so two prompts can share a prefix). For each
+``namespace`` (maru; with ``remote``: {``url``, ``token``}, a memory node's pool instead of
+the socket's marud), and ``prompts``: a list of {``name``, ``parts``: [[tokens, seed], ...],
+``wait`` (optional: a path; before this prompt the child creates ``<wait>.ready`` and waits
+until ``<wait>`` exists)} (a prompt is its parts' words concatenated, so two prompts can
+share a prefix). For each
 prompt, in order, it measures the time to first token (a generate of one token, vLLM's own
 prefix cache off; the median of ``repeat`` runs, default 1) and then generates 8 tokens
 greedily; it prints one line
@@ -33,15 +36,25 @@ def main() -> int:
 
     kt = None
     if spec["connector"] == "maru":
+        extra = {"maru_pool_size": "64M", "maru_namespace": spec["namespace"]}
+        remote = spec.get("remote")
+        if remote:
+            extra |= {
+                "maru_storage_backend": "remote",
+                "maru_remote_url": remote["url"],
+                "maru_remote_token": remote["token"],
+                "maru_remote_timeout_s": 5,
+                "maru_remote_retry_s": 2,
+                "maru_node_id": remote.get("node", "worker"),
+            }
+        else:
+            extra["maru_server_url"] = f"unix://{spec['socket']}"
         kt = KVTransferConfig(
             kv_connector="MaruKVConnector",
             kv_connector_module_path="maru_vllm",
             kv_role="kv_both",
-            kv_connector_extra_config={
-                "maru_server_url": f"unix://{spec['socket']}",
-                "maru_pool_size": "64M",
-                "maru_namespace": spec["namespace"],
-            },
+            kv_connector_extra_config=extra,
+            kv_load_failure_policy="recompute",
         )
     elif spec["connector"] == "example":
         kt = KVTransferConfig(
@@ -62,6 +75,8 @@ def main() -> int:
     out = {}
     for p in spec["prompts"]:
         text = " ".join(vllm_util.prompt(n, seed) for n, seed in p["parts"])
+        if p.get("wait"):
+            barrier(p["wait"])
         times = []
         for _ in range(int(spec.get("repeat", 1))):
             t0 = time.perf_counter()
@@ -83,6 +98,16 @@ def main() -> int:
             json.dump(out, f)
     print("RESULT", json.dumps(out), flush=True)
     return 0
+
+
+def barrier(path: str, limit_s: float = 600) -> None:
+    """Say this instance is at ``path`` (``<path>.ready``) and wait until ``path`` exists."""
+    open(path + ".ready", "w").close()
+    deadline = time.monotonic() + limit_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nobody opened {path}")
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":

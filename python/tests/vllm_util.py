@@ -13,7 +13,7 @@ import os
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import List
+from typing import List, Sequence
 
 CHILD = Path(__file__).resolve().parent / "vllm_child.py"
 
@@ -80,15 +80,16 @@ def words(text: str) -> List[str]:
     return text.split()
 
 
-def run_child(python: str, spec: dict, env: dict) -> subprocess.CompletedProcess:
-    """Run one vLLM instance (``vllm_child.py`` with ``spec``), output captured, and its result
-    (JSON text, or None) as ``.result``. vLLM's
+def run_child(python: str, spec: dict, env: dict, prefix: Sequence[str] = ()) -> subprocess.CompletedProcess:
+    """Run one vLLM instance (``vllm_child.py`` with ``spec``; ``prefix``: a command it runs
+    under, such as ``ip netns exec NAME``), output captured, and its result (JSON text, or
+    None) as ``.result``. vLLM's
     sockets between its processes go to a directory of their own, removed afterwards (by
     default they are left in the temporary directory)."""
     with tempfile.TemporaryDirectory(prefix="vllm-rpc-") as rpc:
         result = os.path.join(rpc, "result.json")
         env = dict(env, VLLM_RPC_BASE_PATH=rpc, MARU_VLLM_RESULT=result)
-        out = subprocess.run([python, str(CHILD), json.dumps(spec)], env=env,
+        out = subprocess.run([*prefix, python, str(CHILD), json.dumps(spec)], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              timeout=900)
         # The child's result, from its file (its stdout is shared with vLLM's processes).
