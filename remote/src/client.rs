@@ -132,6 +132,12 @@ pub struct Stats {
     pub skipped: u64,
     /// Timed-out transfers NIXL has not yet said are over (each holds a staging buffer).
     pub lingering: u64,
+    /// Where the time of the calls went: waiting for control replies, waiting for NIXL
+    /// transfers (from posting to completion), copying between callers' memory and the
+    /// staging buffer.
+    pub control_time: Duration,
+    pub transfer_time: Duration,
+    pub copy_time: Duration,
 }
 
 /// Result with [`Error`].
@@ -571,6 +577,15 @@ struct Counters {
     reconnects: AtomicU64,
     skipped: AtomicU64,
     lingering: AtomicU64,
+    control_ns: AtomicU64,
+    transfer_ns: AtomicU64,
+    copy_ns: AtomicU64,
+}
+
+/// Adds the time since `since` to a counter of nanoseconds.
+fn add_time(counter: &AtomicU64, since: Instant) {
+    let ns = u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    counter.fetch_add(ns, Relaxed);
 }
 
 /// A worker's connection to a memory node's pool (see the module's documentation).
@@ -748,6 +763,9 @@ impl RemoteClient {
             reconnects: c.reconnects.load(Relaxed),
             skipped: c.skipped.load(Relaxed),
             lingering: c.lingering.load(Relaxed),
+            control_time: Duration::from_nanos(c.control_ns.load(Relaxed)),
+            transfer_time: Duration::from_nanos(c.transfer_ns.load(Relaxed)),
+            copy_time: Duration::from_nanos(c.copy_ns.load(Relaxed)),
         }
     }
 
@@ -838,7 +856,9 @@ impl RemoteClient {
         let got = self.run(|inner| {
             len = None;
             self.read_chunk(inner, ns, &[key], Some(dst.len()), &mut |_, bytes| {
+                let t = Instant::now();
                 dst[..bytes.len()].copy_from_slice(bytes);
+                add_time(&self.counters.copy_ns, t);
                 len = Some(bytes.len());
             })
         });
@@ -1244,13 +1264,16 @@ impl RemoteClient {
         };
         inner.next_id += 1;
         self.counters.requests.fetch_add(1, Relaxed);
+        let t = Instant::now();
         let resp = exchange(
             &mut conn.stream,
             &mut inner.frame,
             &req,
             &self.addr,
             self.cfg.control_timeout,
-        )?;
+        );
+        add_time(&self.counters.control_ns, t);
+        let resp = resp?;
         if resp.generation != conn.generation
             || matches!(&resp.outcome, Outcome::Err(w) if w.kind == proto::STALE_GENERATION)
         {
@@ -1337,10 +1360,13 @@ impl RemoteClient {
         keep: Keep<'_>,
     ) -> std::result::Result<(), maru_nixl::Error> {
         let peer = inner.peer.as_deref().unwrap_or_default();
+        let posted = Instant::now();
         let mut t = self
             .agent
             .transfer(op, local_mem, local, Mem::Dram, remote, peer)?;
-        match t.wait(self.cfg.transfer_timeout) {
+        let waited = t.wait(self.cfg.transfer_timeout);
+        add_time(&self.counters.transfer_ns, posted);
+        match waited {
             Ok(()) => {
                 let bytes: u64 = local.iter().map(|d| d.len).sum();
                 self.counters.transfers.fetch_add(1, Relaxed);
@@ -1433,6 +1459,7 @@ impl RemoteClient {
         let mut local = Vec::with_capacity(todo.len());
         let mut remote = Vec::with_capacity(todo.len());
         if let Some(staging) = inner.staging.as_mut() {
+            let copying = Instant::now();
             let buf = staging.bytes_mut();
             let mut off = 0;
             for (&i, page) in todo.iter().zip(&pages) {
@@ -1443,6 +1470,7 @@ impl RemoteClient {
                 remote.push(Desc::host(page.addr, value.len() as u64));
                 off += value.len();
             }
+            add_time(&self.counters.copy_ns, copying);
         }
         let written = self.transfer(
             inner,

@@ -27,7 +27,7 @@ use anyhow::Context;
 use clap::Parser;
 use maru_cluster::testing::{Net, enter_host, in_netns};
 use maru_nixl::{AgentConfig, Desc, Mem, Nixl, Op};
-use maru_remote::{RemoteClient, RemoteConfig};
+use maru_remote::{ARENA_ALIGN, Purpose, RemoteClient, RemoteConfig, Stats, Stored};
 use serde_json::{Value, json};
 
 #[derive(Parser, Debug)]
@@ -98,7 +98,8 @@ fn main() -> anyhow::Result<()> {
     stop(&mut target);
 
     // 2. maru's remote tier: marud with its door on the memory node.
-    let pool_bytes = (cli.chunks as u64 + cli.rounds as u64 + 8) * CHUNK as u64 + (256 << 20);
+    // The chunks, the stored and the leased 32 MiB rounds, the warm-up, and room to spare.
+    let pool_bytes = (cli.chunks as u64 + 2 * cli.rounds as u64 + 9) * CHUNK as u64 + (256 << 20);
     let mut marud = b.marud(pool_bytes)?;
     let url = format!("{}:{PORT}", b.net.host_ip(0));
     b.wait_door(&url, &mut marud)?;
@@ -131,9 +132,15 @@ fn main() -> anyhow::Result<()> {
     line("32 MiB WRITE, bare NIXL", bare_w, "GB/s");
     line("32 MiB store, maru remote", maru_w, "GB/s");
     line("  store / bare WRITE", maru_w / bare_w, "x");
+    let maru_l = gbps(chunk_bytes, f(&big, "leased_s"));
+    line("32 MiB store from a lease (no copy)", maru_l, "GB/s");
+    line("  leased store / bare WRITE", maru_l / bare_w, "x");
     line("32 MiB READ, bare NIXL", bare_r, "GB/s");
     line("32 MiB retrieve, maru remote", maru_r, "GB/s");
     line("  retrieve / bare READ", maru_r / bare_r, "x");
+    let maru_lr = gbps(chunk_bytes, f(&big, "leased_read_s"));
+    line("32 MiB retrieve into a lease (no copy)", maru_lr, "GB/s");
+    line("  leased retrieve / bare READ", maru_lr / bare_r, "x");
     line(
         "4 KiB store (reserve+WRITE+publish)",
         f(&small, "store_per_s"),
@@ -166,6 +173,37 @@ fn main() -> anyhow::Result<()> {
             format!("{value:.3}")
         };
         println!("| {case} | {shown} | {unit} |");
+    }
+    // Where one call's time went, in milliseconds per call.
+    println!(
+        "\n### where a 32 MiB call's time goes (ms per call)\n\n| call | total | control \
+         replies | NIXL transfer | staging copy | the rest |\n|---|---:|---:|---:|---:|---:|"
+    );
+    let per = 1e3 / cli.rounds as f64;
+    let bare_write_ms = f(&bare, "write_s") * per;
+    let bare_read_ms = f(&bare, "read_s") * per;
+    println!("| bare NIXL WRITE | {bare_write_ms:.1} | | {bare_write_ms:.1} | | |");
+    println!("| bare NIXL READ | {bare_read_ms:.1} | | {bare_read_ms:.1} | | |");
+    for (name, total, ph) in [
+        ("store", "store_s", "store_phases"),
+        ("store from a lease", "leased_s", "leased_phases"),
+        ("retrieve_into", "retrieve_s", "retrieve_phases"),
+        (
+            "retrieve into a lease",
+            "leased_read_s",
+            "leased_read_phases",
+        ),
+    ] {
+        let (t, p) = (f(&big, total) * per, &big[ph]);
+        let (c, x, y) = (
+            f(p, "control_s") * per,
+            f(p, "transfer_s") * per,
+            f(p, "copy_s") * per,
+        );
+        println!(
+            "| {name} | {t:.1} | {c:.1} | {x:.1} | {y:.1} | {:.1} |",
+            t - c - x - y
+        );
     }
     if let Some(p) = &cli.out_json {
         let all = json!({
@@ -380,6 +418,16 @@ fn wait_for(p: &Path, within: Duration) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Seconds spent in each phase between two readings of a client's counters.
+fn phases(before: &Stats, after: &Stats) -> Value {
+    json!({
+        "control_s": (after.control_time - before.control_time).as_secs_f64(),
+        "transfer_s": (after.transfer_time - before.transfer_time).as_secs_f64(),
+        "copy_s": (after.copy_time - before.copy_time).as_secs_f64(),
+        "requests": after.requests - before.requests,
+    })
+}
+
 fn say(v: Value) {
     println!("{v}");
 }
@@ -406,20 +454,61 @@ fn role(args: &[String]) -> anyhow::Result<()> {
             let c = client(url)?;
             let (size, rounds): (usize, usize) = (size.parse()?, rounds.parse()?);
             let values: Vec<Vec<u8>> = (0..rounds).map(chunk).collect();
+            // One warm-up, as the bare baseline has (UCX connects on the first transfer).
+            c.store("bench", "warm", &values[0][..size])?;
+            let before = c.stats();
             let t = Instant::now();
             for (i, v) in values.iter().enumerate() {
                 c.store("bench", &format!("big-{i}"), &v[..size])?;
             }
             let store_s = t.elapsed().as_secs_f64();
+            let stored = phases(&before, &c.stats());
+            // The same stores from registered memory (a lease of the worker's arena, as a
+            // worker that computes into it): no staging copy.
+            let arena = c.arena(size.next_multiple_of(ARENA_ALIGN), 0)?;
+            let mut lease = arena
+                .lease(size, Purpose::Store)
+                .context("a lease of the whole arena")?;
+            lease.bytes_mut().copy_from_slice(&values[0][..size]);
+            let before = c.stats();
+            let t = Instant::now();
+            for i in 0..rounds {
+                let got = c.store_leased("bench", &[(&format!("leased-{i}"), &lease, size)])?;
+                anyhow::ensure!(
+                    matches!(got.as_slice(), [Ok(Stored::Created)]),
+                    "leased-{i}: {got:?}"
+                );
+            }
+            let leased_s = t.elapsed().as_secs_f64();
+            let leased = phases(&before, &c.stats());
             let mut dst = vec![0u8; size];
+            let before = c.stats();
             let t = Instant::now();
             for i in 0..rounds {
                 let n = c.retrieve_into("bench", &format!("big-{i}"), &mut dst)?;
                 anyhow::ensure!(n == Some(size), "big-{i}: {n:?}");
             }
             let retrieve_s = t.elapsed().as_secs_f64();
+            let retrieved = phases(&before, &c.stats());
             anyhow::ensure!(dst[..] == values[rounds - 1][..size], "bytes differ");
-            say(json!({"store_s": store_s, "retrieve_s": retrieve_s}));
+            // The same loads into registered memory (new leases of the arena): no copy out.
+            drop(lease);
+            let before = c.stats();
+            let t = Instant::now();
+            for i in 0..rounds {
+                let got = c.retrieve_leased("bench", &[&format!("big-{i}")], &arena)?;
+                anyhow::ensure!(
+                    matches!(got.as_slice(), [Some(l)] if l.len() >= size),
+                    "big-{i}: not loaded"
+                );
+            }
+            let leased_read_s = t.elapsed().as_secs_f64();
+            let leased_read = phases(&before, &c.stats());
+            say(json!({
+                "store_s": store_s, "leased_s": leased_s, "retrieve_s": retrieve_s,
+                "leased_read_s": leased_read_s, "store_phases": stored, "leased_phases": leased,
+                "retrieve_phases": retrieved, "leased_read_phases": leased_read,
+            }));
             Ok(())
         }
         ["small", url, n] => {
