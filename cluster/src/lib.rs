@@ -69,9 +69,7 @@ const UNITS_PER_TXN: usize = 126;
 /// The unit indexes of `[offset, offset + len)`.
 fn units(offset: u64, len: u64) -> Result<Vec<u64>> {
     if len == 0 || !offset.is_multiple_of(UNIT) || !len.is_multiple_of(UNIT) {
-        return Err(Error::InvalidName(format!(
-            "range {offset:#x}+{len:#x} is not whole 2 MiB units"
-        )));
+        return Err(Error::Misaligned { offset, len });
     }
     Ok((offset / UNIT..(offset + len) / UNIT).collect())
 }
@@ -108,6 +106,9 @@ pub enum Error {
     /// A name that cannot be a key component.
     #[error("invalid name {0:?}")]
     InvalidName(String),
+    /// A range of the pool that is not whole claim units.
+    #[error("range {offset:#x}+{len:#x} is not whole 2 MiB units")]
+    Misaligned { offset: u64, len: u64 },
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

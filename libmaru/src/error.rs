@@ -56,6 +56,9 @@ pub enum Error {
     /// An I/O error.
     #[error("i/o error: {0}")]
     Io(#[from] std::io::Error),
+    /// An operating-system error the daemon reported: its errno and its text.
+    #[error("i/o error: {message}")]
+    Os { errno: i32, message: String },
 }
 
 impl Error {
@@ -77,6 +80,7 @@ impl Error {
             Error::Protocol(_) => libc::EPROTO,
             Error::Disconnected => libc::ENOTCONN,
             Error::Io(e) => e.raw_os_error().unwrap_or(libc::EIO),
+            Error::Os { errno, .. } => *errno,
         }
     }
 
@@ -97,7 +101,30 @@ impl Error {
             Error::Unsupported(_) => "unsupported",
             Error::Protocol(_) => "protocol",
             Error::Disconnected => "disconnected",
-            Error::Io(_) => "io",
+            Error::Io(_) | Error::Os { .. } => "io",
+        }
+    }
+
+    /// What the message says past the kind's own words ("ns/k" of "not found: ns/k"): what
+    /// travels on the wire, where the receiver's error adds those words again.
+    pub fn detail(&self) -> String {
+        match self {
+            Error::InvalidName(m)
+            | Error::NameTooLong(m)
+            | Error::NotFound(m)
+            | Error::Exists(m)
+            | Error::NoSpace(m)
+            | Error::Quota(m)
+            | Error::PermissionDenied(m)
+            | Error::ReadOnly(m)
+            | Error::InvalidArgument(m)
+            | Error::NotEmpty(m)
+            | Error::Busy(m)
+            | Error::Unsupported(m)
+            | Error::Protocol(m)
+            | Error::Os { message: m, .. } => m.clone(),
+            Error::Disconnected => String::new(),
+            Error::Io(e) => e.to_string(),
         }
     }
 
@@ -106,7 +133,7 @@ impl Error {
         WireError {
             errno: self.errno(),
             kind: self.kind().to_owned(),
-            message: self.to_string(),
+            message: self.detail(),
         }
     }
 
@@ -123,7 +150,8 @@ pub struct WireError {
     pub errno: i32,
     /// A stable kind name (`not_found` ...).
     pub kind: String,
-    /// A human readable message.
+    /// What the error says past its kind's words ([`Error::detail`]): "ns/k" of a
+    /// `not_found` whose text is "not found: ns/k".
     pub message: String,
 }
 
@@ -145,7 +173,53 @@ impl From<WireError> for Error {
             "unsupported" => Error::Unsupported(m),
             "protocol" => Error::Protocol(m),
             "disconnected" => Error::Disconnected,
-            _ => Error::Io(std::io::Error::from_raw_os_error(w.errno)),
+            _ => Error::Os {
+                errno: w.errno,
+                message: m,
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every kind, sent as the daemon sends it (JSON on the wire) and read back as a client
+    /// reads it: the text the user sees, the errno and the kind are the sender's.
+    #[test]
+    fn every_kind_reads_back_as_it_was_sent() {
+        let all = [
+            Error::InvalidName("a//b".into()),
+            Error::NameTooLong("x".repeat(300)),
+            Error::NotFound("ns/k".into()),
+            Error::Exists("ns/k".into()),
+            Error::NoSpace("pool full".into()),
+            Error::Quota("ns over 1 GiB".into()),
+            Error::PermissionDenied("ns/k: uid 1000".into()),
+            Error::ReadOnly("ns/k".into()),
+            Error::InvalidArgument("size must be > 0".into()),
+            Error::NotEmpty("ns".into()),
+            Error::Busy("ticket 3".into()),
+            Error::Unsupported("flock".into()),
+            Error::Protocol("bad frame".into()),
+            Error::Disconnected,
+            Error::Io(std::io::Error::from_raw_os_error(libc::EIO)),
+            Error::Io(std::io::Error::other("pool file vanished")),
+            Error::Os {
+                errno: libc::EROFS,
+                message: "read-only file system".into(),
+            },
+        ];
+        for e in all {
+            let json = serde_json::to_string(&e.to_wire()).unwrap();
+            let back = Error::from(serde_json::from_str::<WireError>(&json).unwrap());
+            assert_eq!(back.to_string(), e.to_string(), "{json}");
+            assert_eq!((back.errno(), back.kind()), (e.errno(), e.kind()), "{json}");
+            // The kind's words appear once.
+            let words = e.to_string();
+            let head = words.split(':').next().unwrap();
+            assert_eq!(words.matches(head).count(), 1, "{words}");
         }
     }
 }

@@ -221,25 +221,14 @@ fn nixl_err(during: &'static str) -> impl FnOnce(maru_nixl::Error) -> Error {
     move |source| Error::Nixl { during, source }
 }
 
-/// marud's refusal as an error. The wire message repeats the kind's prefix ("not found: x"),
-/// which `maru::Error`'s own message adds again: it is taken off first.
+/// marud's refusal as an error ("pool full" has a kind of its own here).
 fn server_error(w: WireError) -> Error {
     if w.kind == "no_space" {
-        let m = w.message.strip_prefix("no space: ").unwrap_or(&w.message);
-        let m = m.strip_prefix("pool full").unwrap_or(m);
+        let m = w.message.strip_prefix("pool full").unwrap_or(&w.message);
         let m = m.strip_prefix(": ").unwrap_or(m);
         return Error::PoolFull(m.to_owned());
     }
-    let prefix = maru::Error::from(WireError {
-        message: String::new(),
-        ..w.clone()
-    })
-    .to_string();
-    let message = match w.message.strip_prefix(&prefix) {
-        Some(rest) if !prefix.is_empty() => rest.to_owned(),
-        _ => w.message,
-    };
-    Error::Server(maru::Error::from(WireError { message, ..w }))
+    Error::Server(maru::Error::from(w))
 }
 
 /// What a failure means for the connection and the pool.
@@ -1773,7 +1762,7 @@ mod tests {
     }
 
     #[test]
-    fn refusals_keep_their_kind_without_the_repeated_prefix() {
+    fn refusals_keep_their_kind_and_say_it_once() {
         let w = maru::Error::NotFound("ns/k".into()).to_wire();
         let e = server_error(w);
         assert_eq!(e.to_string(), "marud refused: not found: ns/k");

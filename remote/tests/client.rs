@@ -626,7 +626,7 @@ mod pool {
     ) -> Result<Reply, WireError> {
         if let Op::Hello { token, .. } = &op {
             if token != super::TOKEN {
-                return Err(err("permission_denied", "permission denied: bad token"));
+                return Err(err("permission_denied", "bad token"));
             }
             return Ok(Reply::Hello(Welcome {
                 generation: st.generation,
@@ -669,7 +669,7 @@ mod pool {
                         for p in &pages {
                             free_ticket(st, p.ticket);
                         }
-                        return Err(err("no_space", "no space: pool full"));
+                        return Err(err("no_space", "pool full"));
                     };
                     let ticket = st.next_ticket;
                     st.next_ticket += 1;
@@ -750,7 +750,7 @@ mod pool {
                             release_pages(st, first, len.div_ceil(PAGE));
                             None
                         }
-                        None => Some(err("not_found", &format!("not found: {ns}/{k}"))),
+                        None => Some(err("not_found", &format!("{ns}/{k}"))),
                     })
                     .collect(),
             ),
@@ -758,7 +758,7 @@ mod pool {
                 keys.iter()
                     .map(|k| {
                         (!st.entries.contains_key(&key(&ns, k)))
-                            .then(|| err("not_found", "not found"))
+                            .then(|| err("not_found", "no such entry"))
                     })
                     .collect(),
             ),
