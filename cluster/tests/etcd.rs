@@ -133,7 +133,7 @@ async fn claims_are_exclusive_and_die_with_the_lease() {
     );
     assert!(matches!(
         b.claim(UNIT + 1, UNIT).await,
-        Err(Error::InvalidName(_))
+        Err(Error::Misaligned { offset, len }) if (offset, len) == (UNIT + 1, UNIT)
     ));
     // a dies without leaving: its keep-alive stops, its lease runs out after 2 s.
     drop(a);
