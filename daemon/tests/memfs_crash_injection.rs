@@ -12,7 +12,8 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use maru::format::Record;
-use maru_daemon::pool::{MetaStep, PoolSpec};
+use maru_daemon::pool::PoolSpec;
+use maru_daemon::pool::memfs::MetaStep;
 use maru_daemon::store::{Eviction, Store, StoreConfig};
 use maru_fsd::Caller;
 

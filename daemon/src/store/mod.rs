@@ -14,6 +14,17 @@
 //! - [`fsview`]: the mount's view (the filesystem's `Backend`), including the publication
 //!   of entries written through the mount;
 //! - [`remote`]: entries other hosts published (cluster mode).
+//!
+//! **The lock's rule.** The lock guards metadata and nothing else: while it is held, no
+//! system call that can take long (an `fallocate` of a client's allocation, a `/proc` read,
+//! an `fsync`, a read of entry bytes) and no network round trip. A verb reserves under the
+//! lock, does the slow part with it released, and commits under it again, with a failure
+//! path that puts back what it reserved. Done that way: a client's allocation (a memfs file
+//! of its own is made outside the lock: [`pools::Prepare`], [`Store::alloc`]) and the
+//! statistics (`/proc/meminfo` is read before the lock). Not yet: the mount's reads of raw
+//! and packed entries and its writes to raw ones, `truncate`'s reservation of a file being
+//! written through the mount, and cluster mode's publications to etcd (each awaited under
+//! the lock).
 
 pub mod authority;
 mod entries;
@@ -48,7 +59,7 @@ use authority::{Authority, LocalAuthority, Placed};
 use entries::Removal;
 use namespaces::{join, parent};
 use policy::{Access, Perm};
-use pools::{Backing, Seams};
+use pools::{Backing, Requester, Seams};
 pub use settings::{Eviction, StoreConfig};
 use state::{Alloc, Entry, Origin, State};
 pub use state::{Invalidation, MOUNT_SESSION};
@@ -75,6 +86,8 @@ pub trait RemoteView: Send + Sync {
 pub struct Store {
     cfg: StoreConfig,
     st: Mutex<State>,
+    /// Per pool, what its grants do without the lock (see [`Store::place`]).
+    preparers: Vec<Option<Arc<dyn pools::Prepare>>>,
     authority: Arc<dyn Authority>,
     counters: Counters,
     invalidate: Mutex<Option<Arc<InvalidateFn>>>,
@@ -100,8 +113,10 @@ impl Store {
         authority: Arc<dyn Authority>,
     ) -> anyhow::Result<Arc<Self>> {
         let st = recovery::open_state(&cfg, specs, &authority)?;
+        let preparers = st.pools.iter().map(|p| p.pool.preparer()).collect();
         Ok(Arc::new(Store {
             cfg,
+            preparers,
             st: Mutex::new(st),
             authority,
             counters: Counters::default(),
@@ -121,7 +136,7 @@ impl Store {
     }
 
     /// Installs the crash-injection seam of a memfs pool's metadata steps (tests).
-    pub fn set_memfs_gate(&self, pool: u32, gate: Option<crate::pool::MetaGate>) {
+    pub fn set_memfs_gate(&self, pool: u32, gate: Option<crate::pool::memfs::MetaGate>) {
         if let Seams::Memfs(m) = self.st.lock().pools[pool as usize].pool.seams() {
             m.set_gate(gate);
         }
@@ -258,7 +273,7 @@ impl Store {
                 maru::proto::MAX_FDS_PER_FRAME
             )));
         }
-        let mut st = self.st.lock();
+        let st = self.st.lock();
         let hint = match pool {
             Some(name) => Some(
                 st.pools
@@ -287,62 +302,69 @@ impl Store {
             gid: caller.gid,
             mode: 0o644,
         };
+        drop(st);
+        let who = Requester {
+            session: Some(session),
+            ns,
+            perm: &perm,
+        };
         let mut out = Vec::with_capacity(count as usize);
         let mut err = None;
         for _ in 0..count {
-            let id = st.alloc_ino();
-            let who = pools::Requester {
-                session: Some(session),
-                ns,
-                perm: &perm,
-            };
-            match self.place(&mut st, &who, id, size, hint) {
-                Ok((p, backing)) => {
-                    let acct = align_up(size, ENTRY_ALIGN);
-                    st.pools[p as usize].writing_bytes += acct;
-                    // The descriptor the client maps, and where in it the allocation is.
-                    let (offset, file, pack) = match &backing {
-                        Backing::File { file, .. } => (0, Some(file.clone()), None),
-                        Backing::Packed {
-                            pack, offset, file, ..
-                        } => (*offset, Some(file.clone()), Some(*pack)),
-                        Backing::Extent { offset } => (*offset, None, None),
-                        Backing::Buffer { .. } => (0, None, None),
-                    };
-                    st.allocs.insert(
-                        id,
-                        Alloc {
-                            pool: p,
-                            size,
-                            origin: Origin::Session(session),
-                            backing,
-                            perm,
-                            mtime: SystemTime::now(),
-                            acct,
-                        },
-                    );
-                    st.sessions
-                        .get_mut(&session)
-                        .expect("checked")
-                        .allocs
-                        .insert(id);
-                    let grant = Grant {
-                        alloc: id,
-                        pool: p,
-                        offset,
-                        size,
-                        fd: file.is_some(),
-                        pack,
-                    };
-                    out.push((grant, file));
-                }
+            // The lock is not held here: `place` takes it for what it guards only.
+            let id = self.st.lock().alloc_ino();
+            let (p, backing) = match self.place(&who, id, size, hint) {
+                Ok(placed) => placed,
                 Err(e) => {
                     err = Some(e);
                     break;
                 }
+            };
+            let mut st = self.st.lock();
+            if !st.sessions.contains_key(&session) {
+                // The client left while its allocation was made: nothing of it stays.
+                st.pools[p as usize].pool.abort(id, &backing);
+                err = Some(Error::InvalidArgument(format!("session {session} ended")));
+                break;
             }
+            let acct = align_up(size, ENTRY_ALIGN);
+            st.pools[p as usize].writing_bytes += acct;
+            // The descriptor the client maps, and where in it the allocation is.
+            let (offset, file, pack) = match &backing {
+                Backing::File { file, .. } => (0, Some(file.clone()), None),
+                Backing::Packed {
+                    pack, offset, file, ..
+                } => (*offset, Some(file.clone()), Some(*pack)),
+                Backing::Extent { offset } => (*offset, None, None),
+                Backing::Buffer { .. } => (0, None, None),
+            };
+            st.allocs.insert(
+                id,
+                Alloc {
+                    pool: p,
+                    size,
+                    origin: Origin::Session(session),
+                    backing,
+                    perm,
+                    mtime: SystemTime::now(),
+                    acct,
+                },
+            );
+            st.sessions
+                .get_mut(&session)
+                .expect("checked")
+                .allocs
+                .insert(id);
+            let grant = Grant {
+                alloc: id,
+                pool: p,
+                offset,
+                size,
+                fd: file.is_some(),
+                pack,
+            };
+            out.push((grant, file));
         }
-        drop(st);
         match (out.is_empty(), err) {
             (true, Some(e)) => Err(e),
             _ => Ok(out),
@@ -729,7 +751,8 @@ impl Store {
         Ok((me, children, entries))
     }
 
-    fn pool_infos(st: &State) -> Vec<PoolInfo> {
+    /// The pools' descriptions; `huge`: [`shmem_huge_bytes`], read before the lock is taken.
+    fn pool_infos(st: &State, huge: u64) -> Vec<PoolInfo> {
         st.pools
             .iter()
             .map(|p| {
@@ -746,7 +769,7 @@ impl Store {
                     entries: p.entries,
                     writing_bytes: p.writing_bytes,
                     huge_bytes: if p.kind == PoolKind::Memfs {
-                        shmem_huge_bytes().min(used)
+                        huge.min(used)
                     } else {
                         0
                     },
@@ -759,11 +782,13 @@ impl Store {
 
     /// Pool descriptions.
     pub fn pools(&self) -> Vec<PoolInfo> {
-        Self::pool_infos(&self.st.lock())
+        let huge = shmem_huge_bytes();
+        Self::pool_infos(&self.st.lock(), huge)
     }
 
     /// Store-wide statistics.
     pub fn stats(&self) -> Stats {
+        let huge = shmem_huge_bytes();
         let st = self.st.lock();
         let mut namespaces: Vec<NsInfo> = st.ns.iter().filter_map(|(k, _)| st.ns.info(k)).collect();
         namespaces.sort_by(|a, b| a.ns.cmp(&b.ns));
@@ -791,7 +816,7 @@ impl Store {
             })
             .collect();
         clients.sort_by_key(|c| c.session);
-        let pools = Self::pool_infos(&st);
+        let pools = Self::pool_infos(&st, huge);
         let cluster = self.authority.cluster().map(|mut c| {
             let elsewhere = st.entries.values().filter(|e| e.remote.is_some()).count() as u64;
             c.entries_elsewhere = elsewhere;

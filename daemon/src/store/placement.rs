@@ -77,27 +77,34 @@ impl Store {
     }
 
     /// Reserves `size` bytes for allocation `id` of `who` in a pool (`hint`, or each in
-    /// order), evicting if allowed. Returns the pool and the backing.
+    /// order), evicting if allowed. Returns the pool and the backing. Called without the lock:
+    /// it takes it for what it guards (the pools' accounting, eviction, quick grants) and
+    /// makes the slow part of a grant (a memfs file's `fallocate`) with it released, so one
+    /// client's large allocation does not stall the others.
     pub(super) fn place(
         &self,
-        st: &mut State,
         who: &Requester<'_>,
         id: u64,
         size: u64,
         hint: Option<u32>,
     ) -> Result<(u32, Backing)> {
-        let order: Vec<u32> = match hint {
-            Some(p) => vec![p],
-            None => (0..st.pools.len() as u32).collect(),
+        let (order, big_enough, capacity) = {
+            let st = self.st.lock();
+            let order: Vec<u32> = match hint {
+                Some(p) => vec![p],
+                None => (0..st.pools.len() as u32).collect(),
+            };
+            let big_enough = order
+                .iter()
+                .copied()
+                .find(|p| size <= st.pools[*p as usize].pool.capacity());
+            let capacity = big_enough.map_or(0, |p| st.pools[p as usize].pool.capacity());
+            (order, big_enough, capacity)
         };
-        let big_enough = order
-            .iter()
-            .copied()
-            .find(|p| size <= st.pools[*p as usize].pool.capacity());
         if let Some(p) = big_enough {
             // First pass: no eviction.
             for &q in &order {
-                if let Ok(b) = st.pools[q as usize].pool.grant(id, size, who) {
+                if let Ok(b) = self.grant(q, who, id, size) {
                     return Ok((q, b));
                 }
             }
@@ -105,12 +112,15 @@ impl Store {
                 // Evict what is missing plus some headroom: memory of evicted entries that a
                 // client still maps is freed only when it unmaps, so a round may free less
                 // than it evicted; keep going while there is something to evict.
-                let headroom = (st.pools[p as usize].pool.capacity() / 64).max(size);
+                let headroom = (capacity / 64).max(size);
                 for _round in 0..32 {
-                    let free = st.pools[p as usize].pool.free_space();
-                    let deficit = size.saturating_sub(free).max(ENTRY_ALIGN) + headroom;
-                    let (n, _) = self.evict_lru(st, Some(p), deficit);
-                    match st.pools[p as usize].pool.grant(id, size, who) {
+                    let n = {
+                        let mut st = self.st.lock();
+                        let free = st.pools[p as usize].pool.free_space();
+                        let deficit = size.saturating_sub(free).max(ENTRY_ALIGN) + headroom;
+                        self.evict_lru(&mut st, Some(p), deficit).0
+                    };
+                    match self.grant(p, who, id, size) {
                         Ok(b) => return Ok((p, b)),
                         Err(Error::NoSpace(_)) if n > 0 => continue,
                         Err(e) => return Err(e),
@@ -127,5 +137,17 @@ impl Store {
                 ""
             }
         )))
+    }
+
+    /// One grant in pool `q`: prepared without the lock where the pool has a slow part for
+    /// it, else made by the pool under the lock.
+    fn grant(&self, q: u32, who: &Requester<'_>, id: u64, size: u64) -> Result<Backing> {
+        if let Some(prepared) = self.preparers[q as usize]
+            .as_ref()
+            .and_then(|p| p.prepare(size, who))
+        {
+            return prepared;
+        }
+        self.st.lock().pools[q as usize].pool.grant(id, size, who)
     }
 }

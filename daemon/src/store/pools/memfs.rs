@@ -17,13 +17,41 @@ use nix::unistd::{Gid, Uid, fchown};
 
 use super::super::policy::Perm;
 use super::packs::Packs;
-use super::{Backing, Found, Loc, Pool, Requester, Seams};
-use crate::pool::{MemfsPool, MetaStep, PoolSpec};
+use super::{Backing, Found, Loc, Pool, Prepare, Requester, Seams};
+use crate::pool::PoolSpec;
+use crate::pool::memfs::{MemfsPool, MetaStep, WritingDir};
 
 /// The mode of the file of a client's allocation: that of the entries clients store.
 const GRANT_MODE: u32 = 0o644;
 /// The mode of the file of an entry created through the mount, until it is published.
 const CREATE_MODE: u32 = 0o600;
+
+/// A grant of a file of its own: the file made in `w`, `size` bytes reserved.
+fn file_grant(writing: &WritingDir, size: u64) -> Result<Backing> {
+    let f = writing.create(size, GRANT_MODE)?;
+    Ok(Backing::File {
+        file: Arc::new(f),
+        span: size,
+        mode: GRANT_MODE,
+    })
+}
+
+/// A memfs pool's grants of files of their own, made without the store's lock; those that a
+/// pack takes are the pool's (they are quick: the pack reserves ahead).
+struct FileGrants {
+    writing: Arc<WritingDir>,
+    /// The largest allocation a pack takes.
+    pack_max: u64,
+}
+
+impl Prepare for FileGrants {
+    fn prepare(&self, size: u64, who: &Requester<'_>) -> Option<Result<Backing>> {
+        if who.session.is_some() && who.ns.is_some() && size <= self.pack_max {
+            return None;
+        }
+        Some(file_grant(&self.writing, size))
+    }
+}
 
 /// A memfs pool.
 pub struct Memfs {
@@ -146,6 +174,13 @@ impl Pool for Memfs {
         packed(e.offset).is_none()
     }
 
+    fn preparer(&self) -> Option<Arc<dyn Prepare>> {
+        Some(Arc::new(FileGrants {
+            writing: self.fs.writing(),
+            pack_max: self.packs.max(),
+        }))
+    }
+
     fn grant(&mut self, _id: u64, size: u64, who: &Requester<'_>) -> Result<Backing> {
         if let (Some(s), Some(ns)) = (who.session, who.ns)
             && self.packs.takes(size)
@@ -158,12 +193,7 @@ impl Pool for Memfs {
                 file: g.file,
             });
         }
-        let f = self.fs.create_writing(size, GRANT_MODE)?;
-        Ok(Backing::File {
-            file: Arc::new(f),
-            span: size,
-            mode: GRANT_MODE,
-        })
+        file_grant(&self.fs.writing(), size)
     }
 
     fn create(&mut self, _id: u64) -> Result<Backing> {

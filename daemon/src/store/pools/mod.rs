@@ -165,6 +165,16 @@ impl Found {
     }
 }
 
+/// What a pool does for a grant without the store's lock: the slow part of it (a memfs
+/// file's `fallocate`, as long as zeroing the pages), made by any thread, touching nothing
+/// the lock guards.
+pub trait Prepare: Send + Sync {
+    /// The backing of a grant of `size` bytes for `who`, made now; None when this grant has
+    /// no slow part and is the pool's to make under the lock ([`Pool::grant`]: a piece of a
+    /// pack, a raw pool's extent).
+    fn prepare(&self, size: u64, who: &Requester<'_>) -> Option<Result<Backing>>;
+}
+
 /// One pool.
 pub trait Pool: Send {
     /// Kind.
@@ -212,6 +222,10 @@ pub trait Pool: Send {
     /// reused once free, even under a client's mapping).
     fn leases(&self) -> bool;
 
+    /// What this pool's grants do without the store's lock, if anything ([`Prepare`]).
+    fn preparer(&self) -> Option<Arc<dyn Prepare>> {
+        None
+    }
     /// Reserves `size` bytes for allocation `id` of `who` (raw pools pack a session's
     /// allocations into its open region; memfs pools a session's small ones for one namespace
     /// into a pack).
@@ -263,7 +277,7 @@ pub trait Pool: Send {
         Ok(None)
     }
     /// Gives the namespace's directory (memfs) the namespace's access `perm` for search and
-    /// read (see [`crate::pool::MemfsPool::set_ns_access`]); nothing where entries are not
+    /// read (see [`crate::pool::memfs::MemfsPool::set_ns_access`]); nothing where entries are not
     /// files.
     fn set_ns_access(&mut self, _ns: &str, _perm: &Perm) -> Result<()> {
         Ok(())
@@ -296,7 +310,7 @@ pub trait Pool: Send {
 /// The crash-injection seams of a pool (tests).
 pub enum Seams<'a> {
     /// A memfs pool.
-    Memfs(&'a crate::pool::MemfsPool),
+    Memfs(&'a crate::pool::memfs::MemfsPool),
     /// A raw pool's log.
     Raw(&'a mut Option<crate::wal::Wal>),
 }

@@ -135,6 +135,11 @@ impl Packs {
         size <= self.max
     }
 
+    /// The largest allocation a pack takes.
+    pub fn max(&self) -> u64 {
+        self.max
+    }
+
     fn path(&self, pack: u32) -> PathBuf {
         self.dir.join(pack.to_string())
     }
