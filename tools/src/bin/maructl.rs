@@ -166,6 +166,19 @@ enum BenchCmd {
         #[arg(long = "marud-arg", value_name = "ARG", allow_hyphen_values = true)]
         marud_arg: Vec<String>,
     },
+    /// 4 KiB stores while another client allocates a large file on the same memfs pool,
+    /// against the same stores alone.
+    Stall {
+        /// The other client's allocation (its pool is this and 1 GiB more, in memory).
+        #[arg(long, default_value = "8G")]
+        size: String,
+        /// Alternated rounds (a window alone, a window with the allocation).
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+        /// Also write the rows as JSON here.
+        #[arg(long = "out-json", value_name = "FILE")]
+        out_json: Option<PathBuf>,
+    },
 }
 
 fn bad(msg: String) -> Failure {
@@ -257,6 +270,14 @@ fn run(cli: Cli) -> Result<Option<ctl::Output>, Failure> {
                     out_json,
                     marud_arg,
                 } => maru_tools::bench::fs(rounds, out_json.as_deref(), &marud_arg),
+                BenchCmd::Stall {
+                    size,
+                    rounds,
+                    out_json,
+                } => {
+                    let b = maru::size::parse_size(&size).map_err(|e| bad(e.to_string()))?;
+                    maru_tools::bench::stall::stall(b, rounds.max(1), out_json.as_deref())
+                }
             }
             .map_err(|e| Failure {
                 code: exit::FAILED,

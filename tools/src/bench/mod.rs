@@ -3,6 +3,8 @@
 //! `maructl bench fs` (retrieval through /maru against direct mapping, read() through a
 //! copying FUSE server and a loopback TCP transfer).
 
+pub mod stall;
+
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};

@@ -1,0 +1,171 @@
+//! `maructl bench stall`: how long a client's small stores wait while another client makes a
+//! large allocation on the same memfs pool (a file of its own, `fallocate`d), side by side
+//! with the same loop alone and with the same `fallocate` made outside maru (on a tmpfs of
+//! its own, by this process): what that costs the machine without any lock of maru's.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use super::scratch;
+use crate::env::{PrivateDaemon, Tmpfs};
+
+/// The small stores of one window, and the large allocations that ran during it.
+#[derive(Debug, Clone, Serialize)]
+pub struct Window {
+    pub case: String,
+    pub stores: usize,
+    pub p50_us: f64,
+    pub p99_us: f64,
+    pub max_us: f64,
+    /// The large allocations' times (empty for the window alone).
+    pub big_alloc_s: Vec<f64>,
+}
+
+fn window(case: &str, mut v: Vec<Duration>, big: Vec<f64>) -> Window {
+    v.sort();
+    let q = |f: f64| v[((v.len() - 1) as f64 * f) as usize].as_secs_f64() * 1e6;
+    Window {
+        case: case.into(),
+        stores: v.len(),
+        p50_us: q(0.5),
+        p99_us: q(0.99),
+        max_us: q(1.0),
+        big_alloc_s: big,
+    }
+}
+
+/// Stores in a loop (with `store`) while `work` runs on another thread; the work's seconds.
+fn during(
+    store: &mut impl FnMut(&mut Vec<Duration>) -> anyhow::Result<()>,
+    out: &mut Vec<Duration>,
+    work: impl FnOnce() -> anyhow::Result<()> + Send,
+    after: impl FnOnce() -> anyhow::Result<()> + Send,
+) -> anyhow::Result<f64> {
+    let done = AtomicBool::new(false);
+    std::thread::scope(|s| -> anyhow::Result<f64> {
+        let worker = s.spawn(|| -> anyhow::Result<f64> {
+            let t = Instant::now();
+            let r = work();
+            let took = t.elapsed().as_secs_f64();
+            done.store(true, Ordering::Release);
+            r?;
+            after()?;
+            Ok(took)
+        });
+        while !done.load(Ordering::Acquire) && !worker.is_finished() {
+            store(out)?;
+        }
+        worker.join().expect("the working thread panicked")
+    })
+}
+
+/// `rounds` rounds, each a window of 4 KiB stores alone, one while another client allocates
+/// (and frees) `big` bytes, and one while this process `fallocate`s as much on a tmpfs of its
+/// own, alternated so that noise hits them alike.
+pub fn stall(big: u64, rounds: usize, json: Option<&Path>) -> anyhow::Result<String> {
+    let tmp = scratch()?;
+    let pool = big + (1 << 30);
+    let spec = format!("memfs:{{dir}}/pool,size={pool}");
+    let d = PrivateDaemon::start(tmp.path(), "stall", &[&spec], false)?;
+    let small = d.handler("bench")?;
+    small.mkdir("bench", 0o755)?;
+    let other = d.handler("bench")?;
+    let value = vec![0x5au8; 4096];
+    let mut seq = 0u64;
+    let mut store = |out: &mut Vec<Duration>| -> anyhow::Result<()> {
+        let t = Instant::now();
+        small.put(&format!("bench/s{seq}"), &value)?;
+        out.push(t.elapsed());
+        seq += 1;
+        Ok(())
+    };
+    for _ in 0..200 {
+        store(&mut Vec::new())?; // warm: the pack, the lane
+    }
+    let outside = Tmpfs::mount(&tmp.path().join("outside"), big + (1 << 30))?;
+    let (mut alone, mut loaded, mut beside) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut bigs, mut plain) = (Vec::<f64>::new(), Vec::<f64>::new());
+    for _ in 0..rounds {
+        // Alone, as long as the last large allocation took (1 s at first).
+        let span = Duration::from_secs_f64(bigs.last().copied().unwrap_or(1.0).max(0.5));
+        let t = Instant::now();
+        while t.elapsed() < span {
+            store(&mut alone)?;
+        }
+        // Loaded: the other client allocates `big` bytes, then frees them.
+        let handle = std::sync::Mutex::new(None);
+        let took = during(
+            &mut store,
+            &mut loaded,
+            || {
+                *handle.lock().expect("one thread") = Some(other.alloc(big)?);
+                Ok(())
+            },
+            || {
+                let a = handle.lock().expect("one thread").take();
+                Ok(other.free(a.expect("allocated"))?)
+            },
+        )?;
+        bigs.push(took);
+        // The same bytes reserved without maru: a file of a tmpfs of this process's own.
+        let path = outside.dir.join("big");
+        let f = std::fs::File::create(&path)?;
+        let took = during(
+            &mut store,
+            &mut beside,
+            || {
+                Ok(nix::fcntl::fallocate(
+                    &f,
+                    nix::fcntl::FallocateFlags::empty(),
+                    0,
+                    big as i64,
+                )?)
+            },
+            || Ok(std::fs::remove_file(&path)?),
+        )?;
+        plain.push(took);
+    }
+    let size = maru::size::format_size(big);
+    let rows = [
+        window("4 KiB stores alone", alone, Vec::new()),
+        window(
+            &format!("4 KiB stores while another client allocates {size}"),
+            loaded,
+            bigs,
+        ),
+        window(
+            &format!("4 KiB stores while this process fallocates {size} on a tmpfs (no maru)"),
+            beside,
+            plain,
+        ),
+    ];
+    let mut out = format!(
+        "\n## small stores while another client allocates {size} (memfs pool, {rounds} rounds)\n\n\
+         | case | stores | p50 µs | p99 µs | longest µs |\n|---|---:|---:|---:|---:|\n"
+    );
+    for r in &rows {
+        out.push_str(&format!(
+            "| {} | {} | {:.1} | {:.1} | {:.1} |\n",
+            r.case, r.stores, r.p50_us, r.p99_us, r.max_us
+        ));
+    }
+    let b = &rows[1].big_alloc_s;
+    out.push_str(&format!(
+        "\nthe {size} allocation took {} s; p99 loaded / alone: {:.2}x; longest loaded: {:.2} ms \
+         (target: within 2x, at most 2 ms)\n",
+        b.iter()
+            .map(|x| format!("{x:.2}"))
+            .collect::<Vec<_>>()
+            .join(", "),
+        rows[1].p99_us / rows[0].p99_us,
+        rows[1].max_us / 1e3
+    ));
+    drop(outside);
+    if let Some(p) = json {
+        std::fs::write(p, serde_json::to_vec_pretty(&rows)?)?;
+    }
+    Ok(out)
+}
