@@ -72,8 +72,17 @@ pub struct AllocHandle {
     pub(crate) size: u64,
     /// The pool memory, the connection it belongs to, and the object `buf` views.
     pub(crate) held: Option<(Arc<Mutex<maru::AllocHandle>>, usize, Py<PoolBuffer>)>,
-    /// A remote handler's allocation instead: a piece of its registered staging buffer.
-    pub(crate) staged: Option<crate::remote::Staged>,
+    /// A remote handler's allocation instead: a piece of its registered staging buffer (the
+    /// remote core's, which alone knows its type).
+    pub(crate) staged: Option<Box<dyn Staging>>,
+}
+
+/// A remote handler's allocation, as its handle sees it.
+pub(crate) trait Staging: Send + Sync {
+    /// True once stored or freed.
+    fn done(&self) -> bool;
+    /// For the remote core, which takes back its own type.
+    fn as_any(&self) -> &dyn std::any::Any;
 }
 
 /// Most bytes a store copies for `buf` to give the pool's pages up with no system call (a

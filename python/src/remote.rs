@@ -24,7 +24,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyList, PyMemoryView};
 
 use crate::buffers::PoolBuffer;
-use crate::core::{AllocHandle, COPY_ON_STORE_MAX, MemoryInfo, key_bytes, os_error};
+use crate::core::{AllocHandle, COPY_ON_STORE_MAX, MemoryInfo, Staging, key_bytes, os_error};
 
 /// The region id of a remote handler's staging buffer: its allocations and retrieved views
 /// are pieces of it, `page_index` their offset in `ARENA_ALIGN` pages. Above every local
@@ -37,12 +37,17 @@ pub struct Staged {
     state: Mutex<Option<(Arc<Lease>, Py<PoolBuffer>)>>,
 }
 
-impl Staged {
-    /// True once stored or freed.
-    pub fn done(&self) -> bool {
+impl Staging for Staged {
+    fn done(&self) -> bool {
         self.state.lock().is_none()
     }
 
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+impl Staged {
     fn lease(&self) -> PyResult<Arc<Lease>> {
         self.state
             .lock()
@@ -82,12 +87,16 @@ impl Staged {
 }
 
 fn staged<'a>(h: &'a Bound<'_, AllocHandle>) -> PyResult<&'a Staged> {
-    h.get().staged.as_ref().ok_or_else(|| {
-        PyValueError::new_err(
-            "this AllocHandle holds no staging memory (it did not come from this remote \
+    h.get()
+        .staged
+        .as_deref()
+        .and_then(|s| s.as_any().downcast_ref::<Staged>())
+        .ok_or_else(|| {
+            PyValueError::new_err(
+                "this AllocHandle holds no staging memory (it did not come from this remote \
              handler's alloc())",
-        )
-    })
+            )
+        })
 }
 
 /// The errno a remote failure stands for.
@@ -495,9 +504,9 @@ impl RemoteCore {
                 page_index,
                 size,
                 held: None,
-                staged: Some(Staged {
+                staged: Some(Box::new(Staged {
                     state: Mutex::new(Some((lease, exporter.unbind()))),
-                }),
+                })),
             },
         )
     }
@@ -797,7 +806,7 @@ impl RemoteCore {
         drop(leases);
         // Done, stored or not (as a refused local store frees its allocation).
         for h in &hs {
-            if let Some(s) = &h.get().staged {
+            if let Ok(s) = staged(h) {
                 s.finish(py, h.get())?;
             }
         }

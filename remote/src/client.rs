@@ -40,7 +40,7 @@
 use std::io;
 use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use maru::error::WireError;
@@ -53,8 +53,8 @@ use crate::proto::{
 };
 
 mod leases;
-use leases::Keep;
-pub use leases::{ARENA_ALIGN, Arena, ArenaStats, Lease, Purpose};
+use crate::memory::{Keep, Lease, lock};
+use crate::report::chain;
 
 /// Pieces in the staging buffer start at multiples of this (a cache line).
 const STAGING_ALIGN: usize = 64;
@@ -203,18 +203,6 @@ impl Error {
 fn remaining(until: Instant) -> Duration {
     let d = until.saturating_duration_since(Instant::now());
     Duration::from_millis(d.as_millis() as u64)
-}
-
-/// An error and its sources, as one line (for messages shown to people: maructl, Python).
-pub fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
 }
 
 fn nixl_err(during: &'static str) -> impl FnOnce(maru_nixl::Error) -> Error {
@@ -596,13 +584,6 @@ impl std::fmt::Debug for RemoteClient {
             .field("agent", &self.agent.name())
             .finish_non_exhaustive()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| {
-        m.clear_poison();
-        p.into_inner()
-    })
 }
 
 /// One request and its answer on `stream`.

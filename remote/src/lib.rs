@@ -5,9 +5,10 @@
 //! doc/REMOTE.md.
 
 pub mod client;
+pub mod memory;
 pub mod proto;
+pub mod report;
 
-pub use client::{
-    ARENA_ALIGN, Arena, ArenaStats, Error as RemoteError, Lease, Purpose, RemoteClient,
-    RemoteConfig, Stats, Stored, chain as error_chain,
-};
+pub use client::{Error as RemoteError, RemoteClient, RemoteConfig, Stats, Stored};
+pub use memory::{ARENA_ALIGN, Arena, ArenaStats, Lease, Purpose};
+pub use report::chain as error_chain;
