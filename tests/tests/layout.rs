@@ -20,11 +20,13 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
 }
 
 #[test]
-fn no_source_file_of_the_daemon_the_filesystem_or_libmaru_exceeds_1000_lines() {
+fn no_source_file_of_the_daemon_the_filesystem_libmaru_or_the_cluster_exceeds_1000_lines() {
     let mut long = Vec::new();
-    for krate in ["daemon/src", "fsd/src", "libmaru/src"] {
+    for krate in ["daemon/src", "fsd/src", "libmaru/src", "cluster/src"] {
         let mut files = Vec::new();
         rust_files(&workspace().join(krate), &mut files);
+        // Generated code (etcd's messages, cluster/proto/regen.sh) is not read in a sitting.
+        files.retain(|f| !f.components().any(|c| c.as_os_str() == "pb"));
         for f in files {
             let n = std::fs::read_to_string(&f).unwrap().lines().count();
             if n > 1000 {
@@ -101,6 +103,10 @@ fn no_two_modules_import_each_other() {
         "tools/src",
         "tests/src",
         "bench/src",
+        "cluster/src",
+        "nixl/src",
+        "remote/src",
+        "python/src",
     ];
     let mut cycles = Vec::new();
     for krate in crates {

@@ -1,0 +1,778 @@
+//! One host's membership of a pool's cluster: its lease, its claims, its publications,
+//! removals, pins, quotas and access reports.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use tokio::task::JoinHandle;
+
+use crate::error::{Error, Result};
+use crate::etcd::{self, Client, Compare, Op, Range, Txn, TxnResponse};
+use crate::keys::*;
+use crate::records::*;
+use crate::watch::*;
+
+/// One host's membership of a pool's cluster.
+pub struct Member {
+    client: Client,
+    keys: Keys,
+    info: NodeInfo,
+    ttl: i64,
+    lease: i64,
+    live: Arc<AtomicBool>,
+    keeper: JoinHandle<()>,
+}
+
+impl Member {
+    /// Joins the cluster of pool `pool_uuid` as `info.node`, with a lease of `ttl` seconds
+    /// kept alive in the background.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NodeTaken`] while another live host holds the name; [`Error::Etcd`].
+    pub async fn join(
+        endpoints: &[String],
+        pool_uuid: &str,
+        info: NodeInfo,
+        ttl: Duration,
+    ) -> Result<Self> {
+        check_name(pool_uuid)?;
+        check_name(&info.node)?;
+        let ttl = ttl.as_secs().max(1) as i64;
+        // A request that cannot finish within the TTL (2 s at least) fails rather than hang:
+        // a host cut off from etcd learns it about when its lease runs out.
+        let patience = Duration::from_secs((ttl as u64).max(2));
+        let client = Client::connect(
+            endpoints,
+            etcd::Options {
+                patience,
+                require_leader: true,
+            },
+        )?;
+        let keys = Keys {
+            root: format!("/maru/{pool_uuid}/"),
+        };
+        let (lease, live, keeper) = Self::register(&client, &keys, &info, ttl).await?;
+        Ok(Member {
+            client,
+            keys,
+            info,
+            ttl,
+            lease,
+            live,
+            keeper,
+        })
+    }
+
+    async fn register(
+        client: &Client,
+        keys: &Keys,
+        info: &NodeInfo,
+        ttl: i64,
+    ) -> Result<(i64, Arc<AtomicBool>, JoinHandle<()>)> {
+        let c = client.clone();
+        let lease = c.lease_grant(ttl).await?;
+        let key = keys.node(&info.node);
+        let value = serde_json::to_vec(info).expect("serializable");
+        let txn = Txn::new()
+            .when([Compare::absent(key.clone())])
+            .and_then([Op::put(key, value, lease)]);
+        if !c.txn(txn).await?.succeeded() {
+            let _ = c.lease_revoke(lease).await;
+            return Err(Error::NodeTaken(info.node.clone()));
+        }
+        let live = Arc::new(AtomicBool::new(true));
+        let keeper = tokio::spawn(keep_alive(c, lease, ttl, live.clone(), info.node.clone()));
+        Ok((lease, live, keeper))
+    }
+
+    /// This node's name.
+    pub fn node(&self) -> &str {
+        &self.info.node
+    }
+
+    /// This host's etcd lease id.
+    pub fn lease(&self) -> i64 {
+        self.lease
+    }
+
+    /// False once the lease is known lost (the keep-alive saw it expire or etcd was
+    /// unreachable past the TTL). Claims and publications also check it in etcd itself.
+    pub fn is_live(&self) -> bool {
+        self.live.load(Ordering::Acquire)
+    }
+
+    /// Joins again after the lease was lost: a new lease, the node record recreated. What
+    /// the old lease held (claims) is gone; the caller re-claims what it needs.
+    pub async fn rejoin(&mut self) -> Result<()> {
+        self.keeper.abort();
+        let (lease, live, keeper) =
+            Self::register(&self.client, &self.keys, &self.info, self.ttl).await?;
+        self.lease = lease;
+        self.live = live;
+        self.keeper = keeper;
+        Ok(())
+    }
+
+    /// The comparison that holds only while this host's lease owns its node record.
+    fn alive_cmp(&self) -> Compare {
+        Compare::lease_is(self.keys.node(&self.info.node), self.lease)
+    }
+
+    /// Claims `[offset, offset + len)` of the pool for this host to carve afresh, every 2 MiB
+    /// unit of it ([`UNIT`]; both must be multiples), all or nothing; false if another host
+    /// holds any unit of it, or any host still maps an extent there (a removed entry another
+    /// host has not let go of): nothing is claimed then.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LeaseLost`] when this host's lease is gone; [`Error::InvalidName`] for a
+    /// range that is not whole units.
+    pub async fn claim(&self, offset: u64, len: u64) -> Result<bool> {
+        self.claim_range(offset, len, true).await
+    }
+
+    /// Claims again units that hold this host's own entries (after a restart, or a rejoin):
+    /// as [`Member::claim`], but other hosts' mappings of those entries do not stand in the way.
+    pub async fn claim_again(&self, offset: u64, len: u64) -> Result<bool> {
+        self.claim_range(offset, len, false).await
+    }
+
+    async fn claim_range(&self, offset: u64, len: u64, fresh: bool) -> Result<bool> {
+        let units = units(offset, len)?;
+        let mut done = 0;
+        for piece in units.chunks(UNITS_PER_TXN) {
+            if !self.claim_units(piece, fresh).await? {
+                // Another host holds a unit: give back what this call took, claim nothing.
+                self.release_units(&units[..done]).await?;
+                return Ok(false);
+            }
+            done += piece.len();
+        }
+        Ok(true)
+    }
+
+    async fn claim_units(&self, units: &[u64], fresh: bool) -> Result<bool> {
+        let mut when = vec![self.alive_cmp()];
+        if let (true, Some(first), Some(last)) = (fresh, units.first(), units.last()) {
+            // No key in the range: etcd compares a range's absent keys as created at 0.
+            when.push(Compare::none_in(
+                self.keys.maps_from(*first),
+                self.keys.maps_from(last + 1),
+            ));
+        }
+        let mut then = Vec::with_capacity(units.len());
+        for &u in units {
+            let key = self.keys.region(u);
+            when.push(Compare::absent(key.clone()));
+            then.push(Op::put(key, self.info.node.clone(), self.lease));
+        }
+        let txn = Txn::new()
+            .when(when)
+            .and_then(then)
+            .or_else([Op::get(self.keys.node(&self.info.node), Range::KEY)]);
+        let r = self.client.txn(txn).await?;
+        if r.succeeded() {
+            return Ok(true);
+        }
+        self.check_alive(&r)?;
+        Ok(false)
+    }
+
+    /// Gives `[offset, offset + len)` back: the units this host holds in it (others' stay).
+    pub async fn release(&self, offset: u64, len: u64) -> Result<()> {
+        self.release_units(&units(offset, len)?).await
+    }
+
+    async fn release_units(&self, units: &[u64]) -> Result<()> {
+        for &u in units {
+            self.delete_if_mine(self.keys.region(u)).await?;
+        }
+        Ok(())
+    }
+
+    /// Deletes `key` if its value is this node's name (a claim or reservation of its own).
+    async fn delete_if_mine(&self, key: String) -> Result<()> {
+        let txn = Txn::new()
+            .when([Compare::value_is(key.clone(), self.info.node.clone())])
+            .and_then([Op::delete(key)]);
+        self.client.txn(txn).await?;
+        Ok(())
+    }
+
+    /// Every claimed unit (by index: offset / [`UNIT`]) and its holder.
+    pub async fn regions(&self) -> Result<BTreeMap<u64, String>> {
+        let prefix = self.keys.regions();
+        let r = self.client.get(prefix.clone(), Range::PREFIX).await?;
+        let mut out = BTreeMap::new();
+        for kv in r.kvs {
+            let hex = &kv.key.as_slice()[prefix.len()..];
+            let index = std::str::from_utf8(hex)
+                .ok()
+                .and_then(|h| u64::from_str_radix(h, 16).ok())
+                .ok_or_else(|| bad(kv.key.as_slice(), "not a region index".into()))?;
+            out.insert(
+                index,
+                String::from_utf8_lossy(kv.value.as_slice()).into_owned(),
+            );
+        }
+        Ok(out)
+    }
+
+    /// The live members.
+    pub async fn nodes(&self) -> Result<Vec<NodeInfo>> {
+        let r = self.client.get(self.keys.nodes(), Range::PREFIX).await?;
+        r.kvs
+            .iter()
+            .map(|kv| decode(kv.key.as_slice(), kv.value.as_slice()))
+            .collect()
+    }
+
+    /// Publishes entry `ns/name` if absent: write-once across hosts, refused (in the same
+    /// transaction) unless this host's lease is live.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LeaseLost`]: nothing was published; [`Error::Etcd`]: the outcome is unknown
+    /// only if etcd failed after applying it (read the key to learn).
+    pub async fn publish(&self, ns: &str, name: &str, record: &EntryRecord) -> Result<Published> {
+        self.publish_as(ns, name, record, false).await
+    }
+
+    /// Publishes entry `ns/name`, which this host reserved ([`Member::reserve`]), as
+    /// [`Member::publish`] does; the reservation goes in the same transaction.
+    pub async fn publish_reserved(
+        &self,
+        ns: &str,
+        name: &str,
+        record: &EntryRecord,
+    ) -> Result<Published> {
+        self.publish_as(ns, name, record, true).await
+    }
+
+    async fn publish_as(
+        &self,
+        ns: &str,
+        name: &str,
+        record: &EntryRecord,
+        reserved: bool,
+    ) -> Result<Published> {
+        check_ns(ns)?;
+        check_name(name)?;
+        let key = self.keys.entry(ns, name);
+        let rkey = self.keys.reservation(ns, name);
+        let value = serde_json::to_vec(record).expect("serializable");
+        let mut when = vec![
+            self.alive_cmp(),
+            Compare::absent(key.clone()),
+            if reserved {
+                Compare::value_is(rkey.clone(), self.info.node.clone())
+            } else {
+                Compare::absent(rkey.clone())
+            },
+        ];
+        for u in held_units(record.offset, record.len) {
+            when.push(Compare::value_is(
+                self.keys.region(u),
+                self.info.node.clone(),
+            ));
+        }
+        let txn = Txn::new()
+            .when(when)
+            .and_then([Op::put(key.clone(), value, 0), Op::delete(rkey.clone())])
+            .or_else([
+                Op::get(self.keys.node(&self.info.node), Range::KEY),
+                Op::get(key.clone(), Range::KEY),
+                Op::get(rkey, Range::KEY),
+            ]);
+        let r = self.client.txn(txn).await?;
+        if r.succeeded() {
+            return Ok(Published::New {
+                revision: r.revision(),
+            });
+        }
+        self.check_alive(&r)?;
+        if let Some(p) = self.name_taken(&r)? {
+            return Ok(p);
+        }
+        // Alive, the name free: the entry is not (all) in units this host holds.
+        Err(Error::NotClaimed {
+            offset: record.offset,
+            len: record.len,
+        })
+    }
+
+    /// From a failed transaction's reads (this node, the entry, its reservation): who took
+    /// the name, if anyone did.
+    fn name_taken(&self, r: &TxnResponse) -> Result<Option<Published>> {
+        if let Some(g) = r.range(1)
+            && let Some(kv) = g.kvs.first()
+        {
+            return Ok(Some(Published::Exists(decode(
+                kv.key.as_slice(),
+                kv.value.as_slice(),
+            )?)));
+        }
+        if let Some(g) = r.range(2)
+            && let Some(kv) = g.kvs.first()
+            && kv.value.as_slice() != self.info.node.as_bytes()
+        {
+            let holder = String::from_utf8_lossy(kv.value.as_slice()).into_owned();
+            return Ok(Some(Published::Reserved(holder)));
+        }
+        Ok(None)
+    }
+
+    /// Reserves name `ns/name` for a writer of this host whose publication follows later (a
+    /// writer through the mount: its `close` reports the outcome, its release publishes):
+    /// no other host can publish or reserve it meanwhile. Bound to this host's lease; a
+    /// reservation this host holds already is kept. `None` when reserved; otherwise who has
+    /// the name ([`Published::Exists`] or [`Published::Reserved`]).
+    pub async fn reserve(&self, ns: &str, name: &str) -> Result<Option<Published>> {
+        check_ns(ns)?;
+        check_name(name)?;
+        let (key, rkey) = (self.keys.entry(ns, name), self.keys.reservation(ns, name));
+        let txn = Txn::new()
+            .when([
+                self.alive_cmp(),
+                Compare::absent(key.clone()),
+                Compare::absent(rkey.clone()),
+            ])
+            .and_then([Op::put(rkey.clone(), self.info.node.clone(), self.lease)])
+            .or_else([
+                Op::get(self.keys.node(&self.info.node), Range::KEY),
+                Op::get(key, Range::KEY),
+                Op::get(rkey, Range::KEY),
+            ]);
+        let r = self.client.txn(txn).await?;
+        if r.succeeded() {
+            return Ok(None);
+        }
+        self.check_alive(&r)?;
+        self.name_taken(&r)
+    }
+
+    /// Gives back a reservation of this host's (another's is left alone).
+    pub async fn unreserve(&self, ns: &str, name: &str) -> Result<()> {
+        self.delete_if_mine(self.keys.reservation(ns, name)).await
+    }
+
+    /// From a failed transaction's first read (this node's record): LeaseLost unless the
+    /// record is there under this host's lease.
+    fn check_alive(&self, r: &TxnResponse) -> Result<()> {
+        let ours = r
+            .range(0)
+            .and_then(|g| g.kvs.first())
+            .is_some_and(|kv| kv.lease == self.lease);
+        if ours {
+            Ok(())
+        } else {
+            self.live.store(false, Ordering::Release);
+            Err(Error::LeaseLost(self.info.node.clone()))
+        }
+    }
+
+    /// Removes entry `ns/name` only if its record is `record` (a publication whose outcome
+    /// was unknown, taken back); true if it did.
+    pub async fn retract(&self, ns: &str, name: &str, record: &EntryRecord) -> Result<bool> {
+        check_ns(ns)?;
+        check_name(name)?;
+        let key = self.keys.entry(ns, name);
+        let value = serde_json::to_vec(record).expect("serializable");
+        let txn = Txn::new()
+            .when([Compare::value_is(key.clone(), value)])
+            .and_then([Op::delete(key)]);
+        Ok(self.client.txn(txn).await?.succeeded())
+    }
+
+    /// Removes entry `ns/name` (and its pin), at the revision returned.
+    pub async fn remove(&self, ns: &str, name: &str) -> Result<Removed> {
+        check_ns(ns)?;
+        check_name(name)?;
+        let txn = Txn::new().and_then([
+            Op::delete(self.keys.entry(ns, name)),
+            Op::delete(self.keys.pin(ns, name)),
+        ]);
+        let r = self.client.txn(txn).await?;
+        Ok(Removed {
+            existed: r.deleted(0).is_some_and(|n| n > 0),
+            revision: r.revision(),
+        })
+    }
+
+    /// Acknowledges every change to the entries up to `revision` (this host applied them):
+    /// first records `holds`, each an extent `(offset, len)` of a removed entry that clients
+    /// here still map, as `tag` (unique on this host; a key per 2 MiB unit, under this host's
+    /// lease), then `acks/<node>`. The publisher of a removed entry frees its extent only once
+    /// every live host acknowledged the removal and no hold is left, so an extent a client
+    /// maps is never carved again while it does.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LeaseLost`] when this host's lease is gone.
+    pub async fn acknowledge(&self, revision: i64, holds: &[(u64, u64, u64)]) -> Result<()> {
+        let mut puts: Vec<(String, String)> = holds
+            .iter()
+            .flat_map(|&(offset, len, tag)| self.hold_keys(offset, len, tag))
+            .map(|k| (k, String::new()))
+            .collect();
+        puts.push((self.keys.ack(&self.info.node), revision.to_string()));
+        for piece in puts.chunks(UNITS_PER_TXN) {
+            let txn = Txn::new()
+                .when([self.alive_cmp()])
+                .and_then(
+                    piece
+                        .iter()
+                        .map(|(k, v)| Op::put(k.clone(), v.clone(), self.lease))
+                        .collect::<Vec<_>>(),
+                )
+                .or_else([Op::get(self.keys.node(&self.info.node), Range::KEY)]);
+            let r = self.client.txn(txn).await?;
+            if !r.succeeded() {
+                self.check_alive(&r)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The least revision the other live hosts acknowledged ([`Member::acknowledge`]); a host
+    /// that has acknowledged nothing yet counts as 0. None when no other host is live.
+    pub async fn acknowledged(&self) -> Result<Option<i64>> {
+        let txn = Txn::new().and_then([
+            Op::get(self.keys.nodes(), Range::KEYS_UNDER),
+            Op::get(self.keys.acks(), Range::PREFIX),
+        ]);
+        let r = self.client.txn(txn).await?;
+        let (Some(nodes), Some(acks)) = (r.range(0), r.range(1)) else {
+            return Err(bad(
+                self.keys.acks().as_bytes(),
+                "an unexpected reply".into(),
+            ));
+        };
+        let acked: std::collections::HashMap<&[u8], i64> = acks
+            .kvs
+            .iter()
+            .filter_map(|kv| {
+                let node = kv
+                    .key
+                    .as_slice()
+                    .strip_prefix(self.keys.acks().as_bytes())?;
+                let rev = std::str::from_utf8(kv.value.as_slice())
+                    .ok()?
+                    .parse()
+                    .ok()?;
+                Some((node, rev))
+            })
+            .collect();
+        let me = self.keys.node(&self.info.node);
+        Ok(nodes
+            .kvs
+            .iter()
+            .filter(|kv| kv.key.as_slice() != me.as_bytes())
+            .filter_map(|kv| kv.key.as_slice().strip_prefix(self.keys.nodes().as_bytes()))
+            .map(|node| acked.get(node).copied().unwrap_or(0))
+            .min())
+    }
+
+    /// Streams a wakeup for every change to the acknowledgements (a host acknowledged, or
+    /// left), from now on.
+    pub async fn watch_acks(&self) -> Result<AckWatch> {
+        let stream = self
+            .client
+            .watch(self.keys.acks(), Range::PREFIX, 0, false)
+            .await?;
+        Ok(AckWatch { stream })
+    }
+
+    /// Lets go of a hold [`Member::acknowledge`] recorded as `tag`.
+    pub async fn unhold(&self, offset: u64, len: u64, tag: u64) -> Result<()> {
+        self.delete_keys(&self.hold_keys(offset, len, tag)).await
+    }
+
+    fn hold_keys(&self, offset: u64, len: u64, tag: u64) -> Vec<String> {
+        let (first, last) = (offset / UNIT, (offset + len.max(1) - 1) / UNIT);
+        (first..=last)
+            .map(|u| self.keys.map(u, offset, &self.info.node, tag))
+            .collect()
+    }
+
+    async fn delete_keys(&self, keys: &[String]) -> Result<()> {
+        for piece in keys.chunks(UNITS_PER_TXN) {
+            let ops: Vec<Op> = piece.iter().map(|k| Op::delete(k.clone())).collect();
+            self.client.txn(Txn::new().and_then(ops)).await?;
+        }
+        Ok(())
+    }
+
+    /// The extents (by offset) that some host maps, of those in `offsets`.
+    pub async fn held(&self, offsets: &[u64]) -> Result<std::collections::HashSet<u64>> {
+        let mut out = std::collections::HashSet::new();
+        for piece in offsets.chunks(UNITS_PER_TXN) {
+            let ops: Vec<Op> = piece
+                .iter()
+                .map(|&o| Op::get(self.keys.maps_of(o), Range::COUNT_UNDER))
+                .collect();
+            let r = self.client.txn(Txn::new().and_then(ops)).await?;
+            for (i, &o) in piece.iter().enumerate() {
+                if r.range(i).is_some_and(|g| g.count > 0) {
+                    out.insert(o);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Every entry, read at one revision (returned): watch from the next one to miss nothing.
+    pub async fn snapshot(&self) -> Result<(Vec<Listed>, i64)> {
+        let r = self.client.get(self.keys.entries(), Range::PREFIX).await?;
+        let revision = r.header.map_or(0, |h| h.revision);
+        let mut out = Vec::with_capacity(r.kvs.len());
+        for kv in r.kvs {
+            let (ns, name) = self.keys.split_entry(kv.key.as_slice())?;
+            out.push(Listed {
+                ns,
+                name,
+                record: decode(kv.key.as_slice(), kv.value.as_slice())?,
+                revision: kv.create_revision,
+            });
+        }
+        Ok((out, revision))
+    }
+
+    /// Pins entry `ns/name` for every host (its publisher never evicts it), or unpins it.
+    /// False (nothing recorded) when pinning an entry that does not exist.
+    pub async fn pin(&self, ns: &str, name: &str, pinned: bool) -> Result<bool> {
+        check_ns(ns)?;
+        check_name(name)?;
+        let key = self.keys.pin(ns, name);
+        let txn = if pinned {
+            Txn::new()
+                .when([Compare::present(self.keys.entry(ns, name))])
+                .and_then([Op::put(key, Vec::new(), 0)])
+        } else {
+            Txn::new().and_then([Op::delete(key)])
+        };
+        Ok(self.client.txn(txn).await?.succeeded())
+    }
+
+    /// Records (`pinned`) or takes back that clients of this host pin entries `names`: their
+    /// publisher does not evict an entry while any host's clients pin it. Bound to this
+    /// host's lease.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LeaseLost`] when this host's lease is gone.
+    pub async fn pin_for_clients(&self, names: &[(String, String)], pinned: bool) -> Result<()> {
+        for (ns, name) in names {
+            check_ns(ns)?;
+            check_name(name)?;
+        }
+        for piece in names.chunks(UNITS_PER_TXN) {
+            let ops: Vec<Op> = piece
+                .iter()
+                .map(|(ns, name)| {
+                    let key = self.keys.client_pin(ns, name, &self.info.node);
+                    if pinned {
+                        Op::put(key, "", self.lease)
+                    } else {
+                        Op::delete(key)
+                    }
+                })
+                .collect();
+            let txn = Txn::new()
+                .when([self.alive_cmp()])
+                .and_then(ops)
+                .or_else([Op::get(self.keys.node(&self.info.node), Range::KEY)]);
+            let r = self.client.txn(txn).await?;
+            if !r.succeeded() {
+                self.check_alive(&r)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Every entry some host's clients pin, as (namespace, name, node), read at one revision
+    /// (returned): watch from the next one.
+    pub async fn client_pins(&self) -> Result<(Vec<(String, String, String)>, i64)> {
+        let (keys, revision) = self.keys_under(self.keys.client_pins()).await?;
+        let pins = keys
+            .iter()
+            .map(|k| self.keys.split_client_pin(k))
+            .collect::<Result<_>>()?;
+        Ok((pins, revision))
+    }
+
+    /// The keys under `prefix`, read at one revision (returned).
+    async fn keys_under(&self, prefix: String) -> Result<(Vec<Vec<u8>>, i64)> {
+        let r = self.client.get(prefix, Range::KEYS_UNDER).await?;
+        let revision = r.header.map_or(0, |h| h.revision);
+        Ok((
+            r.kvs.iter().map(|kv| kv.key.as_slice().to_vec()).collect(),
+            revision,
+        ))
+    }
+
+    /// Streams every client pin recorded or taken back from `revision` on (inclusive).
+    pub async fn watch_client_pins(&self, revision: i64) -> Result<ClientPinWatch> {
+        Ok(ClientPinWatch(
+            self.watch_prefix(self.keys.client_pins(), revision).await?,
+            self.keys.clone(),
+        ))
+    }
+
+    /// Reports to host `publisher` the entries of its that this host used since the last
+    /// report (the newest last), replacing that report.
+    pub async fn report_access(&self, publisher: &str, used: &[(String, String)]) -> Result<()> {
+        check_name(publisher)?;
+        let key = format!("{}{}", self.keys.access_to(publisher), self.info.node);
+        let value = serde_json::to_vec(used).expect("serializable");
+        self.client.put(key, value, self.lease).await?;
+        Ok(())
+    }
+
+    /// Streams the access reports other hosts send this one, from now on.
+    pub async fn watch_access(&self) -> Result<AccessWatch> {
+        let stream = self
+            .client
+            .watch(
+                self.keys.access_to(&self.info.node),
+                Range::PREFIX,
+                0,
+                false,
+            )
+            .await?;
+        Ok(AccessWatch { stream })
+    }
+
+    /// Every pinned entry, read at one revision (returned): watch from the next one.
+    pub async fn pins(&self) -> Result<(Vec<(String, String)>, i64)> {
+        let (keys, revision) = self.keys_under(self.keys.pins()).await?;
+        let pins = keys
+            .iter()
+            .map(|k| Keys::split_name(&self.keys.pins(), k))
+            .collect::<Result<_>>()?;
+        Ok((pins, revision))
+    }
+
+    /// Streams every pin and unpin from `revision` on (inclusive).
+    pub async fn watch_pins(&self, revision: i64) -> Result<PinWatch> {
+        Ok(PinWatch(
+            self.watch_prefix(self.keys.pins(), revision).await?,
+        ))
+    }
+
+    /// Sets (or clears) the quota of namespace `ns` for every host: bytes of sealed entries
+    /// in it and under it, wherever they were published.
+    pub async fn set_quota(&self, ns: &str, bytes: Option<u64>) -> Result<()> {
+        check_ns(ns)?;
+        let key = self.keys.quota(ns);
+        match bytes {
+            Some(b) => {
+                self.client.put(key, b.to_string(), 0).await?;
+            }
+            None => {
+                self.client.delete(key).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Every quota, read at one revision (returned): watch from the next one.
+    pub async fn quotas(&self) -> Result<(Vec<(String, u64)>, i64)> {
+        let prefix = self.keys.quotas();
+        let r = self.client.get(prefix.clone(), Range::PREFIX).await?;
+        let revision = r.header.map_or(0, |h| h.revision);
+        let quotas = r
+            .kvs
+            .iter()
+            .map(|kv| parse_quota(&prefix, kv.key.as_slice(), Some(kv.value.as_slice())))
+            .map(|q| q.map(|(ns, b)| (ns, b.unwrap_or(0))))
+            .collect::<Result<_>>()?;
+        Ok((quotas, revision))
+    }
+
+    /// Streams every change of a quota from `revision` on (inclusive).
+    pub async fn watch_quotas(&self, revision: i64) -> Result<QuotaWatch> {
+        Ok(QuotaWatch(
+            self.watch_prefix(self.keys.quotas(), revision).await?,
+        ))
+    }
+
+    async fn watch_prefix(&self, prefix: String, revision: i64) -> Result<PrefixWatch> {
+        let stream = self
+            .client
+            .watch(prefix.clone(), Range::PREFIX, revision, false)
+            .await?;
+        Ok(PrefixWatch {
+            stream,
+            prefix,
+            queued: std::collections::VecDeque::new(),
+        })
+    }
+
+    /// Streams every change to the entries from `revision` on (inclusive); a removal carries
+    /// the record removed.
+    pub async fn watch_entries(&self, revision: i64) -> Result<EntryWatch> {
+        let stream = self
+            .client
+            .watch(self.keys.entries(), Range::PREFIX, revision, true)
+            .await?;
+        Ok(EntryWatch {
+            stream,
+            keys: self.keys.clone(),
+            queued: std::collections::VecDeque::new(),
+        })
+    }
+
+    /// Leaves the cluster: the lease is revoked, so this host's claims go at once.
+    pub async fn leave(self) -> Result<()> {
+        self.keeper.abort();
+        self.client.lease_revoke(self.lease).await?;
+        Ok(())
+    }
+}
+
+impl Drop for Member {
+    fn drop(&mut self) {
+        // Without leave(): the lease runs out after its TTL, as if the host had died.
+        self.keeper.abort();
+    }
+}
+
+/// Keeps the lease alive every third of its TTL; marks the member not live when etcd says
+/// the lease is gone, or when no renewal succeeded for a whole TTL (etcd unreachable).
+async fn keep_alive(c: Client, lease: i64, ttl: i64, live: Arc<AtomicBool>, node: String) {
+    let period = Duration::from_millis((ttl as u64 * 1000 / 3).max(100));
+    let mut last_ok = tokio::time::Instant::now();
+    let mut stream = None;
+    loop {
+        if stream.is_none() {
+            stream = tokio::time::timeout(period, c.lease_keep_alive(lease))
+                .await
+                .ok()
+                .and_then(|r| r.ok());
+        }
+        let mut renewed = false;
+        if let Some(keeper) = stream.as_mut() {
+            match tokio::time::timeout(period, keeper.renew()).await {
+                Ok(Ok(ttl)) if ttl > 0 => renewed = true,
+                Ok(Ok(_)) => {
+                    tracing::warn!(node, lease, "etcd lease expired");
+                    live.store(false, Ordering::Release);
+                    return;
+                }
+                _ => stream = None, // a new stream next time
+            }
+        }
+        if renewed {
+            last_ok = tokio::time::Instant::now();
+        } else if last_ok.elapsed() >= Duration::from_secs(ttl as u64) {
+            tracing::warn!(node, lease, "etcd unreachable for a whole lease TTL");
+            live.store(false, Ordering::Release);
+            return;
+        }
+        tokio::time::sleep(period).await;
+    }
+}

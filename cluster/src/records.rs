@@ -1,0 +1,78 @@
+//! The records hosts write in etcd and read back, and what the calls answer.
+
+use serde::{Deserialize, Serialize};
+
+/// A member host, as `nodes/<node>` records it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeInfo {
+    pub node: String,
+    /// Where the host's marud can be told about (free text: host name, address).
+    pub address: String,
+    pub pid: u32,
+}
+
+/// A sealed entry: where its bytes are in the shared pool.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EntryRecord {
+    /// Byte offset in the pool.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// The node that published it.
+    pub node: String,
+    /// The publishing host's allocation id (unique per host and pool).
+    pub alloc: u64,
+}
+
+/// The outcome of [`crate::Member::publish`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Published {
+    /// Published at this etcd revision.
+    New { revision: i64 },
+    /// The key existed: the first writer's record (the caller frees its allocation).
+    Exists(EntryRecord),
+    /// Another host reserved the name for a writer of its own ([`crate::Member::reserve`]).
+    Reserved(String),
+}
+
+/// An entry as [`crate::Member::snapshot`] read it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Listed {
+    pub ns: String,
+    pub name: String,
+    pub record: EntryRecord,
+    /// The revision that created it (its key is written once).
+    pub revision: i64,
+}
+
+/// What [`crate::Member::remove`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Removed {
+    /// The entry was there (and is gone now).
+    pub existed: bool,
+    /// The revision of the removal: the publisher frees the extent once every other live
+    /// host acknowledged it ([`crate::Member::acknowledged`]) and none holds it ([`crate::Member::held`]).
+    pub revision: i64,
+}
+
+/// A change to the entries, from [`crate::EntryWatch::next`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EntryEvent {
+    Put {
+        ns: String,
+        name: String,
+        record: EntryRecord,
+        /// The revision that created it (its key is written once).
+        revision: i64,
+    },
+    Delete {
+        ns: String,
+        name: String,
+        /// The revision of the removal.
+        revision: i64,
+        /// The revision that created the entry removed.
+        created: i64,
+        /// The record removed (None if etcd no longer had it to tell).
+        record: Option<EntryRecord>,
+    },
+}
