@@ -27,6 +27,12 @@ unreachable marud is left alone). The remote backend reads ``maru_remote_url``
 ``maru_remote_load_reserve``, ``maru_remote_timeout_s`` (one transfer),
 ``maru_remote_retry_s`` and ``maru_node_id``, and needs ``kv_load_failure_policy``
 ``recompute``. A store that cannot be reached is a miss: vLLM computes, nothing fails.
+``maru_engine_id`` names the engine to marud when ``maru_instance_id`` does not;
+``maru_async_load`` and ``maru_async_store`` are refused when true (not built).
+
+``kv_role``: ``kv_both`` loads and saves; ``kv_producer`` (a prefill instance) saves and never
+loads; ``kv_consumer`` (a decode instance) loads and never saves, and logs what it had to
+compute.
 """
 
 from __future__ import annotations
@@ -98,9 +104,17 @@ def handler_config(extra: Dict[str, Any], entry_bytes: int):
             f"MaruKVConnector: maru_namespace {ns!r} and maru_cache_namespace {cache_ns!r} name two "
             "namespaces; give one"
         )
+    for key in ("maru_async_load", "maru_async_store"):
+        if _flag(extra.get(key, False)):
+            raise ValueError(
+                f"MaruKVConnector: {key} is not built: loads and saves run in the forward pass "
+                "(doc/VLLM.md); leave it out or false"
+            )
     common = dict(
         chunk_size_bytes=entry_bytes,
-        instance_id=extra.get("maru_instance_id"),
+        # The original's engine id names this engine to marud (its client list) unless an
+        # instance id does.
+        instance_id=extra.get("maru_instance_id", extra.get("maru_engine_id")),
         timeout_ms=int(extra.get("maru_timeout_ms", 5000)),
         namespace=str(cache_ns if cache_ns is not None else ns if ns is not None else "vllm"),
         auto_connect=False,
@@ -134,6 +148,13 @@ def handler_config(extra: Dict[str, Any], entry_bytes: int):
     if extra.get("maru_remote_token") is not None:
         remote["remote_token"] = str(extra["maru_remote_token"])
     return MaruConfig(**common, **remote)
+
+
+def _flag(value: Any) -> bool:
+    """A boolean setting, as JSON or as text."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
 
 
 class _Store:
@@ -239,6 +260,11 @@ class MaruKVConnector(KVConnectorBase_V1):
         # (suffix @tpN); the scheduler looks up rank 0's.
         self._tp = parallel.tensor_parallel_size
         self._suffix = ""
+        # Disaggregated prefill: a producer (prefill) saves and never loads, a consumer
+        # (decode) loads and never saves, kv_both does both.
+        transfer = self._kv_transfer_config
+        self._loads = bool(transfer.is_kv_consumer)
+        self._saves = bool(transfer.is_kv_producer)
         self._config = handler_config(extra, self._entry_bytes)
         if self._config.is_remote:
             # A memory node that dies between a lookup and its load fails that load: vLLM must
@@ -288,7 +314,7 @@ class MaruKVConnector(KVConnectorBase_V1):
         keys = self.chunk_keys(tokens)
         hits = 0
         self._unhold(self._held.pop(request.request_id, None))
-        h = self._store.get() if keys else None
+        h = self._store.get() if keys and self._loads else None
         if h is not None:
             try:
                 found = h.batch_pin(keys)  # held: not evicted before the worker loads them
@@ -307,6 +333,12 @@ class MaruKVConnector(KVConnectorBase_V1):
         # last stored chunk may be loaded in part.
         usable = (len(tokens) - 1) // self._block_size * self._block_size
         matched = min(hits * self._chunk, max(0, usable))
+        if self._loads and not self._saves and keys and hits < len(keys):
+            # A consumer computes what it cannot load: say so (a prefill instance missed it).
+            logger.info(
+                "MaruKVConnector: request %s: %d of %d prompt tokens found stored, computing the rest",
+                request.request_id, matched, len(tokens),
+            )
         return max(0, matched - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
@@ -355,6 +387,8 @@ class MaruKVConnector(KVConnectorBase_V1):
 
     def _plan_saves(self, st: _ReqState, computed: int, meta: MaruConnectorMetadata) -> None:
         """Chunks of the prompt whose every token is in the paged cache after this step."""
+        if not self._saves:
+            return
         last = min(computed, len(st.tokens)) // self._chunk
         while st.next_save < min(last, len(st.keys)):
             c = st.next_save

@@ -93,6 +93,28 @@ def test_maru_connector_loads_the_prefix_another_instance_computed(
     assert b["prefix"]["cached"] == shared // 256 * 256
 
 
+def test_disaggregated_prefill_a_producer_saves_a_consumer_loads(
+    marud: Marud, namespace: str, model_dir: str, cache_root: str
+) -> None:
+    """1P1D: prefill instance A (kv_producer) computes and saves, never loads (the same prompt
+    twice is computed twice); decode instance B (kv_consumer) loads A's prompt (its cached
+    tokens cover it, its output is A's), computes a prompt nobody stored, and saves nothing."""
+    base = {"model": model_dir, "cache_root": cache_root, "connector": "maru", "socket": str(marud.socket),
+            "namespace": namespace}
+    a = run_instance(base | {"role": "kv_producer", "prompts": [
+        {"name": "shared", "parts": SHARED}, {"name": "again", "parts": SHARED}]})
+    assert (a["shared"]["cached"], a["again"]["cached"]) == (0, 0)
+    assert a["again"]["tokens"] == a["shared"]["tokens"]
+    stored = sorted(os.listdir(marud.mount / namespace))
+    assert len(stored) == 6912 // 256
+    b = run_instance(base | {"role": "kv_consumer", "prompts": [
+        {"name": "shared", "parts": SHARED}, {"name": "fresh", "parts": [[6912, 5]]}]})
+    assert b["shared"]["cached"] == (6912 - 1) // 128 * 128
+    assert b["shared"]["tokens"] == a["shared"]["tokens"]
+    assert b["fresh"]["cached"] == 0
+    assert sorted(os.listdir(marud.mount / namespace)) == stored, "the consumer saved"
+
+
 def test_example_connector_runs_unmodified_on_maru(marud: Marud, namespace: str, model_dir: str, cache_root: str) -> None:
     storage = marud.mount / namespace
     storage.mkdir()
@@ -116,6 +138,7 @@ def test_connector_configuration_is_checked(model_dir: str) -> None:
                              "maru_remote_retry_s": 4, "maru_remote_token": "t" * 20, "maru_node_id": "gpu7"}, entry)
     assert remote.is_remote and remote.remote_url == "tcp://m:7860" and remote.pool_size == 256 << 20
     assert (remote.remote_transfer_timeout_s, remote.remote_retry_s, remote.node_id) == (3.0, 4.0, "gpu7")
+    assert handler_config({"maru_engine_id": "engine-3", "maru_async_load": False}, entry).instance_id == "engine-3"
     for extra, message in [
         ({"maru_storage_backend": "nvme"}, "not one of"),
         ({"maru_storage_backend": "remote"}, "maru_remote_url"),
@@ -123,6 +146,8 @@ def test_connector_configuration_is_checked(model_dir: str) -> None:
          "maru_server_url"),
         ({"maru_remote_url": "tcp://m:1"}, "only apply to maru_storage_backend 'remote'"),
         ({"maru_namespace": "a", "maru_cache_namespace": "b"}, "two namespaces"),
+        ({"maru_async_load": True}, "maru_async_load is not built"),
+        ({"maru_async_store": "true"}, "maru_async_store is not built"),
     ]:
         with pytest.raises(ValueError, match=message):
             handler_config(extra, entry)

@@ -3,7 +3,7 @@
 ``python vllm_child.py SPEC_JSON``: SPEC is a JSON object with ``model`` (a model directory,
 see vllm_util.make_model), ``connector`` (``maru``: MaruKVConnector; ``example``: vLLM's
 ExampleConnector with ``storage`` as its shared_storage_path; ``none``), ``socket`` and
-``namespace`` (maru; with ``remote``: {``url``, ``token``}, a memory node's pool instead of
+``namespace`` (maru; ``role``: its kv_role, default ``kv_both``; with ``remote``: {``url``, ``token``}, a memory node's pool instead of
 the socket's marud), and ``prompts``: a list of {``name``, ``parts``: [[tokens, seed], ...],
 ``wait`` (optional: a path; before this prompt the child creates ``<wait>.ready`` and waits
 until ``<wait>`` exists)} (a prompt is its parts' words concatenated, so two prompts can
@@ -52,7 +52,7 @@ def main() -> int:
         kt = KVTransferConfig(
             kv_connector="MaruKVConnector",
             kv_connector_module_path="maru_vllm",
-            kv_role="kv_both",
+            kv_role=spec.get("role", "kv_both"),
             kv_connector_extra_config=extra,
             kv_load_failure_policy="recompute",
         )
