@@ -660,8 +660,8 @@ impl Backend for StoreFs {
         let end = offset
             .checked_add(data.len() as u64)
             .ok_or_else(|| Error::from_errno(libc::EFBIG))?;
-        // The fault-injection seam (tests): this write fails with that errno.
-        let fault = self.0.data_fault.read().as_ref().and_then(|f| f(ino));
+        // The fault-injection seam (tests, feature `seams`): this write fails with that errno.
+        let fault = self.0.data_fault(ino);
         let (file, pool) = {
             let mut st = self.0.st.lock();
             let max = self.0.cfg.max_copy_entry;

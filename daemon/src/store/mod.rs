@@ -59,7 +59,9 @@ use authority::{Authority, LocalAuthority, Placed};
 use entries::Removal;
 use namespaces::{join, parent};
 use policy::{Access, Perm};
-use pools::{Backing, Requester, Seams};
+#[cfg(feature = "seams")]
+use pools::Seams;
+use pools::{Backing, Requester};
 pub use settings::{Eviction, StoreConfig};
 use state::{Alloc, Entry, Origin, State};
 pub use state::{Invalidation, MOUNT_SESSION};
@@ -72,7 +74,8 @@ pub type Retrieved = Vec<Option<(Located, Option<File>)>>;
 pub type InvalidateFn = Box<dyn Fn(Invalidation) + Send + Sync>;
 
 /// Decides whether a write into the entry being written `ino` fails, and with which errno
-/// (tests: a device error in the middle of a store).
+/// (tests: a device error in the middle of a store; feature `seams`).
+#[cfg(feature = "seams")]
 pub type DataFault = Box<dyn Fn(u64) -> Option<i32> + Send + Sync>;
 
 /// What the store reports of a door that serves it to other hosts (marud's remote door, which
@@ -94,7 +97,8 @@ pub struct Store {
     started: Instant,
     /// Signalled when an entry written through the mount is sealed or dropped.
     sealed: Condvar,
-    /// The fault-injection seam of writes through the mount (tests).
+    /// The fault-injection seam of writes through the mount (tests, feature `seams`).
+    #[cfg(feature = "seams")]
     data_fault: parking_lot::RwLock<Option<DataFault>>,
     /// The remote door, once it is open (reported in [`Store::stats`]).
     remote: OnceLock<Arc<dyn RemoteView>>,
@@ -123,12 +127,14 @@ impl Store {
             invalidate: Mutex::new(None),
             started: Instant::now(),
             sealed: Condvar::new(),
+            #[cfg(feature = "seams")]
             data_fault: parking_lot::RwLock::new(None),
             remote: OnceLock::new(),
         }))
     }
 
     /// Replaces the log sink of raw pool `pool` (crash-injection tests).
+    #[cfg(feature = "seams")]
     pub fn set_log_sink(&self, pool: u32, sink: Box<dyn crate::wal::LogSink>) {
         if let Seams::Raw(w) = self.st.lock().pools[pool as usize].pool.seams() {
             *w = Some(crate::wal::Wal::new(sink));
@@ -136,6 +142,7 @@ impl Store {
     }
 
     /// Installs the crash-injection seam of a memfs pool's metadata steps (tests).
+    #[cfg(feature = "seams")]
     pub fn set_memfs_gate(&self, pool: u32, gate: Option<crate::pool::memfs::MetaGate>) {
         if let Seams::Memfs(m) = self.st.lock().pools[pool as usize].pool.seams() {
             m.set_gate(gate);
@@ -143,8 +150,21 @@ impl Store {
     }
 
     /// Installs the fault-injection seam of writes through the mount (tests).
+    #[cfg(feature = "seams")]
     pub fn set_data_fault(&self, f: Option<DataFault>) {
         *self.data_fault.write() = f;
+    }
+
+    /// The errno a write through the mount into `ino` fails with, by the fault-injection seam.
+    #[cfg(feature = "seams")]
+    fn data_fault(&self, ino: u64) -> Option<i32> {
+        self.data_fault.read().as_ref().and_then(|f| f(ino))
+    }
+
+    /// No fault: the seam is built with feature `seams` only.
+    #[cfg(not(feature = "seams"))]
+    fn data_fault(&self, _ino: u64) -> Option<i32> {
+        None
     }
 
     /// Tells the store of the remote door, whose view its statistics then include (once: a

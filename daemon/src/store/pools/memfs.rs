@@ -16,8 +16,10 @@ use nix::sys::stat::{Mode, fchmod};
 use nix::unistd::{Gid, Uid, fchown};
 
 use super::super::policy::Perm;
+#[cfg(feature = "seams")]
+use super::Seams;
 use super::packs::Packs;
-use super::{Backing, Found, Loc, Pool, Prepare, Requester, Seams};
+use super::{Backing, Found, Loc, Pool, Prepare, Requester};
 use crate::pool::PoolSpec;
 use crate::pool::memfs::{MemfsPool, MetaStep, WritingDir};
 
@@ -428,6 +430,7 @@ impl Pool for Memfs {
         self.packs.check()
     }
 
+    #[cfg(feature = "seams")]
     fn seams(&mut self) -> Seams<'_> {
         Seams::Memfs(&self.fs)
     }

@@ -304,10 +304,12 @@ pub trait Pool: Send {
     /// Checks the pool's own accounting.
     fn check(&self) -> std::result::Result<(), String>;
     /// Test seams: a memfs pool's metadata gate, a raw pool's log sink.
+    #[cfg(feature = "seams")]
     fn seams(&mut self) -> Seams<'_>;
 }
 
-/// The crash-injection seams of a pool (tests).
+/// The crash-injection seams of a pool (tests, feature `seams`).
+#[cfg(feature = "seams")]
 pub enum Seams<'a> {
     /// A memfs pool.
     Memfs(&'a crate::pool::memfs::MemfsPool),

@@ -13,7 +13,9 @@ use maru::proto::{Coherence, PoolKind};
 use maru::{Error, Result};
 
 use super::super::authority::Authority;
-use super::{Backing, Found, Loc, Pool, Requester, Seams};
+#[cfg(feature = "seams")]
+use super::Seams;
+use super::{Backing, Found, Loc, Pool, Requester};
 use crate::alloc::{ExtentAlloc, align_up};
 use crate::pool::{self, ENTRY_ALIGN, PoolSpec, REGION_ALIGN};
 use crate::wal::{self, Durability, FileSink, Wal};
@@ -682,6 +684,7 @@ impl Pool for Raw {
         Ok(())
     }
 
+    #[cfg(feature = "seams")]
     fn seams(&mut self) -> Seams<'_> {
         Seams::Raw(&mut self.wal)
     }
