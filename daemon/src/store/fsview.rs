@@ -132,15 +132,9 @@ impl Store {
     /// Reserves `[offset, end)` of the file of an entry being written in `pool` (growing the
     /// file to `end` first, so that a tmpfs with `huge=within_size` gives it 2 MiB pages);
     /// with eviction on, a full pool evicts and the reservation is tried again. A refusal
-    /// leaves the file's size as it was.
-    fn reserve(
-        &self,
-        st: &mut State,
-        pool: u32,
-        f: &std::fs::File,
-        offset: u64,
-        end: u64,
-    ) -> Result<()> {
+    /// leaves the file's size as it was. Called without the store's lock (the pages'
+    /// allocation takes as long as zeroing them), which it takes to evict only.
+    fn reserve(&self, pool: u32, f: &std::fs::File, offset: u64, end: u64) -> Result<()> {
         let before = f.metadata()?.len();
         if before < end {
             f.set_len(end)?;
@@ -155,7 +149,9 @@ impl Store {
         };
         let r = match fallocate() {
             Ok(()) => Ok(()),
-            Err(nix::errno::Errno::ENOSPC) if self.ensure_free(st, pool, end - offset) => {
+            Err(nix::errno::Errno::ENOSPC)
+                if self.ensure_free(&mut self.st.lock(), pool, end - offset) =>
+            {
                 fallocate()
             }
             Err(e) => Err(e),
@@ -168,6 +164,13 @@ impl Store {
             }
             Error::Io(e.into())
         })
+    }
+
+    /// The guard of `ino`'s size changes (an entry being written through the mount).
+    fn resizing(&self, ino: u64) -> Result<std::sync::Arc<parking_lot::Mutex<()>>> {
+        let mut st = self.st.lock();
+        let a = Store::writing(&mut st, ino)?;
+        Ok(a.mount().expect("a mount write").resizing.clone())
     }
 }
 
@@ -303,6 +306,7 @@ impl Backend for StoreFs {
                 committed: false,
                 reserved: 0,
                 failed: None,
+                resizing: Default::default(),
             }),
             backing,
             perm: Perm {
@@ -412,28 +416,34 @@ impl Backend for StoreFs {
         let end = offset
             .checked_add(len)
             .ok_or_else(|| Error::InvalidArgument("range overflows".into()))?;
-        let mut st = self.0.st.lock();
-        let max = self.0.cfg.max_copy_entry;
-        let pool = Store::writing(&mut st, ino)?.pool;
-        let cap = st.pools[pool as usize].pool.capacity();
-        let a = &st.allocs[&ino];
-        if end
-            > cap.min(if matches!(a.backing, Backing::Buffer { .. }) {
+        // One size change of this entry at a time; its pages are reserved without the lock.
+        let resizing = self.0.resizing(ino)?;
+        let _one = resizing.lock();
+        let (file, pool) = {
+            let mut st = self.0.st.lock();
+            let max = self.0.cfg.max_copy_entry;
+            let pool = Store::writing(&mut st, ino)?.pool;
+            let cap = st.pools[pool as usize].pool.capacity();
+            let a = &st.allocs[&ino];
+            let limit = if matches!(a.backing, Backing::Buffer { .. }) {
                 max
             } else {
                 cap
-            })
-        {
-            return Err(Error::from_errno(libc::EFBIG));
-        }
-        let file = match &a.backing {
-            Backing::File { file, .. } => Some(file.clone()),
-            _ => None,
+            };
+            if end > cap.min(limit) {
+                return Err(Error::from_errno(libc::EFBIG));
+            }
+            let file = match &a.backing {
+                Backing::File { file, .. } => Some(file.clone()),
+                _ => None,
+            };
+            (file, pool)
         };
-        if let Some(f) = file {
-            self.0.reserve(&mut st, pool, &f, offset, end)?;
+        if let Some(f) = &file {
+            self.0.reserve(pool, f, offset, end)?;
         }
-        let a = st.allocs.get_mut(&ino).expect("present");
+        let mut st = self.0.st.lock();
+        let a = Store::writing(&mut st, ino)?;
         match &mut a.backing {
             Backing::File { span, .. } => *span = (*span).max(end),
             Backing::Buffer { data, dirty, .. } => {
@@ -503,13 +513,19 @@ impl Backend for StoreFs {
     }
 
     fn truncate(&self, ino: u64, size: u64) -> Result<Attr> {
-        let mut st = self.0.st.lock();
-        if let Some(e) = st.entries.get(&ino) {
-            if e.size == size {
-                return Ok(e.attr());
+        {
+            let st = self.0.st.lock();
+            if let Some(e) = st.entries.get(&ino) {
+                if e.size == size {
+                    return Ok(e.attr());
+                }
+                return Err(Error::ReadOnly("sealed entries are immutable".into()));
             }
-            return Err(Error::ReadOnly("sealed entries are immutable".into()));
         }
+        // One size change of this entry at a time; its pages are reserved without the lock.
+        let resizing = self.0.resizing(ino)?;
+        let _one = resizing.lock();
+        let mut st = self.0.st.lock();
         let max = self.0.cfg.max_copy_entry;
         let a = Store::writing(&mut st, ino)?;
         let pool = a.pool;
@@ -524,13 +540,15 @@ impl Backend for StoreFs {
                     return Err(Error::from_errno(libc::EFBIG));
                 }
                 let (file, old) = (file.clone(), a.size_now());
+                drop(st);
                 if size > old {
                     // A writer that sizes its entry is about to fill it, often through a
                     // mapping, where a page the pool cannot give is a SIGBUS: reserve them now.
-                    self.0.reserve(&mut st, pool, &file, old, size)?;
+                    self.0.reserve(pool, &file, old, size)?;
                 }
                 file.set_len(size)?;
-                let a = st.allocs.get_mut(&ino).expect("present");
+                let mut st = self.0.st.lock();
+                let a = Store::writing(&mut st, ino)?;
                 if let Backing::File { span, .. } = &mut a.backing {
                     *span = size;
                 }

@@ -20,11 +20,12 @@
 //! an `fsync`, a read of entry bytes) and no network round trip. A verb reserves under the
 //! lock, does the slow part with it released, and commits under it again, with a failure
 //! path that puts back what it reserved. Done that way: a client's allocation (a memfs file
-//! of its own is made outside the lock: [`pools::Prepare`], [`Store::alloc`]) and the
-//! statistics (`/proc/meminfo` is read before the lock). Not yet: the mount's reads of raw
-//! and packed entries and its writes to raw ones, `truncate`'s reservation of a file being
-//! written through the mount, and cluster mode's publications to etcd (each awaited under
-//! the lock).
+//! of its own is made outside the lock: [`pools::Prepare`], [`Store::alloc`]), the pages a
+//! `truncate` or `fallocate` through the mount reserves for an entry being written (one size
+//! change per entry at a time, under its own guard), and the statistics (`/proc/meminfo` is
+//! read before the lock). Not yet: the mount's reads of raw and packed entries and its
+//! writes to raw ones, and cluster mode's publications to etcd (each awaited under the
+//! lock).
 
 pub mod authority;
 mod entries;

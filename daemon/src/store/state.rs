@@ -198,6 +198,9 @@ pub struct MountWrite {
     pub reserved: u64,
     /// The first failure (a write, a commit): it will never be published.
     pub failed: Option<i32>,
+    /// Held across a change of its file's size (`truncate`, `fallocate`), whose reservation
+    /// of pages runs outside the store's lock: one such change at a time per entry.
+    pub resizing: std::sync::Arc<parking_lot::Mutex<()>>,
 }
 
 /// An allocation: an entry being written.
