@@ -635,18 +635,42 @@ impl Backend for StoreFs {
         Ok(attr)
     }
 
+    /// Reads a sealed entry (or a removed one still leased) or one being written. The bytes
+    /// are read without the store's lock: a raw pool's extent is leased meanwhile (it is not
+    /// reused, the entry is not evicted), and a pack never reuses its bytes.
     fn read(&self, ino: u64, offset: u64, len: u32) -> Result<Vec<u8>> {
-        let st = self.0.st.lock();
-        if let Some(e) = st.entries.get(&ino).or_else(|| st.zombies.get(&ino)) {
+        let mut guard = self.0.st.lock();
+        let st = &mut *guard;
+        let sealed = st.entries.contains_key(&ino);
+        if sealed || st.zombies.contains_key(&ino) {
+            if sealed && !st.ready_remote(&*self.0.authority, ino) {
+                return Err(Error::NotFound(format!(
+                    "inode {ino}: removed on another host"
+                )));
+            }
+            let e = if sealed {
+                st.entries.get_mut(&ino)
+            } else {
+                st.zombies.get_mut(&ino)
+            }
+            .expect("present");
             if offset >= e.size {
                 return Ok(Vec::new());
             }
             let n = u64::from(len).min(e.size - offset) as usize;
+            let pool = &st.pools[e.pool as usize].pool;
+            let reader = pool.reader(&e.loc())?;
+            let leased = pool.leases();
+            if leased {
+                e.leases += 1;
+            }
+            drop(guard);
             let mut buf = vec![0u8; n];
-            st.pools[e.pool as usize]
-                .pool
-                .read(&e.loc(), offset, &mut buf)?;
-            return Ok(buf);
+            let r = reader.read(offset, &mut buf);
+            if leased {
+                self.0.st.lock().unlease(&*self.0.authority, ino, 1);
+            }
+            return r.map(|()| buf);
         }
         let a = st
             .allocs
@@ -660,6 +684,9 @@ impl Backend for StoreFs {
         match &a.backing {
             Backing::File { file, .. } => {
                 use std::os::unix::fs::FileExt;
+                // The writer's own file: read without the lock.
+                let file = file.clone();
+                drop(guard);
                 let mut buf = vec![0u8; n];
                 file.read_exact_at(&mut buf, offset)?;
                 Ok(buf)

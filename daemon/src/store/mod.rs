@@ -22,10 +22,11 @@
 //! path that puts back what it reserved. Done that way: a client's allocation (a memfs file
 //! of its own is made outside the lock: [`pools::Prepare`], [`Store::alloc`]), the pages a
 //! `truncate` or `fallocate` through the mount reserves for an entry being written (one size
-//! change per entry at a time, under its own guard), and the statistics (`/proc/meminfo` is
-//! read before the lock). Not yet: the mount's reads of raw and packed entries and its
-//! writes to raw ones, and cluster mode's publications to etcd (each awaited under the
-//! lock).
+//! change per entry at a time, under its own guard), the mount's reads (of sealed entries,
+//! a raw pool's extent leased meanwhile; of entries being written), and the statistics
+//! (`/proc/meminfo` is read before the lock). Not yet: the copy of an entry written through
+//! the mount into a raw pool at its close (up to `max_copy_entry`), and cluster mode's
+//! publications to etcd (each awaited under the lock).
 
 pub mod authority;
 mod entries;

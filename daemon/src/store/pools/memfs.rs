@@ -19,7 +19,7 @@ use super::super::policy::Perm;
 #[cfg(feature = "seams")]
 use super::Seams;
 use super::packs::Packs;
-use super::{Backing, Found, Loc, Pool, Prepare, Requester};
+use super::{Backing, Found, Loc, Pool, Prepare, Reader, Requester};
 use crate::pool::PoolSpec;
 use crate::pool::memfs::{MemfsPool, MetaStep, WritingDir};
 
@@ -110,7 +110,7 @@ impl Memfs {
     /// `e` (of id `id`); returns its inode number and the file's backing.
     fn own_file(&mut self, id: u64, at: u64, e: &Loc<'_>) -> Result<(u64, Backing)> {
         let mut bytes = vec![0u8; e.size as usize];
-        self.packs.read(at, 0, &mut bytes)?;
+        self.packs.reader_at(at)?.read(0, &mut bytes)?;
         let f = self.fs.create_writing(e.size, e.mode)?;
         f.write_all_at(&bytes, 0)?;
         let mut b = Backing::File {
@@ -344,14 +344,14 @@ impl Pool for Memfs {
         Ok(self.fs.open_entry(e.ns, e.key)?)
     }
 
-    fn read(&self, e: &Loc<'_>, offset: u64, buf: &mut [u8]) -> Result<()> {
+    fn reader(&self, e: &Loc<'_>) -> Result<Reader> {
         if packed(e.offset).is_some() {
-            return self.packs.read(e.offset, offset, buf);
+            return self.packs.reader_at(e.offset);
         }
-        Ok(self
-            .fs
-            .open_entry(e.ns, e.key)?
-            .read_exact_at(buf, offset)?)
+        Ok(Reader {
+            file: Arc::new(self.fs.open_entry(e.ns, e.key)?),
+            base: 0,
+        })
     }
 
     fn device_fd(&self, _write: bool) -> Result<File> {

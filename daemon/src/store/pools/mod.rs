@@ -80,6 +80,21 @@ impl Backing {
     }
 }
 
+/// A sealed entry's bytes for a reader: a descriptor and the offset of the entry's first
+/// byte in it.
+pub struct Reader {
+    pub file: Arc<File>,
+    pub base: u64,
+}
+
+impl Reader {
+    /// Reads `buf.len()` bytes at `offset` within the entry.
+    pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        Ok(self.file.read_exact_at(buf, self.base + offset)?)
+    }
+}
+
 /// Who asks for an allocation, and what it will be.
 #[derive(Debug, Clone, Copy)]
 pub struct Requester<'a> {
@@ -259,8 +274,9 @@ pub trait Pool: Send {
     fn retrieve_fd(&self, e: &Loc<'_>, first: bool) -> Result<Option<File>>;
     /// The entry's own file, opened read-only (passthrough pools).
     fn open_entry(&self, e: &Loc<'_>) -> Result<File>;
-    /// Reads `buf.len()` bytes of a sealed entry at `offset` within it.
-    fn read(&self, e: &Loc<'_>, offset: u64, buf: &mut [u8]) -> Result<()>;
+    /// Where a sealed entry's bytes are, for a read made without the store's lock (a raw
+    /// pool's caller holds a lease on the extent meanwhile; a pack never reuses its bytes).
+    fn reader(&self, e: &Loc<'_>) -> Result<Reader>;
     /// A descriptor of the whole device for clients (raw pools).
     fn device_fd(&self, write: bool) -> Result<File>;
     /// Where the entry lives, for `user.maru.location`.

@@ -22,7 +22,7 @@
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
-use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -33,7 +33,7 @@ use nix::sys::stat::{Mode, fchmod};
 use nix::unistd::{Gid, Uid, fchown};
 
 use super::super::policy::Perm;
-use super::{Found, Loc};
+use super::{Found, Loc, Reader};
 use crate::pool::ENTRY_ALIGN;
 use crate::wal::{Durability, FileSink, Wal};
 
@@ -351,13 +351,16 @@ impl Packs {
     }
 
     /// Reads a packed entry's bytes.
-    pub fn read(&self, at: u64, offset: u64, buf: &mut [u8]) -> Result<()> {
+    pub fn reader_at(&self, at: u64) -> Result<Reader> {
         let (pack, base) = packed(at).ok_or_else(|| Error::Protocol("not packed".into()))?;
         let p = self
             .packs
             .get(&pack)
             .ok_or_else(|| Error::NotFound(format!("pack {pack}")))?;
-        Ok(p.ro.read_exact_at(buf, base + offset)?)
+        Ok(Reader {
+            file: p.ro.clone(),
+            base,
+        })
     }
 
     /// The read-only descriptor of the pack holding `at`.

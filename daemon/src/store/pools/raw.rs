@@ -15,7 +15,7 @@ use maru::{Error, Result};
 use super::super::authority::Authority;
 #[cfg(feature = "seams")]
 use super::Seams;
-use super::{Backing, Found, Loc, Pool, Requester};
+use super::{Backing, Found, Loc, Pool, Reader, Requester};
 use crate::alloc::{ExtentAlloc, align_up};
 use crate::pool::{self, ENTRY_ALIGN, PoolSpec, REGION_ALIGN};
 use crate::wal::{self, Durability, FileSink, Wal};
@@ -54,8 +54,8 @@ pub struct Raw {
     /// Read-write descriptor handed to writers: a separate open file description, so that
     /// clients' mappings never keep the daemon's lock alive after it exits.
     rw: File,
-    /// Read-only descriptor (retrievals).
-    ro: File,
+    /// Read-only descriptor (retrievals, reads through the mount).
+    ro: Arc<File>,
     log_path: PathBuf,
     wal_sync: bool,
     wal: Option<Wal>,
@@ -101,7 +101,7 @@ impl Raw {
                 h
             }
         };
-        let ro = reopen(&file, false)?;
+        let ro = Arc::new(reopen(&file, false)?);
         let rw = reopen(&file, true)?;
         let noncoherent = if spec.coherent {
             None
@@ -525,8 +525,11 @@ impl Pool for Raw {
         ))
     }
 
-    fn read(&self, e: &Loc<'_>, offset: u64, buf: &mut [u8]) -> Result<()> {
-        Ok(self.file.read_exact_at(buf, e.offset + offset)?)
+    fn reader(&self, e: &Loc<'_>) -> Result<Reader> {
+        Ok(Reader {
+            file: self.ro.clone(),
+            base: e.offset,
+        })
     }
 
     fn device_fd(&self, write: bool) -> Result<File> {
