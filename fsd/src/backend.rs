@@ -332,7 +332,9 @@ pub trait Backend: Send + Sync + 'static {
     fn write(&self, ino: u64, offset: u64, data: &[u8]) -> Result<u32>;
     /// Deletes an entry.
     fn unlink(&self, c: &Caller, parent: u64, name: &str) -> Result<()>;
-    /// Renames an entry (publishing a finished WRITING one); `noreplace` as RENAME_NOREPLACE.
+    /// Renames an entry (publishing a finished WRITING one). Names are write-once: a rename
+    /// onto a name taken fails (`EEXIST`), with or without RENAME_NOREPLACE; the filesystem
+    /// refuses RENAME_EXCHANGE and RENAME_WHITEOUT before asking.
     fn rename(
         &self,
         c: &Caller,
