@@ -14,6 +14,8 @@
 //! - [`fsview`]: the mount's view (the filesystem's `Backend`), including the publication
 //!   of entries written through the mount;
 //! - [`remote`]: entries other hosts published (cluster mode).
+//! - `seams`: the crash- and fault-injection seams of the daemon's own tests (feature
+//!   `seams` only).
 //!
 //! **The lock's rule.** The lock guards metadata and nothing else: while it is held, no
 //! system call that can take long (an `fallocate` of a client's allocation, a `/proc` read,
@@ -40,6 +42,7 @@ pub mod pools;
 pub mod readers;
 mod recovery;
 mod remote;
+mod seams;
 pub mod sessions;
 mod settings;
 pub mod state;
@@ -61,8 +64,6 @@ use authority::{Authority, LocalAuthority, Placed};
 use entries::Removal;
 use namespaces::{join, parent};
 use policy::{Access, Perm};
-#[cfg(feature = "seams")]
-use pools::Seams;
 use pools::{Backing, Requester};
 pub use settings::{Eviction, StoreConfig};
 use state::{Alloc, Entry, Origin, State};
@@ -133,40 +134,6 @@ impl Store {
             data_fault: parking_lot::RwLock::new(None),
             remote: OnceLock::new(),
         }))
-    }
-
-    /// Replaces the log sink of raw pool `pool` (crash-injection tests).
-    #[cfg(feature = "seams")]
-    pub fn set_log_sink(&self, pool: u32, sink: Box<dyn crate::wal::LogSink>) {
-        if let Seams::Raw(w) = self.st.lock().pools[pool as usize].pool.seams() {
-            *w = Some(crate::wal::Wal::new(sink));
-        }
-    }
-
-    /// Installs the crash-injection seam of a memfs pool's metadata steps (tests).
-    #[cfg(feature = "seams")]
-    pub fn set_memfs_gate(&self, pool: u32, gate: Option<crate::pool::memfs::MetaGate>) {
-        if let Seams::Memfs(m) = self.st.lock().pools[pool as usize].pool.seams() {
-            m.set_gate(gate);
-        }
-    }
-
-    /// Installs the fault-injection seam of writes through the mount (tests).
-    #[cfg(feature = "seams")]
-    pub fn set_data_fault(&self, f: Option<DataFault>) {
-        *self.data_fault.write() = f;
-    }
-
-    /// The errno a write through the mount into `ino` fails with, by the fault-injection seam.
-    #[cfg(feature = "seams")]
-    fn data_fault(&self, ino: u64) -> Option<i32> {
-        self.data_fault.read().as_ref().and_then(|f| f(ino))
-    }
-
-    /// No fault: the seam is built with feature `seams` only.
-    #[cfg(not(feature = "seams"))]
-    fn data_fault(&self, _ino: u64) -> Option<i32> {
-        None
     }
 
     /// Tells the store of the remote door, whose view its statistics then include (once: a
