@@ -262,7 +262,7 @@ impl Store {
                 maru::proto::MAX_FDS_PER_FRAME
             )));
         }
-        let st = self.st.lock();
+        let mut st = self.st.lock();
         let hint = match pool {
             Some(name) => Some(
                 st.pools
@@ -291,7 +291,6 @@ impl Store {
             gid: caller.gid,
             mode: 0o644,
         };
-        drop(st);
         let who = Requester {
             session: Some(session),
             ns,
@@ -300,16 +299,15 @@ impl Store {
         let mut out = Vec::with_capacity(count as usize);
         let mut err = None;
         for _ in 0..count {
-            // The lock is not held here: `place` takes it for what it guards only.
-            let id = self.st.lock().alloc_ino();
-            let (p, backing) = match self.place(&who, id, size, hint) {
+            let id = st.alloc_ino();
+            // `place` lets the lock go while it makes a large memfs file.
+            let (p, backing) = match self.place(&mut st, &who, id, size, hint) {
                 Ok(placed) => placed,
                 Err(e) => {
                     err = Some(e);
                     break;
                 }
             };
-            let mut st = self.st.lock();
             if !st.sessions.contains_key(&session) {
                 // The client left while its allocation was made: nothing of it stays.
                 st.pools[p as usize].pool.abort(id, &backing);
@@ -354,6 +352,7 @@ impl Store {
             };
             out.push((grant, file));
         }
+        drop(st);
         match (out.is_empty(), err) {
             (true, Some(e)) => Err(e),
             _ => Ok(out),

@@ -12,6 +12,7 @@ use super::pools::{Backing, Requester};
 use super::settings::Eviction;
 use super::state::State;
 use crate::pool::ENTRY_ALIGN;
+use parking_lot::MutexGuard;
 
 impl Store {
     /// Evicts LRU entries of `pool` (any pool when `None`) until `want` bytes were freed;
@@ -77,34 +78,30 @@ impl Store {
     }
 
     /// Reserves `size` bytes for allocation `id` of `who` in a pool (`hint`, or each in
-    /// order), evicting if allowed. Returns the pool and the backing. Called without the lock:
-    /// it takes it for what it guards (the pools' accounting, eviction, quick grants) and
-    /// makes the slow part of a grant (a memfs file's `fallocate`) with it released, so one
-    /// client's large allocation does not stall the others.
+    /// order), evicting if allowed. Returns the pool and the backing. Called with the lock
+    /// held, it releases it only while it makes the slow part of a grant (a memfs file's
+    /// `fallocate`, [`pools::Prepare`](super::pools::Prepare)), so one client's large
+    /// allocation does not stall the others; everything else it does under the lock.
     pub(super) fn place(
         &self,
+        st: &mut MutexGuard<'_, State>,
         who: &Requester<'_>,
         id: u64,
         size: u64,
         hint: Option<u32>,
     ) -> Result<(u32, Backing)> {
-        let (order, big_enough, capacity) = {
-            let st = self.st.lock();
-            let order: Vec<u32> = match hint {
-                Some(p) => vec![p],
-                None => (0..st.pools.len() as u32).collect(),
-            };
-            let big_enough = order
-                .iter()
-                .copied()
-                .find(|p| size <= st.pools[*p as usize].pool.capacity());
-            let capacity = big_enough.map_or(0, |p| st.pools[p as usize].pool.capacity());
-            (order, big_enough, capacity)
+        let order: Vec<u32> = match hint {
+            Some(p) => vec![p],
+            None => (0..st.pools.len() as u32).collect(),
         };
+        let big_enough = order
+            .iter()
+            .copied()
+            .find(|p| size <= st.pools[*p as usize].pool.capacity());
         if let Some(p) = big_enough {
             // First pass: no eviction.
             for &q in &order {
-                if let Ok(b) = self.grant(q, who, id, size) {
+                if let Ok(b) = self.grant(st, q, who, id, size) {
                     return Ok((q, b));
                 }
             }
@@ -112,15 +109,12 @@ impl Store {
                 // Evict what is missing plus some headroom: memory of evicted entries that a
                 // client still maps is freed only when it unmaps, so a round may free less
                 // than it evicted; keep going while there is something to evict.
-                let headroom = (capacity / 64).max(size);
+                let headroom = (st.pools[p as usize].pool.capacity() / 64).max(size);
                 for _round in 0..32 {
-                    let n = {
-                        let mut st = self.st.lock();
-                        let free = st.pools[p as usize].pool.free_space();
-                        let deficit = size.saturating_sub(free).max(ENTRY_ALIGN) + headroom;
-                        self.evict_lru(&mut st, Some(p), deficit).0
-                    };
-                    match self.grant(p, who, id, size) {
+                    let free = st.pools[p as usize].pool.free_space();
+                    let deficit = size.saturating_sub(free).max(ENTRY_ALIGN) + headroom;
+                    let (n, _) = self.evict_lru(st, Some(p), deficit);
+                    match self.grant(st, p, who, id, size) {
                         Ok(b) => return Ok((p, b)),
                         Err(Error::NoSpace(_)) if n > 0 => continue,
                         Err(e) => return Err(e),
@@ -139,15 +133,19 @@ impl Store {
         )))
     }
 
-    /// One grant in pool `q`: prepared without the lock where the pool has a slow part for
-    /// it, else made by the pool under the lock.
-    fn grant(&self, q: u32, who: &Requester<'_>, id: u64, size: u64) -> Result<Backing> {
-        if let Some(prepared) = self.preparers[q as usize]
-            .as_ref()
-            .and_then(|p| p.prepare(size, who))
-        {
-            return prepared;
+    /// One grant in pool `q`: its slow part made with the lock released where the pool has
+    /// one for it, else made by the pool under the lock.
+    fn grant(
+        &self,
+        st: &mut MutexGuard<'_, State>,
+        q: u32,
+        who: &Requester<'_>,
+        id: u64,
+        size: u64,
+    ) -> Result<Backing> {
+        match &self.preparers[q as usize] {
+            Some(p) if p.prepares(size, who) => MutexGuard::unlocked(st, || p.prepare(size)),
+            _ => st.pools[q as usize].pool.grant(id, size, who),
         }
-        self.st.lock().pools[q as usize].pool.grant(id, size, who)
     }
 }

@@ -47,11 +47,12 @@ struct FileGrants {
 }
 
 impl Prepare for FileGrants {
-    fn prepare(&self, size: u64, who: &Requester<'_>) -> Option<Result<Backing>> {
-        if who.session.is_some() && who.ns.is_some() && size <= self.pack_max {
-            return None;
-        }
-        Some(file_grant(&self.writing, size))
+    fn prepares(&self, size: u64, who: &Requester<'_>) -> bool {
+        !(who.session.is_some() && who.ns.is_some() && size <= self.pack_max)
+    }
+
+    fn prepare(&self, size: u64) -> Result<Backing> {
+        file_grant(&self.writing, size)
     }
 }
 

@@ -184,10 +184,11 @@ impl Found {
 /// file's `fallocate`, as long as zeroing the pages), made by any thread, touching nothing
 /// the lock guards.
 pub trait Prepare: Send + Sync {
-    /// The backing of a grant of `size` bytes for `who`, made now; None when this grant has
-    /// no slow part and is the pool's to make under the lock ([`Pool::grant`]: a piece of a
-    /// pack, a raw pool's extent).
-    fn prepare(&self, size: u64, who: &Requester<'_>) -> Option<Result<Backing>>;
+    /// Whether a grant of `size` bytes for `who` has a slow part made here; false when it is
+    /// the pool's to make under the lock ([`Pool::grant`]: a piece of a pack).
+    fn prepares(&self, size: u64, who: &Requester<'_>) -> bool;
+    /// The backing of such a grant, made now (without the lock).
+    fn prepare(&self, size: u64) -> Result<Backing>;
 }
 
 /// One pool.
