@@ -57,6 +57,6 @@ mod watch;
 
 pub use error::{Error, Result};
 pub use keys::UNIT;
-pub use member::Member;
+pub use member::{Member, Publication};
 pub use records::{EntryEvent, EntryRecord, Listed, NodeInfo, Published, Removed};
 pub use watch::{AccessWatch, AckWatch, ClientPinWatch, EntryWatch, PinWatch, QuotaWatch};

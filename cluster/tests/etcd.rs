@@ -4,7 +4,9 @@
 use std::time::{Duration, Instant};
 
 use maru_cluster::testing::Etcd;
-use maru_cluster::{EntryEvent, EntryRecord, Error, Member, NodeInfo, Published, UNIT};
+use maru_cluster::{
+    EntryEvent, EntryRecord, Error, Member, NodeInfo, Publication, Published, UNIT,
+};
 
 const POOL: &str = "5f0c1d2e-0000-4000-8000-00000000c1a5";
 
@@ -72,6 +74,118 @@ async fn two_hosts_publishing_one_key_at_once_one_wins() {
     }
     let (all, _) = a.snapshot().await.expect("snapshot");
     assert_eq!(all.len(), 40);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_of_publications_commits_together_and_each_has_its_own_outcome() {
+    let Some(etcd) = Etcd::start() else { return };
+    let a = member(&etcd, "a", 10).await;
+    let b = member(&etcd, "b", 10).await;
+    assert!(a.claim(0, 4 * UNIT).await.expect("claim"));
+    assert!(b.claim(8 * UNIT, UNIT).await.expect("claim"));
+    // Taken beforehand: one name published by b, one reserved by b, one reserved by a.
+    b.publish("ns", "k7", &record("b", 8 * UNIT))
+        .await
+        .expect("publish");
+    assert_eq!(b.reserve("ns", "k9").await.expect("reserve"), None);
+    assert_eq!(a.reserve("ns", "k11").await.expect("reserve"), None);
+    // 150 entries (more than one transaction holds), one of them twice, one outside a's
+    // regions, one with a bad name.
+    let n = 150u64;
+    let names: Vec<String> = (0..n).map(|i| format!("k{i}")).collect();
+    let recs: Vec<EntryRecord> = (0..n).map(|i| record("a", i * 4096)).collect();
+    let outside = record("a", 8 * UNIT + 4096);
+    let mut items: Vec<Publication<'_>> = names
+        .iter()
+        .zip(&recs)
+        .map(|(name, record)| Publication {
+            ns: "ns",
+            name,
+            record,
+            reserved: name == "k11",
+        })
+        .collect();
+    items.push(Publication {
+        ns: "ns",
+        name: "k3",
+        record: &recs[4],
+        reserved: false,
+    });
+    items.push(Publication {
+        ns: "ns",
+        name: "a/b",
+        record: &recs[5],
+        reserved: false,
+    });
+    let out = a.publish_many(&items).await;
+    assert_eq!(out.len(), items.len());
+    for (i, r) in out.iter().enumerate().take(n as usize) {
+        match (i, r) {
+            (7, Ok(Published::Exists(r))) => assert_eq!(r.node, "b"),
+            (9, Ok(Published::Reserved(h))) => assert_eq!(h, "b"),
+            (_, Ok(Published::New { .. })) if i != 7 && i != 9 => {}
+            other => panic!("item {i}: {other:?}"),
+        }
+    }
+    assert!(
+        matches!(&out[n as usize], Ok(Published::Exists(r)) if r.offset == 3 * 4096),
+        "the second publication of k3 finds the first: {:?}",
+        out[n as usize]
+    );
+    // Committed together: one revision per transaction, except in the transaction of the
+    // taken names, which each of its items retried alone.
+    let revisions: std::collections::HashSet<i64> = out
+        .iter()
+        .filter_map(|r| match r {
+            Ok(Published::New { revision }) => Some(*revision),
+            _ => None,
+        })
+        .collect();
+    assert!(revisions.len() < 60, "{} revisions", revisions.len());
+    assert!(matches!(out[n as usize + 1], Err(Error::InvalidName(_))));
+    let far = Publication {
+        ns: "ns",
+        name: "far",
+        record: &outside,
+        reserved: false,
+    };
+    let near = Publication {
+        name: "near",
+        record: &recs[149],
+        ..far
+    };
+    let out = a.publish_many(&[far, near]).await;
+    assert!(matches!(out[0], Err(Error::NotClaimed { .. })), "{out:?}");
+    assert!(matches!(out[1], Ok(Published::New { .. })), "{out:?}");
+    let (all, _) = b.snapshot().await.expect("snapshot");
+    assert_eq!(all.len(), n as usize, "every free name, b's k7 and near");
+    assert!(all.iter().any(|l| l.name == "k11" && l.record.node == "a"));
+    assert_eq!(
+        b.reserve("ns", "k11").await.expect("reserve"),
+        Some(Published::Exists(record("a", 11 * 4096))),
+        "a's reservation went with its publication"
+    );
+    // A host whose lease is gone publishes none of a group.
+    maru_cluster::etcd::Client::connect(&etcd.endpoints(), Default::default())
+        .expect("connect")
+        .lease_revoke(a.lease())
+        .await
+        .expect("revoke");
+    let late: Vec<String> = (0..3).map(|i| format!("late{i}")).collect();
+    let items: Vec<Publication<'_>> = late
+        .iter()
+        .zip(&recs[140..])
+        .map(|(name, record)| Publication {
+            ns: "ns",
+            name,
+            record,
+            reserved: false,
+        })
+        .collect();
+    for r in a.publish_many(&items).await {
+        assert!(matches!(r, Err(Error::LeaseLost(_))), "{r:?}");
+    }
+    assert_eq!(b.snapshot().await.expect("snapshot").0.len(), n as usize);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

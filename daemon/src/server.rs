@@ -35,6 +35,17 @@ pub struct SocketGroup {
     pub explicit: bool,
 }
 
+/// Decodes a frame body; for one that is not a request, its id (if it has one) and why.
+fn decode(body: &[u8]) -> std::result::Result<Request, (u64, Error)> {
+    proto::decode(body).map_err(|e| {
+        let id = serde_json::from_slice::<serde_json::Value>(body)
+            .ok()
+            .and_then(|v| v.get("id")?.as_u64())
+            .unwrap_or(0);
+        (id, e)
+    })
+}
+
 /// Binds the control socket (replacing a stale one) with mode 0660 and group `group`.
 pub fn bind(path: &Path, group: Option<SocketGroup>) -> anyhow::Result<UnixListener> {
     use anyhow::Context;
@@ -142,6 +153,9 @@ pub struct Dispatcher {
     pub urgent: bool,
     /// The connection's shared-memory lane, once the client asked for one (`Op::Lane`).
     pub lane: Option<Lane>,
+    /// Publications read and not handled yet, as (request id, allocation, namespace, key,
+    /// length): handled together with those that follow them ([`Dispatcher::publish_all`]).
+    publishes: Vec<(u64, u64, String, String, Option<u64>)>,
 }
 
 /// How long a connection's thread polls for the next request after answering one, when
@@ -190,13 +204,27 @@ impl Conn {
                     Ok(None) => break,
                     Err(e) => {
                         // Oversized: framing is lost; say why and close.
+                        self.d.publish_all();
                         self.d.push_err(0, &e);
                         self.flush()?;
                         return Err(e);
                     }
                 };
+                let req = match decode(&body) {
+                    // A publication waits for those that follow it.
+                    Ok(r) => match self.d.defer_publish(r) {
+                        Some(r) => Ok(r),
+                        None => continue,
+                    },
+                    Err(e) => Err(e),
+                };
+                // The publications before this request are answered first.
+                self.d.publish_all();
                 let before = (self.d.out.len(), self.d.out_fds.len());
-                let close = self.d.handle(&body);
+                let close = match req {
+                    Ok(r) => self.d.handle_request(r),
+                    Err((id, e)) => self.d.refuse(id, &e),
+                };
                 if self.d.out_fds.len() > MAX_FDS_PER_FRAME {
                     // One sendmsg carries at most MAX_FDS_PER_FRAME descriptors, and one
                     // response at most that many: what was queued before goes first.
@@ -213,6 +241,7 @@ impl Conn {
                 }
             }
             // Everything the frames of this read asked for, in one send.
+            self.d.publish_all();
             self.flush()?;
             if self.serve_lane()? {
                 return Ok(());
@@ -348,22 +377,91 @@ impl Dispatcher {
             out_fds: Vec::new(),
             urgent: false,
             lane: None,
+            publishes: Vec::new(),
         }
     }
 
     /// Handles one frame body; true when the connection must close.
     pub fn handle(&mut self, body: &[u8]) -> bool {
-        let req: Request = match proto::decode(body) {
-            Ok(r) => r,
-            Err(e) => {
-                let id = serde_json::from_slice::<serde_json::Value>(body)
-                    .ok()
-                    .and_then(|v| v.get("id")?.as_u64())
-                    .unwrap_or(0);
-                self.push_err(id, &e);
-                return self.session.is_none();
+        match decode(body) {
+            Ok(req) => self.handle_request(req),
+            Err((id, e)) => self.refuse(id, &e),
+        }
+    }
+
+    /// Answers a frame that is not a request; true when the connection must close (no
+    /// session yet).
+    fn refuse(&mut self, id: u64, e: &Error) -> bool {
+        self.push_err(id, e);
+        self.session.is_none()
+    }
+
+    /// Takes `req` to be handled with the publications that follow it, if it is a
+    /// publication (see [`Dispatcher::publish_all`]); gives it back otherwise.
+    fn defer_publish(&mut self, req: Request) -> Option<Request> {
+        match req.op {
+            Op::Publish {
+                alloc,
+                ns,
+                key,
+                len,
+            } if self.session.is_some() => {
+                self.publishes.push((req.id, alloc, ns, key, len));
+                None
             }
-        };
+            _ => Some(req),
+        }
+    }
+
+    /// Handles the deferred publications together, answering each: publications that follow
+    /// one another (a client's batch store, pipelined) are asked of the store's authority at
+    /// once (in cluster mode, one group commit).
+    fn publish_all(&mut self) {
+        if self.publishes.is_empty() {
+            return;
+        }
+        let items: Vec<_> = self
+            .publishes
+            .iter()
+            .map(
+                |(_, alloc, ns, key, len)| crate::store::publishing::Publish {
+                    id: *alloc,
+                    ns,
+                    key,
+                    len: *len,
+                },
+            )
+            .collect();
+        let t = std::time::Instant::now();
+        let outcomes = self.store.publish_many(self.session.unwrap_or(0), &items);
+        let each = t.elapsed() / items.len() as u32;
+        drop(items);
+        for ((id, ..), r) in std::mem::take(&mut self.publishes)
+            .into_iter()
+            .zip(outcomes)
+        {
+            self.store.count("publish");
+            self.store.record_latency("publish", each);
+            match r {
+                Ok(generation) => self.push(
+                    Response {
+                        id,
+                        fds: 0,
+                        result: Outcome::Ok(Body::Published { generation }),
+                    },
+                    Vec::new(),
+                ),
+                Err(e) => {
+                    tracing::debug!("publish failed: {e}");
+                    self.store.count("errors");
+                    self.push_err(id, &e);
+                }
+            }
+        }
+    }
+
+    /// Handles one request; true when the connection must close.
+    fn handle_request(&mut self, req: Request) -> bool {
         let name = req.op.name();
         let span = tracing::debug_span!("req", id = req.id, op = name);
         let _g = span.enter();

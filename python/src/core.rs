@@ -618,8 +618,19 @@ impl Core {
 
     fn batch_delete(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
         let (h, ps) = (self.handler()?, self.paths(keys)?);
-        let out: Vec<maru::Result<()>> =
-            py.detach(|| ps.iter().map(|p| delete_key(&h, p)).collect());
+        let refs: Vec<&str> = ps.iter().map(String::as_str).collect();
+        // One request per namespace, then the segment namespaces of the long keys deleted.
+        let out = py
+            .detach(|| {
+                let out = h.batch_delete(&refs)?;
+                for (p, r) in ps.iter().zip(&out) {
+                    if r.is_ok() {
+                        remove_segments(&h, p);
+                    }
+                }
+                Ok(out)
+            })
+            .map_err(os_error)?;
         out.into_iter().map(ok_or_absent).collect()
     }
 
@@ -689,12 +700,17 @@ impl Core {
 /// Deletes `path`, then the namespaces of a long key's segments that it left empty.
 fn delete_key(h: &maru::Handler, path: &str) -> maru::Result<()> {
     h.delete(path)?;
+    remove_segments(h, path);
+    Ok(())
+}
+
+/// Removes the segment namespaces of deleted long key `path` that are left empty.
+fn remove_segments(h: &maru::Handler, path: &str) {
     for ns in maru::key::segment_namespaces(path).into_iter().rev() {
         if h.rmdir(ns).is_err() {
             break;
         }
     }
-    Ok(())
 }
 
 /// Entry names under `ns`, relative to the handler's namespace (`prefix` + name), following

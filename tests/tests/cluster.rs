@@ -258,6 +258,86 @@ fn two_hosts_storing_one_key_at_once_agree_on_one_winner() {
     }
 }
 
+/// A batch store of `names` on `h`, each entry's bytes `pattern(seed + i)`: one outcome each.
+fn batch(h: &maru::Handler, names: &[String], seed: u64) -> Vec<maru::Result<()>> {
+    let items = names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            let mut a = h.alloc(8192).expect("alloc");
+            a.as_mut_slice()
+                .copy_from_slice(&pattern(seed + i as u64, 8192));
+            (n.clone(), a)
+        })
+        .collect();
+    h.batch_store(items).expect("batch store")
+}
+
+#[test]
+fn batches_of_stores_and_deletes_on_two_hosts_at_once_keep_every_name_write_once() {
+    require_root!();
+    let Some(c) = cluster() else { return };
+    let (ha, hb) = (c.a.handler(), c.b.handler());
+    ha.mkdir("grp", 0o777).expect("mkdir");
+    store(&ha, "grp/seed", b"x").expect("store on a");
+    eventually("b has the namespace", || {
+        hb.exists("grp/seed").unwrap_or(false)
+    });
+    // 150 names each (more than one etcd transaction), 100 of them in both batches, stored
+    // at once: group-committed on both hosts, each shared name has exactly one winner.
+    let names_a: Vec<String> = (0..150).map(|i| format!("grp/k{i}")).collect();
+    let names_b: Vec<String> = (50..200).map(|i| format!("grp/k{i}")).collect();
+    let (ra, rb) = std::thread::scope(|s| {
+        let ta = s.spawn(|| batch(&ha, &names_a, 0));
+        let tb = s.spawn(|| batch(&hb, &names_b, 1000));
+        (ta.join().expect("a"), tb.join().expect("b"))
+    });
+    for i in 0..200u64 {
+        let name = format!("grp/k{i}");
+        let (a, b) = (
+            (i < 150).then(|| &ra[i as usize]),
+            (i >= 50).then(|| &rb[i as usize - 50]),
+        );
+        let want = match (a, b) {
+            (Some(Ok(())), None) | (Some(Ok(())), Some(Err(Error::Exists(_)))) => pattern(i, 8192),
+            (None, Some(Ok(()))) | (Some(Err(Error::Exists(_))), Some(Ok(()))) => {
+                pattern(1000 + i - 50, 8192)
+            }
+            other => panic!("{name}: not exactly one winner: {other:?}"),
+        };
+        for h in [&ha, &hb] {
+            eventually("both hosts serve the winner", || {
+                h.retrieve(&name)
+                    .ok()
+                    .flatten()
+                    .is_some_and(|m| m.as_slice() == want.as_slice())
+            });
+        }
+    }
+    // Both hosts delete every name at once, in batches: each entry goes once.
+    let all: Vec<String> = (0..200).map(|i| format!("grp/k{i}")).collect();
+    let refs: Vec<&str> = all.iter().map(String::as_str).collect();
+    let (da, db) = std::thread::scope(|s| {
+        let ta = s.spawn(|| ha.batch_delete(&refs).expect("batch delete on a"));
+        let tb = s.spawn(|| hb.batch_delete(&refs).expect("batch delete on b"));
+        (ta.join().expect("a"), tb.join().expect("b"))
+    });
+    for (i, (a, b)) in da.iter().zip(&db).enumerate() {
+        match (a, b) {
+            (Ok(()), Err(Error::NotFound(_))) | (Err(Error::NotFound(_)), Ok(())) => {}
+            other => panic!("grp/k{i}: not deleted exactly once: {other:?}"),
+        }
+    }
+    for h in [&ha, &hb] {
+        eventually("every name is gone on both hosts", || {
+            h.batch_exists(&refs).is_ok_and(|e| e.iter().all(|x| !x))
+        });
+    }
+    // And free again, on either host.
+    let again = batch(&hb, &all[..10], 5000);
+    assert!(again.iter().all(Result::is_ok), "{again:?}");
+}
+
 #[test]
 fn a_delete_on_one_host_removes_the_entry_everywhere_and_regions_stay_apart() {
     require_root!();

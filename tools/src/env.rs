@@ -67,11 +67,23 @@ impl PrivateDaemon {
         mount: bool,
         extra: &[&str],
     ) -> anyhow::Result<Self> {
+        Self::start_exe(&sibling("marud")?, dir, name, pools, mount, extra)
+    }
+
+    /// [`PrivateDaemon::start_with`] with the marud at `exe` (another build's, to compare).
+    pub fn start_exe(
+        exe: &Path,
+        dir: &Path,
+        name: &str,
+        pools: &[&str],
+        mount: bool,
+        extra: &[&str],
+    ) -> anyhow::Result<Self> {
         let base = dir.join(name);
         std::fs::create_dir_all(&base)?;
         let socket = base.join("marud.sock");
         let mnt = mount.then(|| base.join("mnt"));
-        let mut cmd = Command::new(sibling("marud")?);
+        let mut cmd = Command::new(exe);
         let mut pool_dirs = Vec::new();
         for p in pools {
             let spec = p.replace("{dir}", &base.to_string_lossy());

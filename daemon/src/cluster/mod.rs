@@ -10,8 +10,9 @@
 //! - A host whose lease was lost (cut off from etcd past its TTL) publishes and claims
 //!   nothing until it has rejoined; it rejoins by itself and claims its regions again.
 //!
-//! The store calls the authority under its lock, so an etcd round trip (about a millisecond
-//! on one machine) is part of every publication.
+//! The store asks for a client's publications with its lock released, and those waiting at
+//! the same moment go to etcd together (`group`); the mount's publications, removals, pins
+//! and evictions' waits are still asked under the store's lock.
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -24,9 +25,11 @@ use maru_cluster::{EntryRecord, Member, NodeInfo, Published};
 use parking_lot::Mutex;
 use tokio::sync::RwLock;
 
-use crate::store::authority::{Authority, Claim, LocalAuthority, Placed};
+use crate::store::authority::{Authority, Claim, LocalAuthority, Placed, Publishing, Withdrawn};
 
 pub mod applier;
+mod group;
+mod publishing;
 
 /// An entry's name: (namespace, key).
 type Name = (String, String);
@@ -99,6 +102,8 @@ pub struct EtcdAuthority {
     endpoints: Vec<String>,
     /// The hosts and what each claims, refreshed every second (for stats).
     hosts: Mutex<Vec<maru::proto::HostInfo>>,
+    /// Publications on their way to etcd, together.
+    group: group::GroupCommit,
 }
 
 impl EtcdAuthority {
@@ -134,10 +139,12 @@ impl EtcdAuthority {
             }
         })?;
         tracing::info!(node = %s.node, pool = %pool_uuid, endpoints = ?s.endpoints, lease = member.lease(), "joined the cluster");
+        let member = Arc::new(RwLock::new(member));
+        let group = group::GroupCommit::start(&rt, member.clone());
         let me = Arc::new(EtcdAuthority {
             local: LocalAuthority::default(),
             rt,
-            member: Arc::new(RwLock::new(member)),
+            member,
             node: s.node.clone(),
             pool: pool_uuid.to_owned(),
             published: Mutex::new(HashMap::new()),
@@ -161,6 +168,7 @@ impl EtcdAuthority {
             lost: Mutex::new(HashSet::new()),
             endpoints: s.endpoints.clone(),
             hosts: Mutex::new(Vec::new()),
+            group,
         });
         me.rt.spawn(keep_membership(Arc::downgrade(&me)));
         me.rt.spawn(watch_hosts(Arc::downgrade(&me)));
@@ -552,63 +560,19 @@ impl Authority for EtcdAuthority {
     }
 
     fn publish(&self, ns: &str, key: &str, id: u64, at: &Placed<'_>) -> Result<()> {
-        self.local.publish(ns, key, id, at)?;
-        if at.pool != Some(self.pool.as_str()) {
-            return Ok(()); // not the shared pool: this host's alone
-        }
-        let rec = EntryRecord {
-            offset: at.offset,
-            len: at.size,
-            node: self.node.clone(),
-            alloc: id,
+        let p = Publishing {
+            ns,
+            key,
+            id,
+            at: *at,
         };
-        let name = (ns.to_owned(), key.to_owned());
-        let reserved = self.reserved.lock().contains(&name);
-        let (m, n, k, r) = (self.member(), ns.to_owned(), key.to_owned(), rec.clone());
-        let outcome = self.run(async move {
-            let m = m.read().await;
-            if reserved {
-                m.publish_reserved(&n, &k, &r).await
-            } else {
-                m.publish(&n, &k, &r).await
-            }
-        });
-        if matches!(outcome, Ok(Published::New { .. })) {
-            self.reserved.lock().remove(&name);
-        }
-        let refused = match outcome {
-            Ok(Published::New { revision }) => {
-                self.published
-                    .lock()
-                    .insert((ns.to_owned(), key.to_owned()), (revision, at.offset));
-                return Ok(());
-            }
-            // This host's own record (a restart recovering what it published).
-            Ok(Published::Exists(r)) if r.node == self.node && r.offset == at.offset => {
-                return Ok(());
-            }
-            Ok(taken) => taken_error(ns, key, &taken),
-            Err(e @ maru_cluster::Error::LeaseLost(_)) => cluster_error(e),
-            // Written into a region another host took while this one was cut off: those
-            // bytes are not this host's to publish.
-            Err(e @ maru_cluster::Error::NotClaimed { .. }) => Error::Busy(e.to_string()),
-            Err(e) => {
-                // The outcome is unknown: take the record back if it made it.
-                let (m, n, k) = (self.member(), ns.to_owned(), key.to_owned());
-                if let Err(e2) = self.run(async move { m.read().await.retract(&n, &k, &rec).await })
-                {
-                    tracing::error!(
-                        ns,
-                        key,
-                        "publication failed ({e}) and could not be taken back: {e2}"
-                    );
-                }
-                unavailable(e)
-            }
-        };
-        self.drop_reservation(ns, key);
-        self.local.release(ns, key, id);
-        Err(refused)
+        self.publish_group(&[p])
+            .pop()
+            .expect("one outcome per publication")
+    }
+
+    fn publish_many(&self, items: &[Publishing<'_>]) -> Vec<Result<()>> {
+        self.publish_group(items)
     }
 
     fn release(&self, ns: &str, key: &str, id: u64) {
@@ -627,7 +591,18 @@ impl Authority for EtcdAuthority {
         self.local.release(ns, key, id);
     }
 
-    fn unpublish(&self, ns: &str, key: &str, id: u64, at: &Placed<'_>) -> Result<bool> {
+    fn withdraw(&self, items: &[Publishing<'_>]) -> Vec<Result<Option<Withdrawn>>> {
+        self.withdraw_group(items)
+    }
+
+    fn unpublish(
+        &self,
+        ns: &str,
+        key: &str,
+        id: u64,
+        at: &Placed<'_>,
+        withdrawn: Option<Withdrawn>,
+    ) -> Result<bool> {
         let name = (ns.to_owned(), key.to_owned());
         if at.pool != Some(self.pool.as_str())
             || self.local.holder(ns, key) != Some(Claim::Published(id))
@@ -635,10 +610,15 @@ impl Authority for EtcdAuthority {
             self.local.release(ns, key, id);
             return Ok(false);
         }
-        let (m, n, k) = (self.member(), ns.to_owned(), key.to_owned());
-        let removed = self
-            .run(async move { m.read().await.remove(&n, &k).await })
-            .map_err(unavailable)?;
+        let revision = match withdrawn {
+            Some(w) => w.revision,
+            None => {
+                let (m, n, k) = (self.member(), ns.to_owned(), key.to_owned());
+                self.run(async move { m.read().await.remove(&n, &k).await })
+                    .map_err(unavailable)?
+                    .revision
+            }
+        };
         self.published.lock().remove(&name);
         // Only this host's own extents are its to free (another host's: its publisher's).
         let own = self.remote.lock().remove(&name).is_none();
@@ -647,7 +627,7 @@ impl Authority for EtcdAuthority {
             // Freed once every other live host acknowledged the removal and none holds it
             // (`settle`, or in the background, which looks at once: with no other live host
             // that is all it takes).
-            self.held.lock().insert(at.offset, removed.revision);
+            self.held.lock().insert(at.offset, revision);
             self.acks_seen.send_modify(|n| *n += 1);
         }
         Ok(own)

@@ -32,6 +32,23 @@ pub struct Placed<'a> {
     pub size: u64,
 }
 
+/// One publication of [`Authority::publish_many`]: `ns/key` as entry `id`, placed at `at`.
+#[derive(Debug, Clone, Copy)]
+pub struct Publishing<'a> {
+    pub ns: &'a str,
+    pub key: &'a str,
+    pub id: u64,
+    pub at: Placed<'a>,
+}
+
+/// A removal [`Authority::withdraw`] recorded: its revision at the authority, and whether
+/// the entry was still there (false: another removal went first, which this one joins).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Withdrawn {
+    pub revision: i64,
+    pub existed: bool,
+}
+
 /// Decides who owns each name.
 pub trait Authority: Send + Sync {
     /// Reserves `ns/key` for the entry (allocation) `id`: the name then cannot be taken by
@@ -47,13 +64,39 @@ pub trait Authority: Send + Sync {
     }
     /// Publishes `ns/key` as entry `id`, placed at `at` (reserving it first if needed).
     fn publish(&self, ns: &str, key: &str, id: u64, at: &Placed<'_>) -> Result<()>;
+    /// Publishes each of `items` as [`Authority::publish`] does, with one outcome each; an
+    /// authority shared by several hosts asks for them together. When the authority is
+    /// [`Authority::shared`] and any item is in a raw pool, the store calls it without its
+    /// lock (it makes a round trip); otherwise under it.
+    fn publish_many(&self, items: &[Publishing<'_>]) -> Vec<Result<()>> {
+        items
+            .iter()
+            .map(|p| self.publish(p.ns, p.key, p.id, &p.at))
+            .collect()
+    }
     /// Gives `ns/key` back, if `id` holds it: a reservation, or a publication being undone
     /// (its removal, for every host sharing the authority, as far as it can be done).
     fn release(&self, ns: &str, key: &str, id: u64);
+    /// The round trip of removals, made first and without the store's lock: records the
+    /// removal of each published entry of `items` for every host sharing the authority (in
+    /// cluster mode, together: a group commit), one outcome each. `Some` is a removal made,
+    /// for [`Authority::unpublish`] to complete; `None`, nothing to ask (this host's alone).
+    /// A failure keeps the entry.
+    fn withdraw(&self, items: &[Publishing<'_>]) -> Vec<Result<Option<Withdrawn>>> {
+        items.iter().map(|_| Ok(None)).collect()
+    }
     /// Removes published entry `ns/key` (`id`, placed at `at`), for every host sharing the
-    /// authority: fails, keeping it, when that cannot be recorded. True when other hosts may
-    /// still map its extent: it is freed only once [`Authority::held_elsewhere`] says no more.
-    fn unpublish(&self, ns: &str, key: &str, id: u64, _at: &Placed<'_>) -> Result<bool> {
+    /// authority (unless `withdrawn` says [`Authority::withdraw`] did): fails, keeping it,
+    /// when that cannot be recorded. True when other hosts may still map its extent: it is
+    /// freed only once [`Authority::held_elsewhere`] says no more.
+    fn unpublish(
+        &self,
+        ns: &str,
+        key: &str,
+        id: u64,
+        _at: &Placed<'_>,
+        _withdrawn: Option<Withdrawn>,
+    ) -> Result<bool> {
         self.release(ns, key, id);
         Ok(false)
     }

@@ -5,7 +5,7 @@ use std::time::SystemTime;
 
 use maru::Result;
 
-use super::authority::{Authority, Placed};
+use super::authority::{Authority, Placed, Withdrawn};
 use super::namespaces::Namespace;
 use super::state::Invalidation;
 use super::state::{Entry, State};
@@ -23,6 +23,8 @@ pub enum Removal {
     Evicted,
     /// Removed by another host sharing the authority (its name is already released).
     Elsewhere,
+    /// Deleted here, its removal already recorded at the authority ([`Authority::withdraw`]).
+    Withdrawn(Withdrawn),
 }
 
 impl State {
@@ -88,11 +90,15 @@ impl State {
             return Ok(None);
         };
         let at = self.placed(e);
-        let held = if how == Removal::Elsewhere {
-            auth.forget(&e.ns, &e.key);
-            at.pool.is_some_and(|p| auth.held_elsewhere(p, e.offset))
-        } else {
-            auth.unpublish(&e.ns, &e.key, e.ino, &at)?
+        let held = match how {
+            Removal::Elsewhere => {
+                auth.forget(&e.ns, &e.key);
+                at.pool.is_some_and(|p| auth.held_elsewhere(p, e.offset))
+            }
+            Removal::Withdrawn(w) => auth.unpublish(&e.ns, &e.key, e.ino, &at, Some(w))?,
+            Removal::Deleted | Removal::Evicted => {
+                auth.unpublish(&e.ns, &e.key, e.ino, &at, None)?
+            }
         };
         let e = self.unfile(ino).expect("present");
         let evicted = how == Removal::Evicted;
@@ -159,10 +165,16 @@ impl State {
         key: &str,
     ) -> Result<()> {
         let e = self.entries.get(&ino).expect("a sealed entry").clone();
+        if e.withdrawing {
+            return Err(maru::Error::NotFound(format!(
+                "{}/{} (being deleted)",
+                e.ns, e.key
+            )));
+        }
         auth.publish(ns, key, ino, &self.placed(&e))?;
         // The old name goes at the authority (its extent stays: the entry keeps it).
         let moved = auth
-            .unpublish(&e.ns, &e.key, ino, &self.placed(&e))
+            .unpublish(&e.ns, &e.key, ino, &self.placed(&e), None)
             .and_then(|_| self.pools[e.pool as usize].pool.rename(&e.loc(), ns, key));
         let at = match moved {
             Ok(at) => at,

@@ -974,14 +974,16 @@ impl Backend for StoreFs {
     }
 
     fn set_pinned(&self, c: &Caller, ino: u64, pinned: bool) -> Result<()> {
-        let mut st = self.0.st.lock();
-        let e = st
-            .entries
-            .get(&ino)
-            .ok_or_else(|| Error::NotFound(format!("inode {ino}")))?;
-        let (ns, perm) = (e.ns.clone(), e.perm);
-        Store::allow(&st, c, &ns, Access::Pin(&perm))?;
-        self.0.set_pin(&mut st, ino, pinned)
+        let (ns, key) = {
+            let st = self.0.st.lock();
+            let e = st
+                .entries
+                .get(&ino)
+                .ok_or_else(|| Error::NotFound(format!("inode {ino}")))?;
+            (e.ns.clone(), e.key.clone())
+        };
+        let mut out = self.0.pin(c, &ns, &[key], pinned)?;
+        out.pop().expect("one outcome")
     }
 
     fn count_upcall(&self, op: Upcall) {

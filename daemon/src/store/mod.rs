@@ -31,6 +31,7 @@
 //! publications to etcd (each awaited under the lock).
 
 pub mod authority;
+mod deletion;
 mod entries;
 pub mod fsview;
 pub mod hashmap;
@@ -39,6 +40,7 @@ pub mod namespaces;
 mod placement;
 pub mod policy;
 pub mod pools;
+pub mod publishing;
 pub mod readers;
 mod recovery;
 mod remote;
@@ -52,7 +54,7 @@ use std::fs::File;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant, SystemTime};
 
-use maru::name::{check_component, split_ns};
+use maru::name::split_ns;
 use maru::proto::{ClientInfo, Grant, Located, NsInfo, PoolInfo, PoolKind, Stats};
 use maru::{Error, Result};
 use maru_fsd::Caller;
@@ -60,15 +62,14 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::alloc::align_up;
 use crate::pool::{ENTRY_ALIGN, PoolSpec};
-use authority::{Authority, LocalAuthority, Placed};
-use entries::Removal;
+use authority::{Authority, LocalAuthority};
 use namespaces::{join, parent};
 use policy::{Access, Perm};
 use pools::{Backing, Requester};
 pub use settings::{Eviction, StoreConfig};
-use state::{Alloc, Entry, Origin, State};
+use state::{Alloc, Origin, State};
 pub use state::{Invalidation, MOUNT_SESSION};
-use stats::{Bytes, Counters};
+use stats::Counters;
 
 /// Per key of a retrieve: where the entry is and the descriptor to send (if any).
 pub type Retrieved = Vec<Option<(Located, Option<File>)>>;
@@ -105,6 +106,9 @@ pub struct Store {
     data_fault: parking_lot::RwLock<Option<DataFault>>,
     /// The remote door, once it is open (reported in [`Store::stats`]).
     remote: OnceLock<Arc<dyn RemoteView>>,
+    /// Held by a pin or unpin across its steps (see `deletion`): pins change in the order
+    /// the authority recorded them.
+    pins: Mutex<()>,
 }
 
 impl Store {
@@ -133,6 +137,7 @@ impl Store {
             #[cfg(feature = "seams")]
             data_fault: parking_lot::RwLock::new(None),
             remote: OnceLock::new(),
+            pins: Mutex::new(()),
         }))
     }
 
@@ -400,117 +405,6 @@ impl Store {
         ps.pool.abort(id, &a.backing);
     }
 
-    /// Seals allocation `id` of `session` as `ns/key`: the first publication of a name wins.
-    pub fn publish(
-        &self,
-        session: u64,
-        id: u64,
-        ns: &str,
-        key: &str,
-        len: Option<u64>,
-    ) -> Result<u64> {
-        split_ns(ns)?;
-        check_component(key.as_bytes())?;
-        let mut st = self.st.lock();
-        let caller = st.caller(session)?;
-        let Some(a) = st.allocs.get(&id).filter(|a| a.session() == Some(session)) else {
-            return Err(Error::InvalidArgument(format!(
-                "allocation {id} is not yours (already published or freed?)"
-            )));
-        };
-        let size = match len {
-            Some(l) if l > a.size => Err(Error::InvalidArgument(format!(
-                "length {l} exceeds the allocation of {}",
-                a.size
-            ))),
-            Some(l) => Ok(l),
-            None => Ok(a.size),
-        };
-        let r = size.and_then(|size| {
-            Self::allow(&st, &caller, ns, Access::Create)?;
-            self.check_publishable(&st, ns, key, size)?;
-            self.authority.reserve(ns, key, id)?;
-            self.seal(&mut st, id, ns, key, size).inspect_err(|_| {
-                self.authority.release(ns, key, id);
-            })
-        });
-        if let Some(s) = st.sessions.get_mut(&session) {
-            s.allocs.remove(&id);
-            if let Ok(size) = &r {
-                s.used += size;
-            }
-        }
-        if r.is_err() {
-            // The loser's allocation is freed (write-once: first writer wins).
-            self.drop_alloc(&mut st, id);
-        }
-        r.map(|_| id)
-    }
-
-    /// Fails unless `ns/key` is free and `size` more bytes fit `ns`'s quota.
-    fn check_publishable(&self, st: &State, ns: &str, key: &str, size: u64) -> Result<()> {
-        let n = st.ns.get(ns)?;
-        if n.entries.contains_key(key) {
-            return Err(Error::Exists(format!("{ns}/{key}")));
-        }
-        if n.children.contains_key(key) {
-            return Err(Error::Exists(format!("{ns}/{key} is a namespace")));
-        }
-        st.ns.check_quota(ns, size)
-    }
-
-    /// Publishes allocation `id` (its name reserved at the authority) as `ns/key` of `size`
-    /// bytes; returns the size.
-    fn seal(&self, st: &mut State, id: u64, ns: &str, key: &str, size: u64) -> Result<u64> {
-        let a = st.allocs.get_mut(&id).expect("checked by the caller");
-        let asize = align_up(a.size.max(size).max(1), ENTRY_ALIGN);
-        let perm = Perm {
-            mode: a.perm.mode & policy::ENTRY_MODES,
-            ..a.perm
-        };
-        let mut e = Entry {
-            asize,
-            owner: a.session(),
-            ..Entry::new(id, ns, key, a.pool, 0, size, perm)
-        };
-        let pool = &mut st.pools[a.pool as usize].pool;
-        // The bytes get their place first (raw pools, written through the mount), so that the
-        // authority learns where the entry is before the pool records it.
-        pool.commit(id, &mut a.backing, size)?;
-        let at = Placed {
-            pool: pool.uuid(),
-            offset: a.backing.offset().unwrap_or(0),
-            size,
-        };
-        self.authority.publish(ns, key, id, &at)?;
-        e.offset = match pool.publish(id, &mut a.backing, &e.loc()) {
-            Ok(o) => o,
-            Err(err) => {
-                self.authority.release(ns, key, id);
-                return Err(err);
-            }
-        };
-        let a = st.allocs.remove(&id).expect("present");
-        st.pools[a.pool as usize].writing_bytes -= a.acct;
-        let mut committed = false;
-        if let Some(m) = a.mount() {
-            let n = st.ns.get_mut(ns)?;
-            n.writing.remove(key);
-            if m.committed {
-                n.reserved -= m.reserved;
-                committed = true;
-            }
-        }
-        st.insert_entry(e);
-        if committed {
-            // Only now that the index shows the entry may lock-free readers stop asking
-            // (they read the pending count before they look: see libmaru's Inner::lookup).
-            st.ns.get_mut(ns)?.adjust_pending(-1);
-        }
-        self.counters.add_bytes(Bytes::Stored, size);
-        Ok(size)
-    }
-
     // ----- retrieval and the other verbs -----
 
     /// A descriptor of raw pool `pool` for a session's grants (`write`) or retrievals.
@@ -577,68 +471,6 @@ impl Store {
                 }
             })
             .collect())
-    }
-
-    /// Deletes entries; one outcome per key.
-    pub fn delete(&self, c: &Caller, ns: &str, keys: &[String]) -> Result<Vec<Result<()>>> {
-        split_ns(ns)?;
-        let mut inv = Vec::new();
-        let mut st = self.st.lock();
-        self.wait_imminent(&mut st, ns, keys);
-        let out = Self::each_entry(
-            &mut st,
-            c,
-            ns,
-            keys,
-            |p| Access::Delete(p),
-            |st, ino| {
-                inv.extend(st.remove_entry(
-                    &*self.authority,
-                    &self.counters,
-                    ino,
-                    Removal::Deleted,
-                )?);
-                Ok(())
-            },
-        );
-        drop(st);
-        self.notify(inv);
-        out
-    }
-
-    /// Pins or unpins entry `ino` (the caller checked the policy), at the authority first
-    /// (for every host sharing it), then here.
-    fn set_pin(&self, st: &mut State, ino: u64, pinned: bool) -> Result<()> {
-        let e = st
-            .entries
-            .get(&ino)
-            .ok_or_else(|| Error::NotFound("entry".into()))?;
-        if e.pinned == pinned {
-            return Ok(());
-        }
-        self.authority.pin(&e.ns, &e.key, pinned, &st.placed(e))?;
-        st.mark_pinned(ino, pinned)
-    }
-
-    /// Pins or unpins entries; one outcome per key.
-    pub fn pin(
-        &self,
-        c: &Caller,
-        ns: &str,
-        keys: &[String],
-        pinned: bool,
-    ) -> Result<Vec<Result<()>>> {
-        split_ns(ns)?;
-        let mut st = self.st.lock();
-        self.wait_imminent(&mut st, ns, keys);
-        Self::each_entry(
-            &mut st,
-            c,
-            ns,
-            keys,
-            |p| Access::Pin(p),
-            |st, ino| self.set_pin(st, ino, pinned),
-        )
     }
 
     /// Takes (`hold`) or gives back one hold of `session` per key; one outcome per key. A hold

@@ -54,6 +54,9 @@ pub struct Entry {
     /// Another host's entry not read here yet: on a pool without coherence across hosts, its
     /// stale cache lines are dropped before the first read ([`State::ready_remote`]).
     pub cold: bool,
+    /// A delete's round trip to the authority is on its way (cluster mode): not evicted,
+    /// renamed or deleted again meanwhile.
+    pub withdrawing: bool,
 }
 
 impl AsMut<Stamp> for Entry {
@@ -93,6 +96,7 @@ impl Entry {
             remote: None,
             pinned_elsewhere: false,
             cold: false,
+            withdrawing: false,
         }
     }
 
@@ -156,6 +160,7 @@ impl Entry {
             || self.pinned_elsewhere
             || self.leases > 0
             || self.remote.is_some()
+            || self.withdrawing
     }
 
     /// Where it is, for a client.

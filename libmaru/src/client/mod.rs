@@ -657,57 +657,7 @@ impl Handler {
     /// Takes or gives back one hold per path, in one request per namespace; one outcome per
     /// path.
     pub fn batch_hold(&self, paths: &[&str], hold: bool) -> Result<BatchResult> {
-        let mut out: Vec<Option<Result<()>>> = paths.iter().map(|_| None).collect();
-        // Namespaces in order of first appearance, each with its keys and their places.
-        let mut groups: Vec<(String, Vec<(usize, String)>)> = Vec::new();
-        for (i, path) in paths.iter().enumerate() {
-            let p = match EntryPath::parse(path) {
-                Ok(p) => p,
-                Err(e) => {
-                    out[i] = Some(Err(e));
-                    continue;
-                }
-            };
-            let item = (i, p.key().to_owned());
-            match groups.iter_mut().find(|(ns, _)| ns == p.ns()) {
-                Some((_, items)) => items.push(item),
-                None => groups.push((p.ns().to_owned(), vec![item])),
-            }
-        }
-        let mut g = self.inner.lock();
-        for (ns, items) in groups {
-            for chunk in items.chunks(proto::MAX_BATCH) {
-                let keys = chunk.iter().map(|(_, k)| k.clone()).collect();
-                let r = match g.call(Op::Hold {
-                    ns: ns.clone(),
-                    keys,
-                    hold,
-                }) {
-                    Ok((Body::Batch { results }, _)) if results.len() == chunk.len() => Ok(results),
-                    Ok((other, _)) => Err(unexpected(&other)),
-                    Err(e) => Err(e),
-                };
-                match r {
-                    Ok(results) => {
-                        for ((i, _), w) in chunk.iter().zip(results) {
-                            out[*i] = Some(w.map_or(Ok(()), |w| Err(Error::from(w))));
-                        }
-                    }
-                    // The request as a whole failed (the namespace, the connection): so did
-                    // each of its keys.
-                    Err(e) => {
-                        let w = e.to_wire();
-                        for (i, _) in chunk {
-                            out[*i] = Some(Err(Error::from(w.clone())));
-                        }
-                    }
-                }
-            }
-        }
-        Ok(out
-            .into_iter()
-            .map(|r| r.expect("every path has an outcome"))
-            .collect())
+        self.batch_op(paths, |ns, keys| Op::Hold { ns, keys, hold })
     }
 
     /// Describes a sealed entry without mapping it (from the shared index). `None` if absent.
@@ -790,32 +740,61 @@ impl Handler {
         self.inner.lock().map_pool(pool)
     }
 
+    /// One verb over many paths, in one request per namespace (and per
+    /// [`proto::MAX_BATCH`] keys; the namespaces in order of first appearance); one outcome
+    /// per path.
     fn batch_op(
         &self,
         paths: &[&str],
         mk: impl Fn(String, Vec<String>) -> Op,
     ) -> Result<BatchResult> {
-        let mut g = self.inner.lock();
-        let mut out = Vec::with_capacity(paths.len());
-        for path in paths {
+        let mut out: Vec<Option<Result<()>>> = paths.iter().map(|_| None).collect();
+        // Namespaces in order of first appearance, each with its keys and their places.
+        let mut groups: Vec<(String, Vec<(usize, String)>)> = Vec::new();
+        for (i, path) in paths.iter().enumerate() {
             let p = match EntryPath::parse(path) {
                 Ok(p) => p,
                 Err(e) => {
-                    out.push(Err(e));
+                    out[i] = Some(Err(e));
                     continue;
                 }
             };
-            let r = match g.call(mk(p.ns().to_owned(), vec![p.key().to_owned()])) {
-                Ok((Body::Batch { mut results }, _)) => match results.pop().flatten() {
-                    None => Ok(()),
-                    Some(w) => Err(Error::from(w)),
-                },
-                Ok((other, _)) => Err(unexpected(&other)),
-                Err(e) => Err(e),
-            };
-            out.push(r);
+            let item = (i, p.key().to_owned());
+            match groups.iter_mut().find(|(ns, _)| ns == p.ns()) {
+                Some((_, items)) => items.push(item),
+                None => groups.push((p.ns().to_owned(), vec![item])),
+            }
         }
-        Ok(out)
+        let mut g = self.inner.lock();
+        for (ns, items) in groups {
+            for chunk in items.chunks(proto::MAX_BATCH) {
+                let keys = chunk.iter().map(|(_, k)| k.clone()).collect();
+                let r = match g.call(mk(ns.clone(), keys)) {
+                    Ok((Body::Batch { results }, _)) if results.len() == chunk.len() => Ok(results),
+                    Ok((other, _)) => Err(unexpected(&other)),
+                    Err(e) => Err(e),
+                };
+                match r {
+                    Ok(results) => {
+                        for ((i, _), w) in chunk.iter().zip(results) {
+                            out[*i] = Some(w.map_or(Ok(()), |w| Err(Error::from(w))));
+                        }
+                    }
+                    // The request as a whole failed (the namespace, the connection): so did
+                    // each of its keys.
+                    Err(e) => {
+                        let w = e.to_wire();
+                        for (i, _) in chunk {
+                            out[*i] = Some(Err(Error::from(w.clone())));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(out
+            .into_iter()
+            .map(|r| r.expect("every path has an outcome"))
+            .collect())
     }
 }
 

@@ -5,6 +5,7 @@
 //!
 //!     sudo ./target/release/maru-cluster-bench [--rounds 200] [--chunks 64] [--pages 2m|4k]
 //!         [--out-json F]
+//!     sudo ./target/release/maru-cluster-bench --stores-only [--runs 3] [--before OLD/marud]
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -14,6 +15,8 @@ use clap::Parser;
 
 use maru_tools::bench::{Row, TcpPeer, fmt_table, rate, scratch, timed, touch};
 use maru_tools::env::PrivateDaemon;
+
+mod stores;
 
 /// Three hosts sharing one pool, against issue 19's targets (needs root and etcd).
 #[derive(Parser, Debug)]
@@ -33,6 +36,15 @@ struct Cli {
     /// Also write the rows as JSON here.
     #[arg(long = "out-json", value_name = "FILE")]
     out_json: Option<PathBuf>,
+    /// Only the rates of small stores in cluster mode (issue 35's targets).
+    #[arg(long)]
+    stores_only: bool,
+    /// With --stores-only: runs, alternated between the builds.
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// With --stores-only: another build's marud, measured alongside this one's.
+    #[arg(long, value_name = "MARUD")]
+    before: Option<PathBuf>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -47,6 +59,13 @@ fn main() -> anyhow::Result<()> {
         nix::unistd::geteuid().is_root(),
         "the benchmark starts marud on a shared pool and network namespaces: run it as root"
     );
+    if cli.stores_only {
+        print!(
+            "{}",
+            stores::stores(cli.rounds, cli.runs, cli.before.as_deref())?
+        );
+        return Ok(());
+    }
     print!(
         "{}",
         cluster(

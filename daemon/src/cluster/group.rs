@@ -1,0 +1,177 @@
+//! Group commit of publications and removals: those waiting at the same moment (a client's
+//! batch, other clients', the mount's) go to etcd together, in as few transactions as etcd's
+//! operation limit allows (`maru_cluster::Member::publish_many`, `remove_many`), each with
+//! its own outcome. One commit is in flight at a time; while it is, what arrives waits and
+//! goes with the next one, so the busier the host, the larger its transactions.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use maru_cluster::{EntryRecord, Member, Publication, Published, Removed};
+use tokio::sync::{RwLock, Semaphore, mpsc};
+
+/// Transactions in flight at once.
+const IN_FLIGHT: usize = 1;
+
+/// Publications one commit takes at most (its transactions go to etcd together).
+const PER_COMMIT: usize = 256;
+
+/// The longest a commit waits for the callers its last one carried.
+const MAX_LINGER: Duration = Duration::from_micros(500);
+
+/// One publication waiting for its commit.
+pub(super) struct Item {
+    pub ns: String,
+    pub key: String,
+    pub record: EntryRecord,
+    /// This host reserved the name for a writer through its mount.
+    pub reserved: bool,
+}
+
+/// What a caller waits for: publications or removals, and where their outcomes go.
+enum Job {
+    Publish(
+        Vec<Item>,
+        std::sync::mpsc::SyncSender<Vec<maru_cluster::Result<Published>>>,
+    ),
+    Remove(
+        Vec<(String, String)>,
+        std::sync::mpsc::SyncSender<Vec<maru_cluster::Result<Removed>>>,
+    ),
+}
+
+impl Job {
+    fn len(&self) -> usize {
+        match self {
+            Job::Publish(items, _) => items.len(),
+            Job::Remove(names, _) => names.len(),
+        }
+    }
+}
+
+/// The queue of publications and removals waiting for etcd, and its committer.
+pub(super) struct GroupCommit {
+    tx: mpsc::UnboundedSender<Job>,
+}
+
+impl GroupCommit {
+    /// Starts the committer on `rt`.
+    pub(super) fn start(rt: &tokio::runtime::Runtime, member: Arc<RwLock<Member>>) -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        rt.spawn(commit(member, rx));
+        GroupCommit { tx }
+    }
+
+    /// Publishes `items` with the publications waiting beside them, and waits for their
+    /// outcomes (one each, in order). Called from a thread that is not the cluster
+    /// runtime's.
+    pub(super) fn publish(&self, items: Vec<Item>) -> Vec<maru_cluster::Result<Published>> {
+        let n = items.len();
+        let (reply, rx) = std::sync::mpsc::sync_channel(1);
+        self.wait(Job::Publish(items, reply), rx, n)
+    }
+
+    /// Removes entries `names` with the removals waiting beside them, as
+    /// [`GroupCommit::publish`] publishes.
+    pub(super) fn remove(
+        &self,
+        names: Vec<(String, String)>,
+    ) -> Vec<maru_cluster::Result<Removed>> {
+        let n = names.len();
+        let (reply, rx) = std::sync::mpsc::sync_channel(1);
+        self.wait(Job::Remove(names, reply), rx, n)
+    }
+
+    fn wait<T>(
+        &self,
+        job: Job,
+        rx: std::sync::mpsc::Receiver<Vec<maru_cluster::Result<T>>>,
+        n: usize,
+    ) -> Vec<maru_cluster::Result<T>> {
+        if self.tx.send(job).is_ok()
+            && let Ok(out) = rx.recv()
+        {
+            return out;
+        }
+        (0..n).map(|_| Err(stopped())).collect()
+    }
+}
+
+fn stopped() -> maru_cluster::Error {
+    maru_cluster::Error::Etcd(maru_cluster::etcd::Error::StreamEnded)
+}
+
+/// The committer: takes what waits (up to [`PER_COMMIT`] items) once a commit may start, and
+/// sends it on its way: its publications and its removals, each kind in as few transactions
+/// as it takes, both at once.
+async fn commit(member: Arc<RwLock<Member>>, mut rx: mpsc::UnboundedReceiver<Job>) {
+    let slots = Arc::new(Semaphore::new(IN_FLIGHT));
+    // How many callers the last commit carried, and how long its round trip took.
+    let last = Arc::new(parking_lot::Mutex::new((1usize, Duration::ZERO)));
+    while let Some(first) = rx.recv().await {
+        let Ok(slot) = slots.clone().acquire_owned().await else {
+            return;
+        };
+        let mut n = first.len();
+        let mut jobs = vec![first];
+        // Callers answered by the last commit come back at about the same time: when it
+        // carried several, the first back waits a little (half its round trip at most) for
+        // the others, rather than leaving them for the commit after. A lone caller never
+        // waits.
+        let (expect, rtt) = *last.lock();
+        let linger = tokio::time::Instant::now() + (rtt / 2).min(MAX_LINGER);
+        while n < PER_COMMIT {
+            let next = if jobs.len() < expect {
+                tokio::time::timeout_at(linger, rx.recv())
+                    .await
+                    .ok()
+                    .flatten()
+            } else {
+                rx.try_recv().ok()
+            };
+            match next {
+                Some(j) => {
+                    n += j.len();
+                    jobs.push(j);
+                }
+                None => break,
+            }
+        }
+        let (m, last) = (member.clone(), last.clone());
+        tokio::spawn(async move {
+            let _slot = slot;
+            let t = tokio::time::Instant::now();
+            let (mut publishing, mut removing) = (Vec::new(), Vec::new());
+            for j in &jobs {
+                match j {
+                    Job::Publish(items, _) => {
+                        publishing.extend(items.iter().map(|i| Publication {
+                            ns: &i.ns,
+                            name: &i.key,
+                            record: &i.record,
+                            reserved: i.reserved,
+                        }))
+                    }
+                    Job::Remove(names, _) => {
+                        removing.extend(names.iter().map(|(n, k)| (n.as_str(), k.as_str())))
+                    }
+                }
+            }
+            let m = m.read().await;
+            let (published, removed) =
+                tokio::join!(m.publish_many(&publishing), m.remove_many(&removing));
+            *last.lock() = (jobs.len(), t.elapsed());
+            let (mut published, mut removed) = (published.into_iter(), removed.into_iter());
+            for j in jobs {
+                match j {
+                    Job::Publish(items, reply) => {
+                        let _ = reply.send(published.by_ref().take(items.len()).collect());
+                    }
+                    Job::Remove(names, reply) => {
+                        let _ = reply.send(removed.by_ref().take(names.len()).collect());
+                    }
+                }
+            }
+        });
+    }
+}

@@ -1,0 +1,132 @@
+//! Publications and removals of this host's entries in etcd, through the group commit
+//! (`group`): the authority's side of a store's publication and delete.
+
+use maru::{Error, Result};
+use maru_cluster::{EntryRecord, Published};
+
+use super::group::Item;
+use super::{EtcdAuthority, cluster_error, taken_error, unavailable};
+use crate::store::authority::{Authority, Claim, Publishing, Withdrawn};
+
+impl EtcdAuthority {
+    /// [`Authority::publish_many`]: each name published here first (write-once among this
+    /// host's writers), then those in the shared pool in etcd, through the group commit.
+    pub(super) fn publish_group(&self, items: &[Publishing<'_>]) -> Vec<Result<()>> {
+        let mut out: Vec<Option<Result<()>>> = Vec::with_capacity(items.len());
+        let mut shared = Vec::new();
+        let mut asks = Vec::new();
+        for (i, p) in items.iter().enumerate() {
+            if let Err(e) = self.local.publish(p.ns, p.key, p.id, &p.at) {
+                out.push(Some(Err(e)));
+                continue;
+            }
+            if p.at.pool != Some(self.pool.as_str()) {
+                out.push(Some(Ok(()))); // not the shared pool: this host's alone
+                continue;
+            }
+            out.push(None);
+            let name = (p.ns.to_owned(), p.key.to_owned());
+            asks.push(Item {
+                reserved: self.reserved.lock().contains(&name),
+                ns: name.0,
+                key: name.1,
+                record: EntryRecord {
+                    offset: p.at.offset,
+                    len: p.at.size,
+                    node: self.node.clone(),
+                    alloc: p.id,
+                },
+            });
+            shared.push(i);
+        }
+        if !asks.is_empty() {
+            let outcomes = self.group.publish(asks);
+            for (i, outcome) in shared.into_iter().zip(outcomes) {
+                out[i] = Some(self.published_outcome(&items[i], outcome));
+            }
+        }
+        out.into_iter()
+            .map(|o| o.expect("every publication has its outcome"))
+            .collect()
+    }
+
+    /// What etcd answered to publication `p`, applied here: the name kept (and this host's
+    /// reservation of it gone), or given back with the reason.
+    fn published_outcome(
+        &self,
+        p: &Publishing<'_>,
+        outcome: maru_cluster::Result<Published>,
+    ) -> Result<()> {
+        let name = (p.ns.to_owned(), p.key.to_owned());
+        let refused = match outcome {
+            Ok(Published::New { revision }) => {
+                self.reserved.lock().remove(&name);
+                self.published.lock().insert(name, (revision, p.at.offset));
+                return Ok(());
+            }
+            // This host's own record (a restart recovering what it published).
+            Ok(Published::Exists(r)) if r.node == self.node && r.offset == p.at.offset => {
+                return Ok(());
+            }
+            Ok(taken) => taken_error(p.ns, p.key, &taken),
+            Err(e @ maru_cluster::Error::LeaseLost(_)) => cluster_error(e),
+            // Written into a region another host took while this one was cut off: those
+            // bytes are not this host's to publish.
+            Err(e @ maru_cluster::Error::NotClaimed { .. }) => Error::Busy(e.to_string()),
+            Err(e) => {
+                // The outcome is unknown: take the record back if it made it.
+                let rec = EntryRecord {
+                    offset: p.at.offset,
+                    len: p.at.size,
+                    node: self.node.clone(),
+                    alloc: p.id,
+                };
+                let (m, n, k) = (self.member(), name.0.clone(), name.1.clone());
+                if let Err(e2) = self.run(async move { m.read().await.retract(&n, &k, &rec).await })
+                {
+                    tracing::error!(
+                        ns = p.ns,
+                        key = p.key,
+                        "publication failed ({e}) and could not be taken back: {e2}"
+                    );
+                }
+                unavailable(e)
+            }
+        };
+        self.drop_reservation(p.ns, p.key);
+        self.local.release(p.ns, p.key, p.id);
+        Err(refused)
+    }
+
+    /// [`Authority::withdraw`]: the removals of the entries in the shared pool that this host
+    /// has published, through the group commit.
+    pub(super) fn withdraw_group(
+        &self,
+        items: &[Publishing<'_>],
+    ) -> Vec<Result<Option<Withdrawn>>> {
+        let mut out: Vec<Result<Option<Withdrawn>>> = Vec::with_capacity(items.len());
+        let (mut asked, mut names) = (Vec::new(), Vec::new());
+        for (i, p) in items.iter().enumerate() {
+            out.push(Ok(None));
+            if p.at.pool == Some(self.pool.as_str())
+                && self.local.holder(p.ns, p.key) == Some(Claim::Published(p.id))
+            {
+                asked.push(i);
+                names.push((p.ns.to_owned(), p.key.to_owned()));
+            }
+        }
+        if !names.is_empty() {
+            for (i, r) in asked.into_iter().zip(self.group.remove(names)) {
+                out[i] = r
+                    .map(|r| {
+                        Some(Withdrawn {
+                            revision: r.revision,
+                            existed: r.existed,
+                        })
+                    })
+                    .map_err(unavailable);
+            }
+        }
+        out
+    }
+}

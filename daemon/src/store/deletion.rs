@@ -1,0 +1,200 @@
+//! Deletes and pins: the authority is asked with the store's lock released.
+//!
+//! A client's delete takes three steps. Under the lock, each key's entry is found and the
+//! policy asked; an entry of a raw pool shared with other hosts is marked as being withdrawn
+//! (not evicted, renamed or deleted again meanwhile). Without the lock, the authority records
+//! the removals (in cluster mode one group commit with whatever else waits for etcd). Under
+//! the lock again, each entry whose removal was recorded is removed here; one whose removal
+//! failed stays, unmarked, and its key fails with the reason. On a single host, and for
+//! entries only this host sees, the three steps are one, under the lock.
+//!
+//! Pins take the same three steps, one pin verb at a time (`Store::pins`), so that an
+//! entry's pin here ends as the authority last recorded it.
+
+use maru::name::split_ns;
+use maru::{Error, Result};
+use maru_fsd::Caller;
+use parking_lot::MutexGuard;
+
+use super::Store;
+use super::authority::{Placed, Publishing, Withdrawn};
+use super::entries::Removal;
+use super::policy::Access;
+use super::state::{Entry, State};
+
+/// An entry a delete or a pin found, between its steps.
+struct Found {
+    ino: u64,
+    key: String,
+    /// The raw pool's UUID (None: a memfs pool's entry) and the offset.
+    pool: Option<String>,
+    offset: u64,
+    size: u64,
+}
+
+impl Found {
+    fn of(st: &State, e: &Entry) -> Found {
+        let at = st.placed(e);
+        Found {
+            ino: e.ino,
+            key: e.key.clone(),
+            pool: at.pool.map(str::to_owned),
+            offset: at.offset,
+            size: at.size,
+        }
+    }
+
+    fn placed(&self) -> Placed<'_> {
+        Placed {
+            pool: self.pool.as_deref(),
+            offset: self.offset,
+            size: self.size,
+        }
+    }
+}
+
+impl Store {
+    /// Deletes entries; one outcome per key.
+    pub fn delete(&self, c: &Caller, ns: &str, keys: &[String]) -> Result<Vec<Result<()>>> {
+        split_ns(ns)?;
+        let mut st = self.st.lock();
+        self.wait_imminent(&mut st, ns, keys);
+        let mut found: Vec<Found> = Vec::new();
+        let mut out = Self::each_entry(
+            &mut st,
+            c,
+            ns,
+            keys,
+            |p| Access::Delete(p),
+            |st, ino| {
+                let e = &st.entries[&ino];
+                if e.withdrawing {
+                    return Err(Error::NotFound(format!("{ns}/{} (being deleted)", e.key)));
+                }
+                found.push(Found::of(st, e));
+                Ok(())
+            },
+        )?;
+        let shared = self.authority.shared() && found.iter().any(|f| f.pool.is_some());
+        let withdrawn: Vec<Result<Option<Withdrawn>>> = if shared {
+            for f in &found {
+                st.entries.get_mut(&f.ino).expect("found").withdrawing = true;
+            }
+            let asks = asks(ns, &found);
+            let w = MutexGuard::unlocked(&mut st, || self.authority.withdraw(&asks));
+            for f in &found {
+                if let Some(e) = st.entries.get_mut(&f.ino) {
+                    e.withdrawing = false;
+                }
+            }
+            w
+        } else {
+            found.iter().map(|_| Ok(None)).collect()
+        };
+        let mut inv = Vec::new();
+        let mut removed = found.iter().zip(withdrawn).map(|(f, w)| {
+            let how = w?.map_or(Removal::Deleted, Removal::Withdrawn);
+            remove(&mut st, self, ns, f, how, &mut inv)
+        });
+        for r in out.iter_mut().filter(|r| r.is_ok()) {
+            *r = removed.next().expect("one outcome per entry found");
+        }
+        drop(removed);
+        drop(st);
+        self.notify(inv);
+        Ok(out)
+    }
+
+    /// Pins or unpins entries; one outcome per key. The authority records each change first
+    /// (for every host sharing it), without the store's lock.
+    pub fn pin(
+        &self,
+        c: &Caller,
+        ns: &str,
+        keys: &[String],
+        pinned: bool,
+    ) -> Result<Vec<Result<()>>> {
+        split_ns(ns)?;
+        let _one_at_a_time = self.pins.lock();
+        let mut st = self.st.lock();
+        self.wait_imminent(&mut st, ns, keys);
+        let mut found: Vec<Option<Found>> = Vec::new();
+        let mut out = Self::each_entry(
+            &mut st,
+            c,
+            ns,
+            keys,
+            |p| Access::Pin(p),
+            |st, ino| {
+                let e = &st.entries[&ino];
+                // Nothing to change: nothing to ask.
+                found.push((e.pinned != pinned).then(|| Found::of(st, e)));
+                Ok(())
+            },
+        )?;
+        let asked: Vec<Result<()>> = MutexGuard::unlocked(&mut st, || {
+            found
+                .iter()
+                .map(|f| match f {
+                    Some(f) => self.authority.pin(ns, &f.key, pinned, &f.placed()),
+                    None => Ok(()),
+                })
+                .collect()
+        });
+        let mut marked = found.iter().zip(asked).map(|(f, r)| {
+            r?;
+            match f {
+                Some(f) if st.entries.get(&f.ino).is_some_and(|e| e.key == f.key) => {
+                    st.mark_pinned(f.ino, pinned)
+                }
+                Some(f) => Err(Error::NotFound(format!("{ns}/{}", f.key))),
+                None => Ok(()),
+            }
+        });
+        for r in out.iter_mut().filter(|r| r.is_ok()) {
+            *r = marked.next().expect("one outcome per entry found");
+        }
+        Ok(out)
+    }
+}
+
+/// The removals to record of the entries `found` in `ns`.
+fn asks<'a>(ns: &'a str, found: &'a [Found]) -> Vec<Publishing<'a>> {
+    found
+        .iter()
+        .map(|f| Publishing {
+            ns,
+            key: &f.key,
+            id: f.ino,
+            at: f.placed(),
+        })
+        .collect()
+}
+
+/// Removes entry `f` here (`how`), if it is still there under its name. Of two deletes of
+/// one entry at once (on this host or two), the one whose removal found the entry at the
+/// authority succeeds; the other says it is not found, and removes it here if it is still
+/// there. An entry already gone here (the removal came back through the cluster's watch
+/// first) was deleted all the same.
+fn remove(
+    st: &mut State,
+    store: &Store,
+    ns: &str,
+    f: &Found,
+    how: Removal,
+    inv: &mut Vec<super::Invalidation>,
+) -> Result<()> {
+    let first = match how {
+        Removal::Withdrawn(w) => w.existed,
+        _ => true,
+    };
+    let here = st.entries.get(&f.ino).is_some_and(|e| e.key == f.key);
+    if here {
+        inv.extend(st.remove_entry(&*store.authority, &store.counters, f.ino, how)?);
+    }
+    if first {
+        Ok(())
+    } else {
+        Err(Error::NotFound(format!("{ns}/{}", f.key)))
+    }
+}

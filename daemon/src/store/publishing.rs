@@ -1,0 +1,264 @@
+//! Publication: an allocation sealed under a name, write-once.
+//!
+//! A client's publications take three steps. Under the store's lock, each is checked, its
+//! name reserved here (so that no other writer of this host takes it meanwhile) and its bytes
+//! given their place. Then the authority is asked: on a single host that is a map in memory,
+//! asked under the lock as before; in cluster mode it is an etcd transaction, asked with the
+//! lock released, and publications waiting at the same moment (a client's batch, other
+//! clients', the mount's) go to etcd together (`crate::cluster::group`). Under the lock again,
+//! each publication the authority granted is sealed, and each it refused is undone. In
+//! between, nothing of a publication is visible: its name is neither an entry nor free.
+//!
+//! The mount's publications (at an entry's last close, `fsview`) still take all three steps
+//! under the lock.
+
+use maru::name::{check_component, split_ns};
+use maru::{Error, Result};
+use parking_lot::MutexGuard;
+
+use super::authority::{Placed, Publishing};
+use super::policy::{self, Access, Perm};
+use super::state::{Alloc, Entry, State};
+use super::stats::Bytes;
+use super::{ENTRY_ALIGN, Store, align_up};
+
+/// One publication of [`Store::publish_many`]: allocation `id` as `ns/key`, of `len` bytes
+/// (the whole allocation when None).
+#[derive(Debug, Clone, Copy)]
+pub struct Publish<'a> {
+    pub id: u64,
+    pub ns: &'a str,
+    pub key: &'a str,
+    pub len: Option<u64>,
+}
+
+/// A publication between its steps: checked, its name reserved here, its bytes placed.
+struct Placing {
+    size: u64,
+    /// The raw pool's UUID (None for a memfs pool) and the offset.
+    pool: Option<String>,
+    offset: u64,
+}
+
+impl Store {
+    /// Seals allocation `id` of `session` as `ns/key`: the first publication of a name wins.
+    pub fn publish(
+        &self,
+        session: u64,
+        id: u64,
+        ns: &str,
+        key: &str,
+        len: Option<u64>,
+    ) -> Result<u64> {
+        let p = Publish { id, ns, key, len };
+        self.publish_many(session, &[p])
+            .pop()
+            .expect("one outcome per publication")
+    }
+
+    /// Seals allocations of `session`, each under its name, with one outcome each (the
+    /// allocation's id, or why it was refused: a refused allocation is freed). The
+    /// authority is asked for all of them at once (see the module's documentation).
+    pub fn publish_many(&self, session: u64, items: &[Publish<'_>]) -> Vec<Result<u64>> {
+        let mut st = self.st.lock();
+        let mut placed: Vec<Result<Placing>> = items
+            .iter()
+            .map(|p| self.place_publication(&mut st, session, p))
+            .collect();
+        let asks: Vec<Publishing<'_>> = items
+            .iter()
+            .zip(&placed)
+            .filter_map(|(p, r)| {
+                let r = r.as_ref().ok()?;
+                Some(Publishing {
+                    ns: p.ns,
+                    key: p.key,
+                    id: p.id,
+                    at: Placed {
+                        pool: r.pool.as_deref(),
+                        offset: r.offset,
+                        size: r.size,
+                    },
+                })
+            })
+            .collect();
+        // Only a round trip is worth letting the lock go for.
+        let unlocked = self.authority.shared() && asks.iter().any(|a| a.at.pool.is_some());
+        let verdicts = if unlocked {
+            MutexGuard::unlocked(&mut st, || self.authority.publish_many(&asks))
+        } else {
+            self.authority.publish_many(&asks)
+        };
+        let mut verdicts = verdicts.into_iter();
+        for (p, r) in items.iter().zip(&mut placed).filter(|(_, r)| r.is_ok()) {
+            if let Err(e) = verdicts.next().expect("one verdict per publication") {
+                self.authority.release(p.ns, p.key, p.id);
+                *r = Err(e);
+            }
+        }
+        items
+            .iter()
+            .zip(placed)
+            .map(|(p, r)| {
+                let r = r.and_then(|placing| {
+                    self.seal_placed(&mut st, session, p, &placing, unlocked)
+                        .inspect_err(|_| self.authority.release(p.ns, p.key, p.id))
+                });
+                if let Some(s) = st.sessions.get_mut(&session) {
+                    s.allocs.remove(&p.id);
+                    if let Ok(size) = &r {
+                        s.used += size;
+                    }
+                }
+                if r.is_err() {
+                    // The loser's allocation is freed (write-once: first writer wins).
+                    self.drop_alloc(&mut st, p.id);
+                }
+                r.map(|_| p.id)
+            })
+            .collect()
+    }
+
+    /// The first step of a client's publication, under the lock: the checks, the name
+    /// reserved here, the bytes placed.
+    fn place_publication(&self, st: &mut State, session: u64, p: &Publish<'_>) -> Result<Placing> {
+        split_ns(p.ns)?;
+        check_component(p.key.as_bytes())?;
+        let caller = st.caller(session)?;
+        let a = Self::own_alloc(st, session, p.id)?;
+        let size = match p.len {
+            Some(l) if l > a.size => {
+                return Err(Error::InvalidArgument(format!(
+                    "length {l} exceeds the allocation of {}",
+                    a.size
+                )));
+            }
+            Some(l) => l,
+            None => a.size,
+        };
+        Self::allow(st, &caller, p.ns, Access::Create)?;
+        self.check_publishable(st, p.ns, p.key, size)?;
+        self.authority.reserve(p.ns, p.key, p.id)?;
+        self.place_bytes(st, p.id, size)
+            .inspect_err(|_| self.authority.release(p.ns, p.key, p.id))
+    }
+
+    /// Allocation `id`, if `session`'s.
+    fn own_alloc(st: &State, session: u64, id: u64) -> Result<&Alloc> {
+        st.allocs
+            .get(&id)
+            .filter(|a| a.session() == Some(session))
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "allocation {id} is not yours (already published or freed?)"
+                ))
+            })
+    }
+
+    /// The last step of a client's publication the authority granted, under the lock: the
+    /// entry sealed. With the lock let go of in between (`unlocked`), what could change
+    /// meanwhile is checked again: the allocation, the namespace, its quota.
+    fn seal_placed(
+        &self,
+        st: &mut State,
+        session: u64,
+        p: &Publish<'_>,
+        placing: &Placing,
+        unlocked: bool,
+    ) -> Result<u64> {
+        if unlocked {
+            Self::own_alloc(st, session, p.id)?;
+            self.check_publishable(st, p.ns, p.key, placing.size)?;
+        }
+        self.seal_granted(st, p.id, p.ns, p.key, placing.size)
+    }
+
+    /// Fails unless `ns/key` is free and `size` more bytes fit `ns`'s quota.
+    pub(super) fn check_publishable(
+        &self,
+        st: &State,
+        ns: &str,
+        key: &str,
+        size: u64,
+    ) -> Result<()> {
+        let n = st.ns.get(ns)?;
+        if n.entries.contains_key(key) {
+            return Err(Error::Exists(format!("{ns}/{key}")));
+        }
+        if n.children.contains_key(key) {
+            return Err(Error::Exists(format!("{ns}/{key} is a namespace")));
+        }
+        st.ns.check_quota(ns, size)
+    }
+
+    /// Gives allocation `id`'s bytes their place (raw pools written through the mount), so
+    /// that the authority learns where the entry is before the pool records it.
+    fn place_bytes(&self, st: &mut State, id: u64, size: u64) -> Result<Placing> {
+        let a = st.allocs.get_mut(&id).expect("checked by the caller");
+        let pool = &mut st.pools[a.pool as usize].pool;
+        pool.commit(id, &mut a.backing, size)?;
+        Ok(Placing {
+            size,
+            pool: pool.uuid().map(str::to_owned),
+            offset: a.backing.offset().unwrap_or(0),
+        })
+    }
+
+    /// Publishes allocation `id` (its name reserved at the authority) as `ns/key` of `size`
+    /// bytes, all three steps under the lock (the mount's publications); returns the size.
+    pub(super) fn seal(
+        &self,
+        st: &mut State,
+        id: u64,
+        ns: &str,
+        key: &str,
+        size: u64,
+    ) -> Result<u64> {
+        let placing = self.place_bytes(st, id, size)?;
+        let at = Placed {
+            pool: placing.pool.as_deref(),
+            offset: placing.offset,
+            size,
+        };
+        self.authority.publish(ns, key, id, &at)?;
+        self.seal_granted(st, id, ns, key, size)
+            .inspect_err(|_| self.authority.release(ns, key, id))
+    }
+
+    /// Seals allocation `id`, placed and its publication granted by the authority, as
+    /// `ns/key` of `size` bytes. On failure the caller gives the name back.
+    fn seal_granted(&self, st: &mut State, id: u64, ns: &str, key: &str, size: u64) -> Result<u64> {
+        let a = st.allocs.get_mut(&id).expect("checked by the caller");
+        let asize = align_up(a.size.max(size).max(1), ENTRY_ALIGN);
+        let perm = Perm {
+            mode: a.perm.mode & policy::ENTRY_MODES,
+            ..a.perm
+        };
+        let mut e = Entry {
+            asize,
+            owner: a.session(),
+            ..Entry::new(id, ns, key, a.pool, 0, size, perm)
+        };
+        let pool = &mut st.pools[a.pool as usize].pool;
+        e.offset = pool.publish(id, &mut a.backing, &e.loc())?;
+        let a = st.allocs.remove(&id).expect("present");
+        st.pools[a.pool as usize].writing_bytes -= a.acct;
+        let mut committed = false;
+        if let Some(m) = a.mount() {
+            let n = st.ns.get_mut(ns)?;
+            n.writing.remove(key);
+            if m.committed {
+                n.reserved -= m.reserved;
+                committed = true;
+            }
+        }
+        st.insert_entry(e);
+        if committed {
+            // Only now that the index shows the entry may lock-free readers stop asking
+            // (they read the pending count before they look: see libmaru's Inner::lookup).
+            st.ns.get_mut(ns)?.adjust_pending(-1);
+        }
+        self.counters.add_bytes(Bytes::Stored, size);
+        Ok(size)
+    }
+}
