@@ -11,6 +11,8 @@
 //! - [`sessions`]: client sessions and leases; [`stats`]: counters as atomics;
 //! - [`policy`]: the access policy both doors ask; [`authority`]: who owns a name and
 //!   each region of a raw pool;
+//! - [`publishing`]: a client's publications, in three steps; `deletion`: deletes and pins,
+//!   likewise;
 //! - [`fsview`]: the mount's view (the filesystem's `Backend`), including the publication
 //!   of entries written through the mount;
 //! - [`remote`]: entries other hosts published (cluster mode).
@@ -26,9 +28,11 @@
 //! `truncate` or `fallocate` through the mount reserves for an entry being written (one size
 //! change per entry at a time, under its own guard), the mount's reads (of sealed entries,
 //! a raw pool's extent leased meanwhile; of entries being written), and the statistics
-//! (`/proc/meminfo` is read before the lock). Not yet: the copy of an entry written through
-//! the mount into a raw pool at its close (up to `max_copy_entry`), and cluster mode's
-//! publications to etcd (each awaited under the lock).
+//! (`/proc/meminfo` is read before the lock), and in cluster mode a client's publications,
+//! deletes and pins (their etcd round trips, group-committed: [`publishing`], `deletion`).
+//! Not yet: the copy of an entry written through the mount into a raw pool at its close (up
+//! to `max_copy_entry`), the mount's own publications, unlinks and renames in cluster mode,
+//! and an eviction's wait for the other hosts' acknowledgements.
 
 pub mod authority;
 mod deletion;
