@@ -38,7 +38,7 @@ pub struct Acl {
 impl Acl {
     /// The attribute's bytes. With a named user the mask is the union of the named user's and
     /// the owning group's bits, so it takes nothing from either.
-    pub fn to_xattr(&self) -> Vec<u8> {
+    pub fn to_xattr(self) -> Vec<u8> {
         let mut ents: Vec<(u16, u32, u32)> = vec![(USER_OBJ, self.owner, NO_ID)];
         if let Some((uid, bits)) = self.user {
             ents.push((USER, bits, uid));

@@ -28,17 +28,13 @@ impl ExtentAlloc {
         ExtentAlloc { free, start, end }
     }
 
-    /// Total bytes managed.
-    pub fn capacity(&self) -> u64 {
-        self.end - self.start
-    }
-
     /// Free bytes.
     pub fn free_bytes(&self) -> u64 {
         self.free.values().sum()
     }
 
     /// Number of free extents (1 when fully coalesced and empty).
+    #[cfg(test)]
     pub fn fragments(&self) -> usize {
         self.free.len()
     }

@@ -1,13 +1,13 @@
 //! marud: the maru daemon as a library (so tests and benchmarks can embed it).
 
-pub mod acl;
-pub mod alloc;
+mod acl;
+mod alloc;
 pub mod cluster;
-pub mod coherence;
+mod coherence;
 pub mod config;
 pub mod metrics;
 pub mod mount;
-pub mod nsindex;
+mod nsindex;
 pub mod pool;
 pub mod remote;
 pub mod server;

@@ -21,7 +21,8 @@ use super::namespaces::join;
 use super::policy::{self, Access, ENTRY_MODES, Perm};
 use super::pools::{Backing, kind_name};
 use super::state::Invalidation;
-use super::state::{Alloc, MountWrite, Origin, State};
+use super::state::{Alloc, Origin, State};
+use super::writer::MountWrite;
 use crate::alloc::align_up;
 
 /// Files being written grow ahead of their writer to this boundary, so that a tmpfs with
@@ -53,19 +54,7 @@ impl Store {
         if failed.is_some() && m.failed.is_none() {
             m.failed = failed;
         }
-        let (target, committed, reserved) = (m.target.take(), m.committed, m.reserved);
-        m.committed = false;
-        m.reserved = 0;
-        if let Some((ns, key)) = target {
-            if let Ok(n) = st.ns.get_mut(&ns) {
-                if n.writing.get(&key) == Some(&ino) {
-                    n.writing.remove(&key);
-                }
-                if committed {
-                    n.adjust_pending(-1);
-                    n.reserved -= reserved;
-                }
-            }
+        if let Some((ns, key)) = st.writer_left(ino) {
             self.authority.release(&ns, &key, ino);
         }
         self.sealed.notify_all();
@@ -79,10 +68,10 @@ impl Store {
         if let Some(e) = m.failed {
             return Err(Error::from_errno(e));
         }
-        let Some((ns, key)) = m.target.clone() else {
+        let Some((ns, key)) = m.target().cloned() else {
             return Ok(()); // unlinked: nothing to publish, nothing to report
         };
-        let (len, reserved, committed, pool) = (m.len, m.reserved, m.committed, a.pool);
+        let (len, reserved, pool) = (m.len, m.reserved(), a.pool);
         let n = st.ns.get(&ns)?;
         if n.entries.contains_key(&key) || n.children.contains_key(&key) {
             return Err(Error::Exists(format!("{ns}/{key}: published meanwhile")));
@@ -94,15 +83,7 @@ impl Store {
         st.pools[pool as usize]
             .pool
             .commit(ino, &mut a.backing, len)?;
-        let m = a.mount_mut().expect("a mount write");
-        m.committed = true;
-        m.reserved = len;
-        let n = st.ns.get_mut(&ns)?;
-        n.reserved = n.reserved + len - reserved;
-        if !committed {
-            n.adjust_pending(1);
-        }
-        Ok(())
+        st.writer_committed(ino, len)
     }
 
     /// Marks `ino` failed with `e` (it will not be published) and returns `e`.
@@ -203,7 +184,7 @@ impl Backend for StoreFs {
             if m.tgid == me {
                 return Ok(a.attr(id));
             }
-            if !m.committed || self.0.sealed.wait_until(&mut st, deadline).timed_out() {
+            if !m.committed() || self.0.sealed.wait_until(&mut st, deadline).timed_out() {
                 return Err(Error::NotFound(join(&p, name)));
             }
         }
@@ -299,15 +280,7 @@ impl Backend for StoreFs {
         let a = Alloc {
             pool,
             size: 0,
-            origin: Origin::Mount(MountWrite {
-                target: Some((p.clone(), name.to_owned())),
-                tgid: c.tgid(),
-                len: 0,
-                committed: false,
-                reserved: 0,
-                failed: None,
-                resizing: Default::default(),
-            }),
+            origin: Origin::Mount(MountWrite::new(&p, name, c.tgid())),
             backing,
             perm: Perm {
                 uid: c.uid,
@@ -319,7 +292,7 @@ impl Backend for StoreFs {
         };
         let (attr, file) = (a.attr(id), a.backing.file());
         st.allocs.insert(id, a);
-        st.ns.get_mut(&p)?.writing.insert(name.to_owned(), id);
+        st.writer_opened(id)?;
         Ok((attr, OpenedFile::Writing(file)))
     }
 
@@ -350,11 +323,11 @@ impl Backend for StoreFs {
                 // release is on its way): the file it will be, passed through like the
                 // sealed entry it is about to become.
                 (Some(m), Backing::File { file, .. })
-                    if !write && m.committed && m.tgid == c.tgid() =>
+                    if !write && m.committed() && m.tgid == c.tgid() =>
                 {
                     Ok(OpenedFile::Passthrough(file.clone()))
                 }
-                (Some(m), b) if m.target.is_some() && m.tgid == c.tgid() => {
+                (Some(m), b) if m.target().is_some() && m.tgid == c.tgid() => {
                     Ok(OpenedFile::Writing(b.file()))
                 }
                 _ => Err(Error::NotFound(format!("inode {ino} is being written"))),
@@ -465,13 +438,13 @@ impl Backend for StoreFs {
         let Some(m) = st.allocs.get(&ino).and_then(Alloc::mount) else {
             return Ok(());
         };
-        let r = match (m.failed, m.target.clone()) {
+        let r = match (m.failed, m.target().cloned()) {
             (None, Some((ns, key))) => {
                 let len = m.len;
                 tracing::debug!(ino, ns = %ns, key = %key, size = len, "publishing an entry written through the mount");
                 // Normally committed by its writer's last close; a size that changed since
                 // (or no close at all) is checked here, where a refusal can only be logged.
-                let recheck = !m.committed || len != m.reserved;
+                let recheck = !m.committed() || len != m.reserved();
                 let r = if recheck {
                     self.0.try_commit(&mut st, ino)
                 } else {
@@ -871,7 +844,7 @@ impl Backend for StoreFs {
         }
         let id = writing.expect("checked");
         let m = st.allocs[&id].mount().expect("a mount write");
-        let (committed, reserved) = (m.committed, m.reserved);
+        let (committed, reserved) = (m.committed(), m.reserved());
         if committed {
             // Its publication was reserved under the old name: reserve the new one first.
             st.ns.check_quota(&np, if np == p { 0 } else { reserved })?;
@@ -880,19 +853,8 @@ impl Backend for StoreFs {
                 .authority
                 .reserve_everywhere(&np, newname, id, uuid)?;
             self.0.authority.release(&p, name, id);
-            let src = st.ns.get_mut(&p)?;
-            src.reserved -= reserved;
-            src.adjust_pending(-1);
-            let dst = st.ns.get_mut(&np)?;
-            dst.reserved += reserved;
-            dst.adjust_pending(1);
         }
-        st.ns.get_mut(&p)?.writing.remove(name);
-        st.ns.get_mut(&np)?.writing.insert(newname.to_owned(), id);
-        if let Some(m) = st.allocs.get_mut(&id).and_then(Alloc::mount_mut) {
-            m.target = Some((np, newname.to_owned()));
-        }
-        Ok(())
+        st.writer_moved(id, &np, newname)
     }
 
     fn statfs(&self) -> (u64, u64, u64) {
@@ -912,7 +874,7 @@ impl Backend for StoreFs {
             .allocs
             .get(&ino)
             .and_then(Alloc::mount)
-            .is_some_and(|m| m.committed)
+            .is_some_and(|m| m.committed())
         {
             if self.0.sealed.wait_until(&mut st, deadline).timed_out() {
                 break;

@@ -76,11 +76,6 @@ impl Lru {
         self.tree.len()
     }
 
-    /// True when no entry is filed.
-    pub fn is_empty(&self) -> bool {
-        self.tree.is_empty()
-    }
-
     /// The inode filed under `key`.
     pub fn filed_under(&self, key: u64) -> Option<u64> {
         self.tree.get(&key).copied()

@@ -13,6 +13,7 @@
 //!   each region of a raw pool;
 //! - [`publishing`]: a client's publications, in three steps; `deletion`: deletes and pins,
 //!   likewise;
+//! - `writer`: a writer through the mount's life, the only code that changes its bookkeeping;
 //! - [`fsview`]: the mount's view (the filesystem's `Backend`), including the publication
 //!   of entries written through the mount;
 //! - [`remote`]: entries other hosts published (cluster mode).
@@ -38,21 +39,22 @@ pub mod authority;
 mod deletion;
 mod entries;
 pub mod fsview;
-pub mod hashmap;
-pub mod lru;
-pub mod namespaces;
+mod hashmap;
+mod lru;
+mod namespaces;
 mod placement;
-pub mod policy;
+mod policy;
 pub mod pools;
 pub mod publishing;
-pub mod readers;
+mod readers;
 mod recovery;
 mod remote;
 mod seams;
-pub mod sessions;
+mod sessions;
 mod settings;
-pub mod state;
-pub mod stats;
+mod state;
+mod stats;
+mod writer;
 
 use std::fs::File;
 use std::sync::{Arc, OnceLock};
@@ -387,23 +389,12 @@ impl Store {
 
     /// Drops an allocation that will not be published (and its name's reservation).
     fn drop_alloc(&self, st: &mut State, id: u64) {
+        if let Some((ns, key)) = st.writer_left(id) {
+            self.authority.release(&ns, &key, id);
+        }
         let Some(a) = st.allocs.remove(&id) else {
             return;
         };
-        if let Some(m) = a.mount()
-            && let Some((ns, key)) = &m.target
-        {
-            if let Ok(n) = st.ns.get_mut(ns) {
-                if n.writing.get(key) == Some(&id) {
-                    n.writing.remove(key);
-                }
-                if m.committed {
-                    n.adjust_pending(-1);
-                    n.reserved -= m.reserved;
-                }
-            }
-            self.authority.release(ns, key, id);
-        }
         let ps = &mut st.pools[a.pool as usize];
         ps.writing_bytes -= a.acct;
         ps.pool.abort(id, &a.backing);
@@ -793,7 +784,7 @@ fn publication_imminent(st: &State, ns: &str, key: &str) -> bool {
         .and_then(|n| n.writing.get(key))
         .and_then(|id| st.allocs.get(id))
         .and_then(Alloc::mount)
-        .is_some_and(|m| m.committed)
+        .is_some_and(|m| m.committed())
 }
 
 /// Bytes of shared memory held in 2 MiB pages (`ShmemHugePages`): all memfs pools and any

@@ -246,19 +246,9 @@ impl Namespaces {
         self.map.iter().filter(|(k, _)| !k.is_empty())
     }
 
-    /// Every namespace, the root included, to change.
-    pub fn iter_mut(&mut self) -> impl Iterator<Item = (&String, &mut Namespace)> {
-        self.map.iter_mut()
-    }
-
     /// Number of namespaces, the root excluded.
     pub fn len(&self) -> usize {
         self.map.len() - 1
-    }
-
-    /// Whether only the root exists.
-    pub fn is_empty(&self) -> bool {
-        self.map.len() == 1
     }
 
     /// Bytes of sealed entries (and reserved ones) in `ns` and the namespaces under it.

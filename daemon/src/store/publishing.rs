@@ -241,22 +241,12 @@ impl Store {
         };
         let pool = &mut st.pools[a.pool as usize].pool;
         e.offset = pool.publish(id, &mut a.backing, &e.loc())?;
+        let committed = st.writer_sealing(id, ns, key)?;
         let a = st.allocs.remove(&id).expect("present");
         st.pools[a.pool as usize].writing_bytes -= a.acct;
-        let mut committed = false;
-        if let Some(m) = a.mount() {
-            let n = st.ns.get_mut(ns)?;
-            n.writing.remove(key);
-            if m.committed {
-                n.reserved -= m.reserved;
-                committed = true;
-            }
-        }
         st.insert_entry(e);
         if committed {
-            // Only now that the index shows the entry may lock-free readers stop asking
-            // (they read the pending count before they look: see libmaru's Inner::lookup).
-            st.ns.get_mut(ns)?.adjust_pending(-1);
+            st.writer_sealed(ns)?;
         }
         self.counters.add_bytes(Bytes::Stored, size);
         Ok(size)

@@ -1,5 +1,6 @@
 //! The metadata the store's lock guards, and its types.
 
+use super::writer::MountWrite;
 use std::collections::HashSet;
 use std::time::SystemTime;
 
@@ -187,27 +188,6 @@ pub enum Origin {
     Mount(MountWrite),
 }
 
-/// An entry being written through the mount.
-#[derive(Debug)]
-pub struct MountWrite {
-    /// Where it will be published; `None` once unlinked or abandoned.
-    pub target: Option<(String, String)>,
-    /// The creating process: the only one that sees it before publication.
-    pub tgid: i32,
-    /// Bytes written (the entry's size).
-    pub len: u64,
-    /// A close passed the publication's checks: the name and `reserved` bytes of quota are
-    /// held for it, and its publication is on its way (other processes wait for it).
-    pub committed: bool,
-    /// Quota bytes reserved in the target namespace.
-    pub reserved: u64,
-    /// The first failure (a write, a commit): it will never be published.
-    pub failed: Option<i32>,
-    /// Held across a change of its file's size (`truncate`, `fallocate`), whose reservation
-    /// of pages runs outside the store's lock: one such change at a time per entry.
-    pub resizing: std::sync::Arc<parking_lot::Mutex<()>>,
-}
-
 /// An allocation: an entry being written.
 #[derive(Debug)]
 pub struct Alloc {
@@ -334,27 +314,27 @@ pub struct PoolSlot {
 /// Everything the store's lock guards.
 pub struct State {
     /// The next inode (entries, allocations and namespaces share the space).
-    pub next_ino: u64,
+    pub(super) next_ino: u64,
     /// Namespaces.
-    pub ns: Namespaces,
+    pub(super) ns: Namespaces,
     /// Sealed entries by inode.
-    pub entries: HashMap<u64, Entry>,
+    pub(super) entries: HashMap<u64, Entry>,
     /// Deleted raw-pool entries whose extent is still leased.
-    pub zombies: HashMap<u64, Entry>,
+    pub(super) zombies: HashMap<u64, Entry>,
     /// Allocations by id (an inode too).
-    pub allocs: HashMap<u64, Alloc>,
+    pub(super) allocs: HashMap<u64, Alloc>,
     /// LRU order of `entries`.
-    pub lru: Lru,
+    pub(super) lru: Lru,
     /// Client sessions.
-    pub sessions: HashMap<u64, Session>,
+    pub(super) sessions: HashMap<u64, Session>,
     /// The next session id.
-    pub next_session: u64,
+    pub(super) next_session: u64,
     /// The pools.
-    pub pools: Vec<PoolSlot>,
+    pub(super) pools: Vec<PoolSlot>,
     /// Attributes of recently removed entries (for handles still open on them).
-    pub gone: HashMap<u64, Attr>,
+    pub(super) gone: HashMap<u64, Attr>,
     /// Leases held by handles of the mount (raw pools).
-    pub fuse_leases: HashMap<u64, u32>,
+    pub(super) fuse_leases: HashMap<u64, u32>,
 }
 
 impl State {
