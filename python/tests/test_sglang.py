@@ -20,6 +20,11 @@ from pathlib import Path
 
 import pytest
 
+# SGLang makes its compile caches' directory (~/.cache/sglang) when imported: the tests' go
+# to a directory removed at exit (python/ci.sh gives the run's own).
+_CACHE = tempfile.TemporaryDirectory(prefix="maru-tests-sglang-cache-")
+os.environ.setdefault("SGLANG_CACHE_DIR", _CACHE.name)
+
 pytest.importorskip("sglang")
 
 import torch  # noqa: E402
