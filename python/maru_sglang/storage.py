@@ -297,6 +297,23 @@ class MaruStorage(HiCacheStorage):
         logger.info("MaruStorage: %s pages of %d bytes, keys *%s%s, namespace %s", fmt.layout,
                     fmt.nbytes, self._suffix, self._tag, config.namespace)
 
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """SGLang registers each of its host pools here too: the KV pool, and for hybrid
+        models (Mamba state, sliding-window, DSA indexer, ...) the pools beside it, which
+        move through the v2 interface (``batch_get_v2``...) this backend does not have.
+
+        Raises:
+            ValueError: a pool other than the KV pool (refused when SGLang attaches the
+                backend, rather than pages that would silently never load).
+        """
+        if str(host_pool_name) != "kv":
+            raise ValueError(
+                f"MaruStorage: SGLang's {host_pool_name!s} host pool (a hybrid model's) is not "
+                "supported: it moves through the v2 interface, which is not built; maru stores "
+                "the KV pages of MHA and MLA models"
+            )
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+
     def key(self, key: str) -> str:
         """The maru key of SGLang's page key ``key``."""
         return f"{key}{self._suffix}{self._tag}"

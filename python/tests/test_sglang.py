@@ -216,11 +216,15 @@ def test_a_bad_configuration_is_refused(extra: dict, message: str) -> None:
         su.make_backend(su.DYNAMIC | extra, None)
 
 
-def test_a_host_pool_layout_it_does_not_move_is_refused(marud: Marud, namespace: str) -> None:
+def test_host_pools_it_does_not_move_are_refused(marud: Marud, namespace: str) -> None:
     backend = su.make_backend(su.maru_extra(str(marud.socket), namespace), None)
     try:
         with pytest.raises(ValueError, match="layout 'page_head' is not supported"):
             backend.register_mem_pool_host(su.host_pool("mha", "page_head"))
         assert backend.batch_get_v1(["k"], su.indices([0])) == [False]  # no pool: misses
+        # A hybrid model's other pools move through the v2 interface, which is not built.
+        backend.register_mem_host_pool_v2(su.host_pool("mha", "page_first"), "kv")
+        with pytest.raises(ValueError, match="mamba host pool"):
+            backend.register_mem_host_pool_v2(object(), "mamba")
     finally:
         backend.close()
