@@ -7,9 +7,10 @@ that asks for the same prefix finds the same entries.
 
 - Zero-copy interface (``interface_v1: 1`` in the extra config, what SGLang uses for its
   built-in shared-memory backends): ``batch_set_v1`` / ``batch_get_v1`` name pages by their
-  host-pool indices. A store allocates pool memory for each page (libmaru hands allocations
-  out of spares it asks marud for in batches), copies the page from the host pool into it,
-  and publishes every page of the call in one exchange with marud (``batch_store``). A load
+  host-pool indices. A store allocates pool memory for each page (libmaru batches the requests
+  for allocations of at most 1 MiB only: a larger page is one request), copies the page from
+  the host pool into it, and publishes every page of the call in one exchange with marud
+  (``batch_store``). A load
   looks every key up in one exchange (``batch_retrieve``: the entries' own pages, mapped) and
   copies each into its place in the host pool. One copy each way, no staging buffer.
 - ``batch_exists`` (the prefetch's lookup): answered from the namespace's shared index,
@@ -237,7 +238,10 @@ class _Store:
 
     def failed(self, h: MaruHandler, what: str, e: BaseException) -> None:
         """A call on ``h`` raised ``e``: log it; drop ``h`` if marud no longer answers."""
-        alive = h.healthcheck()
+        try:
+            alive = h.healthcheck()
+        except Exception:  # a handler closed meanwhile
+            alive = False
         logger.warning("MaruStorage: %s failed (%s: %s)%s", what, type(e).__name__, e,
                        "" if alive else f"; marud does not answer, next try in {self._retry_s:.0f} s")
         if alive:
