@@ -7,10 +7,9 @@ that asks for the same prefix finds the same entries.
 
 - Zero-copy interface (``interface_v1: 1`` in the extra config, what SGLang uses for its
   built-in shared-memory backends): ``batch_set_v1`` / ``batch_get_v1`` name pages by their
-  host-pool indices. A store allocates pool memory for each page (libmaru batches the requests
-  for allocations of at most 1 MiB only: a larger page is one request), copies the page from
-  the host pool into it, and publishes every page of the call in one exchange with marud
-  (``batch_store``). A load
+  host-pool indices. A store allocates pool memory for every page of the call in one
+  exchange with marud (``alloc_many``), copies each page from the host pool into its
+  allocation, and publishes them all in one more (``batch_store``). A load
   looks every key up in one exchange (``batch_retrieve``: the entries' own pages, mapped) and
   copies each into its place in the host pool. One copy each way, no staging buffer.
 - ``batch_exists`` (the prefetch's lookup): answered from the namespace's shared index,
@@ -488,20 +487,29 @@ class MaruStorage(HiCacheStorage):
 
     @staticmethod
     def _store_pages(h: MaruHandler, names: Sequence[str], pages: Sequence[torch.Tensor]) -> List[bool]:
-        """Copy each page into pool memory allocated for it and publish them all in one
-        exchange. When the pools are full the pages allocated so far are stored; the rest
-        are not (False)."""
+        """Copy each page into pool memory allocated for it and publish them all: one
+        exchange with marud for the allocations, one for the publication. When the pools
+        cannot hold them all, the pages that fit are stored (allocated one by one until the
+        pools are full) and the rest are not (False)."""
+        if not pages:
+            return []
+        sizes = {page.numel() * page.element_size() for page in pages}
         handles: List[Any] = []
         try:
-            for page in pages:
-                nbytes = page.numel() * page.element_size()
+            if len(sizes) == 1:
                 try:
-                    a = h.alloc(nbytes)
-                except NoSpaceError as e:
-                    logger.warning("MaruStorage: the pools are full: %d of %d pages not stored (%s)",
-                                   len(pages) - len(handles), len(pages), e)
-                    break
-                handles.append(a)
+                    handles = h.alloc_many(sizes.pop(), len(pages))
+                except NoSpaceError:
+                    handles = []
+            if not handles:
+                for page in pages:
+                    try:
+                        handles.append(h.alloc(page.numel() * page.element_size()))
+                    except NoSpaceError as e:
+                        logger.warning("MaruStorage: the pools are full: %d of %d pages not stored (%s)",
+                                       len(pages) - len(handles), len(pages), e)
+                        break
+            for a, page in zip(handles, pages):
                 frombuffer(a.buf, dtype=page.dtype).view(page.shape).copy_(page)
         except BaseException:
             for a in handles:

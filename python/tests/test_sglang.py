@@ -161,6 +161,26 @@ def test_the_plain_interface_moves_flat_pages_as_sglangs_generic_path_does(marud
         backend.close()
 
 
+def test_a_store_larger_than_the_pools_keeps_the_pages_that_fit(small_marud: Marud) -> None:
+    # Pages of 1 MiB (64 tokens, 4 layers, 8 heads of 128, fp16); 80 of them in one call, into
+    # a 64 MiB pool: the one allocation for all is refused, the pages that fit are stored.
+    n, tokens = 80, 64
+    host = su.host_pool("mha", "page_first", page=tokens, layers=4, heads=8, head_dim=128,
+                        device_tokens=n * tokens)
+    su.fill(host, 6)
+    backend = su.make_backend(su.maru_extra(str(small_marud.socket), "full", maru_pool_size="32M"), host)
+    try:
+        keys = su.page_keys("full", n)
+        stored = backend.batch_set_v1(keys, su.indices(range(n), page=tokens))
+        fit = stored.count(True)
+        assert 0 < fit < n and stored == [True] * fit + [False] * (n - fit)
+        assert backend.batch_exists(keys) == fit
+        assert backend.batch_get_v1(keys[:fit], su.indices(range(n, n + fit), page=tokens)) == [True] * fit
+        assert su.page_digests(host, range(n, n + fit)) == su.page_digests(host, range(fit))
+    finally:
+        backend.close()
+
+
 def test_an_unreachable_marud_gives_misses_not_exceptions() -> None:
     root = Path(tempfile.mkdtemp(prefix="maru-pytest-sglang-"))
     d = start_marud(root, pool_size="64M")
