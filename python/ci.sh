@@ -6,7 +6,9 @@
 #   bash python/ci.sh            # as root; marud from $MARUD or target/debug/marud
 #
 # The environment is a venv at $MARU_CI_VENV (default /var/cache/maru-ci/venv) with torch,
-# LMCache 0.5.6 (installed --no-deps) and the packages pinned in python/requirements-ci.txt.
+# LMCache 0.5.6 (installed --no-deps) and the packages pinned in python/requirements-ci.txt;
+# the vLLM tests run in a second (python/requirements-vllm.txt), the SGLang tests in a third
+# (python/requirements-sglang.txt), each with a stamp of its own.
 # It is rebuilt only when that file, the LMCache version or the Python version changes (a
 # stamp in the venv records them), or when it no longer imports; otherwise it is reused, so
 # a machine that keeps /var/cache pays the install (about 1.5 minutes, 5 GB) once. The
@@ -35,6 +37,8 @@ command -v "$python" >/dev/null || die "no $python"
 scratch=$(mktemp -d -t maru-pyci-XXXXXX)
 trap 'rm -rf "$scratch"' EXIT
 export TORCHINDUCTOR_CACHE_DIR="$scratch/torchinductor"
+# SGLang puts its compile caches under ~/.cache/sglang when importing its storage code.
+export SGLANG_CACHE_DIR="$scratch/sglang-cache"
 
 t0=$(date +%s)
 mkdir -p "$(dirname "$venv")"
@@ -80,15 +84,38 @@ else
     "$vllm_venv/bin/python" -c 'import vllm, torch, pytest' || die "the new vLLM environment does not import vllm/torch/pytest"
     echo "$vllm_want" >"$vllm_venv/.maru-ci-stamp"
 fi
+# The SGLang environment (python/tests/test_sglang.py): its own venv, sglang from PyPI with
+# --no-deps and only the packages its HiCache storage code imports (python/requirements-sglang.txt,
+# each installed with --no-deps: nothing is resolved, nothing for GPUs beyond torch's own).
+sglang_venv=${MARU_CI_SGLANG_VENV:-/var/cache/maru-ci/sglang-venv}
+sglang_lock=python/requirements-sglang.txt
+sglang_version=0.5.23
+sglang_check='import torch, pytest, sglang.srt.mem_cache.storage, sglang.srt.mem_cache.pool_host.mha, sglang.srt.mem_cache.pool_host.mla'
+sglang_want=$( { cat "$sglang_lock"; echo "sglang==$sglang_version"; echo "python==$pyver"; } | sha256sum | cut -d' ' -f1)
+sglang_have=$(cat "$sglang_venv/.maru-ci-stamp" 2>/dev/null || true)
+if [ "$sglang_want" = "$sglang_have" ] && "$sglang_venv/bin/python" -W ignore -c "$sglang_check" >/dev/null 2>&1; then
+    say "reusing the SGLang environment in $sglang_venv"
+else
+    say "building the SGLang environment in $sglang_venv (sglang $sglang_version; a few minutes)"
+    ts=$(date +%s)
+    rm -rf "$sglang_venv"
+    "$python" -m venv "$sglang_venv"
+    "$sglang_venv/bin/pip" install "${pip_flags[@]}" --no-deps -r "$sglang_lock"
+    "$sglang_venv/bin/pip" install "${pip_flags[@]}" --no-deps "sglang==$sglang_version"
+    "$sglang_venv/bin/python" -W ignore -c "$sglang_check" || die "the new SGLang environment does not import SGLang's storage code"
+    echo "$sglang_want" >"$sglang_venv/.maru-ci-stamp"
+    say "built the SGLang environment in $(( $(date +%s) - ts )) s"
+fi
 t1=$(date +%s)
 
 # The package's build backend is maturin (it builds the native core, python/src, with cargo).
-# One abi3 wheel, installed in both environments.
+# One abi3 wheel, installed in every environment.
 "$venv/bin/pip" install "${pip_flags[@]}" "maturin>=1.5,<2"
 wheels=$scratch/wheels
 "$venv/bin/maturin" build --release -m python/Cargo.toml -o "$wheels" 2>&1 | tail -1
 "$venv/bin/pip" install "${pip_flags[@]}" --no-deps --force-reinstall "$wheels"/maru-*.whl
 "$vllm_venv/bin/pip" install "${pip_flags[@]}" --no-deps --force-reinstall "$wheels"/maru-*.whl
+"$sglang_venv/bin/pip" install "${pip_flags[@]}" --no-deps --force-reinstall "$wheels"/maru-*.whl
 # The handler-plugin tests' plugin (entry points in maru.handler_plugins).
 "$venv/bin/pip" install "${pip_flags[@]}" --no-deps --no-build-isolation --force-reinstall ./python/tests/plugin_pkg
 rm -rf python/build python/*.egg-info python/tests/plugin_pkg/build python/tests/plugin_pkg/*.egg-info
@@ -106,6 +133,12 @@ MARUD="$marud" "$vllm_venv/bin/python" -m pytest -q -p no:cacheprovider --basete
     python/tests/test_vllm.py 2>&1 | tee -a "$log"
 vllm_status=${PIPESTATUS[0]}
 [ "$status" = 0 ] && status=$vllm_status
+# The SGLang tests, in the SGLang environment (SGLang's own storage config, factory and host
+# pools; a second process stores the pages one test loads).
+MARUD="$marud" "$sglang_venv/bin/python" -m pytest -q -p no:cacheprovider --basetemp "$scratch/pytest-sglang" \
+    python/tests/test_sglang.py 2>&1 | tee -a "$log"
+sglang_status=${PIPESTATUS[0]}
+[ "$status" = 0 ] && status=$sglang_status
 set -e
 t3=$(date +%s)
 

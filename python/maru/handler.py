@@ -213,6 +213,26 @@ class MaruHandler:
             self._note_region(handle.region_id)
         return handle
 
+    def alloc_many(self, size: int, count: int) -> List[AllocHandle]:
+        """``count`` allocations of ``size`` bytes in one exchange with marud, with no
+        ``chunk_size_bytes`` limit (``alloc`` asks for small sizes in batches by itself; this
+        is for a batch of larger entries, such as SGLang's pages). All or none.
+
+        Raises:
+            ValueError: ``size`` is not positive.
+            NoSpaceError: the pools cannot hold them all even after eviction.
+        """
+        core = self._c()
+        many = getattr(core, "alloc_many", None)
+        if many is not None:
+            handles = many(size, count)
+        else:  # a remote handler: its allocations are pieces of its staging buffer
+            handles = [core.alloc(size, False) for _ in range(count)]
+        if self._on_region_added is not None:
+            for handle in handles:
+                self._note_region(handle.region_id)
+        return handles
+
     def free(self, handle: AllocHandle) -> None:
         """Give back an allocation that was not stored.
 

@@ -508,6 +508,43 @@ impl Core {
         )
     }
 
+    /// `count` allocations of `size` bytes in one exchange with marud (no `chunk_size` limit):
+    /// for batches of entries larger than the sizes `alloc` gets in batches. All or none.
+    fn alloc_many<'py>(
+        &self,
+        py: Python<'py>,
+        size: i64,
+        count: usize,
+    ) -> PyResult<Bound<'py, PyList>> {
+        if size <= 0 {
+            return Err(PyValueError::new_err(format!(
+                "allocation size must be positive, got {size}"
+            )));
+        }
+        let size = size as u64;
+        let h = self.handler()?;
+        let allocs = py.detach(|| h.alloc_many(size, count)).map_err(os_error)?;
+        let out = PyList::empty(py);
+        for a in allocs {
+            let (region_id, page_index) = self.region(a.pool(), a.offset(), a.id());
+            let a = Arc::new(Mutex::new(a));
+            let exporter = Bound::new(py, PoolBuffer::of_alloc(&a))?;
+            let buf = PoolBuffer::view_of(&exporter)?;
+            out.append(Py::new(
+                py,
+                AllocHandle {
+                    buf: Mutex::new(buf),
+                    region_id,
+                    page_index,
+                    size,
+                    held: Some((a, Arc::as_ptr(&h) as usize, exporter.unbind())),
+                    staged: None,
+                },
+            )?)?;
+        }
+        Ok(out)
+    }
+
     /// Publishes `handle` under `key`. True when stored, or when the key already exists (the
     /// handle is then freed: entries are write-once); False when the pool or the namespace's
     /// quota has no room.

@@ -187,6 +187,32 @@ def test_alloc_handle(handler: maru.MaruHandler) -> None:
     assert not handler.exists("hand")
 
 
+def test_alloc_many_allocates_large_entries_together(handler: maru.MaruHandler, small_marud: Marud) -> None:
+    size = 3 * handler.get_chunk_size() + 5  # above chunk_size_bytes: no limit here
+    handles = handler.alloc_many(size, 5)
+    assert len(handles) == 5 and len({(a.region_id, a.page_index) for a in handles}) == 5
+    for i, a in enumerate(handles):
+        assert a.size == size and not a.done
+        a.buf[:] = bytes([i]) * size
+    keys = [f"many-{i}" for i in range(5)]
+    assert handler.batch_store(keys, handles) == [True] * 5
+    for i, info in enumerate(handler.batch_retrieve(keys)):
+        assert bytes(info.view) == bytes([i]) * size
+    assert handler.alloc_many(size, 0) == []
+    with pytest.raises(ValueError):
+        handler.alloc_many(0, 2)
+    # All or none: more than a 64 MiB pool holds is refused, and nothing stays allocated.
+    h = maru.MaruHandler(small_marud.config("many"))
+    assert h.connect()
+    try:
+        with pytest.raises(maru.NoSpaceError):
+            h.alloc_many(8 * MiB, 16)
+        for a in h.alloc_many(8 * MiB, 6):  # what the refused call took is back
+            h.free(a)
+    finally:
+        h.close()
+
+
 def test_store_then_retrieve_returns_the_bytes(handler: maru.MaruHandler) -> None:
     data = pattern(1, 3 * 4096 + 17)
     a = handler.alloc(len(data))

@@ -90,6 +90,71 @@ impl Inner {
         self.map_grant(first)
     }
 
+    /// `count` allocations of `size` bytes: spares of that size first, the rest asked for
+    /// together (one exchange per [`MAX_FDS_PER_FRAME`] allocations). All or none: on an error
+    /// the allocations already obtained are given back.
+    pub(super) fn alloc_many(&mut self, size: u64, count: usize) -> Result<Vec<AllocHandle>> {
+        if size == 0 {
+            return Err(Error::InvalidArgument("allocation of 0 bytes".into()));
+        }
+        let mut out = Vec::with_capacity(count);
+        if let Err(e) = self.alloc_many_into(size, count, &mut out) {
+            let ids: Vec<u64> = out.iter().map(|h| h.grant.alloc).collect();
+            drop(out); // unmapped before marud frees them
+            if !ids.is_empty() {
+                // The connection may be what failed: marud frees them with it then.
+                let _ = self.call(Op::Free { allocs: ids });
+            }
+            return Err(e);
+        }
+        Ok(out)
+    }
+
+    fn alloc_many_into(
+        &mut self,
+        size: u64,
+        count: usize,
+        out: &mut Vec<AllocHandle>,
+    ) -> Result<()> {
+        while self.spares.get(&size).is_none_or(Vec::is_empty) && self.refilling.contains(&size) {
+            self.recv_one()?;
+        }
+        while out.len() < count {
+            if let Some(s) = self.spares.get_mut(&size).and_then(Vec::pop) {
+                let h = self.map_grant(s)?;
+                out.push(h);
+                continue;
+            }
+            let n = (count - out.len()).min(MAX_FDS_PER_FRAME);
+            let op = Op::Alloc {
+                size,
+                count: n as u32,
+                pool: self.cfg.pool.clone(),
+                ns: self.cfg.namespace.clone(),
+            };
+            let (body, fds) = match self.call(op.clone()) {
+                // Spares of other sizes hold pool memory: give them back and try once more.
+                Err(Error::NoSpace(_)) if self.spares.values().any(|v| !v.is_empty()) => {
+                    self.free_spares()?;
+                    self.call(op)?
+                }
+                r => r?,
+            };
+            let grants = match body {
+                Body::Allocated { grants } => grants,
+                other => return Err(unexpected(&other)),
+            };
+            if grants.is_empty() {
+                return Err(Error::Protocol("empty grant".into()));
+            }
+            for s in self.spares_from(grants, fds)? {
+                let h = self.map_grant(s)?;
+                out.push(h);
+            }
+        }
+        Ok(())
+    }
+
     /// Gives every spare allocation back to the daemon.
     pub(super) fn free_spares(&mut self) -> Result<()> {
         let ids: Vec<u64> = self

@@ -377,6 +377,14 @@ impl Handler {
         self.inner.lock().alloc(size)
     }
 
+    /// Allocates `count` allocations of `size` bytes in one exchange (one per
+    /// [`MAX_FDS_PER_FRAME`](crate::proto::MAX_FDS_PER_FRAME)), whatever their size: for a
+    /// batch of entries larger than the sizes [`alloc`](Self::alloc) asks for in batches. All
+    /// or none.
+    pub fn alloc_many(&self, size: u64, count: usize) -> Result<Vec<AllocHandle>> {
+        self.inner.lock().alloc_many(size, count)
+    }
+
     /// Gives an allocation back without publishing it.
     pub fn free(&self, mut handle: AllocHandle) -> Result<()> {
         self.free_in_place(&mut handle)
