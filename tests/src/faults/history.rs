@@ -131,7 +131,13 @@ pub fn parse(key: &str, b: &[u8]) -> Result<(u64, u64), String> {
     }
     let n = u16::from_le_bytes([b[0], b[1]]) as usize;
     if n != key.len() || &b[2..2 + n] != key.as_bytes() {
-        let name = String::from_utf8_lossy(&b[2..(2 + n).min(b.len() - 8)]).into_owned();
+        if n > 64 || 2 + n > b.len() {
+            return Err(format!(
+                "the bytes carry no name (length field {n}, first bytes {:02x?})",
+                &b[..16]
+            ));
+        }
+        let name = String::from_utf8_lossy(&b[2..2 + n]).into_owned();
         return Err(format!("the bytes carry another name: {name:?}"));
     }
     let (body, tail) = b.split_at(b.len() - 8);
