@@ -55,7 +55,7 @@ pub fn run(env: &Env, history: &Arc<History>, kinds: &[Kind], seed: u64, until: 
         std::thread::sleep(until.saturating_duration_since(Instant::now()));
         return;
     }
-    let mut rng = StdRng::seed_from_u64(seed ^ 0x6e65_6d65_7369_73);
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x006e_656d_6573_6973);
     let ttl = env.ttl;
     let ms = |rng: &mut StdRng, lo: u64, hi: u64| Duration::from_millis(rng.gen_range(lo..hi));
     loop {
@@ -80,6 +80,7 @@ pub fn run(env: &Env, history: &Arc<History>, kinds: &[Kind], seed: u64, until: 
                 // SAFETY: signals to a child of ours, by pid.
                 unsafe { libc::kill(pid, libc::SIGSTOP) };
                 std::thread::sleep(ttl + ms(&mut rng, 500, 2500));
+                // SAFETY: as above.
                 unsafe { libc::kill(pid, libc::SIGCONT) };
                 format!("h{host}")
             }
