@@ -264,21 +264,35 @@ fn after(env: &env::Env, cfg: &Config, history: &History, healed: Instant, r: &m
     let filler = env.connect(0, Duration::from_secs(5)).expect("host 0");
     let mut n = 0u64;
     let mut a = Vec::new();
-    loop {
-        let key = format!("{}/fill{n}", workload::NS);
-        let res = filler.alloc(unit).and_then(|mut h| {
-            h.as_mut_slice()[..8].copy_from_slice(&n.to_le_bytes());
-            filler.store(&key, h)
-        });
-        match res {
-            Ok(()) => {
-                a.push(key);
-                n += 1;
-            }
-            Err(maru::Error::NoSpace(_)) => break,
-            Err(e) => {
-                r.violations.push(format!("filling the pool: {e}"));
+    // Twice: if the first fill falls short, once more after a wait of three TTLs and 5 s
+    // (what comes back in the background has come back by then).
+    for round in 0..2 {
+        if round == 1 {
+            if capacity.saturating_sub(n * unit) < unit {
                 break;
+            }
+            eprintln!(
+                "seed {}: the fill stopped at {n} entries; trying again after a wait",
+                cfg.seed
+            );
+            std::thread::sleep(3 * cfg.ttl + Duration::from_secs(5));
+        }
+        loop {
+            let key = format!("{}/fill{n}", workload::NS);
+            let res = filler.alloc(unit).and_then(|mut h| {
+                h.as_mut_slice()[..8].copy_from_slice(&n.to_le_bytes());
+                filler.store(&key, h)
+            });
+            match res {
+                Ok(()) => {
+                    a.push(key);
+                    n += 1;
+                }
+                Err(maru::Error::NoSpace(_)) => break,
+                Err(e) => {
+                    r.violations.push(format!("filling the pool: {e}"));
+                    break;
+                }
             }
         }
     }
