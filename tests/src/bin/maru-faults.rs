@@ -2,6 +2,7 @@
 //!
 //!     maru-faults [--seed N] [--runs N] [--duration SECS] [--faults kill,pause,...|none]
 //!                 [--hosts N] [--clients N] [--keys N] [--ttl SECS] [--converge SECS]
+//!                 [--no-space-check]
 //!
 //! Run `--runs N` runs with seeds `seed, seed+1, ...`; prints each run's report and exits 1
 //! if any run found a violation. Needs root and etcd (Debian's `etcd-server`).
@@ -15,6 +16,10 @@ fn main() {
     let mut runs = 1u64;
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
+        if flag == "--no-space-check" {
+            cfg.check_space = false;
+            continue;
+        }
         let val = args
             .next()
             .unwrap_or_else(|| usage(&format!("{flag} needs a value")));
@@ -61,7 +66,7 @@ fn usage(why: &str) -> ! {
     eprintln!(
         "maru-faults: {why}\nusage: maru-faults [--seed N] [--runs N] [--duration SECS] \
          [--faults kill,pause,partition,etcd-kill,compact|none] [--hosts N] [--clients N] \
-         [--keys N] [--ttl SECS] [--converge SECS]"
+         [--keys N] [--ttl SECS] [--converge SECS] [--no-space-check]"
     );
     std::process::exit(2)
 }
