@@ -159,6 +159,220 @@ impl Drop for Etcd {
     }
 }
 
+/// A three-member (or `n`-member) etcd: members `m0`, `m1`, ... all listening on `ip` in
+/// network namespace `netns` (None: this one), each on ports of its own, each with its data
+/// in a temporary directory. A member can be killed (SIGKILL, as a crash) and restarted on
+/// its data; every member is killed by pid when the cluster drops.
+pub struct EtcdCluster {
+    members: Vec<Member>,
+    netns: Option<String>,
+    ip: String,
+}
+
+struct Member {
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+    client: u16,
+    peer: u16,
+}
+
+impl EtcdCluster {
+    /// `n` members on ports from `base` (client `base + 100 i`, peer one above); None (skip)
+    /// when etcd is not installed outside CI.
+    pub fn start(netns: Option<&str>, ip: &str, n: usize, base: u16) -> Option<EtcdCluster> {
+        if Command::new("etcd")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .status()
+            .is_err()
+        {
+            skip("etcd is not installed (apt-get install etcd-server)");
+            return None;
+        }
+        let members = (0..n)
+            .map(|i| Member {
+                child: None,
+                dir: data_dir(),
+                client: base + 100 * i as u16,
+                peer: base + 100 * i as u16 + 1,
+            })
+            .collect();
+        let mut c = EtcdCluster {
+            members,
+            netns: netns.map(str::to_owned),
+            ip: ip.to_owned(),
+        };
+        for i in 0..n {
+            c.spawn(i);
+        }
+        for i in 0..n {
+            c.wait_ready(i);
+        }
+        Some(c)
+    }
+
+    fn spawn(&mut self, i: usize) {
+        let cluster: Vec<String> = self
+            .members
+            .iter()
+            .enumerate()
+            .map(|(k, m)| format!("m{k}=http://{}:{}", self.ip, m.peer))
+            .collect();
+        let m = &self.members[i];
+        let client = format!("http://{}:{}", self.ip, m.client);
+        let peer = format!("http://{}:{}", self.ip, m.peer);
+        let mut cmd = match &self.netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns, "etcd"]);
+                c
+            }
+            None => Command::new("etcd"),
+        };
+        let child = cmd
+            .args(["--name", &format!("m{i}"), "--data-dir"])
+            .arg(m.dir.path())
+            .args(["--listen-client-urls", &client])
+            .args(["--advertise-client-urls", &client])
+            .args(["--listen-peer-urls", &peer])
+            .args(["--initial-advertise-peer-urls", &peer])
+            .args(["--initial-cluster", &cluster.join(",")])
+            .args(["--initial-cluster-state", "new"])
+            .args(["--initial-cluster-token", "maru-faults"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start etcd");
+        self.members[i].child = Some(child);
+    }
+
+    fn wait_ready(&self, i: usize) {
+        let port = self.members[i].client;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !self.healthy(i) {
+            assert!(
+                Instant::now() < deadline,
+                "etcd member m{i} was not healthy on port {port} in 30 s"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Whether member `i` answers that the cluster has a leader.
+    pub fn healthy(&self, i: usize) -> bool {
+        let body = self.http(i, "GET", "/health", "");
+        body.is_some_and(|b| b.contains("\"health\":\"true\""))
+    }
+
+    /// A request to member `i`'s client port (JSON gateway); the response, headers included.
+    pub fn http(&self, i: usize, method: &str, path: &str, body: &str) -> Option<String> {
+        let addr = format!("{}:{}", self.ip, self.members[i].client);
+        let req = format!(
+            "{method} {path} HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        let go = move || {
+            use std::io::{Read, Write};
+            let mut c =
+                std::net::TcpStream::connect_timeout(&addr.parse().ok()?, Duration::from_secs(1))
+                    .ok()?;
+            c.set_read_timeout(Some(Duration::from_secs(3))).ok()?;
+            c.write_all(req.as_bytes()).ok()?;
+            let mut out = String::new();
+            c.read_to_string(&mut out).ok()?;
+            Some(out)
+        };
+        match &self.netns {
+            None => go(),
+            Some(ns) => in_netns(ns, go),
+        }
+    }
+
+    /// Compacts the keyspace at its current revision (asked of any member that answers);
+    /// the revision compacted, if one did.
+    pub fn compact(&self) -> Option<i64> {
+        for i in 0..self.members.len() {
+            let Some(r) = self.http(i, "POST", "/v3/kv/range", r#"{"key":"AA=="}"#) else {
+                continue;
+            };
+            let Some(rev) = r
+                .split("\"revision\":\"")
+                .nth(1)
+                .and_then(|t| t.split('"').next())
+                .and_then(|t| t.parse::<i64>().ok())
+            else {
+                continue;
+            };
+            let body = format!(r#"{{"revision":"{rev}","physical":true}}"#);
+            if self
+                .http(i, "POST", "/v3/kv/compaction", &body)
+                .is_some_and(|r| r.contains(" 200 "))
+            {
+                return Some(rev);
+            }
+        }
+        None
+    }
+
+    pub fn len(&self) -> usize {
+        self.members.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.members.is_empty()
+    }
+
+    /// Every member's client URL (for `--cluster`).
+    pub fn endpoints(&self) -> Vec<String> {
+        self.members
+            .iter()
+            .map(|m| format!("http://{}:{}", self.ip, m.client))
+            .collect()
+    }
+
+    /// Member `i`'s pid, while it runs (`ip netns exec` execs etcd: the child's pid is etcd's).
+    pub fn pid(&self, i: usize) -> Option<u32> {
+        self.members[i].child.as_ref().map(Child::id)
+    }
+
+    /// Kills member `i` (SIGKILL); its data stays for [`EtcdCluster::restart`].
+    pub fn kill(&mut self, i: usize) {
+        if let Some(mut c) = self.members[i].child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts member `i` again on its data (it rejoins the others); waits until it is healthy.
+    pub fn restart(&mut self, i: usize) {
+        self.kill(i);
+        self.spawn(i);
+        self.wait_ready(i);
+    }
+}
+
+impl Drop for EtcdCluster {
+    fn drop(&mut self) {
+        for i in 0..self.members.len() {
+            self.kill(i);
+        }
+    }
+}
+
+fn data_dir() -> tempfile::TempDir {
+    // In memory where there is a tmpfs: etcd syncs every write, and on a disk busy with a
+    // build's output one sync can take seconds.
+    let shm = std::path::Path::new("/dev/shm");
+    if shm.is_dir() {
+        tempfile::Builder::new()
+            .prefix("maru-etcd-")
+            .tempdir_in(shm)
+    } else {
+        tempfile::tempdir()
+    }
+    .expect("tempdir")
+}
+
 /// Makes the calling process a host of network namespace `netns_fd`, as `ip netns exec`
 /// does: it joins the namespace, takes a mount namespace of its own whose mounts do not
 /// propagate back, and mounts a sysfs of the namespace's own on /sys (so that programs that

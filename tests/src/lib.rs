@@ -9,16 +9,21 @@ use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+pub mod faults;
+
 /// Path of a workspace binary (built on first use if missing).
 pub fn bin(name: &str) -> PathBuf {
     static BUILT: OnceLock<()> = OnceLock::new();
     let exe = std::env::current_exe().expect("current exe");
-    // target/<profile>/deps/test-xxxx -> target/<profile>/
-    let dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target dir")
-        .to_owned();
+    // target/<profile>/deps/test-xxxx -> target/<profile>/; a binary of this crate
+    // (maru-faults) is in target/<profile>/ itself.
+    let parent = exe.parent().expect("target dir");
+    let dir = if parent.ends_with("deps") {
+        parent.parent().expect("target dir")
+    } else {
+        parent
+    }
+    .to_owned();
     let profile_release = dir.ends_with("release");
     let p = dir.join(name);
     BUILT.get_or_init(|| {

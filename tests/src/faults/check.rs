@@ -1,0 +1,208 @@
+//! The checker: reads a history and finds the outcomes that maru's cluster promises forbid.
+//! Every rule allows only what a correct cluster could do, given that a host's view of the
+//! others' publications and deletes may lag by up to `lag` (the convergence bound): a
+//! violation it reports is one no interleaving of the recorded operations explains.
+
+use std::collections::BTreeMap;
+
+use super::history::{Kind, Op, Outcome};
+
+/// Findings, one line each.
+pub fn check(ops: &[Op], lag_us: u64) -> Vec<String> {
+    let mut v = Vec::new();
+    let mut by_key: BTreeMap<&str, Vec<&Op>> = BTreeMap::new();
+    for op in ops {
+        by_key.entry(&op.key).or_default().push(op);
+    }
+    for (key, ops) in by_key {
+        let stores: Vec<&Op> = ops
+            .iter()
+            .copied()
+            .filter(|o| o.kind == Kind::Store)
+            .collect();
+        // A delete that may have deleted something: acknowledged, or of unknown outcome.
+        let deletes: Vec<&Op> = ops
+            .iter()
+            .copied()
+            .filter(|o| {
+                o.kind == Kind::Delete && matches!(o.outcome, Outcome::Ok | Outcome::Failed(_))
+            })
+            .collect();
+        let reads: Vec<(&Op, u64)> = ops
+            .iter()
+            .filter_map(|o| match o.outcome {
+                Outcome::Read { version, .. } => Some((*o, version)),
+                _ => None,
+            })
+            .collect();
+        let store_of = |version: u64| stores.iter().find(|s| s.version == version);
+        // 1. Whole bytes, of a version some client stored (and had begun storing).
+        for o in &ops {
+            if let Outcome::Corrupt(why) = &o.outcome {
+                v.push(format!(
+                    "{key}: read on h{} at {} µs: {why}",
+                    o.host, o.start
+                ));
+            }
+        }
+        for &(r, version) in &reads {
+            match store_of(version) {
+                Some(s) if s.start < r.end => {}
+                _ => v.push(format!(
+                    "{key}: read on h{} at {} µs returned version {version:#x}, never stored before",
+                    r.host, r.start
+                )),
+            }
+        }
+        // 2. A name is published once: two acknowledged stores need a delete between them.
+        let acked: Vec<&Op> = stores
+            .iter()
+            .copied()
+            .filter(|s| s.outcome == Outcome::Ok)
+            .collect();
+        for (i, a) in acked.iter().enumerate() {
+            for b in &acked[i + 1..] {
+                let (lo, hi) = (a.start.min(b.start), a.end.max(b.end));
+                if !deletes.iter().any(|d| d.start < hi && d.end > lo) {
+                    v.push(format!(
+                        "{key}: published twice with no delete between: version {:#x} on h{} \
+                         ({}..{} µs) and {:#x} on h{} ({}..{} µs)",
+                        a.version, a.host, a.start, a.end, b.version, b.host, b.start, b.end
+                    ));
+                }
+            }
+        }
+        // 3. Never two contents without a delete between the reads (give or take the lag).
+        for (i, &(a, va)) in reads.iter().enumerate() {
+            for &(b, vb) in &reads[i + 1..] {
+                if va == vb {
+                    continue;
+                }
+                let (lo, hi) = (a.start.min(b.start), a.end.max(b.end));
+                if !deletes.iter().any(|d| d.start < hi && d.end + lag_us > lo) {
+                    v.push(format!(
+                        "{key}: read as {va:#x} on h{} ({}..{} µs) and as {vb:#x} on h{} \
+                         ({}..{} µs) with no delete between",
+                        a.host, a.start, a.end, b.host, b.start, b.end
+                    ));
+                }
+            }
+        }
+        // 4. No read of an entry deleted (acknowledged) after it was stored and before the
+        //    read began, the lag aside.
+        for &(r, version) in &reads {
+            let Some(s) = store_of(version) else { continue };
+            if let Some(d) = deletes.iter().find(|d| {
+                d.outcome == Outcome::Ok && d.start > s.end + lag_us && d.end + lag_us < r.start
+            }) {
+                v.push(format!(
+                    "{key}: read on h{} at {} µs returned version {version:#x}, stored by {} µs \
+                     and deleted on h{} at {}..{} µs",
+                    r.host, r.start, s.end, d.host, d.start, d.end
+                ));
+            }
+        }
+        // 5. An acknowledged store that no delete may have undone is read, whole, by every
+        //    host after the run (the checker's own reads, client u32::MAX).
+        for s in &acked {
+            if deletes.iter().any(|d| d.end > s.start) {
+                continue;
+            }
+            for f in ops
+                .iter()
+                .filter(|o| o.client == u32::MAX && o.kind == Kind::Retrieve)
+            {
+                if !matches!(f.outcome, Outcome::Read { version, .. } if version == s.version) {
+                    v.push(format!(
+                        "{key}: version {:#x} stored on h{} (acknowledged at {} µs) and never \
+                         deleted, but h{} reads {:?} after the run",
+                        s.version, s.host, s.end, f.host, f.outcome
+                    ));
+                }
+            }
+        }
+    }
+    v
+}
+
+/// Extents of live entries `(offset, size, key)`: none overlaps another or leaves the pool.
+pub fn extents(mut spans: Vec<(u64, u64, String)>, pool_size: u64) -> Vec<String> {
+    let mut v = Vec::new();
+    spans.sort();
+    for w in spans.windows(2) {
+        if w[0].0 + w[0].1 > w[1].0 {
+            v.push(format!(
+                "{} at {:#x}+{:#x} and {} at {:#x} share bytes of the pool",
+                w[0].2, w[0].0, w[0].1, w[1].2, w[1].0
+            ));
+        }
+    }
+    for (off, len, key) in &spans {
+        if off + len > pool_size {
+            v.push(format!(
+                "{key} at {off:#x}+{len:#x} lies past the pool's end"
+            ));
+        }
+    }
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn op(host: usize, kind: Kind, version: u64, t: (u64, u64), outcome: Outcome) -> Op {
+        Op {
+            client: host as u32,
+            host,
+            kind,
+            key: "ns/k0".into(),
+            version,
+            start: t.0,
+            end: t.1,
+            outcome,
+        }
+    }
+
+    fn read(version: u64) -> Outcome {
+        Outcome::Read {
+            version,
+            checksum: 0,
+        }
+    }
+
+    #[test]
+    fn the_checker_finds_what_it_should_and_passes_what_it_should() {
+        let s1 = op(0, Kind::Store, 1, (0, 10), Outcome::Ok);
+        let s2 = op(1, Kind::Store, 2, (20, 30), Outcome::Ok);
+        let d = op(2, Kind::Delete, 0, (12, 15), Outcome::Ok);
+        let r1 = op(0, Kind::Retrieve, 0, (11, 12), read(1));
+        let r2 = op(1, Kind::Retrieve, 0, (40, 41), read(2));
+        // A history a correct cluster produces.
+        let good = [s1.clone(), d.clone(), s2.clone(), r1.clone(), r2.clone()];
+        assert_eq!(check(&good, 0), Vec::<String>::new());
+        // Without the delete: published twice, read two ways.
+        let bad = [s1.clone(), s2.clone(), r1.clone(), r2.clone()];
+        assert_eq!(check(&bad, 0).len(), 2, "{:?}", check(&bad, 0));
+        // A read of a deleted version, long after the delete.
+        let late = op(1, Kind::Retrieve, 0, (100, 101), read(1));
+        let s1 = op(0, Kind::Store, 1, (0, 10), Outcome::Ok);
+        assert_eq!(check(&[s1.clone(), d.clone(), late.clone()], 0).len(), 1);
+        // A phantom, a torn read, and an acknowledged store lost after the run.
+        let phantom = op(1, Kind::Retrieve, 0, (5, 6), read(9));
+        let torn = op(
+            1,
+            Kind::Retrieve,
+            0,
+            (5, 6),
+            Outcome::Corrupt("bad checksum".into()),
+        );
+        let mut fin = op(2, Kind::Retrieve, 0, (200, 201), Outcome::NotFound);
+        fin.client = u32::MAX;
+        assert_eq!(check(&[s1.clone(), phantom, torn, fin], 0).len(), 3);
+        assert_eq!(
+            extents(vec![(0, 10, "a".into()), (5, 10, "b".into())], 100).len(),
+            1
+        );
+    }
+}

@@ -1,0 +1,110 @@
+//! The cluster under test: a three-member etcd in a hub network namespace, and marud hosts,
+//! each a host of a network namespace of its own (and a mount namespace of its own), sharing
+//! one `file:` pool. Everything goes when the environment drops, panics included: the
+//! daemons and etcd members are killed by pid, the namespaces (and their veths) deleted, the
+//! pool file and directories removed.
+
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use maru_cluster::testing::{EtcdCluster, Net};
+
+use crate::{Daemon, Opts, bin};
+
+pub const POOL_SIZE: u64 = 256 << 20;
+
+pub struct Env {
+    // Drop order: daemons, then etcd, then the namespaces.
+    pub hosts: Vec<Mutex<Daemon>>,
+    pub etcd: Mutex<EtcdCluster>,
+    pub net: Net,
+    pub pool: PathBuf,
+    pub ttl: Duration,
+    _dir: tempfile::TempDir,
+}
+
+impl Env {
+    /// `hosts` marud hosts on a fresh pool; None (skip) without root or etcd outside CI.
+    pub fn start(hosts: usize, ttl: Duration) -> Option<Env> {
+        let net = Net::new(hosts)?;
+        let etcd = EtcdCluster::start(Some(&net.hub), &net.hub_ip(), 3, 2379)?;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let pool = dir.path().join("cxl.img");
+        std::fs::File::create(&pool)
+            .and_then(|f| f.set_len(POOL_SIZE))
+            .expect("pool file");
+        let out = std::process::Command::new(bin("maructl"))
+            .args(["device", "init"])
+            .arg(&pool)
+            .output()
+            .expect("maructl");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let endpoints = etcd.endpoints().join(",");
+        let daemons = (0..hosts)
+            .map(|i| {
+                Mutex::new(Daemon::start_host(
+                    Opts {
+                        pools: vec![format!("file:{},size={POOL_SIZE}", pool.display())],
+                        mount: true,
+                        extra: vec![
+                            "--cluster".into(),
+                            endpoints.clone(),
+                            "--node".into(),
+                            format!("h{i}"),
+                            "--cluster-ttl".into(),
+                            ttl.as_secs().to_string(),
+                            "--eviction".into(),
+                            "off".into(),
+                            // A killed marud serving FUSE over io_uring can hang in the kernel.
+                            "--fuse-uring".into(),
+                            "off".into(),
+                        ],
+                    },
+                    &net.hosts[i],
+                    &[],
+                ))
+            })
+            .collect();
+        Some(Env {
+            hosts: daemons,
+            etcd: Mutex::new(etcd),
+            net,
+            pool,
+            ttl,
+            _dir: dir,
+        })
+    }
+
+    /// Host `i`'s control socket (it stays across restarts).
+    pub fn socket(&self, i: usize) -> PathBuf {
+        self.hosts[i].lock().expect("host").socket.clone()
+    }
+
+    /// A client of host `i`, waiting (up to `wait`) for the host to serve.
+    pub fn connect(&self, i: usize, wait: Duration) -> Option<maru::Handler> {
+        connect(&self.socket(i), wait)
+    }
+}
+
+/// A client of the marud at `socket`, retried for up to `wait`.
+pub fn connect(socket: &std::path::Path, wait: Duration) -> Option<maru::Handler> {
+    let t = std::time::Instant::now();
+    loop {
+        let cfg = maru::Config {
+            socket: socket.to_owned(),
+            ..Default::default()
+        };
+        if let Ok(h) = maru::Handler::connect(cfg) {
+            return Some(h);
+        }
+        if t.elapsed() > wait {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

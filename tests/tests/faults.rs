@@ -1,0 +1,39 @@
+//! The cluster under faults, in CI: short seeded runs of the fault harness
+//! (`maru_tests::faults`, run longer by hand with `maru-faults`; doc/RELIABILITY.md,
+//! "Cluster faults"), with only the fault kinds that pass reliably. Each run must end with
+//! no violation found by the checker.
+
+use std::time::Duration;
+
+use maru_tests::faults::{Config, nemesis::Kind, run};
+use maru_tests::require_root;
+
+fn clean(seed: u64, secs: u64, faults: &[Kind]) {
+    let cfg = Config {
+        seed,
+        duration: Duration::from_secs(secs),
+        faults: faults.to_vec(),
+        // The space check found space held after deleting everything, without faults, in
+        // two runs of five (doc/RELIABILITY.md, "Cluster faults"): open, so not in CI.
+        check_space: false,
+        ..Config::default()
+    };
+    let Some(report) = run(&cfg) else { return };
+    eprintln!("{report}");
+    assert!(report.violations.is_empty(), "{report}");
+    assert!(
+        report.ops.values().map(|(n, _)| n).sum::<u64>() > 50,
+        "{report}"
+    );
+}
+
+// One test, the runs one after the other: each starts three etcd members and three hosts,
+// and the convergence bound is a time.
+#[test]
+fn seeded_runs_under_faults_find_no_violation() {
+    require_root!();
+    clean(1, 10, &[]);
+    // Compaction only: kill, etcd-kill, pause and partition find violations still open
+    // (doc/RELIABILITY.md, "Cluster faults").
+    clean(2, 15, &[Kind::Compact]);
+}
