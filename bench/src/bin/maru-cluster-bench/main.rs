@@ -92,6 +92,15 @@ fn read_all(bytes: &[u8]) -> u64 {
 
 /// Where the pool file lives: a tmpfs of its own in 2 MiB pages (unmounted when dropped), or
 /// a directory in /dev/shm (4 KiB pages).
+/// A pool file of `size` bytes at `path`, its header written once as on a real device; its
+/// `--pool` spec.
+fn pool_file(path: &Path, size: u64) -> anyhow::Result<String> {
+    let f = std::fs::File::create(path)?;
+    f.set_len(size)?;
+    maru::format::init_header(&f)?;
+    Ok(format!("file:{},size={size}", path.display()))
+}
+
 struct PoolDir {
     dir: tempfile::TempDir,
     mounted: bool,
@@ -154,12 +163,7 @@ fn cluster(
     // The shared pool: a file in a tmpfs, its header written once as on a real device.
     let size = (chunks as u64 * CHUNK as u64) * 5 / 4 + (512 << 20);
     let shm = PoolDir::new(huge, size + (64 << 20))?;
-    let pool = shm.dir.path().join("cxl.img");
-    let f = std::fs::File::create(&pool)?;
-    f.set_len(size)?;
-    maru::format::init_header(&f)?;
-    drop(f);
-    let spec = format!("file:{},size={size}", pool.display());
+    let spec = pool_file(&shm.dir.path().join("cxl.img"), size)?;
     let eps = etcd.endpoints().join(",");
     let host = |name: &str| {
         PrivateDaemon::start_with(

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use maru_tools::bench::{Row, fmt_table, rate, scratch};
 use maru_tools::env::{PrivateDaemon, sibling};
 
-use super::PoolDir;
+use super::{PoolDir, pool_file};
 
 /// Entries of one `batch_store`.
 const BATCH: usize = 64;
@@ -139,12 +139,7 @@ fn measure(
     let tmp = scratch()?;
     let size: u64 = 1 << 30;
     let shm = PoolDir::new(false, size)?;
-    let pool = shm.dir.path().join("cxl.img");
-    let f = std::fs::File::create(&pool)?;
-    f.set_len(size)?;
-    maru::format::init_header(&f)?;
-    drop(f);
-    let spec = format!("file:{},size={size}", pool.display());
+    let spec = pool_file(&shm.dir.path().join("cxl.img"), size)?;
     let eps = etcd.endpoints().join(",");
     let d = PrivateDaemon::start_exe(
         marud,
@@ -166,12 +161,7 @@ fn measure(
     drop(h);
     drop(d);
     // The same marud, alone (no etcd), on a pool of its own.
-    let alone = tmp.path().join("alone.img");
-    let f = std::fs::File::create(&alone)?;
-    f.set_len(size)?;
-    maru::format::init_header(&f)?;
-    drop(f);
-    let spec = format!("file:{},size={size}", alone.display());
+    let spec = pool_file(&tmp.path().join("alone.img"), size)?;
     let d = PrivateDaemon::start_exe(
         marud,
         tmp.path(),
