@@ -5,7 +5,6 @@
 //! goes with the next one, so the busier the host, the larger its transactions.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use maru_cluster::{EntryRecord, Member, Publication, Published, Removed};
 use tokio::sync::{RwLock, Semaphore, mpsc};
@@ -15,9 +14,6 @@ const IN_FLIGHT: usize = 1;
 
 /// Publications one commit takes at most (its transactions go to etcd together).
 const PER_COMMIT: usize = 256;
-
-/// The longest a commit waits for the callers its last one carried.
-const MAX_LINGER: Duration = Duration::from_micros(500);
 
 /// One publication waiting for its commit.
 pub(super) struct Item {
@@ -106,41 +102,24 @@ fn stopped() -> maru_cluster::Error {
 /// as it takes, both at once.
 async fn commit(member: Arc<RwLock<Member>>, mut rx: mpsc::UnboundedReceiver<Job>) {
     let slots = Arc::new(Semaphore::new(IN_FLIGHT));
-    // How many callers the last commit carried, and how long its round trip took.
-    let last = Arc::new(parking_lot::Mutex::new((1usize, Duration::ZERO)));
     while let Some(first) = rx.recv().await {
         let Ok(slot) = slots.clone().acquire_owned().await else {
             return;
         };
         let mut n = first.len();
         let mut jobs = vec![first];
-        // Callers answered by the last commit come back at about the same time: when it
-        // carried several, the first back waits a little (half its round trip at most) for
-        // the others, rather than leaving them for the commit after. A lone caller never
-        // waits.
-        let (expect, rtt) = *last.lock();
-        let linger = tokio::time::Instant::now() + (rtt / 2).min(MAX_LINGER);
         while n < PER_COMMIT {
-            let next = if jobs.len() < expect {
-                tokio::time::timeout_at(linger, rx.recv())
-                    .await
-                    .ok()
-                    .flatten()
-            } else {
-                rx.try_recv().ok()
-            };
-            match next {
-                Some(j) => {
+            match rx.try_recv() {
+                Ok(j) => {
                     n += j.len();
                     jobs.push(j);
                 }
-                None => break,
+                Err(_) => break,
             }
         }
-        let (m, last) = (member.clone(), last.clone());
+        let m = member.clone();
         tokio::spawn(async move {
             let _slot = slot;
-            let t = tokio::time::Instant::now();
             let (mut publishing, mut removing) = (Vec::new(), Vec::new());
             for j in &jobs {
                 match j {
@@ -160,7 +139,6 @@ async fn commit(member: Arc<RwLock<Member>>, mut rx: mpsc::UnboundedReceiver<Job
             let m = m.read().await;
             let (published, removed) =
                 tokio::join!(m.publish_many(&publishing), m.remove_many(&removing));
-            *last.lock() = (jobs.len(), t.elapsed());
             let (mut published, mut removed) = (published.into_iter(), removed.into_iter());
             for j in jobs {
                 match j {
