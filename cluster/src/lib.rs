@@ -49,14 +49,18 @@
 pub mod etcd;
 pub mod testing;
 
+mod batch;
 mod error;
 mod keys;
+mod lease;
 mod member;
 mod records;
 mod watch;
 
+pub use batch::Publication;
 pub use error::{Error, Result};
 pub use keys::UNIT;
-pub use member::{Member, Publication};
+pub use lease::boottime_ns;
+pub use member::Member;
 pub use records::{EntryEvent, EntryRecord, Listed, NodeInfo, Published, Removed};
 pub use watch::{AccessWatch, AckWatch, ClientPinWatch, EntryWatch, PinWatch, QuotaWatch};

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::task::JoinHandle;
@@ -11,17 +11,21 @@ use tokio::task::JoinHandle;
 use crate::error::{Error, Result};
 use crate::etcd::{self, Client, Compare, Op, Range, Txn, TxnResponse};
 use crate::keys::*;
+use crate::lease::{boottime_ns, keep_alive, validity_guard};
 use crate::records::*;
 use crate::watch::*;
 
 /// One host's membership of a pool's cluster.
 pub struct Member {
-    client: Client,
-    keys: Keys,
-    info: NodeInfo,
+    pub(crate) client: Client,
+    pub(crate) keys: Keys,
+    pub(crate) info: NodeInfo,
     ttl: i64,
     lease: i64,
     live: Arc<AtomicBool>,
+    /// Until when (CLOCK_BOOTTIME, ns; 0: not now) this host's lease is sure to be alive in
+    /// etcd ([`Member::validity`]); the same across rejoins.
+    valid: Arc<AtomicU64>,
     keeper: JoinHandle<()>,
 }
 
@@ -54,7 +58,8 @@ impl Member {
         let keys = Keys {
             root: format!("/maru/{pool_uuid}/"),
         };
-        let (lease, live, keeper) = Self::register(&client, &keys, &info, ttl).await?;
+        let valid = Arc::new(AtomicU64::new(0));
+        let (lease, live, keeper) = Self::register(&client, &keys, &info, ttl, &valid).await?;
         Ok(Member {
             client,
             keys,
@@ -62,6 +67,7 @@ impl Member {
             ttl,
             lease,
             live,
+            valid,
             keeper,
         })
     }
@@ -71,8 +77,10 @@ impl Member {
         keys: &Keys,
         info: &NodeInfo,
         ttl: i64,
+        valid: &Arc<AtomicU64>,
     ) -> Result<(i64, Arc<AtomicBool>, JoinHandle<()>)> {
         let c = client.clone();
+        let sent = boottime_ns();
         let lease = c.lease_grant(ttl).await?;
         let key = keys.node(&info.node);
         let value = serde_json::to_vec(info).expect("serializable");
@@ -83,8 +91,19 @@ impl Member {
             let _ = c.lease_revoke(lease).await;
             return Err(Error::NodeTaken(info.node.clone()));
         }
+        // etcd counts the TTL from when it granted the lease, after it was asked.
+        valid.store(
+            sent + ttl as u64 * 1_000_000_000 - validity_guard(ttl),
+            Ordering::Release,
+        );
         let live = Arc::new(AtomicBool::new(true));
-        let keeper = tokio::spawn(keep_alive(c, lease, ttl, live.clone(), info.node.clone()));
+        let keeper = tokio::spawn(keep_alive(
+            c,
+            lease,
+            ttl,
+            (live.clone(), valid.clone()),
+            info.node.clone(),
+        ));
         Ok((lease, live, keeper))
     }
 
@@ -104,12 +123,22 @@ impl Member {
         self.live.load(Ordering::Acquire)
     }
 
+    /// Until when this host's lease is sure to be alive in etcd, in [`boottime_ns`]: the last
+    /// successful renewal's request time plus the TTL, less a third of the TTL (the guard:
+    /// what was granted before this instant has that long to be written before another host
+    /// can have carved it again); 0 once the lease is known lost, until a rejoin. Other hosts
+    /// can claim this host's regions only after etcd expired its lease, which is never before
+    /// the renewal's request time plus the TTL. The value is shared: it follows the rejoins.
+    pub fn validity(&self) -> Arc<AtomicU64> {
+        self.valid.clone()
+    }
+
     /// Joins again after the lease was lost: a new lease, the node record recreated. What
     /// the old lease held (claims) is gone; the caller re-claims what it needs.
     pub async fn rejoin(&mut self) -> Result<()> {
         self.keeper.abort();
         let (lease, live, keeper) =
-            Self::register(&self.client, &self.keys, &self.info, self.ttl).await?;
+            Self::register(&self.client, &self.keys, &self.info, self.ttl, &self.valid).await?;
         self.lease = lease;
         self.live = live;
         self.keeper = keeper;
@@ -117,7 +146,7 @@ impl Member {
     }
 
     /// The comparison that holds only while this host's lease owns its node record.
-    fn alive_cmp(&self) -> Compare {
+    pub(crate) fn alive_cmp(&self) -> Compare {
         Compare::lease_is(self.keys.node(&self.info.node), self.lease)
     }
 
@@ -252,7 +281,7 @@ impl Member {
         self.publish_as(ns, name, record, true).await
     }
 
-    async fn publish_as(
+    pub(crate) async fn publish_as(
         &self,
         ns: &str,
         name: &str,
@@ -302,79 +331,6 @@ impl Member {
             offset: record.offset,
             len: record.len,
         })
-    }
-
-    /// Publishes several entries, each as [`Member::publish`] (or, for those marked reserved,
-    /// [`Member::publish_reserved`]) would, in as few transactions as etcd's operation limit
-    /// allows: in the common case, where every name is free, a batch of 64 small entries
-    /// takes two round trips, not 64. Each item keeps its own outcome: a transaction whose
-    /// comparisons fail (a name taken, a reservation elsewhere, a region lost) is retried
-    /// item by item, so one taken name fails alone. An item naming an entry an earlier item
-    /// of the batch names goes after the others, on its own (it finds the name taken, unless
-    /// the earlier one failed).
-    pub async fn publish_many(&self, items: &[Publication<'_>]) -> Vec<Result<Published>> {
-        let mut out: Vec<Option<Result<Published>>> = Vec::with_capacity(items.len());
-        let mut groups: Vec<Group> = Vec::new();
-        let mut names = std::collections::HashSet::new();
-        // Items naming an entry named earlier in the batch: each on its own, afterwards.
-        let mut again = Vec::new();
-        for (i, p) in items.iter().enumerate() {
-            if let Err(e) = check_ns(p.ns).and_then(|()| check_name(p.name)) {
-                out.push(Some(Err(e)));
-                continue;
-            }
-            out.push(None);
-            let key = self.keys.entry(p.ns, p.name);
-            if !names.insert(key.clone()) {
-                again.push(i);
-                continue;
-            }
-            let g = match groups.iter_mut().position(|g| g.fits(p)) {
-                Some(g) => &mut groups[g],
-                None => {
-                    groups.push(Group::new(self.alive_cmp()));
-                    groups.last_mut().expect("pushed")
-                }
-            };
-            g.add(i, key, p, self);
-        }
-        let runs = groups.into_iter().map(|g| async move {
-            let (members, txn) = g.into_txn();
-            let r = self.client.txn(txn).await;
-            (members, r)
-        });
-        for (members, r) in futures_util::future::join_all(runs).await {
-            match r {
-                Ok(r) if r.succeeded() => {
-                    for i in members {
-                        out[i] = Some(Ok(Published::New {
-                            revision: r.revision(),
-                        }));
-                    }
-                }
-                // Some comparison failed: each item on its own finds out which.
-                Ok(_) => {
-                    for i in members {
-                        let p = &items[i];
-                        out[i] = Some(self.publish_as(p.ns, p.name, p.record, p.reserved).await);
-                    }
-                }
-                // etcd could not be asked: every item of the transaction failed alike (its
-                // outcome unknown, as a single publication's would be).
-                Err(e) => {
-                    for i in members {
-                        out[i] = Some(Err(copy_of(&e).into()));
-                    }
-                }
-            }
-        }
-        for i in again {
-            let p = &items[i];
-            out[i] = Some(self.publish_as(p.ns, p.name, p.record, p.reserved).await);
-        }
-        out.into_iter()
-            .map(|o| o.expect("every item has its outcome"))
-            .collect()
     }
 
     /// From a failed transaction's reads (this node, the entry, its reservation): who took
@@ -447,17 +403,24 @@ impl Member {
         }
     }
 
-    /// Removes entry `ns/name` only if its record is `record` (a publication whose outcome
-    /// was unknown, taken back); true if it did.
-    pub async fn retract(&self, ns: &str, name: &str, record: &EntryRecord) -> Result<bool> {
+    /// Whether entry `ns/name` holds `record` now (a publication whose outcome was unknown:
+    /// it made it if so): the revision that created it, or None.
+    pub async fn published_as(
+        &self,
+        ns: &str,
+        name: &str,
+        record: &EntryRecord,
+    ) -> Result<Option<i64>> {
         check_ns(ns)?;
         check_name(name)?;
-        let key = self.keys.entry(ns, name);
-        let value = serde_json::to_vec(record).expect("serializable");
-        let txn = Txn::new()
-            .when([Compare::value_is(key.clone(), value)])
-            .and_then([Op::delete(key)]);
-        Ok(self.client.txn(txn).await?.succeeded())
+        let r = self
+            .client
+            .get(self.keys.entry(ns, name), Range::KEY)
+            .await?;
+        Ok(r.kvs
+            .first()
+            .filter(|kv| decode::<EntryRecord>(&kv.key, &kv.value).is_ok_and(|got| got == *record))
+            .map(|kv| kv.create_revision))
     }
 
     /// Removes entry `ns/name` (and its pin), at the revision returned.
@@ -473,66 +436,6 @@ impl Member {
             existed: r.deleted(0).is_some_and(|n| n > 0),
             revision: r.revision(),
         })
-    }
-
-    /// Removes entries `names` (and their pins) as [`Member::remove`] does, in as few
-    /// transactions as etcd's operation limit allows; one outcome each, in order. A name
-    /// given twice is removed once: the second says it did not exist.
-    pub async fn remove_many(&self, names: &[(&str, &str)]) -> Vec<Result<Removed>> {
-        let mut out: Vec<Option<Result<Removed>>> = Vec::with_capacity(names.len());
-        let mut seen = std::collections::HashSet::new();
-        let mut todo: Vec<(usize, String, String)> = Vec::new();
-        let mut twice = Vec::new();
-        for (i, (ns, name)) in names.iter().enumerate() {
-            if let Err(e) = check_ns(ns).and_then(|()| check_name(name)) {
-                out.push(Some(Err(e)));
-                continue;
-            }
-            out.push(None);
-            let key = self.keys.entry(ns, name);
-            if seen.insert(key.clone()) {
-                todo.push((i, key, self.keys.pin(ns, name)));
-            } else {
-                twice.push(i);
-            }
-        }
-        let runs = todo.chunks(REMOVALS_PER_TXN).map(|chunk| async move {
-            let ops = chunk
-                .iter()
-                .flat_map(|(_, key, pin)| [Op::delete(key.clone()), Op::delete(pin.clone())]);
-            (chunk, self.client.txn(Txn::new().and_then(ops)).await)
-        });
-        for (chunk, r) in futures_util::future::join_all(runs).await {
-            match r {
-                Ok(r) => {
-                    for (j, (i, ..)) in chunk.iter().enumerate() {
-                        out[*i] = Some(Ok(Removed {
-                            existed: r.deleted(2 * j).is_some_and(|n| n > 0),
-                            revision: r.revision(),
-                        }));
-                    }
-                }
-                Err(e) => {
-                    for (i, ..) in chunk {
-                        out[*i] = Some(Err(copy_of(&e).into()));
-                    }
-                }
-            }
-        }
-        for i in twice {
-            let revision = out
-                .iter()
-                .flatten()
-                .find_map(|r| r.as_ref().ok().map(|r| r.revision))
-                .unwrap_or(0);
-            out[i] = Some(Ok(Removed {
-                existed: false,
-                revision,
-            }));
-        }
-        out.into_iter()
-            .map(|o| o.expect("every name has its outcome"))
-            .collect()
     }
 
     /// Acknowledges every change to the entries up to `revision` (this host applied them):
@@ -871,123 +774,5 @@ impl Drop for Member {
     fn drop(&mut self) {
         // Without leave(): the lease runs out after its TTL, as if the host had died.
         self.keeper.abort();
-    }
-}
-
-/// Keeps the lease alive every third of its TTL; marks the member not live when etcd says
-/// the lease is gone, or when no renewal succeeded for a whole TTL (etcd unreachable).
-async fn keep_alive(c: Client, lease: i64, ttl: i64, live: Arc<AtomicBool>, node: String) {
-    let period = Duration::from_millis((ttl as u64 * 1000 / 3).max(100));
-    let mut last_ok = tokio::time::Instant::now();
-    let mut stream = None;
-    loop {
-        if stream.is_none() {
-            stream = tokio::time::timeout(period, c.lease_keep_alive(lease))
-                .await
-                .ok()
-                .and_then(|r| r.ok());
-        }
-        let mut renewed = false;
-        if let Some(keeper) = stream.as_mut() {
-            match tokio::time::timeout(period, keeper.renew()).await {
-                Ok(Ok(ttl)) if ttl > 0 => renewed = true,
-                Ok(Ok(_)) => {
-                    tracing::warn!(node, lease, "etcd lease expired");
-                    live.store(false, Ordering::Release);
-                    return;
-                }
-                _ => stream = None, // a new stream next time
-            }
-        }
-        if renewed {
-            last_ok = tokio::time::Instant::now();
-        } else if last_ok.elapsed() >= Duration::from_secs(ttl as u64) {
-            tracing::warn!(node, lease, "etcd unreachable for a whole lease TTL");
-            live.store(false, Ordering::Release);
-            return;
-        }
-        tokio::time::sleep(period).await;
-    }
-}
-
-/// One entry of [`Member::publish_many`].
-#[derive(Debug, Clone, Copy)]
-pub struct Publication<'a> {
-    pub ns: &'a str,
-    pub name: &'a str,
-    pub record: &'a EntryRecord,
-    /// This host reserved the name ([`Member::reserve`]): the reservation goes with it.
-    pub reserved: bool,
-}
-
-/// An error of a transaction, for each of its items (a status is copied as it is; the rest
-/// are said in a status of their own).
-fn copy_of(e: &etcd::Error) -> etcd::Error {
-    match e {
-        etcd::Error::Status(s) => etcd::Error::Status(s.clone()),
-        other => etcd::Error::Status(tonic::Status::unavailable(other.to_string())),
-    }
-}
-
-/// Removals per transaction: two deletions each (the entry and its pin), within
-/// [`MAX_TXN_OPS`].
-const REMOVALS_PER_TXN: usize = 63;
-
-/// The operations etcd takes in one transaction (`--max-txn-ops`, 128 by default), counted
-/// as [`Txn::ops`] counts them.
-const MAX_TXN_OPS: usize = 128;
-
-/// One transaction of [`Member::publish_many`]: its items (their indexes), comparisons
-/// (this host alive, each name free, each reservation as expected, each unit held, the
-/// units once) and puts.
-struct Group {
-    members: Vec<usize>,
-    units: std::collections::HashSet<u64>,
-    when: Vec<Compare>,
-    then: Vec<Op>,
-}
-
-impl Group {
-    fn new(alive: Compare) -> Self {
-        Group {
-            members: Vec::new(),
-            units: Default::default(),
-            when: vec![alive],
-            then: Vec::new(),
-        }
-    }
-
-    /// Whether `p` can join without passing etcd's limit.
-    fn fits(&self, p: &Publication<'_>) -> bool {
-        let units = held_units(p.record.offset, p.record.len);
-        let new_units = units.iter().filter(|u| !self.units.contains(u)).count();
-        let ops = 2 + new_units + if p.reserved { 2 } else { 1 };
-        self.when.len() + self.then.len() + ops <= MAX_TXN_OPS
-    }
-
-    fn add(&mut self, i: usize, key: String, p: &Publication<'_>, m: &Member) {
-        let rkey = m.keys.reservation(p.ns, p.name);
-        let value = serde_json::to_vec(p.record).expect("serializable");
-        self.when.push(Compare::absent(key.clone()));
-        if p.reserved {
-            self.when
-                .push(Compare::value_is(rkey.clone(), m.info.node.clone()));
-            self.then.push(Op::delete(rkey));
-        } else {
-            self.when.push(Compare::absent(rkey));
-        }
-        for u in held_units(p.record.offset, p.record.len) {
-            if self.units.insert(u) {
-                self.when
-                    .push(Compare::value_is(m.keys.region(u), m.info.node.clone()));
-            }
-        }
-        self.then.push(Op::put(key, value, 0));
-        self.members.push(i);
-    }
-
-    fn into_txn(self) -> (Vec<usize>, Txn) {
-        let txn = Txn::new().when(self.when).and_then(self.then);
-        (self.members, txn)
     }
 }

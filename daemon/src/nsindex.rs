@@ -142,6 +142,7 @@ impl NsIndex {
     pub fn grown(&mut self) -> std::io::Result<NsIndex> {
         let mut ix = self.successor((self.live + 1) * 2)?;
         ix.live = ix.writer().copy_live_from(self.writer().table());
+        ix.set_fence(self.writer().table().fence());
         self.retire();
         Ok(ix)
     }
@@ -149,6 +150,11 @@ impl NsIndex {
     /// Publishes the count of imminent publications in this namespace.
     pub fn set_pending(&self, n: u64) {
         self.writer().set_pending(n);
+    }
+
+    /// Publishes until when clients may trust the table (`maru::index::Table::fence`).
+    pub fn set_fence(&self, until: u64) {
+        self.writer().set_fence(until);
     }
 
     /// Marks this table as replaced.

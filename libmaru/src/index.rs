@@ -10,7 +10,7 @@
 //!
 //! ```text
 //! header (8 words): magic, nslots, flags (bit 0 = retired), epoch, live, removals,
-//!                   pending publications, reserved
+//!                   pending publications, fence
 //! slot (40 words):  seq, generation, hash, size, pool|flags<<32, offset, key_len, reserved,
 //!                   key bytes (32 words = 256 bytes, zero padded)
 //! ```
@@ -20,10 +20,23 @@
 //! that finds it is linearizable per slot. When the table fills up the daemon
 //! builds a larger one and sets the retired flag on the old one; readers then
 //! fetch the new table.
+//!
+//! The fence (cluster mode, 0 otherwise) is the instant, in [`boottime_ns`], until which the
+//! table may be trusted: past it, this host may have been cut off from the cluster long
+//! enough for another host to carve again what its entries occupy, so a reader asks the
+//! daemon instead (which answers as it is then).
 
 use std::sync::atomic::{AtomicU64, Ordering, fence};
 
 use crate::name::MAX_NAME_LEN;
+
+/// Nanoseconds of CLOCK_BOOTTIME, the clock of a table's fence (and of a grant's `until`):
+/// every process of a host shares it, and setting the time of day does not move it.
+pub fn boottime_ns() -> u64 {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_BOOTTIME).map_or(0, |t| {
+        t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64
+    })
+}
 
 /// Magic of an index table (`MARUIDX1`).
 pub const INDEX_MAGIC: u64 = u64::from_le_bytes(*b"MARUIDX1");
@@ -143,6 +156,17 @@ impl<'a> Table<'a> {
     /// imminent (written through the mount). A miss while this is non-zero must ask the daemon.
     pub fn pending(&self) -> u64 {
         self.words[6].load(Ordering::Acquire)
+    }
+
+    /// The fence: until when the table may be trusted ([`boottime_ns`]; 0: always).
+    pub fn fence(&self) -> u64 {
+        self.words[7].load(Ordering::Acquire)
+    }
+
+    /// True once the fence has passed: what the table says must be asked of the daemon.
+    pub fn fenced(&self) -> bool {
+        let until = self.fence();
+        until != 0 && boottime_ns() >= until
     }
 
     /// Live entries.
@@ -398,6 +422,11 @@ impl<'a> TableWriter<'a> {
         self.t.words[6].store(n, Ordering::Release);
     }
 
+    /// Sets the fence ([`Table::fence`]).
+    pub fn set_fence(&self, until: u64) {
+        self.t.words[7].store(until, Ordering::Release);
+    }
+
     /// Marks this table replaced.
     pub fn retire(&self) {
         self.t.words[2].fetch_or(1, Ordering::Release);
@@ -500,6 +529,20 @@ mod tests {
         }
         assert_eq!(w2.table().lookup(b"key-7"), None);
         assert_ne!(w2.table().epoch(), 0, "readers see the copy as a change");
+    }
+
+    #[test]
+    fn a_table_is_trusted_until_its_fence() {
+        let mut buf = vec![0u64; table_bytes(16) / 8];
+        // SAFETY: a zeroed, aligned buffer of the table's size.
+        let w = unsafe { TableWriter::init(buf.as_mut_ptr().cast(), buf.len() * 8, 16) };
+        assert!(!w.table().fenced(), "no fence (a single host)");
+        w.set_fence(boottime_ns() + 10_000_000_000);
+        assert!(!w.table().fenced(), "before the fence");
+        w.set_fence(boottime_ns());
+        assert!(w.table().fenced(), "past the fence");
+        w.set_fence(1);
+        assert!(w.table().fenced(), "fenced off now");
     }
 
     #[test]

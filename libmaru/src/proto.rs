@@ -325,6 +325,11 @@ pub struct Grant {
     /// its grants.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pack: Option<u32>,
+    /// Cluster mode: the instant (`maru::index::boottime_ns`) after which the client must not
+    /// begin writing into this allocation (the host's lease may have run out by then and
+    /// another host carved the space again); an unused grant past it is given back.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub until: Option<u64>,
 }
 
 /// A namespace as listed.

@@ -454,6 +454,12 @@ impl Drop for Daemon {
         }
         let t = Instant::now();
         self.stop();
+        // Kept for a post-mortem (the faults harness's runs, by hand).
+        if let Some(keep) = std::env::var_os("MARU_TEST_KEEP_LOGS") {
+            let name = self.dir.file_name().unwrap_or_default().to_string_lossy();
+            let _ = std::fs::create_dir_all(&keep);
+            let _ = std::fs::copy(&self.log, PathBuf::from(keep).join(format!("{name}.log")));
+        }
         if std::env::var_os("MARU_TEST_SHOWLOG").is_some() {
             eprintln!("stop took {:?}", t.elapsed());
         }

@@ -475,11 +475,19 @@ fn while_etcd_is_down_the_hosts_serve_reads_and_writes_resume_after() {
         t.elapsed() < Duration::from_secs(1),
         "a read waited for etcd"
     );
+    drop(m);
     // A write cannot be published without etcd: it fails, and nothing of it stays. Nor can
-    // a delete be recorded: it fails, and the entry stays, on both hosts.
+    // a delete be recorded: it fails, and the entry stays.
     assert!(store(&ha, "ns/during", &pattern(2, 1 << 20)).is_err());
     assert!(ha.delete("ns/before").is_err());
-    assert!(ha.exists("ns/before").expect("exists"));
+    // Once a host's lease may have run out (its TTL less a third since the last renewal),
+    // another host may carve what this one maps (a host cut off from etcd looks the same):
+    // its reads of the shared pool are misses, its allocations refused.
+    eventually("b fences the shared pool off", || {
+        hb.retrieve("ns/before").expect("retrieve").is_none()
+    });
+    assert!(!hb.exists("ns/before").expect("exists"));
+    assert!(matches!(hb.alloc(4096), Err(Error::Busy(_))));
     c.etcd.restart();
     eventually("a publishes again", || {
         store(&ha, "ns/after", &pattern(3, 1 << 20)).is_ok()
@@ -952,6 +960,58 @@ fn fill(h: &maru::Handler, prefix: &str) -> u64 {
 }
 
 #[test]
+fn a_host_cut_off_serves_nothing_of_the_pool_and_after_the_link_returns_serves_what_changed() {
+    require_root!();
+    let Some(net) = Net::new(2) else { return };
+    let Some(etcd) = Etcd::start_at(Some(&net.hub), &net.hub_ip(), 2379, 2380) else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = pool_file(dir.path());
+    let a = host_in(&etcd, &pool, "a", Some(&net.hosts[0]));
+    let b = host_in(&etcd, &pool, "b", Some(&net.hosts[1]));
+    let (ha, hb) = (a.handler(), b.handler());
+    ha.mkdir("ns", 0o777).expect("mkdir");
+    store(&ha, "ns/x", &pattern(1, 1 << 20)).expect("store on a");
+    eventually("b sees a's", || hb.exists("ns/x").unwrap_or(false));
+    store(&hb, "ns/y", &pattern(2, 1 << 20)).expect("store on b");
+    eventually("a sees b's", || ha.exists("ns/y").unwrap_or(false));
+    net.link(0, false);
+    // Within two thirds of the TTL a no longer trusts its view: b may carve what a maps once
+    // a's lease is gone. Nothing of the pool is granted or served there, own or not.
+    let fenced = eventually("a fences the shared pool off", || {
+        ha.retrieve("ns/y").expect("retrieve").is_none()
+    });
+    assert!(fenced <= TTL, "fenced off after {fenced:?}");
+    assert!(ha.retrieve("ns/x").expect("retrieve").is_none());
+    assert!(!ha.exists("ns/x").expect("exists"));
+    assert!(matches!(ha.alloc(4096), Err(Error::Busy(_))));
+    let (_, _, listed) = ha.list("ns").expect("list");
+    assert!(listed.is_empty(), "a lists {listed:?} while fenced off");
+    // Meanwhile b replaces both entries: a hears of none of it.
+    std::thread::sleep(TTL);
+    for (k, v) in [("ns/x", 3), ("ns/y", 4)] {
+        hb.delete(k).expect("delete on b");
+        store(&hb, k, &pattern(v, 1 << 20)).expect("store on b");
+    }
+    net.link(0, true);
+    // a rejoins, reads every entry afresh, and serves b's, not the ones it knew.
+    eventually("a serves b's new entries", || {
+        [("ns/x", 3), ("ns/y", 4)].iter().all(|(k, v)| {
+            ha.retrieve(k)
+                .ok()
+                .flatten()
+                .is_some_and(|m| m.as_slice() == pattern(*v, 1 << 20).as_slice())
+        })
+    });
+    let view = |d: &Daemon| -> Vec<(String, u64)> {
+        ["ns/x", "ns/y"].iter().map(|k| location(d, k)).collect()
+    };
+    assert_eq!(view(&a), view(&b), "the hosts place the entries apart");
+    store(&ha, "ns/z", &pattern(5, 1 << 20)).expect("a stores again");
+}
+
+#[test]
 fn a_host_cut_off_stops_writing_and_after_the_link_returns_nothing_is_owned_twice() {
     require_root!();
     // Two hosts, each in a network namespace of its own; etcd in the hub namespace.
@@ -982,6 +1042,12 @@ fn a_host_cut_off_stops_writing_and_after_the_link_returns_nothing_is_owned_twic
     );
     // Once a's lease has run out, b uses every byte but the units of a's sealed entries.
     std::thread::sleep(TTL + Duration::from_secs(2));
+    // Meanwhile a, its lease possibly gone, grants nothing of the shared pool and serves
+    // none of its entries (b may have carved their extents again after a delete a never
+    // heard of).
+    assert!(matches!(ha.alloc(4096), Err(Error::Busy(_))));
+    assert!(ha.retrieve("ns/a0").expect("retrieve").is_none());
+    assert!(!ha.exists("ns/a0").expect("exists"));
     let filler = b.handler();
     let filled = fill(&filler, "ns/fill");
     let room = POOL_SIZE - (2 << 20) - (6 << 20) - (8 << 20);

@@ -37,6 +37,8 @@ enum Change {
     ClientPins(Vec<(String, String, String)>),
     /// Clients of a node pinned an entry, or no longer do.
     ClientPin(String, String, String, bool),
+    /// Until when clients may trust the indexes ([`crate::store::Store::set_fence`]).
+    Fence(u64),
 }
 
 /// Feeds `store` with the entries the other hosts publish and remove: a snapshot, then the
@@ -46,8 +48,12 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
     let tx2 = tx.clone();
     let m = auth.member();
     let me = Arc::downgrade(&auth);
+    let mut rejoins = auth.rejoins.subscribe();
     auth.rt.spawn(async move {
         loop {
+            // After a rejoin the host is fenced off until an entire read like this one is
+            // applied: it may have missed removals while cut off.
+            let epoch = *rejoins.borrow_and_update();
             let snap = m.read().await.snapshot().await;
             let (all, rev) = match snap {
                 Ok(s) => s,
@@ -63,13 +69,25 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
             if tx.send(Change::All(all, rev, done)).is_err() || applied.await.is_err() {
                 return;
             }
+            match me.upgrade() {
+                Some(a) => a.caught_up.fetch_max(epoch, Ordering::AcqRel),
+                None => return,
+            };
+            tracing::debug!(revision = rev, epoch, "cluster: every entry read and applied");
             let watch = m.read().await.watch_entries(rev + 1).await;
             let Ok(mut w) = watch else {
                 tokio::time::sleep(Duration::from_secs(1)).await;
                 continue;
             };
             loop {
-                match w.next().await {
+                let next = tokio::select! {
+                    next = w.next() => next,
+                    _ = rejoins.changed() => {
+                        tracing::info!("cluster: rejoined; reading the entries again");
+                        break;
+                    }
+                };
+                match next {
                     Ok(Some(ev)) => {
                         // A removal is acknowledged from here, not after the store applied it
                         // (which may wait for the store's lock, held by a removal of this host
@@ -111,7 +129,8 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
     auth.rt
         .spawn(follow::<ClientPins>(auth.member(), tx2.clone()));
     auth.rt.spawn(watch_uses(auth.member(), tx2.clone()));
-    auth.rt.spawn(tend(Arc::downgrade(&auth), tx2));
+    auth.rt.spawn(tend(Arc::downgrade(&auth), tx2.clone()));
+    auth.rt.spawn(publish_fence(Arc::downgrade(&auth), tx2));
     std::thread::Builder::new()
         .name("maru-cluster-apply".into())
         .spawn(move || {
@@ -217,6 +236,44 @@ async fn follow<F: Followed>(
     }
 }
 
+/// Every 100 ms, the fence (`EtcdAuthority::fence`) for the indexes clients read: a value
+/// the fence had a moment ago, so never later than it is; 1 (passed) rather than 0 (none).
+async fn publish_fence(
+    me: std::sync::Weak<EtcdAuthority>,
+    tx: tokio::sync::mpsc::UnboundedSender<Change>,
+) {
+    use crate::store::authority::Authority;
+    let mut last = None;
+    let mut was_fenced = false;
+    loop {
+        let Some(a) = me.upgrade() else { return };
+        let until = a.fence().unwrap_or(0).max(1);
+        let fenced = a.fenced();
+        if fenced != was_fenced {
+            tracing::info!(
+                fenced,
+                until,
+                now = maru::index::boottime_ns(),
+                valid = a.valid.load(Ordering::Acquire),
+                rejoining = a.rejoining.load(Ordering::Acquire),
+                caught_up = a.caught_up.load(Ordering::Acquire),
+                rejoins = *a.rejoins.borrow(),
+                "cluster: the shared pool is {}",
+                if fenced { "fenced off" } else { "served again" }
+            );
+            was_fenced = fenced;
+        }
+        drop(a);
+        if last != Some(until) {
+            if tx.send(Change::Fence(until)).is_err() {
+                return;
+            }
+            last = Some(until);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// Feeds the applier with the uses of this host's entries other hosts report.
 async fn watch_uses(m: Arc<RwLock<Member>>, tx: tokio::sync::mpsc::UnboundedSender<Change>) {
     loop {
@@ -298,17 +355,42 @@ async fn tend(me: std::sync::Weak<EtcdAuthority>, tx: tokio::sync::mpsc::Unbound
 fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
     match c {
         Change::All(all, revision, done) => {
-            let mut seen = HashSet::new();
-            for l in all {
-                if l.record.node != auth.node {
-                    file(store, auth, &l.ns, &l.name, &l.record, l.revision);
+            let snap: HashMap<Name, (i64, EntryRecord)> = all
+                .into_iter()
+                .map(|l| ((l.ns, l.name), (l.revision, l.record)))
+                .collect();
+            // Removed while the watch was down (and maybe published again since, by any
+            // host): other hosts' entries that are gone or not the ones listed, and this
+            // host's own published before the read that are gone or not its own any more.
+            for (ns, key, created) in store.remote_names() {
+                let name = (ns, key);
+                if snap.get(&name).is_none_or(|(c, _)| *c != created) {
+                    store.forget_remote(&name.0, &name.1);
                 }
-                seen.insert((l.ns, l.name));
             }
-            // Removed while the watch was down.
-            for (ns, key) in store.remote_names() {
-                if !seen.contains(&(ns.clone(), key.clone())) {
-                    store.forget_remote(&ns, &key);
+            let gone: Vec<Name> = auth
+                .published
+                .lock()
+                .iter()
+                .filter(|(name, (r, offset))| {
+                    *r <= revision
+                        && snap
+                            .get(*name)
+                            .is_none_or(|(_, rec)| rec.node != auth.node || rec.offset != *offset)
+                })
+                .map(|(name, _)| name.clone())
+                .collect();
+            for (ns, key) in gone {
+                tracing::info!(
+                    ns,
+                    key,
+                    "cluster: removed elsewhere while the watch was down"
+                );
+                removed(store, auth, &ns, &key, revision);
+            }
+            for ((ns, key), (created, rec)) in &snap {
+                if rec.node != auth.node {
+                    file(store, auth, ns, key, rec, *created);
                 }
             }
             auth.applied(revision);
@@ -331,22 +413,10 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
             created,
             ..
         }) => {
-            if !auth.stale_removal(&ns, &name, revision) {
-                // An entry of this host's that another host removed: its extent stays until
-                // every live host acknowledged the removal and none holds it.
-                let own = auth
-                    .published
-                    .lock()
-                    .get(&(ns.clone(), name.clone()))
-                    .map(|&(_, o)| o);
-                if let Some(offset) = own {
-                    auth.held.lock().insert(offset, revision);
-                }
-                // Another host's: this host holds it already if clients here map it.
-                store.forget_remote(&ns, &name);
-            }
+            removed(store, auth, &ns, &name, revision);
             auth.removal_applied(created);
         }
+        Change::Fence(until) => store.set_fence(until),
         Change::Unheld(offset) => store.free_unheld(&auth.pool, offset),
         Change::Pins(all) => {
             let all: HashSet<(String, String)> = all.into_iter().collect();
@@ -422,6 +492,25 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
             store.pin_elsewhere(&name.0, &name.1, pinned);
         }
     }
+}
+
+/// `ns/name` was removed at `revision` (unless this host published it again since).
+fn removed(store: &Store, auth: &EtcdAuthority, ns: &str, name: &str, revision: i64) {
+    if auth.stale_removal(ns, name, revision) {
+        return;
+    }
+    // An entry of this host's that another host removed: its extent stays until every live
+    // host acknowledged the removal and none holds it.
+    let own = auth
+        .published
+        .lock()
+        .get(&(ns.to_owned(), name.to_owned()))
+        .map(|&(_, o)| o);
+    if let Some(offset) = own {
+        auth.held.lock().insert(offset, revision);
+    }
+    // Another host's: this host holds it already if clients here map it.
+    store.forget_remote(ns, name);
 }
 
 fn file(store: &Store, auth: &EtcdAuthority, ns: &str, key: &str, rec: &EntryRecord, created: i64) {

@@ -29,6 +29,7 @@ use crate::store::authority::{Authority, Claim, LocalAuthority, Placed, Publishi
 
 pub mod applier;
 mod group;
+mod membership;
 mod publishing;
 
 /// An entry's name: (namespace, key).
@@ -104,6 +105,17 @@ pub struct EtcdAuthority {
     hosts: Mutex<Vec<maru::proto::HostInfo>>,
     /// Publications on their way to etcd, together.
     group: group::GroupCommit,
+    /// Until when this host's lease is sure to be alive (`Member::validity`).
+    valid: Arc<AtomicU64>,
+    /// Rejoins begun so far; and the count at which the applier last read every entry afresh
+    /// (after a rejoin, removals made while this host was cut off reach it that way).
+    rejoins: tokio::sync::watch::Sender<u64>,
+    caught_up: AtomicU64,
+    /// A rejoin is under way: its regions are being claimed again.
+    rejoining: AtomicBool,
+    /// Regions given back here whose claims etcd has not deleted yet (offset -> length):
+    /// tried in the background until it does; a claim over one of them finishes it first.
+    releasing: Arc<tokio::sync::Mutex<HashMap<u64, u64>>>,
 }
 
 impl EtcdAuthority {
@@ -139,6 +151,7 @@ impl EtcdAuthority {
             }
         })?;
         tracing::info!(node = %s.node, pool = %pool_uuid, endpoints = ?s.endpoints, lease = member.lease(), "joined the cluster");
+        let valid = member.validity();
         let member = Arc::new(RwLock::new(member));
         let group = group::GroupCommit::start(&rt, member.clone());
         let me = Arc::new(EtcdAuthority {
@@ -169,9 +182,13 @@ impl EtcdAuthority {
             endpoints: s.endpoints.clone(),
             hosts: Mutex::new(Vec::new()),
             group,
+            valid,
+            rejoins: tokio::sync::watch::Sender::new(0),
+            caught_up: AtomicU64::new(0),
+            rejoining: AtomicBool::new(false),
+            releasing: Arc::default(),
         });
-        me.rt.spawn(keep_membership(Arc::downgrade(&me)));
-        me.rt.spawn(watch_hosts(Arc::downgrade(&me)));
+        me.start_membership();
         me.rt.spawn(acknowledge(Arc::downgrade(&me)));
         me.rt.spawn(watch_acks(Arc::downgrade(&me)));
         me.rt.spawn(record_client_pins(me.member(), client_pin_rx));
@@ -250,16 +267,32 @@ impl EtcdAuthority {
         self.readers.lock().removed.remove(&created);
     }
 
-    /// Deletes hold `h`'s record in etcd, in the background (a late deletion only keeps an
-    /// extent a little longer).
+    /// Deletes hold `h`'s record in etcd, in the background, and again every half second while
+    /// etcd fails it (left, it would keep the extent from its publisher as long as this host
+    /// lives); not once the lease it was recorded under is gone (it went with it).
     fn forget_hold(&self, h: Hold) {
         if !h.recorded {
             return;
         }
         let m = self.member();
         self.rt.spawn(async move {
-            if let Err(e) = m.read().await.unhold(h.offset, h.len, h.tag).await {
-                tracing::warn!(offset = h.offset, "letting go of a hold: {e}");
+            let lease = m.read().await.lease();
+            for attempt in 0u32.. {
+                if attempt > 0 {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                let m = m.read().await;
+                if m.lease() != lease {
+                    return;
+                }
+                match m.unhold(h.offset, h.len, h.tag).await {
+                    Ok(()) => return,
+                    Err(e) if attempt == 0 => tracing::warn!(
+                        offset = h.offset,
+                        "letting go of a hold: {e}; trying again until etcd takes it"
+                    ),
+                    Err(_) => {}
+                }
             }
         });
     }
@@ -443,94 +476,6 @@ async fn watch_acks(me: std::sync::Weak<EtcdAuthority>) {
                 seen.send_modify(|n| *n += 1);
             }
         }
-        tokio::time::sleep(Duration::from_secs(1)).await;
-    }
-}
-
-/// Rejoins when the lease is lost, then claims this host's regions again.
-async fn keep_membership(me: std::sync::Weak<EtcdAuthority>) {
-    loop {
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        let Some(a) = me.upgrade() else { return };
-        if a.member.read().await.is_live() {
-            continue;
-        }
-        tracing::warn!(node = %a.node, "lost the cluster lease: no publication until rejoined");
-        let mut m = a.member.write().await;
-        if let Err(e) = m.rejoin().await {
-            tracing::warn!(node = %a.node, "rejoining: {e}");
-            continue;
-        }
-        for (off, len) in a.local.regions(&a.pool) {
-            match m.claim_again(off, len).await {
-                Ok(true) => {}
-                Ok(false) => {
-                    tracing::error!(
-                        off,
-                        len,
-                        "a region of this host was claimed by another while this one was cut off; \
-                         nothing more is placed there, and what was written there is not published"
-                    );
-                    a.lost.lock().insert(off);
-                }
-                Err(e) => tracing::warn!(off, len, "claiming a region again: {e}"),
-            }
-        }
-        // What the old lease held is gone: the holds are recorded again (in the background),
-        // the mount writers' reservations taken again where no one took the name meanwhile.
-        for h in a.readers.lock().holds.values_mut() {
-            h.recorded = false;
-        }
-        let pinned: Vec<Name> = a.client_pins_here.lock().iter().cloned().collect();
-        if let Err(e) = m.pin_for_clients(&pinned, true).await {
-            tracing::warn!("pinning again what clients here pin: {e}");
-        }
-        let names: Vec<Name> = a.reserved.lock().iter().cloned().collect();
-        for (ns, key) in names {
-            if !matches!(m.reserve(&ns, &key).await, Ok(None)) {
-                tracing::warn!(
-                    ns,
-                    key,
-                    "a name reserved before the cut is taken: its writer's entry will not be published"
-                );
-                a.reserved.lock().remove(&(ns, key));
-            }
-        }
-        tracing::info!(node = %a.node, lease = m.lease(), "rejoined the cluster");
-    }
-}
-
-/// Refreshes the hosts and their claims every second, for stats.
-async fn watch_hosts(me: std::sync::Weak<EtcdAuthority>) {
-    loop {
-        let Some(a) = me.upgrade() else { return };
-        let seen = {
-            let m = a.member.read().await;
-            match (m.nodes().await, m.regions().await) {
-                (Ok(nodes), Ok(regions)) => Some((nodes, regions)),
-                _ => None,
-            }
-        };
-        if let Some((nodes, regions)) = seen {
-            let mut claimed: HashMap<String, u64> = HashMap::new();
-            for holder in regions.values() {
-                *claimed.entry(holder.clone()).or_default() += maru_cluster::UNIT;
-            }
-            let mut hosts: Vec<maru::proto::HostInfo> = nodes
-                .into_iter()
-                .map(|n| maru::proto::HostInfo {
-                    claimed: claimed.get(&n.node).copied().unwrap_or(0),
-                    entries: 0, // counted when asked (cluster())
-                    node: n.node,
-                    address: n.address,
-                    pid: n.pid,
-                    gone: false,
-                })
-                .collect();
-            hosts.sort_by(|x, y| x.node.cmp(&y.node));
-            *a.hosts.lock() = hosts;
-        }
-        drop(a);
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }
@@ -794,8 +739,22 @@ impl Authority for EtcdAuthority {
         if pool != self.pool {
             return Ok(());
         }
-        let m = self.member();
-        let r = self.run(async move { m.read().await.claim(offset, len).await });
+        let (m, releasing) = (self.member(), self.releasing.clone());
+        let r = self.run(async move {
+            let mut releasing = releasing.lock().await;
+            let m = m.read().await;
+            // A release of this host's over the range not taken yet goes first.
+            let before: Vec<(u64, u64)> = releasing
+                .iter()
+                .filter(|&(&o, &l)| o < offset + len && offset < o + l)
+                .map(|(&o, &l)| (o, l))
+                .collect();
+            for (o, l) in before {
+                m.release(o, l).await?;
+                releasing.remove(&o);
+            }
+            m.claim(offset, len).await
+        });
         tracing::debug!(offset, len, ?r, "claim");
         let e = match r {
             Ok(true) => return Ok(()),
@@ -843,10 +802,39 @@ impl Authority for EtcdAuthority {
             return; // another host's now: nothing of it to give back
         }
         if let (Some(len), true) = (len, pool == self.pool) {
-            let m = self.member();
-            if let Err(e) = self.run(async move { m.read().await.release(offset, len).await }) {
-                tracing::warn!(offset, len, "releasing a region in the cluster: {e}");
-            }
+            let (m, releasing) = (self.member(), self.releasing.clone());
+            self.rt.spawn(async move {
+                releasing.lock().await.insert(offset, len);
+                let lease = m.read().await.lease();
+                for attempt in 0u32.. {
+                    if attempt > 0 {
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                    }
+                    let mut pending = releasing.lock().await;
+                    if pending.get(&offset) != Some(&len) {
+                        return; // a claim over it finished it
+                    }
+                    let m = m.read().await;
+                    // A new lease: the claim went with the old one.
+                    let r = if m.lease() == lease {
+                        m.release(offset, len).await
+                    } else {
+                        Ok(())
+                    };
+                    match r {
+                        Ok(()) => {
+                            pending.remove(&offset);
+                            return;
+                        }
+                        Err(e) if attempt == 0 => tracing::warn!(
+                            offset,
+                            len,
+                            "releasing a region in the cluster: {e}; trying again until etcd takes it"
+                        ),
+                        Err(_) => {}
+                    }
+                }
+            });
         }
     }
 
@@ -860,6 +848,18 @@ impl Authority for EtcdAuthority {
 
     fn lost(&self, pool: &str, offset: u64) -> bool {
         pool == self.pool && self.lost.lock().contains(&offset)
+    }
+
+    /// The lease's validity, while this host is not rejoining nor catching up after a rejoin
+    /// (0 then): what it grants and serves of the shared pool is safe until then.
+    fn fence(&self) -> Option<u64> {
+        let behind = self.rejoining.load(Ordering::Acquire)
+            || self.caught_up.load(Ordering::Acquire) < *self.rejoins.borrow();
+        Some(if behind {
+            0
+        } else {
+            self.valid.load(Ordering::Acquire)
+        })
     }
 
     fn cluster(&self) -> Option<maru::proto::ClusterInfo> {

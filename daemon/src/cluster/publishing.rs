@@ -8,6 +8,9 @@ use super::group::Item;
 use super::{EtcdAuthority, cluster_error, taken_error, unavailable};
 use crate::store::authority::{Authority, Claim, Publishing, Withdrawn};
 
+/// How long a publication whose outcome etcd did not tell waits for etcd to say.
+const RESOLVE_FOR: std::time::Duration = std::time::Duration::from_secs(30);
+
 impl EtcdAuthority {
     /// [`Authority::publish_many`]: each name published here first (write-once among this
     /// host's writers), then those in the shared pool in etcd, through the group commit.
@@ -73,29 +76,52 @@ impl EtcdAuthority {
             // Written into a region another host took while this one was cut off: those
             // bytes are not this host's to publish.
             Err(e @ maru_cluster::Error::NotClaimed { .. }) => Error::Busy(e.to_string()),
-            Err(e) => {
-                // The outcome is unknown: take the record back if it made it.
-                let rec = EntryRecord {
-                    offset: p.at.offset,
-                    len: p.at.size,
-                    node: self.node.clone(),
-                    alloc: p.id,
-                };
-                let (m, n, k) = (self.member(), name.0.clone(), name.1.clone());
-                if let Err(e2) = self.run(async move { m.read().await.retract(&n, &k, &rec).await })
-                {
+            Err(e) => match self.resolve(p) {
+                // It made it: published, as etcd says.
+                Some(Some(revision)) => {
+                    self.reserved.lock().remove(&name);
+                    self.published.lock().insert(name, (revision, p.at.offset));
+                    return Ok(());
+                }
+                Some(None) => unavailable(e),
+                None => {
                     tracing::error!(
                         ns = p.ns,
                         key = p.key,
-                        "publication failed ({e}) and could not be taken back: {e2}"
+                        "publication failed ({e}) and etcd could not say whether it made it"
                     );
+                    unavailable(e)
                 }
-                unavailable(e)
-            }
+            },
         };
         self.drop_reservation(p.ns, p.key);
         self.local.release(p.ns, p.key, p.id);
         Err(refused)
+    }
+
+    /// Whether publication `p`, whose outcome etcd did not tell (its answer was lost), made
+    /// it: asked again every quarter second for up to [`RESOLVE_FOR`], the client waiting
+    /// (not the store). Some(revision) if it did, Some(None) if not, None if etcd did not
+    /// answer. Failing it without knowing would free an extent that the other hosts may serve
+    /// as the entry's.
+    fn resolve(&self, p: &Publishing<'_>) -> Option<Option<i64>> {
+        let rec = EntryRecord {
+            offset: p.at.offset,
+            len: p.at.size,
+            node: self.node.clone(),
+            alloc: p.id,
+        };
+        let (m, ns, key) = (self.member(), p.ns.to_owned(), p.key.to_owned());
+        self.run(async move {
+            let deadline = tokio::time::Instant::now() + RESOLVE_FOR;
+            loop {
+                match m.read().await.published_as(&ns, &key, &rec).await {
+                    Ok(r) => return Some(r),
+                    Err(_) if tokio::time::Instant::now() >= deadline => return None,
+                    Err(_) => tokio::time::sleep(std::time::Duration::from_millis(250)).await,
+                }
+            }
+        })
     }
 
     /// [`Authority::withdraw`]: the removals of the entries in the shared pool that this host

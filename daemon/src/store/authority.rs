@@ -185,6 +185,27 @@ pub trait Authority: Send + Sync {
     fn cluster(&self) -> Option<maru::proto::ClusterInfo> {
         None
     }
+    /// Until when (CLOCK_BOOTTIME, ns) this host may grant space of the shared pool and serve
+    /// its entries: after that instant, another host may have carved again what this one
+    /// granted or maps (its lease may have run out). `None`: no bound (a single host); 0: not
+    /// now (cut off, or rejoining).
+    fn fence(&self) -> Option<u64> {
+        None
+    }
+    /// Whether the shared pool is fenced off now ([`Authority::fence`] passed).
+    fn fenced(&self) -> bool {
+        self.fence()
+            .is_some_and(|until| maru::index::boottime_ns() >= until)
+    }
+}
+
+/// The error of a request fenced off ([`Authority::fenced`]).
+pub fn fenced_error() -> Error {
+    Error::Busy(
+        "this host is cut off from the cluster (its lease may have run out): the shared pool is \
+         neither written nor read here until it has rejoined"
+            .into(),
+    )
 }
 
 /// The authority of a single host: an in-memory map.

@@ -305,6 +305,9 @@ impl Backend for StoreFs {
             let (ns, perm, pool) = (e.ns.clone(), e.perm, e.pool);
             Store::allow(&st, c, &ns, Access::Read(&perm))?;
             st.touch(ino);
+            if st.fenced_off(&*self.0.authority, ino) {
+                return Err(super::authority::fenced_error());
+            }
             if !st.ready_remote(&*self.0.authority, ino) {
                 return Err(Error::NotFound(format!("{ns}: removed on another host")));
             }
@@ -616,6 +619,9 @@ impl Backend for StoreFs {
         let st = &mut *guard;
         let sealed = st.entries.contains_key(&ino);
         if sealed || st.zombies.contains_key(&ino) {
+            if st.fenced_off(&*self.0.authority, ino) {
+                return Err(super::authority::fenced_error());
+            }
             if sealed && !st.ready_remote(&*self.0.authority, ino) {
                 return Err(Error::NotFound(format!(
                     "inode {ino}: removed on another host"

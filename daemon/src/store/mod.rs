@@ -273,6 +273,9 @@ impl Store {
                 maru::proto::MAX_FDS_PER_FRAME
             )));
         }
+        if self.authority.fenced() {
+            return Err(authority::fenced_error());
+        }
         let mut st = self.st.lock();
         let hint = match pool {
             Some(name) => Some(
@@ -360,6 +363,7 @@ impl Store {
                 size,
                 fd: file.is_some(),
                 pack,
+                until: self.write_fence(&st, p),
             };
             out.push((grant, file));
         }
@@ -368,6 +372,20 @@ impl Store {
             (true, Some(e)) => Err(e),
             _ => Ok(out),
         }
+    }
+
+    /// Until when a client may begin writing into what pool `p` granted (cluster mode, on
+    /// the shared pool: see [`Authority::fence`]).
+    fn write_fence(&self, st: &State, p: u32) -> Option<u64> {
+        self.authority
+            .fence()
+            .filter(|_| st.pools[p as usize].pool.leases())
+    }
+
+    /// Sets until when clients may trust the namespaces' indexes (cluster mode: the
+    /// authority's fence, as it stood a moment ago, so never later than it).
+    pub fn set_fence(&self, until: u64) {
+        self.st.lock().ns.set_fence(until);
     }
 
     /// Gives allocations back.
@@ -419,7 +437,11 @@ impl Store {
         self.wait_imminent(&mut st, ns, keys);
         Self::allow(&st, c, ns, Access::Lookup)?;
         let n = st.ns.get(ns)?;
-        Ok(keys.iter().map(|k| n.entries.contains_key(k)).collect())
+        let fenced = |ino: &u64| st.fenced_off(&*self.authority, *ino);
+        Ok(keys
+            .iter()
+            .map(|k| n.entries.get(k).is_some_and(|ino| !fenced(ino)))
+            .collect())
     }
 
     /// Waits (at most a second) while any of `keys` is about to be published through the
@@ -556,9 +578,12 @@ impl Store {
             .filter_map(|name| st.ns.info(&join(ns, name)))
             .collect();
         children.sort_by(|a, b| a.ns.cmp(&b.ns));
+        // Fenced off, the shared pool's entries are not this host's to show (as a lookup
+        // misses them).
         let mut entries: Vec<Located> = n
             .entries
             .values()
+            .filter(|ino| !st.fenced_off(&*self.authority, **ino))
             .map(|ino| st.entries[ino].located(false))
             .collect();
         entries.sort_by(|a, b| a.key.cmp(&b.key));

@@ -114,6 +114,8 @@ pub struct Namespaces {
     map: HashMap<String, Namespace>,
     by_ino: HashMap<u64, String>,
     file: PathBuf,
+    /// The fence every index carries (`maru::index::Table::fence`; 0 on a single host).
+    fence: u64,
 }
 
 impl Namespaces {
@@ -132,6 +134,7 @@ impl Namespaces {
             map: HashMap::from_iter([(String::new(), root)]),
             by_ino: HashMap::from_iter([(ROOT_INO, String::new())]),
             file,
+            fence: 0,
         })
     }
 
@@ -187,6 +190,15 @@ impl Namespaces {
         }
     }
 
+    /// Sets the fence of every namespace's index, and of those made from now on: until when
+    /// clients may trust the indexes without asking marud.
+    pub fn set_fence(&mut self, until: u64) {
+        self.fence = until;
+        for n in self.map.values() {
+            n.index.set_fence(until);
+        }
+    }
+
     /// Adds namespace `ns` (its parent must exist) with inode `ino`.
     pub fn insert(&mut self, ns: &str, ino: u64, perm: Perm) -> Result<()> {
         let (p, name) = parent(ns);
@@ -201,6 +213,7 @@ impl Namespaces {
             },
             0,
         )?;
+        n.index.set_fence(self.fence);
         self.map.insert(ns.to_owned(), n);
         self.by_ino.insert(ino, ns.to_owned());
         let p = self.map.get_mut(p).expect("checked");

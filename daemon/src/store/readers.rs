@@ -55,8 +55,9 @@ impl Store {
                 out.push(None);
                 continue;
             };
-            if !st.ready_remote(&*self.authority, ino) {
-                out.push(None); // another host's, removed there a moment ago
+            // Another host's, removed there a moment ago; or fenced off: either is a miss.
+            if st.fenced_off(&*self.authority, ino) || !st.ready_remote(&*self.authority, ino) {
+                out.push(None);
                 continue;
             }
             let State {

@@ -144,13 +144,13 @@ impl Store {
         }
     }
 
-    /// The names of the entries other hosts published that this host serves.
-    pub fn remote_names(&self) -> Vec<(String, String)> {
+    /// The entries other hosts published that this host serves: name, and the etcd revision
+    /// that created each.
+    pub fn remote_names(&self) -> Vec<(String, String, i64)> {
         let st = self.st.lock();
         st.entries
             .values()
-            .filter(|e| e.remote.is_some())
-            .map(|e| (e.ns.clone(), e.key.clone()))
+            .filter_map(|e| Some((e.ns.clone(), e.key.clone(), e.remote?)))
             .collect()
     }
 }
@@ -200,6 +200,16 @@ impl State {
         e.pinned = pinned;
         self.index_flags(ino);
         Ok(())
+    }
+
+    /// Whether entry `ino` lies in the shared pool while this host is fenced off it
+    /// ([`Authority::fenced`]): cut off from the cluster long enough for another host to have
+    /// carved its extent again (after a removal this host never heard of), so it is not
+    /// served until this host has rejoined and caught up.
+    pub fn fenced_off(&self, auth: &dyn Authority, ino: u64) -> bool {
+        self.entries
+            .get(&ino)
+            .is_some_and(|e| self.pools[e.pool as usize].pool.leases() && auth.fenced())
     }
 
     /// Readies entry `ino` for a client of this host to map or read (the caller then counts a

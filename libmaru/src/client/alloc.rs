@@ -43,7 +43,7 @@ impl Inner {
         while self.spares.get(&size).is_none_or(Vec::is_empty) && self.refilling.contains(&size) {
             self.recv_one()?;
         }
-        if let Some(s) = self.spares.get_mut(&size).and_then(Vec::pop) {
+        if let Some(s) = self.take_spare(size)? {
             let left = self.spares.get(&size).map_or(0, Vec::len);
             let batch = self.cfg.batch_alloc_count as usize;
             if left < batch / 2 && !self.refilling.contains(&size) && batch > 1 {
@@ -120,7 +120,7 @@ impl Inner {
             self.recv_one()?;
         }
         while out.len() < count {
-            if let Some(s) = self.spares.get_mut(&size).and_then(Vec::pop) {
+            if let Some(s) = self.take_spare(size)? {
                 let h = self.map_grant(s)?;
                 out.push(h);
                 continue;
@@ -153,6 +153,25 @@ impl Inner {
             }
         }
         Ok(())
+    }
+
+    /// A spare allocation of `size` bytes that may still be written into; those whose
+    /// `until` passed (cluster mode: see [`Grant::until`]) are given back on the way.
+    fn take_spare(&mut self, size: u64) -> Result<Option<Spare>> {
+        let mut expired = Vec::new();
+        let mut found = None;
+        while let Some(s) = self.spares.get_mut(&size).and_then(Vec::pop) {
+            if past(&s.grant) {
+                expired.push(s.grant.alloc);
+            } else {
+                found = Some(s);
+                break;
+            }
+        }
+        if !expired.is_empty() {
+            self.call(Op::Free { allocs: expired })?;
+        }
+        Ok(found)
     }
 
     /// Gives every spare allocation back to the daemon.
@@ -237,6 +256,18 @@ impl Inner {
     }
 
     pub(super) fn map_grant(&mut self, s: Spare) -> Result<AllocHandle> {
+        if past(&s.grant) {
+            // Granted just before marud's host was cut off from its cluster (or marud
+            // stopped): writing into it now could land on what another host carved since.
+            self.call(Op::Free {
+                allocs: vec![s.grant.alloc],
+            })?;
+            return Err(Error::Busy(
+                "the allocation's time to be written passed before it was mapped: marud's host \
+                 may be cut off from its cluster; try again"
+                    .into(),
+            ));
+        }
         if let Some(p) = s.pack {
             let at = s.grant.offset;
             return Ok(AllocHandle {
@@ -279,4 +310,10 @@ impl Inner {
             done: false,
         })
     }
+}
+
+/// Whether `g`'s time to begin writing has passed ([`Grant::until`]).
+fn past(g: &Grant) -> bool {
+    g.until
+        .is_some_and(|until| crate::index::boottime_ns() >= until)
 }

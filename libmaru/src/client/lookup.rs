@@ -98,7 +98,7 @@ impl Inner {
     /// returned before is in the table. A miss is an absent key only if it was 0 and the table
     /// was not replaced meanwhile (its replacement may hold the key).
     pub(super) fn lookup(&mut self, ns: &str, key: &str) -> Result<Lookup> {
-        let Some(t) = self.index(ns)?.and_then(|ix| ix.table()) else {
+        let Some(t) = self.index(ns)?.and_then(|ix| ix.readable()) else {
             return Ok(Lookup::AskDaemon);
         };
         let pending = t.pending();
@@ -160,8 +160,8 @@ impl Inner {
         let mut miss: Vec<usize> = Vec::new();
         let mut sliced: Vec<(usize, Mapping)> = Vec::new();
         self.index(ns)?;
-        match self.indexes.get(ns).and_then(|ix| ix.table()) {
-            // No index to read: marud answers every key.
+        match self.indexes.get(ns).and_then(|ix| ix.readable()) {
+            // No index to read (or none to trust): marud answers every key.
             None => miss.extend(0..keys.len()),
             Some(t) => {
                 // The pending count is read before the lookups (see `lookup`); the slots of
@@ -322,7 +322,7 @@ impl Inner {
         let Some(ix) = self.indexes.get(ns).filter(|ix| !ix.packs.is_empty()) else {
             return;
         };
-        let Some(t) = ix.table() else { return };
+        let Some(t) = ix.readable() else { return };
         let slots: Vec<(usize, SlotView)> = miss
             .iter()
             .filter_map(|&i| Some((i, t.lookup(keys[i].as_bytes())?)))

@@ -141,6 +141,12 @@ impl NsIndex {
         // writes it through atomics (see crate::index).
         unsafe { Table::from_raw(self.map.as_ptr(), self.map.len()) }
     }
+
+    /// The table, while it may be trusted: `None` once its fence has passed
+    /// ([`Table::fenced`]; cluster mode), so that marud answers instead.
+    pub(super) fn readable(&self) -> Option<Table<'_>> {
+        self.table().filter(|t| !t.fenced())
+    }
 }
 
 pub(super) struct Cached {

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use maru::proto::{Coherence, PoolKind};
 use maru::{Error, Result};
 
-use super::super::authority::Authority;
+use super::super::authority::{Authority, fenced_error};
 #[cfg(feature = "seams")]
 use super::Seams;
 use super::{Backing, Found, Loc, Pool, Reader, Requester};
@@ -186,6 +186,9 @@ impl Raw {
 
     /// Packs `size` bytes into `session`'s open region, or carves a new region.
     fn place(&mut self, size: u64, session: Option<u64>) -> Result<u64> {
+        if self.authority.fenced() {
+            return Err(fenced_error());
+        }
         let asize = align_up(size.max(1), ENTRY_ALIGN);
         if let Some(s) = session
             && let Some(&roff) = self.open.get(&s)
@@ -441,6 +444,9 @@ impl Pool for Raw {
             *dirty = true;
         }
         if *dirty {
+            if self.authority.fenced() {
+                return Err(fenced_error());
+            }
             let (offset, _) = placed.expect("placed above");
             self.file.write_all_at(data, offset)?;
             *dirty = false;

@@ -1,0 +1,114 @@
+//! This host's membership: rejoining when the lease is lost (fenced off meanwhile), and the
+//! hosts and their claims, for stats.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use super::{EtcdAuthority, Name};
+use crate::store::authority::Authority;
+
+impl EtcdAuthority {
+    /// Starts the tasks that keep this host a member.
+    pub(super) fn start_membership(self: &Arc<Self>) {
+        self.rt.spawn(keep_membership(Arc::downgrade(self)));
+        self.rt.spawn(watch_hosts(Arc::downgrade(self)));
+    }
+}
+
+/// Rejoins when the lease is lost, then claims this host's regions again.
+async fn keep_membership(me: std::sync::Weak<EtcdAuthority>) {
+    loop {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let Some(a) = me.upgrade() else { return };
+        if a.member.read().await.is_live() {
+            continue;
+        }
+        tracing::warn!(node = %a.node, "lost the cluster lease: no publication until rejoined");
+        // Fenced off until the regions are claimed again and the applier has read every
+        // entry afresh (see `EtcdAuthority::fence`).
+        a.rejoining.store(true, Ordering::Release);
+        a.rejoins.send_modify(|n| *n += 1);
+        let mut m = a.member.write().await;
+        if let Err(e) = m.rejoin().await {
+            tracing::warn!(node = %a.node, "rejoining: {e}");
+            drop(m);
+            drop(a);
+            tokio::time::sleep(Duration::from_millis(400)).await;
+            continue;
+        }
+        for (off, len) in a.local.regions(&a.pool) {
+            match m.claim_again(off, len).await {
+                Ok(true) => {}
+                Ok(false) => {
+                    tracing::error!(
+                        off,
+                        len,
+                        "a region of this host was claimed by another while this one was cut off; \
+                         nothing more is placed there, and what was written there is not published"
+                    );
+                    a.lost.lock().insert(off);
+                }
+                Err(e) => tracing::warn!(off, len, "claiming a region again: {e}"),
+            }
+        }
+        // What the old lease held is gone: the holds are recorded again (in the background),
+        // the mount writers' reservations taken again where no one took the name meanwhile.
+        for h in a.readers.lock().holds.values_mut() {
+            h.recorded = false;
+        }
+        let pinned: Vec<Name> = a.client_pins_here.lock().iter().cloned().collect();
+        if let Err(e) = m.pin_for_clients(&pinned, true).await {
+            tracing::warn!("pinning again what clients here pin: {e}");
+        }
+        let names: Vec<Name> = a.reserved.lock().iter().cloned().collect();
+        for (ns, key) in names {
+            if !matches!(m.reserve(&ns, &key).await, Ok(None)) {
+                tracing::warn!(
+                    ns,
+                    key,
+                    "a name reserved before the cut is taken: its writer's entry will not be published"
+                );
+                a.reserved.lock().remove(&(ns, key));
+            }
+        }
+        a.rejoining.store(false, Ordering::Release);
+        tracing::info!(node = %a.node, lease = m.lease(), "rejoined the cluster");
+    }
+}
+
+/// Refreshes the hosts and their claims every second, for stats.
+async fn watch_hosts(me: std::sync::Weak<EtcdAuthority>) {
+    loop {
+        let Some(a) = me.upgrade() else { return };
+        let seen = {
+            let m = a.member.read().await;
+            match (m.nodes().await, m.regions().await) {
+                (Ok(nodes), Ok(regions)) => Some((nodes, regions)),
+                _ => None,
+            }
+        };
+        if let Some((nodes, regions)) = seen {
+            let mut claimed: HashMap<String, u64> = HashMap::new();
+            for holder in regions.values() {
+                *claimed.entry(holder.clone()).or_default() += maru_cluster::UNIT;
+            }
+            let mut hosts: Vec<maru::proto::HostInfo> = nodes
+                .into_iter()
+                .map(|n| maru::proto::HostInfo {
+                    claimed: claimed.get(&n.node).copied().unwrap_or(0),
+                    entries: 0, // counted when asked (cluster())
+                    node: n.node,
+                    address: n.address,
+                    pid: n.pid,
+                    gone: false,
+                })
+                .collect();
+            hosts.sort_by(|x, y| x.node.cmp(&y.node));
+            *a.hosts.lock() = hosts;
+        }
+        drop(a);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
