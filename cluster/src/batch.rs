@@ -81,15 +81,19 @@ impl Member {
             .collect()
     }
 
-    /// Removes entries `names` (and their pins) as [`Member::remove`] does, in as few
-    /// transactions as etcd's operation limit allows; one outcome each, in order. A name
-    /// given twice is removed once: the second says it did not exist.
-    pub async fn remove_many(&self, names: &[(&str, &str)]) -> Vec<Result<Removed>> {
+    /// Removes entries, each with its pin, as [`Member::remove`] would, in as few
+    /// transactions as etcd's operation limit allows. An item naming a creation revision
+    /// (not 0) removes the entry only if it is that one: a removal that reaches etcd late
+    /// (its caller gave up waiting) never takes a newer entry of the name; when a
+    /// transaction finds one that is not, its items are removed one by one, and that one is
+    /// reported as not there. A name given twice is removed once; the other reports it was
+    /// not there.
+    pub async fn remove_many(&self, names: &[(&str, &str, i64)]) -> Vec<Result<Removed>> {
         let mut out: Vec<Option<Result<Removed>>> = Vec::with_capacity(names.len());
         let mut seen = std::collections::HashSet::new();
-        let mut todo: Vec<(usize, String, String)> = Vec::new();
+        let mut todo: Vec<Removal> = Vec::new();
         let mut twice = Vec::new();
-        for (i, (ns, name)) in names.iter().enumerate() {
+        for (i, &(ns, name, created)) in names.iter().enumerate() {
             if let Err(e) = check_ns(ns).and_then(|()| check_name(name)) {
                 out.push(Some(Err(e)));
                 continue;
@@ -97,30 +101,45 @@ impl Member {
             out.push(None);
             let key = self.keys.entry(ns, name);
             if seen.insert(key.clone()) {
-                todo.push((i, key, self.keys.pin(ns, name)));
+                todo.push(Removal {
+                    i,
+                    pin: self.keys.pin(ns, name),
+                    key,
+                    created,
+                });
             } else {
                 twice.push(i);
             }
         }
-        let runs = todo.chunks(REMOVALS_PER_TXN).map(|chunk| async move {
-            let ops = chunk
-                .iter()
-                .flat_map(|(_, key, pin)| [Op::delete(key.clone()), Op::delete(pin.clone())]);
-            (chunk, self.client.txn(Txn::new().and_then(ops)).await)
-        });
+        let runs = todo
+            .chunks(REMOVALS_PER_TXN)
+            .map(|chunk| async move { (chunk, self.client.txn(Removal::txn(chunk)).await) });
         for (chunk, r) in futures_util::future::join_all(runs).await {
             match r {
-                Ok(r) => {
-                    for (j, (i, ..)) in chunk.iter().enumerate() {
-                        out[*i] = Some(Ok(Removed {
+                Ok(r) if r.succeeded() => {
+                    for (j, t) in chunk.iter().enumerate() {
+                        out[t.i] = Some(Ok(Removed {
                             existed: r.deleted(2 * j).is_some_and(|n| n > 0),
                             revision: r.revision(),
                         }));
                     }
                 }
+                // An entry is not the one named: each on its own.
+                Ok(_) => {
+                    let each = chunk.iter().map(|t| async move {
+                        let r = self.client.txn(Removal::txn(std::slice::from_ref(t))).await;
+                        (t.i, r)
+                    });
+                    for (i, r) in futures_util::future::join_all(each).await {
+                        out[i] = Some(r.map_err(Into::into).map(|r| Removed {
+                            existed: r.succeeded() && r.deleted(0).is_some_and(|n| n > 0),
+                            revision: r.revision(),
+                        }));
+                    }
+                }
                 Err(e) => {
-                    for (i, ..) in chunk {
-                        out[*i] = Some(Err(copy_of(&e).into()));
+                    for t in chunk {
+                        out[t.i] = Some(Err(copy_of(&e).into()));
                     }
                 }
             }
@@ -221,5 +240,29 @@ impl Group {
     fn into_txn(self) -> (Vec<usize>, Txn) {
         let txn = Txn::new().when(self.when).and_then(self.then);
         (self.members, txn)
+    }
+}
+
+/// One removal of [`Member::remove_many`].
+struct Removal {
+    /// Its place among the names.
+    i: usize,
+    key: String,
+    pin: String,
+    /// The entry's creation revision, 0 for whichever is there.
+    created: i64,
+}
+
+impl Removal {
+    /// The transaction removing `items` (each entry and its pin), if each is the one named.
+    fn txn(items: &[Removal]) -> Txn {
+        let when = items
+            .iter()
+            .filter(|t| t.created != 0)
+            .map(|t| Compare::created(t.key.clone(), t.created));
+        let ops = items
+            .iter()
+            .flat_map(|t| [Op::delete(t.key.clone()), Op::delete(t.pin.clone())]);
+        Txn::new().when(when).and_then(ops)
     }
 }

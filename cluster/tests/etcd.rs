@@ -189,6 +189,53 @@ async fn a_group_of_publications_commits_together_and_each_has_its_own_outcome()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removal_naming_an_entry_takes_only_that_one() {
+    let Some(etcd) = Etcd::start() else { return };
+    let a = member(&etcd, "a", 10).await;
+    assert!(a.claim(0, UNIT).await.expect("claim"));
+    let created = |p: Published| match p {
+        Published::New { revision } => revision,
+        other => panic!("not published: {other:?}"),
+    };
+    let old = created(
+        a.publish("ns", "x", &record("a", 0))
+            .await
+            .expect("publish"),
+    );
+    let y = created(
+        a.publish("ns", "y", &record("a", 4096))
+            .await
+            .expect("publish"),
+    );
+    // x is removed and published again: a removal of the old one that reaches etcd only now
+    // leaves the new one, in a batch with a removal that matches (y) and one of whichever
+    // entry is there (z).
+    a.remove("ns", "x").await.expect("remove");
+    let new = created(
+        a.publish("ns", "x", &record("a", 8192))
+            .await
+            .expect("publish"),
+    );
+    a.publish("ns", "z", &record("a", 12288))
+        .await
+        .expect("publish");
+    let out = a
+        .remove_many(&[("ns", "x", old), ("ns", "y", y), ("ns", "z", 0)])
+        .await;
+    let existed: Vec<bool> = out
+        .iter()
+        .map(|r| r.as_ref().expect("removed").existed)
+        .collect();
+    assert_eq!(existed, [false, true, true]);
+    let (all, _) = a.snapshot().await.expect("snapshot");
+    let left: Vec<(&str, i64)> = all.iter().map(|l| (l.name.as_str(), l.revision)).collect();
+    assert_eq!(left, [("x", new)]);
+    // Named as it is, it goes.
+    let out = a.remove_many(&[("ns", "x", new)]).await;
+    assert!(out[0].as_ref().expect("removed").existed);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_name_is_held_while_its_host_lives() {
     let Some(etcd) = Etcd::start() else { return };
     let a = member(&etcd, "a", 10).await;

@@ -409,6 +409,16 @@ impl Compare {
         )
     }
 
+    /// `key` was created at `revision` (and not deleted since).
+    pub fn created(key: impl Into<Vec<u8>>, revision: i64) -> Self {
+        Self::new(
+            key,
+            rpc::compare::CompareResult::Equal,
+            rpc::compare::CompareTarget::Create,
+            rpc::compare::TargetUnion::CreateRevision(revision),
+        )
+    }
+
     /// `key` exists with this value.
     pub fn value_is(key: impl Into<Vec<u8>>, value: impl Into<Vec<u8>>) -> Self {
         Self::new(

@@ -516,7 +516,7 @@ fn removed(store: &Store, auth: &EtcdAuthority, ns: &str, name: &str, revision: 
 fn file(store: &Store, auth: &EtcdAuthority, ns: &str, key: &str, rec: &EntryRecord, created: i64) {
     auth.remote
         .lock()
-        .insert((ns.to_owned(), key.to_owned()), rec.node.clone());
+        .insert((ns.to_owned(), key.to_owned()), (rec.node.clone(), created));
     if let Err(e) = store.file_remote(&auth.pool, ns, key, rec.offset, rec.len, created) {
         tracing::warn!(ns, key, node = %rec.node, "cannot serve another host's entry: {e}");
         return;

@@ -30,8 +30,9 @@ enum Job {
         Vec<Item>,
         std::sync::mpsc::SyncSender<Vec<maru_cluster::Result<Published>>>,
     ),
+    /// Each entry as (namespace, name, creation revision; 0: whichever is there).
     Remove(
-        Vec<(String, String)>,
+        Vec<(String, String, i64)>,
         std::sync::mpsc::SyncSender<Vec<maru_cluster::Result<Removed>>>,
     ),
 }
@@ -67,11 +68,12 @@ impl GroupCommit {
         self.wait(Job::Publish(items, reply), rx, n)
     }
 
-    /// Removes entries `names` with the removals waiting beside them, as
-    /// [`GroupCommit::publish`] publishes.
+    /// Removes entries `names` (namespace, name, the creation revision of the one meant, 0
+    /// for whichever) with the removals waiting beside them, as [`GroupCommit::publish`]
+    /// publishes.
     pub(super) fn remove(
         &self,
-        names: Vec<(String, String)>,
+        names: Vec<(String, String, i64)>,
     ) -> Vec<maru_cluster::Result<Removed>> {
         let n = names.len();
         let (reply, rx) = std::sync::mpsc::sync_channel(1);
@@ -132,7 +134,7 @@ async fn commit(member: Arc<RwLock<Member>>, mut rx: mpsc::UnboundedReceiver<Job
                         }))
                     }
                     Job::Remove(names, _) => {
-                        removing.extend(names.iter().map(|(n, k)| (n.as_str(), k.as_str())))
+                        removing.extend(names.iter().map(|(n, k, c)| (n.as_str(), k.as_str(), *c)))
                     }
                 }
             }

@@ -61,8 +61,9 @@ pub struct EtcdAuthority {
     /// Each publication of this host, by name: its etcd revision (a removal the watch reports
     /// from before it is an older entry's) and its offset.
     published: Mutex<HashMap<(String, String), (i64, u64)>>,
-    /// Each entry of another host this host serves: its publisher.
-    remote: Mutex<HashMap<(String, String), String>>,
+    /// Each entry of another host this host serves: its publisher, and the etcd revision
+    /// that created it.
+    remote: Mutex<HashMap<(String, String), (String, i64)>>,
     /// What clients of this host use of other hosts' entries, and the holds that follow.
     readers: Mutex<Readers>,
     next_tag: AtomicU64,
@@ -708,7 +709,7 @@ impl Authority for EtcdAuthority {
 
     fn accessed(&self, ns: &str, key: &str) {
         let name = (ns.to_owned(), key.to_owned());
-        let Some(publisher) = self.remote.lock().get(&name).cloned() else {
+        let Some(publisher) = self.remote.lock().get(&name).map(|(p, _)| p.clone()) else {
             return;
         };
         let n = self.uses.fetch_add(1, Ordering::Relaxed);
@@ -873,7 +874,7 @@ impl Authority for EtcdAuthority {
             hosts: {
                 let mut by_node: HashMap<&str, u64> = HashMap::new();
                 let remote = self.remote.lock();
-                for node in remote.values() {
+                for (node, _) in remote.values() {
                     *by_node.entry(node).or_default() += 1;
                 }
                 let mut hosts = self.hosts.lock().clone();

@@ -138,7 +138,16 @@ impl EtcdAuthority {
                 && self.local.holder(p.ns, p.key) == Some(Claim::Published(p.id))
             {
                 asked.push(i);
-                names.push((p.ns.to_owned(), p.key.to_owned()));
+                let name = (p.ns.to_owned(), p.key.to_owned());
+                // The one this host knows: a removal etcd receives late takes no newer one.
+                let created = self
+                    .published
+                    .lock()
+                    .get(&name)
+                    .map(|&(r, _)| r)
+                    .or_else(|| self.remote.lock().get(&name).map(|&(_, c)| c))
+                    .unwrap_or(0);
+                names.push((name.0, name.1, created));
             }
         }
         if !names.is_empty() {
