@@ -157,7 +157,7 @@ impl Member {
     ///
     /// # Errors
     ///
-    /// [`Error::LeaseLost`] when this host's lease is gone; [`Error::InvalidName`] for a
+    /// [`Error::LeaseLost`] when this host's lease is gone; [`Error::Misaligned`] for a
     /// range that is not whole units.
     pub async fn claim(&self, offset: u64, len: u64) -> Result<bool> {
         self.claim_range(offset, len, true).await
