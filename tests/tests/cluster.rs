@@ -959,17 +959,38 @@ fn fill(h: &maru::Handler, prefix: &str) -> u64 {
     }
 }
 
-#[test]
-fn a_host_cut_off_serves_nothing_of_the_pool_and_after_the_link_returns_serves_what_changed() {
-    require_root!();
-    let Some(net) = Net::new(2) else { return };
-    let Some(etcd) = Etcd::start_at(Some(&net.hub), &net.hub_ip(), 2379, 2380) else {
-        return;
-    };
+/// Two hosts, each in a network namespace of its own (its link can be cut), etcd in the hub
+/// namespace; dropped in that order.
+struct Apart {
+    a: Daemon,
+    b: Daemon,
+    _dir: tempfile::TempDir,
+    _etcd: Etcd,
+    net: Net,
+}
+
+/// [`Apart`], or None (skip) without network namespaces or etcd outside CI.
+fn apart() -> Option<Apart> {
+    let net = Net::new(2)?;
+    let etcd = Etcd::start_at(Some(&net.hub), &net.hub_ip(), 2379, 2380)?;
     let dir = tempfile::tempdir().expect("tempdir");
     let pool = pool_file(dir.path());
     let a = host_in(&etcd, &pool, "a", Some(&net.hosts[0]));
     let b = host_in(&etcd, &pool, "b", Some(&net.hosts[1]));
+    Some(Apart {
+        a,
+        b,
+        _dir: dir,
+        _etcd: etcd,
+        net,
+    })
+}
+
+#[test]
+fn a_host_cut_off_serves_nothing_of_the_pool_and_after_the_link_returns_serves_what_changed() {
+    require_root!();
+    let Some(c) = apart() else { return };
+    let (a, b, net) = (&c.a, &c.b, &c.net);
     let (ha, hb) = (a.handler(), b.handler());
     ha.mkdir("ns", 0o777).expect("mkdir");
     store(&ha, "ns/x", &pattern(1, 1 << 20)).expect("store on a");
@@ -1007,22 +1028,15 @@ fn a_host_cut_off_serves_nothing_of_the_pool_and_after_the_link_returns_serves_w
     let view = |d: &Daemon| -> Vec<(String, u64)> {
         ["ns/x", "ns/y"].iter().map(|k| location(d, k)).collect()
     };
-    assert_eq!(view(&a), view(&b), "the hosts place the entries apart");
+    assert_eq!(view(a), view(b), "the hosts place the entries apart");
     store(&ha, "ns/z", &pattern(5, 1 << 20)).expect("a stores again");
 }
 
 #[test]
 fn a_host_cut_off_stops_writing_and_after_the_link_returns_nothing_is_owned_twice() {
     require_root!();
-    // Two hosts, each in a network namespace of its own; etcd in the hub namespace.
-    let Some(net) = Net::new(2) else { return };
-    let Some(etcd) = Etcd::start_at(Some(&net.hub), &net.hub_ip(), 2379, 2380) else {
-        return;
-    };
-    let dir = tempfile::tempdir().expect("tempdir");
-    let pool = pool_file(dir.path());
-    let a = host_in(&etcd, &pool, "a", Some(&net.hosts[0]));
-    let b = host_in(&etcd, &pool, "b", Some(&net.hosts[1]));
+    let Some(c) = apart() else { return };
+    let (a, b, net) = (&c.a, &c.b, &c.net);
     let (ha, hb) = (a.handler(), b.handler());
     ha.mkdir("ns", 0o777).expect("mkdir");
     let sealed: Vec<Vec<u8>> = (0..5).map(|i| pattern(i, 1 << 20)).collect();
@@ -1097,7 +1111,7 @@ fn a_host_cut_off_stops_writing_and_after_the_link_returns_nothing_is_owned_twic
         .expect("ls")
         .map(|e| {
             let name = e.expect("entry").file_name().to_string_lossy().into_owned();
-            let (_, off) = location(&b, &format!("ns/{name}"));
+            let (_, off) = location(b, &format!("ns/{name}"));
             let len = std::fs::metadata(b.path(&format!("ns/{name}")))
                 .expect("stat")
                 .len();
@@ -1105,6 +1119,4 @@ fn a_host_cut_off_stops_writing_and_after_the_link_returns_nothing_is_owned_twic
         })
         .collect();
     assert_apart(spans);
-    drop((ha, hb));
-    drop((a, b));
 }

@@ -267,48 +267,55 @@ fn after(env: &env::Env, cfg: &Config, history: &History, healed: Instant, r: &m
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    let unit = 8u64 << 20;
+    // The fill: entries of 8 MiB, then of one claim unit (2 MiB) in what is left between
+    // them (holes smaller than 8 MiB that the order of the frees left are not lost space).
+    let unit = maru_cluster::UNIT;
     let filler = env.connect(0, Duration::from_secs(5)).expect("host 0");
+    let mut filled = 0u64;
     let mut n = 0u64;
     let mut a = Vec::new();
     // Twice: if the first fill falls short, once more after a wait of three TTLs and 5 s
     // (what comes back in the background has come back by then).
     for round in 0..2 {
         if round == 1 {
-            if capacity.saturating_sub(n * unit) < unit {
+            if capacity.saturating_sub(filled) < unit {
                 break;
             }
             eprintln!(
-                "seed {}: the fill stopped at {n} entries; trying again after a wait",
+                "seed {}: the fill stopped at {n} entries ({filled} bytes); trying again after a \
+                 wait",
                 cfg.seed
             );
             std::thread::sleep(3 * cfg.ttl + Duration::from_secs(5));
         }
-        loop {
-            let key = format!("{}/fill{n}", workload::NS);
-            let res = filler.alloc(unit).and_then(|mut h| {
-                h.as_mut_slice()[..8].copy_from_slice(&n.to_le_bytes());
-                filler.store(&key, h)
-            });
-            match res {
-                Ok(()) => {
-                    a.push(key);
-                    n += 1;
-                }
-                Err(maru::Error::NoSpace(_)) => break,
-                Err(e) => {
-                    r.violations.push(format!("filling the pool: {e}"));
-                    break;
+        for size in [4 * unit, unit] {
+            loop {
+                let key = format!("{}/fill{n}", workload::NS);
+                let res = filler.alloc(size).and_then(|mut h| {
+                    h.as_mut_slice()[..8].copy_from_slice(&n.to_le_bytes());
+                    filler.store(&key, h)
+                });
+                match res {
+                    Ok(()) => {
+                        a.push(key);
+                        n += 1;
+                        filled += size;
+                    }
+                    Err(maru::Error::NoSpace(_)) => break,
+                    Err(e) => {
+                        r.violations.push(format!("filling the pool: {e}"));
+                        break;
+                    }
                 }
             }
         }
     }
-    let unusable = capacity.saturating_sub(n * unit);
+    let unusable = capacity.saturating_sub(filled);
     r.unusable = Some(unusable);
-    // Less than one unit of the fill is left over when nothing is lost.
+    // Not one claim unit is left over when nothing is lost.
     if unusable >= unit {
         r.violations.push(format!(
-            "after deleting everything, {n} entries of {unit} bytes filled the pool: \
+            "after deleting everything, {n} entries filled {filled} bytes of the pool: \
              {unusable} of its {capacity} bytes could not be used"
         ));
     }
