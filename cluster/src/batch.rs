@@ -36,7 +36,7 @@ impl Member {
             let g = match groups.iter_mut().position(|g| g.fits(p)) {
                 Some(g) => &mut groups[g],
                 None => {
-                    groups.push(Group::new(self.alive_cmp()));
+                    groups.push(Group::new(self.publish_cmp().0));
                     groups.last_mut().expect("pushed")
                 }
             };

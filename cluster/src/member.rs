@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::task::JoinHandle;
@@ -26,6 +26,9 @@ pub struct Member {
     /// Until when (CLOCK_BOOTTIME, ns; 0: not now) this host's lease is sure to be alive in
     /// etcd ([`Member::validity`]); the same across rejoins.
     valid: Arc<AtomicU64>,
+    /// The revision at which this host last wrote its node record: its publications require
+    /// it ([`Member::fence_publications`]).
+    epoch: AtomicI64,
     keeper: JoinHandle<()>,
 }
 
@@ -59,7 +62,8 @@ impl Member {
             root: format!("/maru/{pool_uuid}/"),
         };
         let valid = Arc::new(AtomicU64::new(0));
-        let (lease, live, keeper) = Self::register(&client, &keys, &info, ttl, &valid).await?;
+        let (lease, epoch, live, keeper) =
+            Self::register(&client, &keys, &info, ttl, &valid).await?;
         Ok(Member {
             client,
             keys,
@@ -68,6 +72,7 @@ impl Member {
             lease,
             live,
             valid,
+            epoch: AtomicI64::new(epoch),
             keeper,
         })
     }
@@ -78,7 +83,7 @@ impl Member {
         info: &NodeInfo,
         ttl: i64,
         valid: &Arc<AtomicU64>,
-    ) -> Result<(i64, Arc<AtomicBool>, JoinHandle<()>)> {
+    ) -> Result<(i64, i64, Arc<AtomicBool>, JoinHandle<()>)> {
         let c = client.clone();
         let sent = boottime_ns();
         let lease = c.lease_grant(ttl).await?;
@@ -87,10 +92,12 @@ impl Member {
         let txn = Txn::new()
             .when([Compare::absent(key.clone())])
             .and_then([Op::put(key, value, lease)]);
-        if !c.txn(txn).await?.succeeded() {
+        let r = c.txn(txn).await?;
+        if !r.succeeded() {
             let _ = c.lease_revoke(lease).await;
             return Err(Error::NodeTaken(info.node.clone()));
         }
+        let epoch = r.revision();
         // etcd counts the TTL from when it granted the lease, after it was asked.
         valid.store(
             sent + ttl as u64 * 1_000_000_000 - validity_guard(ttl),
@@ -104,7 +111,7 @@ impl Member {
             (live.clone(), valid.clone()),
             info.node.clone(),
         ));
-        Ok((lease, live, keeper))
+        Ok((lease, epoch, live, keeper))
     }
 
     /// This node's name.
@@ -137,11 +144,46 @@ impl Member {
     /// the old lease held (claims) is gone; the caller re-claims what it needs.
     pub async fn rejoin(&mut self) -> Result<()> {
         self.keeper.abort();
-        let (lease, live, keeper) =
+        let (lease, epoch, live, keeper) =
             Self::register(&self.client, &self.keys, &self.info, self.ttl, &self.valid).await?;
         self.lease = lease;
+        self.epoch.store(epoch, Ordering::Release);
         self.live = live;
         self.keeper = keeper;
+        Ok(())
+    }
+
+    /// The comparison a publication makes: this host's node record is as it last wrote it
+    /// (so its lease owns it, and no [`Member::fence_publications`] came since).
+    /// Also the epoch it compares.
+    pub(crate) fn publish_cmp(&self) -> (Compare, i64) {
+        let epoch = self.epoch.load(Ordering::Acquire);
+        (
+            Compare::modified(self.keys.node(&self.info.node), epoch),
+            epoch,
+        )
+    }
+
+    /// Makes every publication of this host still on its way to etcd fail, should it arrive
+    /// (one whose answer was lost can reach etcd much later: the network queued it): writes
+    /// the node record again, which the publications compare. Those sent from now on compare
+    /// the new write.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LeaseLost`] when this host's lease is gone (then none of its publications can
+    /// land anyway); [`Error::Etcd`].
+    pub async fn fence_publications(&self) -> Result<()> {
+        let key = self.keys.node(&self.info.node);
+        let value = serde_json::to_vec(&self.info).expect("serializable");
+        let txn = Txn::new()
+            .when([self.alive_cmp()])
+            .and_then([Op::put(key, value, self.lease)]);
+        let r = self.client.txn(txn).await?;
+        if !r.succeeded() {
+            return Err(Error::LeaseLost(self.info.node.clone()));
+        }
+        self.epoch.fetch_max(r.revision(), Ordering::AcqRel);
         Ok(())
     }
 
@@ -293,8 +335,9 @@ impl Member {
         let key = self.keys.entry(ns, name);
         let rkey = self.keys.reservation(ns, name);
         let value = serde_json::to_vec(record).expect("serializable");
+        let (alive, epoch) = self.publish_cmp();
         let mut when = vec![
-            self.alive_cmp(),
+            alive,
             Compare::absent(key.clone()),
             if reserved {
                 Compare::value_is(rkey.clone(), self.info.node.clone())
@@ -321,6 +364,10 @@ impl Member {
             return Ok(Published::New {
                 revision: r.revision(),
             });
+        }
+        if self.epoch_moved(&r, epoch) {
+            // Publications were fenced while this one was on its way: it never landed.
+            return Box::pin(self.publish_as(ns, name, record, reserved)).await;
         }
         self.check_alive(&r)?;
         if let Some(p) = self.name_taken(&r)? {
@@ -390,6 +437,15 @@ impl Member {
 
     /// From a failed transaction's first read (this node's record): LeaseLost unless the
     /// record is there under this host's lease.
+    /// Whether a publication's transaction that compared `epoch` failed because publications
+    /// were fenced since ([`Member::fence_publications`]): the node record (read first in its
+    /// failure branch) is this lease's, and written after `epoch`.
+    fn epoch_moved(&self, r: &TxnResponse, epoch: i64) -> bool {
+        r.range(0)
+            .and_then(|g| g.kvs.first())
+            .is_some_and(|kv| kv.lease == self.lease && kv.mod_revision > epoch)
+    }
+
     fn check_alive(&self, r: &TxnResponse) -> Result<()> {
         let ours = r
             .range(0)

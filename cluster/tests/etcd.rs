@@ -236,6 +236,53 @@ async fn a_removal_naming_an_entry_takes_only_that_one() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publication_from_before_a_fence_cannot_land_and_later_ones_do() {
+    use maru_cluster::etcd::{Client, Compare, Op, Options, Range, Txn};
+    let Some(etcd) = Etcd::start() else { return };
+    let a = member(&etcd, "a", 10).await;
+    assert!(a.claim(0, UNIT).await.expect("claim"));
+    let c = Client::connect(&etcd.endpoints(), Options::default()).expect("client");
+    let node = format!("/maru/{POOL}/nodes/a");
+    let epoch = |r: maru_cluster::etcd::RangeResponse| r.kvs[0].mod_revision;
+    let before = epoch(c.get(node.clone(), Range::KEY).await.expect("get"));
+    a.fence_publications().await.expect("fence");
+    let after = epoch(c.get(node.clone(), Range::KEY).await.expect("get"));
+    assert!(after > before, "the node record is written again");
+    // A publication a sent before the fence (the network held it) arrives only now: the
+    // comparison it carries fails, so it lands nowhere.
+    let entry = format!("/maru/{POOL}/entries/ns/late");
+    let late = Txn::new()
+        .when([Compare::modified(node.clone(), before)])
+        .and_then([Op::put(entry.clone(), "{}", 0)]);
+    assert!(!c.txn(late).await.expect("txn").succeeded());
+    assert!(c.get(entry, Range::KEY).await.expect("get").kvs.is_empty());
+    // a's own publications go on, alone and in a batch.
+    assert!(matches!(
+        a.publish("ns", "x", &record("a", 0))
+            .await
+            .expect("publish"),
+        Published::New { .. }
+    ));
+    let rec = record("a", 4096);
+    let out = a
+        .publish_many(&[Publication {
+            ns: "ns",
+            name: "y",
+            record: &rec,
+            reserved: false,
+        }])
+        .await;
+    assert!(matches!(out[0], Ok(Published::New { .. })), "{out:?}");
+    assert_eq!(
+        a.published_as("ns", "y", &rec).await.expect("read"),
+        match out[0] {
+            Ok(Published::New { revision }) => Some(revision),
+            _ => None,
+        }
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_name_is_held_while_its_host_lives() {
     let Some(etcd) = Etcd::start() else { return };
     let a = member(&etcd, "a", 10).await;

@@ -419,6 +419,16 @@ impl Compare {
         )
     }
 
+    /// `key` was last written at `revision` (0: it does not exist).
+    pub fn modified(key: impl Into<Vec<u8>>, revision: i64) -> Self {
+        Self::new(
+            key,
+            rpc::compare::CompareResult::Equal,
+            rpc::compare::CompareTarget::Mod,
+            rpc::compare::TargetUnion::ModRevision(revision),
+        )
+    }
+
     /// `key` exists with this value.
     pub fn value_is(key: impl Into<Vec<u8>>, value: impl Into<Vec<u8>>) -> Self {
         Self::new(

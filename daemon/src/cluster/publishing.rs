@@ -100,10 +100,11 @@ impl EtcdAuthority {
     }
 
     /// Whether publication `p`, whose outcome etcd did not tell (its answer was lost), made
-    /// it: asked again every quarter second for up to [`RESOLVE_FOR`], the client waiting
-    /// (not the store). Some(revision) if it did, Some(None) if not, None if etcd did not
-    /// answer. Failing it without knowing would free an extent that the other hosts may serve
-    /// as the entry's.
+    /// it: first every publication of this host still on its way is fenced off (it could
+    /// reach etcd later: the network may have queued it), then etcd is asked; again every
+    /// quarter second for up to [`RESOLVE_FOR`], the client waiting (not the store).
+    /// Some(revision) if it did, Some(None) if not, None if etcd did not answer. Failing it
+    /// without knowing would free an extent that the other hosts may serve as the entry's.
     fn resolve(&self, p: &Publishing<'_>) -> Option<Option<i64>> {
         let rec = EntryRecord {
             offset: p.at.offset,
@@ -115,11 +116,20 @@ impl EtcdAuthority {
         self.run(async move {
             let deadline = tokio::time::Instant::now() + RESOLVE_FOR;
             loop {
-                match m.read().await.published_as(&ns, &key, &rec).await {
-                    Ok(r) => return Some(r),
-                    Err(_) if tokio::time::Instant::now() >= deadline => return None,
-                    Err(_) => tokio::time::sleep(std::time::Duration::from_millis(250)).await,
+                let m = m.read().await;
+                // A lost lease fences them as well: each compares it.
+                let fenced = match m.fence_publications().await {
+                    Ok(()) | Err(maru_cluster::Error::LeaseLost(_)) => true,
+                    Err(_) => false,
+                };
+                if fenced && let Ok(r) = m.published_as(&ns, &key, &rec).await {
+                    return Some(r);
                 }
+                drop(m);
+                if tokio::time::Instant::now() >= deadline {
+                    return None;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(250)).await;
             }
         })
     }
