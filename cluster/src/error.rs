@@ -29,3 +29,10 @@ pub enum Error {
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    /// Whether the request never reached etcd ([`etcd::Error::never_sent`]): it did nothing.
+    pub fn never_sent(&self) -> bool {
+        matches!(self, Error::Etcd(e) if e.never_sent())
+    }
+}

@@ -283,6 +283,20 @@ async fn a_publication_from_before_a_fence_cannot_land_and_later_ones_do() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_refused_at_the_connection_is_known_never_sent() {
+    use maru_cluster::etcd::{Client, Options, Range};
+    // A port nothing listens on: the connection is refused.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let c = Client::connect(&[format!("127.0.0.1:{port}")], Options::default()).expect("client");
+    let e = c.get("k", Range::KEY).await.expect_err("nothing listens");
+    assert!(e.never_sent(), "{e}");
+    assert!(Error::Etcd(e).never_sent());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_name_is_held_while_its_host_lives() {
     let Some(etcd) = Etcd::start() else { return };
     let a = member(&etcd, "a", 10).await;

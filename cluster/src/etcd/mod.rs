@@ -56,6 +56,32 @@ pub enum Error {
     StreamEnded,
 }
 
+impl Error {
+    /// Whether the request never reached etcd: its connection was refused, or its host or
+    /// network unreachable, so its outcome is known (nothing happened).
+    pub fn never_sent(&self) -> bool {
+        use std::error::Error as _;
+        let Error::Status(s) = self else {
+            return matches!(self, Error::Endpoint(..) | Error::NoEndpoint);
+        };
+        let mut cause = s.source();
+        while let Some(c) = cause {
+            if let Some(io) = c.downcast_ref::<std::io::Error>()
+                && matches!(
+                    io.kind(),
+                    std::io::ErrorKind::ConnectionRefused
+                        | std::io::ErrorKind::HostUnreachable
+                        | std::io::ErrorKind::NetworkUnreachable
+                )
+            {
+                return true;
+            }
+            cause = c.source();
+        }
+        false
+    }
+}
+
 /// A status as one line: etcd's message, or what the transport says went wrong.
 fn describe(s: &tonic::Status) -> String {
     use std::error::Error as _;

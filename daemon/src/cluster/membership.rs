@@ -28,8 +28,9 @@ async fn keep_membership(me: std::sync::Weak<EtcdAuthority>) {
         tracing::warn!(node = %a.node, "lost the cluster lease: no publication until rejoined");
         // Fenced off until the regions are claimed again and the applier has read every
         // entry afresh (see `EtcdAuthority::fence`).
-        a.rejoining.store(true, Ordering::Release);
-        a.rejoins.send_modify(|n| *n += 1);
+        if !a.rejoining.swap(true, Ordering::AcqRel) {
+            a.rejoins.send_modify(|n| *n += 1); // once per lease lost, not per attempt
+        }
         let mut m = a.member.write().await;
         if let Err(e) = m.rejoin().await {
             tracing::warn!(node = %a.node, "rejoining: {e}");

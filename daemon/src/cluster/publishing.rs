@@ -76,6 +76,8 @@ impl EtcdAuthority {
             // Written into a region another host took while this one was cut off: those
             // bytes are not this host's to publish.
             Err(e @ maru_cluster::Error::NotClaimed { .. }) => Error::Busy(e.to_string()),
+            // Refused at the connection: it never reached etcd.
+            Err(e) if e.never_sent() => unavailable(e),
             Err(e) => match self.resolve(p) {
                 // It made it: published, as etcd says.
                 Some(Some(revision)) => {
