@@ -305,7 +305,7 @@ impl Backend for StoreFs {
             let (ns, perm, pool) = (e.ns.clone(), e.perm, e.pool);
             Store::allow(&st, c, &ns, Access::Read(&perm))?;
             st.touch(ino);
-            if st.fenced_off(&*self.0.authority, ino) {
+            if st.fenced_off(self.0.authority.fenced(), ino) {
                 return Err(super::authority::fenced_error());
             }
             if !st.ready_remote(&*self.0.authority, ino) {
@@ -619,7 +619,7 @@ impl Backend for StoreFs {
         let st = &mut *guard;
         let sealed = st.entries.contains_key(&ino);
         if sealed || st.zombies.contains_key(&ino) {
-            if st.fenced_off(&*self.0.authority, ino) {
+            if st.fenced_off(self.0.authority.fenced(), ino) {
                 return Err(super::authority::fenced_error());
             }
             if sealed && !st.ready_remote(&*self.0.authority, ino) {

@@ -437,10 +437,14 @@ impl Store {
         self.wait_imminent(&mut st, ns, keys);
         Self::allow(&st, c, ns, Access::Lookup)?;
         let n = st.ns.get(ns)?;
-        let fenced = |ino: &u64| st.fenced_off(&*self.authority, *ino);
+        let fenced = self.authority.fenced();
         Ok(keys
             .iter()
-            .map(|k| n.entries.get(k).is_some_and(|ino| !fenced(ino)))
+            .map(|k| {
+                n.entries
+                    .get(k)
+                    .is_some_and(|&ino| !st.fenced_off(fenced, ino))
+            })
             .collect())
     }
 
@@ -580,10 +584,11 @@ impl Store {
         children.sort_by(|a, b| a.ns.cmp(&b.ns));
         // Fenced off, the shared pool's entries are not this host's to show (as a lookup
         // misses them).
+        let fenced = self.authority.fenced();
         let mut entries: Vec<Located> = n
             .entries
             .values()
-            .filter(|ino| !st.fenced_off(&*self.authority, **ino))
+            .filter(|&&ino| !st.fenced_off(fenced, ino))
             .map(|ino| st.entries[ino].located(false))
             .collect();
         entries.sort_by(|a, b| a.key.cmp(&b.key));

@@ -50,13 +50,14 @@ impl Store {
         }
         let mut out = Vec::with_capacity(keys.len());
         let mut packs_sent = std::collections::HashSet::new();
+        let fenced = self.authority.fenced();
         for ino in inos {
             let Some(ino) = ino else {
                 out.push(None);
                 continue;
             };
             // Another host's, removed there a moment ago; or fenced off: either is a miss.
-            if st.fenced_off(&*self.authority, ino) || !st.ready_remote(&*self.authority, ino) {
+            if st.fenced_off(fenced, ino) || !st.ready_remote(&*self.authority, ino) {
                 out.push(None);
                 continue;
             }

@@ -203,13 +203,15 @@ impl State {
     }
 
     /// Whether entry `ino` lies in the shared pool while this host is fenced off it
-    /// ([`Authority::fenced`]): cut off from the cluster long enough for another host to have
-    /// carved its extent again (after a removal this host never heard of), so it is not
-    /// served until this host has rejoined and caught up.
-    pub fn fenced_off(&self, auth: &dyn Authority, ino: u64) -> bool {
-        self.entries
-            .get(&ino)
-            .is_some_and(|e| self.pools[e.pool as usize].pool.leases() && auth.fenced())
+    /// (`fenced`: [`Authority::fenced`], asked once per request): cut off from the cluster
+    /// long enough for another host to have carved its extent again (after a removal this
+    /// host never heard of), so it is not served until this host has rejoined and caught up.
+    pub fn fenced_off(&self, fenced: bool, ino: u64) -> bool {
+        fenced
+            && self
+                .entries
+                .get(&ino)
+                .is_some_and(|e| self.pools[e.pool as usize].pool.leases())
     }
 
     /// Readies entry `ino` for a client of this host to map or read (the caller then counts a
