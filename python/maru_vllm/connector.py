@@ -27,8 +27,16 @@ unreachable marud is left alone). The remote backend reads ``maru_remote_url``
 ``maru_remote_load_reserve``, ``maru_remote_timeout_s`` (one transfer),
 ``maru_remote_retry_s`` and ``maru_node_id``, and needs ``kv_load_failure_policy``
 ``recompute``. A store that cannot be reached is a miss: vLLM computes, nothing fails.
-``maru_engine_id`` names the engine to marud when ``maru_instance_id`` does not;
-``maru_async_load`` and ``maru_async_store`` are refused when true (not built).
+``maru_engine_id`` names the engine to marud when ``maru_instance_id`` does not.
+
+``maru_async_load``: the scheduler is told a load is asynchronous; the request waits (vLLM's
+WAITING_FOR_REMOTE_KVS) while a worker thread retrieves its chunks and copies them into its
+blocks, off the forward pass, and the worker reports it through ``get_finished``; a chunk that
+cannot be loaded is a load error for its blocks, which vLLM recomputes.
+``maru_async_store``: a step's chunks are copied from the paged cache and published by a
+worker thread after the step; a finished request's blocks are kept (``request_finished``
+answers True) until its saves are done, and a preempted request's saves finish before vLLM
+reuses its blocks (``handle_preemptions``).
 
 ``kv_role``: ``kv_both`` loads and saves; ``kv_producer`` (a prefill instance) saves and never
 loads; ``kv_consumer`` (a decode instance) loads and never saves, and logs what it had to
@@ -42,6 +50,8 @@ import re
 import struct
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
@@ -104,12 +114,6 @@ def handler_config(extra: Dict[str, Any], entry_bytes: int):
             f"MaruKVConnector: maru_namespace {ns!r} and maru_cache_namespace {cache_ns!r} name two "
             "namespaces; give one"
         )
-    for key in ("maru_async_load", "maru_async_store"):
-        if _flag(extra.get(key, False)):
-            raise ValueError(
-                f"MaruKVConnector: {key} is not built: loads and saves run in the forward pass "
-                "(doc/VLLM.md); leave it out or false"
-            )
     common = dict(
         chunk_size_bytes=entry_bytes,
         # The original's engine id names this engine to marud (its client list) unless an
@@ -203,14 +207,18 @@ class ChunkIO:
     index: int  # chunk index in the prompt
     blocks: torch.Tensor  # int64 block ids of the chunk's tokens, from its first block
     first: int = 0  # load only blocks from here on (the rest is in vLLM's own cache)
+    req_id: str = ""  # the request a save is for (an asynchronous save holds its blocks)
 
 
 @dataclass
 class MaruConnectorMetadata(KVConnectorMetadata):
     """What the workers do in one step."""
 
-    loads: Dict[str, List[ChunkIO]] = field(default_factory=dict)  # req_id -> chunks
+    loads: Dict[str, List[ChunkIO]] = field(default_factory=dict)  # req_id -> chunks, before the forward
+    async_loads: Dict[str, List[ChunkIO]] = field(default_factory=dict)  # req_id -> chunks, reported when done
     saves: List[ChunkIO] = field(default_factory=list)
+    preempted: List[str] = field(default_factory=list)  # requests whose blocks vLLM frees this step
+    idle: bool = False  # no forward pass this step: asynchronous loads run at once
 
 
 @dataclass
@@ -222,8 +230,10 @@ class _ReqState:
     block_ids: List[int]
     hits: int  # stored chunks at lookup (held)
     next_save: int  # first chunk not yet saved
-    load_from: int = 0  # tokens vLLM computed itself (its prefix cache)
+    local: int = 0  # tokens vLLM had in its own prefix cache at lookup
+    load_from: int = 0  # first token to load (the local ones are not)
     load_to: int = 0  # tokens to load up to
+    saving: bool = False  # a save was planned (an asynchronous one holds the blocks at the end)
 
 
 class MaruKVConnector(KVConnectorBase_V1):
@@ -265,6 +275,8 @@ class MaruKVConnector(KVConnectorBase_V1):
         transfer = self._kv_transfer_config
         self._loads = bool(transfer.is_kv_consumer)
         self._saves = bool(transfer.is_kv_producer)
+        self._async_load = _flag(extra.get("maru_async_load", False))
+        self._async_store = _flag(extra.get("maru_async_store", False))
         self._config = handler_config(extra, self._entry_bytes)
         if self._config.is_remote:
             # A memory node that dies between a lookup and its load fails that load: vLLM must
@@ -280,16 +292,25 @@ class MaruKVConnector(KVConnectorBase_V1):
         # Scheduler state.
         self._reqs: Dict[str, _ReqState] = {}
         self._held: Dict[str, List[str]] = {}
+        self._async_plans: Dict[str, List[ChunkIO]] = {}  # loads to start in the next step
         # Worker state.
         self._kv_caches: Dict[str, torch.Tensor] = {}
         self._pending: Dict[str, Tuple[Any, torch.Tensor, int]] = {}  # key -> (handle, tensor, layers written)
         self._skip: set = set()  # chunks this step does not save (stored already, or no memory)
         self._load_errors: set = set()
         self._save_device: Optional[torch.device] = None  # a CUDA device saves copy from
+        # Asynchronous loads and saves: one thread each; what they finished, under _done_lock.
+        self._threads: Dict[str, ThreadPoolExecutor] = {}
+        self._done_lock = threading.Lock()
+        self._loaded: Dict[str, set] = {}  # req_id -> block ids that failed, since get_finished
+        self._save_jobs: List[Future] = []
+        self._saving: Dict[str, int] = {}  # req_id -> its save jobs not finished
+        self._finishing: set = set()  # requests vLLM finished whose saves may still run
         logger.info(
-            "MaruKVConnector: %s chunks of %d tokens, %d bytes each, namespace %s%s",
+            "MaruKVConnector: %s chunks of %d tokens, %d bytes each, namespace %s%s%s",
             self._prefix, self._chunk, self._entry_bytes, self._config.namespace,
             f", remote {self._config.remote_url}" if self._config.is_remote else "",
+            "".join(f", {k} asynchronous" for k, on in (("loads", self._async_load), ("saves", self._async_store)) if on),
         )
 
     # -- shared --------------------------------------------------------------------------------
@@ -327,7 +348,7 @@ class MaruKVConnector(KVConnectorBase_V1):
                 self._held[request.request_id] = keys[:hits]
             self._unhold([k for k, f in zip(keys[hits:], found[hits:]) if f])
         self._reqs[request.request_id] = _ReqState(
-            tokens=tokens, keys=keys, block_ids=[], hits=hits, next_save=hits,
+            tokens=tokens, keys=keys, block_ids=[], hits=hits, next_save=hits, local=num_computed_tokens,
         )
         # vLLM computes at least the last prompt token itself, and loads whole blocks: the
         # last stored chunk may be loaded in part.
@@ -339,17 +360,28 @@ class MaruKVConnector(KVConnectorBase_V1):
                 "MaruKVConnector: request %s: %d of %d prompt tokens found stored, computing the rest",
                 request.request_id, matched, len(tokens),
             )
-        return max(0, matched - num_computed_tokens), False
+        external = max(0, matched - num_computed_tokens)
+        return external, self._async_load and external > 0
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         st = self._reqs.get(request.request_id)
         if st is None or num_external_tokens <= 0:
             return
-        st.load_from = request.num_computed_tokens
-        st.load_to = st.load_from + num_external_tokens
+        st.load_from = st.local
+        st.load_to = st.local + num_external_tokens
+        if self._async_load:
+            # The request waits for its load, which starts in the next step: its blocks are
+            # the ones allocated now.
+            st.block_ids = list(blocks.get_block_ids()[0])
+            self._async_plans[request.request_id] = self._load_plan(st)
+            st.load_to = st.load_from = 0
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        meta = MaruConnectorMetadata()
+        meta = MaruConnectorMetadata(
+            preempted=sorted(scheduler_output.preempted_req_ids or ()),
+            idle=scheduler_output.total_num_scheduled_tokens == 0,
+        )
+        meta.async_loads, self._async_plans = self._async_plans, {}
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is None:
@@ -359,7 +391,7 @@ class MaruKVConnector(KVConnectorBase_V1):
                 meta.loads[new.req_id] = self._load_plan(st)
                 st.load_to = st.load_from = 0
             done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
-            self._plan_saves(st, done, meta)
+            self._plan_saves(new.req_id, st, done, meta)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             st = self._reqs.get(req_id)
@@ -371,7 +403,7 @@ class MaruKVConnector(KVConnectorBase_V1):
             elif new_blocks:
                 st.block_ids.extend(new_blocks[0])
             done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            self._plan_saves(st, done, meta)
+            self._plan_saves(req_id, st, done, meta)
         return meta
 
     def _load_plan(self, st: _ReqState) -> List[ChunkIO]:
@@ -385,7 +417,7 @@ class MaruKVConnector(KVConnectorBase_V1):
             ))
         return plan
 
-    def _plan_saves(self, st: _ReqState, computed: int, meta: MaruConnectorMetadata) -> None:
+    def _plan_saves(self, req_id: str, st: _ReqState, computed: int, meta: MaruConnectorMetadata) -> None:
         """Chunks of the prompt whose every token is in the paged cache after this step."""
         if not self._saves:
             return
@@ -395,8 +427,11 @@ class MaruKVConnector(KVConnectorBase_V1):
             start = c * self._chunk
             if (start + self._chunk - 1) // self._block_size >= len(st.block_ids):
                 break  # its blocks are not all known yet
-            meta.saves.append(ChunkIO(key=st.keys[c], index=c, blocks=self._blocks(st.block_ids, start, start + self._chunk)))
+            meta.saves.append(ChunkIO(
+                key=st.keys[c], index=c, blocks=self._blocks(st.block_ids, start, start + self._chunk), req_id=req_id,
+            ))
             st.next_save += 1
+            st.saving = True
 
     def _unhold(self, keys: Optional[List[str]]) -> None:
         h = self._store.get() if keys else None
@@ -408,9 +443,12 @@ class MaruKVConnector(KVConnectorBase_V1):
             logger.warning("MaruKVConnector: unpin failed: %s", e)
 
     def request_finished(self, request: "Request", block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
-        self._reqs.pop(request.request_id, None)
+        st = self._reqs.pop(request.request_id, None)
         self._unhold(self._held.pop(request.request_id, None))
-        return False, None
+        # Asynchronous saves read the request's blocks after it ends: vLLM keeps them until
+        # the workers report the request in get_finished (each worker tracks the same requests:
+        # those with a save in the metadata).
+        return self._async_store and st is not None and st.saving, None
 
     # -- worker side ---------------------------------------------------------------------------
 
@@ -438,23 +476,42 @@ class MaruKVConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, MaruConnectorMetadata)
-        if not meta.loads:
+        if not meta.loads and not meta.async_loads:
             return
-        h = self._store.get()
         layers = {name: forward_context.no_compile_layers[name].kv_cache for name in self._layers}
+        if meta.loads:
+            self._load_errors.update(self._load(meta.loads, layers))
+            logger.debug("MaruKVConnector: loaded %d requests", len(meta.loads))
+        for req_id, plan in meta.async_loads.items():
+            if meta.idle:
+                # Nothing to keep off the critical path: loaded now, reported in this step.
+                self._load_async(req_id, plan, layers)
+            else:
+                self._thread("load").submit(self._load_async, req_id, plan, layers)
+
+    def _retrieve(self, h: Any, keys: List[str]) -> List[Any]:
+        """The entries of ``keys`` (None where missing), the pool's own pages."""
+        return h.batch_retrieve(keys)
+
+    def _load(self, plans: Dict[str, List[ChunkIO]], layers: Dict[str, torch.Tensor]) -> set:
+        """Copy the chunks of ``plans`` into their blocks; the block ids that could not be
+        loaded (vLLM recomputes them). Copies to a CUDA device are waited for on the current
+        stream."""
+        h = self._store.get()
         some = next(iter(layers.values()))
+        failed: set = set()
         in_flight = []  # the entries copies read from, kept until the copies are done
-        for req_id, plan in meta.loads.items():
+        for req_id, plan in plans.items():
             infos: List[Any] = [None] * len(plan)
             if h is not None:
                 try:
-                    infos = h.batch_retrieve([c.key for c in plan])
+                    infos = self._retrieve(h, [c.key for c in plan])
                 except OSError as e:  # the store failed after the lookup: vLLM recomputes
                     logger.warning("MaruKVConnector: load of %s failed, recomputing: %s", req_id, e)
             for chunk, info in zip(plan, infos):
                 if info is None or len(info.view) < self._entry_bytes:
                     # Evicted, deleted or unreachable after all: vLLM recomputes these blocks.
-                    self._load_errors.update(chunk.blocks[chunk.first :].tolist())
+                    failed.update(chunk.blocks[chunk.first :].tolist())
                     continue
                 if some.is_cuda and not h.is_remote:
                     h.tensors.register_entry(info)  # DMA from the pool's pages
@@ -468,7 +525,26 @@ class MaruKVConnector(KVConnectorBase_V1):
             torch.cuda.current_stream(some.device).synchronize()
         if h is not None and h.is_remote:
             h.release_retrieved(in_flight)  # their staging memory serves the next loads
-        logger.debug("MaruKVConnector: loaded %d requests", len(meta.loads))
+        return failed
+
+    def _load_async(self, req_id: str, plan: List[ChunkIO], layers: Dict[str, torch.Tensor]) -> None:
+        """A request's load on the load thread (the forward passes go on meanwhile: nothing
+        reads the request's blocks until it is reported finished)."""
+        try:
+            some = next(iter(layers.values()))
+            with torch.cuda.stream(torch.cuda.Stream(some.device)) if some.is_cuda else nullcontext():
+                failed = self._load({req_id: plan}, layers)
+        except Exception as e:  # noqa: BLE001 - whatever failed, vLLM must hear the request finished
+            logger.warning("MaruKVConnector: load of %s failed, recomputing: %s", req_id, e)
+            failed = {b for c in plan for b in c.blocks[c.first :].tolist()}
+        with self._done_lock:
+            self._loaded[req_id] = failed
+
+    def _thread(self, job: str) -> ThreadPoolExecutor:
+        """The worker's thread for asynchronous ``job``s (loads, saves), made on first use."""
+        if job not in self._threads:
+            self._threads[job] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"maru-{job}")
+        return self._threads[job]
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -476,7 +552,7 @@ class MaruKVConnector(KVConnectorBase_V1):
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, MaruConnectorMetadata)
-        if not meta.saves:
+        if not meta.saves or self._async_store:
             return
         i = self._layer_index.get(layer_name)
         if i is None:
@@ -489,26 +565,42 @@ class MaruKVConnector(KVConnectorBase_V1):
                 continue
             pending = self._pending.get(chunk.key)
             if pending is None:
-                try:
-                    if h.exists(chunk.key):
-                        self._skip.add(chunk.key)  # another instance stored it meanwhile
-                        continue
-                    handle = h.tensors.take(self._entry_bytes)  # registered for DMA where CUDA is
-                except OSError as e:  # full or failed: this chunk is not saved
-                    logger.warning("MaruKVConnector: chunk %d not saved: %s", chunk.index, e)
+                handle = self._allocate(h, chunk)
+                if handle is None:
                     self._skip.add(chunk.key)
                     continue
                 pending = (handle, self._chunk_tensor(handle.buf, kv_layer), 0)
             handle, dst, written = pending
-            blocks = chunk.blocks.to(kv_layer.device)
-            if kv_layer.device == dst.device:
-                torch.index_select(kv_layer, 0, blocks, out=dst[i])
-            else:  # device memory: one copy (DMA) into the pool, waited for in wait_for_save
-                dst[i].copy_(kv_layer.index_select(0, blocks), non_blocking=True)
-                self._save_device = kv_layer.device
+            if kv_layer.device != dst.device:
+                self._save_device = kv_layer.device  # waited for in wait_for_save
+            self._copy_blocks(kv_layer, chunk.blocks, dst[i])
             self._pending[chunk.key] = (handle, dst, written + 1)
 
+    def _allocate(self, h: Any, chunk: ChunkIO) -> Optional[Any]:
+        """Pool memory for a chunk to save, or None: stored already (by another instance
+        meanwhile), or no memory."""
+        try:
+            if h.exists(chunk.key):
+                return None
+            return h.tensors.take(self._entry_bytes)  # registered for DMA where CUDA is
+        except OSError as e:  # full or failed: this chunk is not saved
+            logger.warning("MaruKVConnector: chunk %d not saved: %s", chunk.index, e)
+            return None
+
+    @staticmethod
+    def _copy_blocks(layer: torch.Tensor, blocks: torch.Tensor, dst: torch.Tensor) -> None:
+        """A layer's ``blocks`` into ``dst`` (pool memory): one copy; from device memory a DMA
+        on the current stream, to be waited for."""
+        blocks = blocks.to(layer.device)
+        if layer.device == dst.device:
+            torch.index_select(layer, 0, blocks, out=dst)
+        else:
+            dst.copy_(layer.index_select(0, blocks), non_blocking=True)
+
     def wait_for_save(self):
+        if self._async_store:
+            self._save_later()
+            return
         self._skip.clear()
         ready = [(k, p[0]) for k, p in self._pending.items() if p[2] == len(self._layers)]
         if not ready:
@@ -518,6 +610,10 @@ class MaruKVConnector(KVConnectorBase_V1):
         h = self._store.get()
         if self._save_device is not None:
             torch.cuda.current_stream(self._save_device).synchronize()
+        self._publish(h, ready)
+
+    def _publish(self, h: Any, ready: List[Tuple[str, Any]]) -> None:
+        """Publish chunks whose pool memory holds every layer."""
         try:
             for _, handle in ready:
                 h.tensors.unregister_alloc(handle)  # publication replaces the mapping
@@ -529,19 +625,99 @@ class MaruKVConnector(KVConnectorBase_V1):
         if failed:
             logger.warning("MaruKVConnector: %d chunks not stored (pools full or unreachable)", len(failed))
 
-    def get_block_ids_with_load_errors(self) -> set:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+    def _save_later(self) -> None:
+        """Hand this step's chunks to the save thread; their requests are held (their blocks
+        kept) until it has copied and published them."""
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, MaruConnectorMetadata)
+        if not meta.saves:
+            return
+        some = next(iter(self._kv_caches.values()))
+        ready = None
+        if some.is_cuda:  # the save stream waits for what this step wrote
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(some.device))
+        reqs = {c.req_id for c in meta.saves}
+        with self._done_lock:
+            for r in reqs:
+                self._saving[r] = self._saving.get(r, 0) + 1
+        self._save_jobs = [j for j in self._save_jobs if not j.done()]
+        self._save_jobs.append(self._thread("save").submit(self._save_async, list(meta.saves), ready))
 
-    def shutdown(self):
-        if self._pending and self._save_device is not None:
-            torch.cuda.current_stream(self._save_device).synchronize()
-        h = self._store.get() if self._pending else None
-        for handle, _, _ in self._pending.values() if h is not None else ():
+    def _save_async(self, chunks: List[ChunkIO], ready: Any) -> None:
+        """Copy chunks from the paged cache into pool memory and publish them (save thread)."""
+        ready_chunks: List[Tuple[str, Any]] = []
+        h = None
+        try:
+            h = self._store.get()
+            if h is None:
+                return  # unreachable: nothing is saved
+            some = next(iter(self._kv_caches.values()))
+            stream = torch.cuda.Stream(some.device) if some.is_cuda else None
+            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                if stream is not None:
+                    stream.wait_event(ready)
+                for chunk in chunks:
+                    handle = self._allocate(h, chunk)
+                    if handle is None:
+                        continue
+                    ready_chunks.append((chunk.key, handle))
+                    dst = self._chunk_tensor(handle.buf, some)
+                    for name, i in self._layer_index.items():
+                        self._copy_blocks(self._kv_caches[name], chunk.blocks, dst[i])
+                if stream is not None:
+                    stream.synchronize()
+            chunks_done, ready_chunks = ready_chunks, []
+            self._publish(h, chunks_done)
+        except Exception as e:  # noqa: BLE001 - the thread must finish its requests whatever happens
+            logger.warning("MaruKVConnector: %d chunks not stored: %s", len(chunks), e)
+            self._free(h, [handle for _, handle in ready_chunks])
+        finally:
+            with self._done_lock:
+                for r in {c.req_id for c in chunks}:
+                    self._saving[r] -= 1
+
+    @staticmethod
+    def _free(h: Any, handles: List[Any]) -> None:
+        """Give back allocations that will not be published."""
+        for handle in handles:
             try:
                 h.tensors.unregister_alloc(handle)
                 h.free(handle)
             except (OSError, ValueError) as e:
                 logger.debug("MaruKVConnector: an unsaved chunk's allocation: %s", e)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # vLLM frees a preempted request's blocks and may write them in this very step: the
+        # saves that read them finish first.
+        if isinstance(kv_connector_metadata, MaruConnectorMetadata) and kv_connector_metadata.preempted:
+            wait(self._save_jobs)
+
+    def get_finished(self, finished_req_ids: set) -> Tuple[Optional[set], Optional[set]]:
+        with self._done_lock:
+            loaded, self._loaded = self._loaded, {}
+            self._finishing.update(r for r in finished_req_ids if r in self._saving)
+            saved = {r for r in self._finishing if self._saving[r] == 0}
+            for r in saved:
+                self._finishing.discard(r)
+                del self._saving[r]
+        # A finished load's failed blocks are reported in this same step (vLLM asks for them
+        # after get_finished).
+        for failed in loaded.values():
+            self._load_errors.update(failed)
+        return saved or None, set(loaded) or None
+
+    def get_block_ids_with_load_errors(self) -> set:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self):
+        for pool in self._threads.values():
+            pool.shutdown(wait=True)  # the loads and saves under way finish
+        if self._pending and self._save_device is not None:
+            torch.cuda.current_stream(self._save_device).synchronize()
+        h = self._store.get() if self._pending else None
+        if h is not None:
+            self._free(h, [handle for handle, _, _ in self._pending.values()])
         self._pending.clear()
         self._store.close()

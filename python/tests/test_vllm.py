@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from conftest import Marud, child_env  # noqa: E402
+from conftest import Marud, child_env, start_marud  # noqa: E402
 from remote_util import TOKEN, GpuNodes, MemoryNode, require_nixl  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
@@ -45,12 +45,15 @@ def cache_root(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("vllm-cache"))
 
 
-def run_instance(spec: dict, env: Optional[dict] = None, prefix: Sequence[str] = ()) -> dict:
+def run_instance(spec: dict, env: Optional[dict] = None, prefix: Sequence[str] = (), log: Optional[list] = None) -> dict:
     """Run one vLLM instance (vllm_child.py); ``env``: more environment, ``prefix``: a
-    command it runs under (a GPU node's ``ip netns exec``)."""
+    command it runs under (a GPU node's ``ip netns exec``); ``log``: a list its output is
+    appended to."""
     env = child_env() | (env or {})
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env["PYTHONPATH"]])
     out = vllm_util.run_child(sys.executable, spec, env, prefix)
+    if log is not None:
+        log.append(out.stdout)
     if out.returncode != 0 or out.result is None:
         errors = "\n".join(line for line in out.stdout.splitlines() if "Error" in line or "ERROR" in line)
         pytest.fail(f"vLLM instance failed:\n{errors[-5000:]}\n...\n{out.stdout[-2000:]}")
@@ -115,6 +118,80 @@ def test_disaggregated_prefill_a_producer_saves_a_consumer_loads(
     assert sorted(os.listdir(marud.mount / namespace)) == stored, "the consumer saved"
 
 
+def test_asynchronous_saves_and_loads_share_what_synchronous_ones_do(
+    marud: Marud, namespace: str, model_dir: str, cache_root: str
+) -> None:
+    """maru_async_store and maru_async_load. 1P1D: producer A saves on its save thread (every
+    chunk is in when it has exited); consumer B, given a prompt nobody stored and A's in one
+    call, computes the first (nothing found) while its load thread loads the second, whose
+    request waits (cached tokens cover A's prompt, output equals A's). Then C, kv_both with both modes, loads A's prompt and saves a new one,
+    whose requests end before their saves do (vLLM keeps their blocks until C reports them)."""
+    base = {"model": model_dir, "cache_root": cache_root, "connector": "maru", "socket": str(marud.socket),
+            "namespace": namespace}
+    a = run_instance(base | {"role": "kv_producer", "async_store": True, "prompts": [{"name": "shared", "parts": SHARED}]})
+    stored = sorted(os.listdir(marud.mount / namespace))
+    assert len(stored) == 6912 // 256
+    b = run_instance(base | {"role": "kv_consumer", "async_load": True, "together": True, "prompts": [
+        {"name": "fresh", "parts": [[6912, 5]]}, {"name": "shared", "parts": SHARED}]})
+    assert b["fresh"]["cached"] == 0
+    assert b["shared"]["cached"] == (6912 - 1) // 128 * 128
+    assert b["shared"]["tokens"] == a["shared"]["tokens"]
+    assert sorted(os.listdir(marud.mount / namespace)) == stored, "the consumer saved"
+    c = run_instance(base | {"async_load": True, "async_store": True, "prompts": [
+        {"name": "shared", "parts": SHARED}, {"name": "new", "parts": [[4096, 6]]}]})
+    assert c["shared"]["cached"] == (6912 - 1) // 128 * 128
+    assert c["shared"]["tokens"] == a["shared"]["tokens"]
+    assert c["new"]["cached"] == 0
+    assert len(os.listdir(marud.mount / namespace)) == len(stored) + 4096 // 256
+    # What C saved asynchronously loads as well: its output again, from its chunks.
+    d = run_instance(base | {"role": "kv_consumer", "prompts": [{"name": "new", "parts": [[4096, 6]]}]})
+    assert d["new"]["cached"] == (4096 - 1) // 128 * 128
+    assert d["new"]["tokens"] == c["new"]["tokens"]
+
+
+def test_a_marud_killed_during_an_asynchronous_load_makes_the_consumer_recompute(
+    model_dir: str, cache_root: str, tmp_path: Path
+) -> None:
+    """Consumer B has looked A's prompt up (its chunks held) when marud is killed, before B
+    retrieves them: the load fails, vLLM recomputes (its policy is recompute), and B's output
+    is A's."""
+    d = start_marud(tmp_path / "marud")
+    gate = str(tmp_path / "load-gate")
+    try:
+        base = {"model": model_dir, "cache_root": cache_root, "connector": "maru", "socket": str(d.socket),
+                "namespace": "killed"}
+        a = run_instance(base | {"async_store": True, "prompts": [{"name": "shared", "parts": SHARED}]})
+        results: dict = {}
+        log: list = []
+
+        def b() -> None:
+            try:
+                results["b"] = run_instance(
+                    base | {"role": "kv_consumer", "async_load": True, "load_gate": gate, "together": True,
+                            "prompts": [{"name": "fresh", "parts": [[2048, 7]]}, {"name": "shared", "parts": SHARED}]},
+                    log=log)
+            except BaseException as e:  # pytest.fail's exception included: raised below
+                results["error"] = e
+
+        t = threading.Thread(target=b)
+        t.start()
+        deadline = time.monotonic() + 900
+        while not os.path.exists(gate + ".ready") and t.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert os.path.exists(gate + ".ready"), "B never loaded"
+        d.proc.kill()
+        d.proc.wait()
+        Path(gate).touch()
+        t.join()
+        if "error" in results:
+            raise results["error"]
+        assert results["b"]["shared"]["tokens"] == a["shared"]["tokens"]
+        assert "load of" in log[0] and "Recovered from KV load failure" in log[0], log[0][-3000:]
+    finally:
+        Path(gate).touch()
+        d.stop()
+
+
 def test_example_connector_runs_unmodified_on_maru(marud: Marud, namespace: str, model_dir: str, cache_root: str) -> None:
     storage = marud.mount / namespace
     storage.mkdir()
@@ -139,6 +216,7 @@ def test_connector_configuration_is_checked(model_dir: str) -> None:
     assert remote.is_remote and remote.remote_url == "tcp://m:7860" and remote.pool_size == 256 << 20
     assert (remote.remote_transfer_timeout_s, remote.remote_retry_s, remote.node_id) == (3.0, 4.0, "gpu7")
     assert handler_config({"maru_engine_id": "engine-3", "maru_async_load": False}, entry).instance_id == "engine-3"
+    assert handler_config({"maru_async_load": True, "maru_async_store": "true"}, entry).namespace == "vllm"
     for extra, message in [
         ({"maru_storage_backend": "nvme"}, "not one of"),
         ({"maru_storage_backend": "remote"}, "maru_remote_url"),
@@ -146,8 +224,6 @@ def test_connector_configuration_is_checked(model_dir: str) -> None:
          "maru_server_url"),
         ({"maru_remote_url": "tcp://m:1"}, "only apply to maru_storage_backend 'remote'"),
         ({"maru_namespace": "a", "maru_cache_namespace": "b"}, "two namespaces"),
-        ({"maru_async_load": True}, "maru_async_load is not built"),
-        ({"maru_async_store": "true"}, "maru_async_store is not built"),
     ]:
         with pytest.raises(ValueError, match=message):
             handler_config(extra, entry)

@@ -3,11 +3,14 @@
 ``python vllm_child.py SPEC_JSON``: SPEC is a JSON object with ``model`` (a model directory,
 see vllm_util.make_model), ``connector`` (``maru``: MaruKVConnector; ``example``: vLLM's
 ExampleConnector with ``storage`` as its shared_storage_path; ``none``), ``socket`` and
-``namespace`` (maru; ``role``: its kv_role, default ``kv_both``; with ``remote``: {``url``, ``token``}, a memory node's pool instead of
-the socket's marud), and ``prompts``: a list of {``name``, ``parts``: [[tokens, seed], ...],
-``wait`` (optional: a path; before this prompt the child creates ``<wait>.ready`` and waits
+``namespace`` (maru; ``role``: its kv_role, default ``kv_both``; ``async_load``,
+``async_store``: the connector's maru_async_load and maru_async_store; ``load_gate``: a path,
+the connector's first retrieve waits at it as a prompt's ``wait`` does (vllm_gated.py); with
+``remote``: {``url``, ``token``}, a memory node's pool instead of the socket's marud), and
+``prompts``: a list of {``name``, ``parts``: [[tokens, seed], ...], ``wait`` (optional: a path; before this prompt the child creates ``<wait>.ready`` and waits
 until ``<wait>`` exists)} (a prompt is its parts' words concatenated, so two prompts can
-share a prefix). For each
+share a prefix); with ``together``, the prompts go to vLLM in one call (scheduled in the same
+steps, no times measured) instead of one after the other. For each
 prompt, in order, it measures the time to first token (a generate of one token, vLLM's own
 prefix cache off; the median of ``repeat`` runs, default 1) and then generates 8 tokens
 greedily; it prints one line
@@ -36,7 +39,8 @@ def main() -> int:
 
     kt = None
     if spec["connector"] == "maru":
-        extra = {"maru_pool_size": "64M", "maru_namespace": spec["namespace"]}
+        extra = {"maru_pool_size": "64M", "maru_namespace": spec["namespace"],
+                 "maru_async_load": bool(spec.get("async_load")), "maru_async_store": bool(spec.get("async_store"))}
         remote = spec.get("remote")
         if remote:
             extra |= {
@@ -49,9 +53,11 @@ def main() -> int:
             }
         else:
             extra["maru_server_url"] = f"unix://{spec['socket']}"
+        if spec.get("load_gate"):
+            os.environ["MARU_VLLM_LOAD_GATE"] = spec["load_gate"]  # vLLM's engine process inherits it
         kt = KVTransferConfig(
-            kv_connector="MaruKVConnector",
-            kv_connector_module_path="maru_vllm",
+            kv_connector="GatedMaruKVConnector" if spec.get("load_gate") else "MaruKVConnector",
+            kv_connector_module_path="vllm_gated" if spec.get("load_gate") else "maru_vllm",
             kv_role=spec.get("role", "kv_both"),
             kv_connector_extra_config=extra,
             kv_load_failure_policy="recompute",
@@ -73,10 +79,17 @@ def main() -> int:
         max_num_batched_tokens=vllm_util.MAX_LEN,
     )
     out = {}
-    for p in spec["prompts"]:
+    if spec.get("together"):
+        texts = [" ".join(vllm_util.prompt(n, seed) for n, seed in p["parts"]) for p in spec["prompts"]]
+        first = llm.generate(texts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        full = llm.generate(texts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        for p, f, g in zip(spec["prompts"], first, full):
+            out[p["name"]] = {"ttft": None, "tokens": list(g.outputs[0].token_ids), "cached": f.num_cached_tokens,
+                              "prompt_tokens": len(f.prompt_token_ids)}
+    for p in [] if spec.get("together") else spec["prompts"]:
         text = " ".join(vllm_util.prompt(n, seed) for n, seed in p["parts"])
         if p.get("wait"):
-            barrier(p["wait"])
+            vllm_util.barrier(p["wait"])
         times = []
         for _ in range(int(spec.get("repeat", 1))):
             t0 = time.perf_counter()
@@ -98,16 +111,6 @@ def main() -> int:
             json.dump(out, f)
     print("RESULT", json.dumps(out), flush=True)
     return 0
-
-
-def barrier(path: str, limit_s: float = 600) -> None:
-    """Say this instance is at ``path`` (``<path>.ready``) and wait until ``path`` exists."""
-    open(path + ".ready", "w").close()
-    deadline = time.monotonic() + limit_s
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"nobody opened {path}")
-        time.sleep(0.05)
 
 
 if __name__ == "__main__":

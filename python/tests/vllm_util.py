@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import List, Sequence
 
@@ -95,3 +96,13 @@ def run_child(python: str, spec: dict, env: dict, prefix: Sequence[str] = ()) ->
         # The child's result, from its file (its stdout is shared with vLLM's processes).
         out.result = open(result).read() if os.path.exists(result) else None
         return out
+
+
+def barrier(path: str, limit_s: float = 600) -> None:
+    """Say this process is at ``path`` (``<path>.ready``) and wait until ``path`` exists."""
+    open(path + ".ready", "w").close()
+    deadline = time.monotonic() + limit_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nobody opened {path}")
+        time.sleep(0.05)
