@@ -26,7 +26,7 @@ import json
 import logging
 import os
 import threading
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from . import _native, plugins, remote
 from ._native import AllocHandle, MemoryInfo
@@ -63,8 +63,8 @@ class MaruHandler:
         self._regions_seen: Dict[int, int] = {}
         self._pools: List[Dict[str, Any]] = []
         self._closing = False
-        # (region_id, page_index) -> MemoryInfo of recent retrievals (see remember_locations).
-        self._located: Optional["collections.OrderedDict[tuple, MemoryInfo]"] = None
+        # (region_id, page_index) -> (key, MemoryInfo) of recent retrievals (see remember_locations).
+        self._located: Optional["collections.OrderedDict[tuple, Tuple[Key, MemoryInfo]]"] = None
         self._located_max = 0
         self._tensor_io: Optional[TensorIO] = None
         self._pool_views: Dict[int, Any] = {}
@@ -269,7 +269,7 @@ class MaruHandler:
         None."""
         info = self._c().retrieve(key)
         if self._located is not None and info is not None:
-            self._remember([info])
+            self._remember([key], [info])
         return info
 
     @staticmethod
@@ -334,31 +334,32 @@ class MaruHandler:
 
     def remember_locations(self, count: int) -> None:
         """Keep the :class:`MemoryInfo` of the last ``count`` entries retrieved, by location,
-        for :meth:`memory_at`; 0 forgets them. Allocator adapters that are handed only a
+        for :meth:`retrieved_at`; 0 forgets them. Allocator adapters that are handed only a
         ``(region_id, page_index)`` after a retrieve (LMCache's MaruBackend) find the entry's
         memory, and the hold on it the view keeps, again."""
         with self._lock:
             self._located_max = max(0, int(count))
             self._located = collections.OrderedDict() if self._located_max else None
 
-    def memory_at(self, region_id: int, page_index: int) -> Optional[MemoryInfo]:
-        """The remembered :class:`MemoryInfo` at ``(region_id, page_index)``, or None."""
+    def retrieved_at(self, region_id: int, page_index: int) -> Optional[Tuple[Key, MemoryInfo]]:
+        """The key it was retrieved by and the remembered :class:`MemoryInfo` at
+        ``(region_id, page_index)``, or None."""
         located = self._located
         if located is None:
             return None
         with self._lock:
             return located.get((region_id, page_index))
 
-    def _remember(self, infos: Iterable[Optional[MemoryInfo]]) -> None:
+    def _remember(self, keys: Iterable[Key], infos: Iterable[Optional[MemoryInfo]]) -> None:
         with self._lock:
             located = self._located
             if located is None:
                 return
-            for info in infos:
+            for key, info in zip(keys, infos):
                 if info is None:
                     continue
                 where = (info.region_id, info.page_index)
-                located[where] = info
+                located[where] = (key, info)
                 located.move_to_end(where)
             while len(located) > self._located_max:
                 located.popitem(last=False)
@@ -385,7 +386,7 @@ class MaruHandler:
     def batch_retrieve(self, keys: Sequence[Key]) -> List[Optional[MemoryInfo]]:
         results = self._c().batch_retrieve(keys)
         if self._located is not None:
-            self._remember(results)
+            self._remember(keys, results)
         if self._plugins:
             plugins.call(self._plugins, "on_batch_retrieve", self, keys, results)
         return results

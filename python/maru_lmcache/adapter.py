@@ -19,6 +19,16 @@ from the handler's reserve (``handler.reserve``) when it holds some, already reg
 they are unregistered before they are stored or freed. Retrieved entries stay registered
 while the handler's registry keeps them (a raw pool is registered once, whole).
 
+Lookup pins on LMCache's asynchronous load path. There ``MaruBackend.batched_async_contains``
+pins the chunks it finds (``handler.batch_pin``: holds in marud, which keep them from
+eviction until the load), and LMCache 0.5.6 never gives those pins back (its issue 3027): in a
+long-running engine every chunk it ever loaded asynchronously would stay pinned. LMCache pins a
+retrieved memory object itself (its own count) on that path only, right after the retrieve; on
+that first pin the object takes over the lookup's pin: the adapter gives the handler's pin on
+the key back to marud, and the object's mapping keeps the bytes from then on. An LMCache that
+releases those pins itself (its fix declares ``has_external_pin_state`` on the backend) is
+left to do it: the adapter then releases nothing.
+
 Unlike the original, which carved fixed pages of ``chunk_size`` in its regions and built a
 memory object per page up front, allocations here are the size LMCache asks for (a partial
 last chunk takes only its bytes), and nothing is built before it is used.
@@ -26,8 +36,10 @@ last chunk takes only its bytes), and nothing is built before it is used.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import threading
-from typing import Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 from lmcache.logging import init_logger
@@ -47,6 +59,39 @@ logger = init_logger(__name__)
 
 #: How many retrieved entries the handler remembers by location for get_by_location.
 REMEMBERED_LOCATIONS = 8192
+
+
+def lmcache_releases_async_lookup_pins() -> bool:
+    """Whether this LMCache gives back the pins of its asynchronous lookups itself: its fix
+    of issue 3027 has backends declare ``has_external_pin_state``; 0.5.6 has no such thing."""
+    try:
+        from lmcache.v1.storage_backend.maru_backend import MaruBackend
+    except ImportError:
+        return False
+    attr = inspect.getattr_static(MaruBackend, "has_external_pin_state", None)
+    if attr is None:
+        return False
+    if isinstance(attr, property):
+        try:
+            return bool(attr.fget(None))
+        except Exception:  # noqa: BLE001 - a property that needs its instance: LMCache has the fix
+            return True
+    return bool(attr)
+
+
+class RetrievedMemoryObj(TensorMemoryObj):
+    """A retrieved entry's memory object. Its first pin by LMCache (taken on the asynchronous
+    load path only) runs ``on_first_pin``: the adapter gives back the lookup's pin in marud."""
+
+    def __init__(self, raw: torch.Tensor, metadata: MemoryObjMetadata, on_first_pin: Optional[Callable[[], None]]):
+        super().__init__(raw, metadata, parent_allocator=None)
+        self._on_first_pin = on_first_pin
+
+    def pin(self) -> bool:
+        hand_over, self._on_first_pin = self._on_first_pin, None
+        if hand_over is not None:
+            hand_over()
+        return super().pin()
 
 
 class CxlMemoryAdapter(MemoryAllocatorInterface):
@@ -74,6 +119,7 @@ class CxlMemoryAdapter(MemoryAllocatorInterface):
         self._lock = threading.Lock()
         # Allocations handed out and not yet stored or freed, by encoded address.
         self._allocs: Dict[int, AllocHandle] = {}
+        self._hand_over_pins = not lmcache_releases_async_lookup_pins()
         handler.remember_locations(REMEMBERED_LOCATIONS)
 
     # -- addresses --------------------------------------------------------------------------
@@ -98,6 +144,7 @@ class CxlMemoryAdapter(MemoryAllocatorInterface):
         shapes: List[torch.Size],
         dtypes: List[torch.dtype],
         fmt: MemoryFormat,
+        on_first_pin: Optional[Callable[[], None]] = None,
     ) -> TensorMemoryObj:
         dtype = dtypes[0]
         raw = frombuffer(buf, dtype=dtype, count=size // dtype.itemsize)
@@ -111,6 +158,8 @@ class CxlMemoryAdapter(MemoryAllocatorInterface):
             shapes=shapes if len(shapes) > 1 else None,
             dtypes=dtypes if len(dtypes) > 1 else None,
         )
+        if on_first_pin is not None:
+            return RetrievedMemoryObj(raw, metadata, on_first_pin)
         return TensorMemoryObj(raw, metadata, parent_allocator=None)
 
     def allocate(
@@ -223,10 +272,11 @@ class CxlMemoryAdapter(MemoryAllocatorInterface):
     ) -> Optional[MemoryObj]:
         """The memory object of an entry the handler just retrieved, at its location; None
         when the handler no longer remembers that location."""
-        info = self._handler.memory_at(region_id, page_index)
-        if info is None:
+        found = self._handler.retrieved_at(region_id, page_index)
+        if found is None:
             logger.debug("[Maru] get_by_location: region %d page %d not remembered", region_id, page_index)
             return None
+        key, info = found
         view = info.view
         self._handler.tensors.register_entry(info)  # for the GPU connector's DMA (if CUDA)
         if actual_size > len(view):
@@ -240,4 +290,13 @@ class CxlMemoryAdapter(MemoryAllocatorInterface):
                 shape[token_dim] = actual_size // single_token_size
                 shapes[0] = torch.Size(shape)
         address = self.encode_address(region_id, page_index)
-        return self._memory_obj(view, address, actual_size, shapes, self._dtypes, self._fmt)
+        hand_over = functools.partial(self._release_lookup_pin, key) if self._hand_over_pins else None
+        return self._memory_obj(view, address, actual_size, shapes, self._dtypes, self._fmt, hand_over)
+
+    def _release_lookup_pin(self, key: Any) -> None:
+        """Give back the handler's pin on ``key`` (if it holds one): a memory object over the
+        entry keeps its bytes now."""
+        try:
+            self._handler.unpin(key)
+        except (MaruError, RuntimeError) as e:  # unreachable or closed: marud drops its holds anyway
+            logger.debug("[Maru] lookup pin of %s not given back: %s", key, e)

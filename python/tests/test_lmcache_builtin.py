@@ -8,8 +8,10 @@ memory and stored without a copy.
 
 from __future__ import annotations
 
+import asyncio
 import os
-from typing import Iterator
+import threading
+from typing import Iterator, List
 
 import pytest
 
@@ -17,7 +19,11 @@ pytest.importorskip("torch")
 pytest.importorskip("lmcache")
 
 import torch  # noqa: E402
+from lmcache.v1.event_manager import EventManager, EventStatus, EventType  # noqa: E402
 from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
+from lmcache.v1.pin_monitor import PinMonitor  # noqa: E402
+from lmcache.v1.storage_backend.maru_backend import MaruBackend  # noqa: E402
+from lmcache.v1.storage_backend.storage_manager import StorageManager  # noqa: E402
 
 import lmcache_util as lu  # noqa: E402
 import maru  # noqa: E402
@@ -141,6 +147,108 @@ def test_pins_are_counted_and_keep_entries_from_eviction(marud: Marud, namespace
         assert backend.unpin(keys[0])
         assert backend.remove(keys[0])
         assert not backend.contains(keys[0])
+    finally:
+        sm.close()
+
+
+class Scheduler:
+    """Where LMCache's StorageManager sends the answer of an asynchronous lookup (its
+    ``LMCacheAsyncLookupServer`` passes it to vLLM's scheduler over ZMQ): tokens to load, by
+    lookup id."""
+
+    def __init__(self) -> None:
+        self.answers: dict = {}
+        self._cond = threading.Condition()
+
+    def send_response_to_scheduler(self, lookup_id: str, retrieved_length: int) -> None:
+        with self._cond:
+            self.answers[lookup_id] = retrieved_length
+            self._cond.notify_all()
+
+    def wait(self, lookup_id: str, timeout: float = 30.0) -> int:
+        with self._cond:
+            assert self._cond.wait_for(lambda: lookup_id in self.answers, timeout), "no answer"
+            return self.answers[lookup_id]
+
+
+def async_manager(socket: str, scheduler: Scheduler) -> StorageManager:
+    """LMCache's storage layer with its asynchronous loading on (``enable_async_loading``)."""
+    config = lu.make_builtin_config(socket)
+    config.enable_async_loading = True
+    PinMonitor.GetOrCreate(config)  # as LMCacheEngine makes it: pinned objects report to it
+    return StorageManager(config=config, metadata=lu.metadata(), event_manager=EventManager(),
+                          async_lookup_server=scheduler)
+
+
+def load_async(sm: StorageManager, scheduler: Scheduler, lookup_id: str, keys: list) -> List[torch.Tensor]:
+    """LMCache 0.5.6's asynchronous load: ``async_lookup_and_prefetch`` with pins (the
+    lookup pins each chunk in marud and prefetches it), then what ``LMCacheEngine.retrieve``
+    does with the prefetched chunks (``_async_process_tokens_internal`` takes them from the
+    event; after the copy each is unpinned if pinned and its reference dropped). The chunks'
+    contents come back as copies."""
+    cum = [i * lu.CHUNK_TOKENS for i in range(len(keys) + 1)]
+    asyncio.run_coroutine_threadsafe(
+        sm.async_lookup_and_prefetch(lookup_id, keys, cum, pin=True), sm.loop).result(timeout=30)
+    assert scheduler.wait(lookup_id) == cum[-1]
+    assert sm.event_manager.get_event_status(EventType.LOADING, lookup_id) == EventStatus.DONE
+    pairs = [p for tier in sm.event_manager.pop_event(EventType.LOADING, lookup_id).result() for p in tier]
+    assert [k for k, _ in pairs] == keys
+    out = []
+    for _, obj in pairs:
+        out.append(obj.tensor.clone())
+        if obj.is_pinned:
+            obj.unpin()
+        obj.ref_count_down()
+    return out
+
+
+def holds(marud: Marud, namespace: str, keys: list) -> List[bytes]:
+    """marud's count of holds (pins) on each key's entry, from every client."""
+    with maru.MaruHandler(marud.config(namespace)) as h:
+        return [os.getxattr(h.path_of(k.to_string()), "user.maru.holds") for k in keys]
+
+
+def test_asynchronous_loads_leave_no_pin_in_marud(marud: Marud, namespace: str, monkeypatch) -> None:
+    """LMCache 0.5.6 never gives back the pins of its asynchronous lookups (its issue 3027):
+    the adapter does, once the chunk is mapped. Loading the same chunks again and again leaves
+    no hold; the synchronous path's pins stay LMCache's (held until it unpins them)."""
+    monkeypatch.setenv("MARU_NAMESPACE", namespace)
+    scheduler = Scheduler()
+    sm = async_manager(str(marud.socket), scheduler)
+    try:
+        keys = stored(sm, range(3))
+        for round in range(3):
+            got = load_async(sm, scheduler, f"lookup-{round}", keys)
+            assert all(torch.equal(t, lu.chunk_tensor(i)) for i, t in enumerate(got))
+            assert holds(marud, namespace, keys) == [b"0"] * 3
+        backend = backend_of(sm)
+        assert backend.batched_contains(keys, pin=True) == 3
+        objs = sm.batched_get(keys, location="MaruBackend")
+        lu.release(objs)
+        assert holds(marud, namespace, keys) == [b"1"] * 3, "a blocking get took the lookup's pins"
+        backend.batched_unpin(keys)
+        assert holds(marud, namespace, keys) == [b"0"] * 3
+    finally:
+        sm.close()
+
+
+def test_an_lmcache_that_gives_back_asynchronous_pins_itself_is_left_to(
+    marud: Marud, namespace: str, monkeypatch
+) -> None:
+    """With LMCache's fix (the backend declares ``has_external_pin_state``), LMCache unpins
+    what its asynchronous lookups pinned: the adapter gives nothing back itself, so nothing is
+    unpinned twice."""
+    monkeypatch.setenv("MARU_NAMESPACE", namespace)
+    monkeypatch.setattr(MaruBackend, "has_external_pin_state", property(lambda self: True), raising=False)
+    scheduler = Scheduler()
+    sm = async_manager(str(marud.socket), scheduler)
+    try:
+        keys = stored(sm, range(2))
+        got = load_async(sm, scheduler, "lookup", keys)
+        assert all(torch.equal(t, lu.chunk_tensor(i)) for i, t in enumerate(got))
+        assert holds(marud, namespace, keys) == [b"1"] * 2
+        sm.batched_unpin(keys, ["MaruBackend"])  # what the fixed LMCacheEngine.lookup_unpin does
+        assert holds(marud, namespace, keys) == [b"0"] * 2
     finally:
         sm.close()
 
