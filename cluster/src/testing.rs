@@ -111,6 +111,16 @@ impl Etcd {
         }
     }
 
+    /// Stops etcd (SIGSTOP: it answers nothing, connections stay open) or lets it go on
+    /// (SIGCONT).
+    pub fn pause(&self, paused: bool) {
+        if let Some(c) = &self.child {
+            let sig = if paused { libc::SIGSTOP } else { libc::SIGCONT };
+            // SAFETY: a signal to the child this value started and still owns.
+            unsafe { libc::kill(c.id() as i32, sig) };
+        }
+    }
+
     /// Starts etcd again on the same data and ports.
     pub fn restart(&mut self) {
         self.kill();

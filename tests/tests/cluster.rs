@@ -855,6 +855,61 @@ fn two_hosts_writing_one_name_through_their_mounts_one_close_fails() {
     }
 }
 
+#[test]
+fn a_close_or_an_unlink_through_the_mount_waiting_for_etcd_keeps_no_other_client_waiting() {
+    use std::io::Write;
+    use std::os::fd::IntoRawFd;
+    require_root!();
+    let Some(c) = cluster() else { return };
+    let ha = c.a.handler();
+    ha.mkdir("ns", 0o777).expect("mkdir");
+    store(&ha, "ns/before", b"stored before").expect("store");
+    let mut f = std::fs::File::create(c.a.path("ns/slow")).expect("create");
+    f.write_all(b"written through the mount").expect("write");
+    // The close reserves the name for every host: it waits for etcd's answer.
+    let fd = f.into_raw_fd();
+    // SAFETY: the descriptor was just taken out of its File.
+    let closed = alone_waiting_for_etcd(&c, move || unsafe { libc::close(fd) });
+    assert_eq!(closed, 0, "the close failed");
+    eventually("the entry published", || {
+        ha.retrieve("ns/slow")
+            .ok()
+            .flatten()
+            .is_some_and(|m| m.as_slice() == b"written through the mount")
+    });
+    // An unlink records the removal for every host.
+    let path = c.a.path("ns/before");
+    alone_waiting_for_etcd(&c, move || std::fs::remove_file(path)).expect("unlink");
+    assert!(!ha.exists("ns/before").expect("exists"));
+}
+
+/// Runs `op`, which asks etcd, with etcd stopped: it must still be waiting 100 ms later,
+/// and meanwhile another client's listing on the same host is answered (the store's lock is
+/// not held across etcd's answer). Then etcd goes on; returns what `op` returned.
+fn alone_waiting_for_etcd<T: Send + 'static>(
+    c: &Cluster,
+    op: impl FnOnce() -> T + Send + 'static,
+) -> T {
+    c.etcd.pause(true);
+    let waiting = std::thread::spawn(op);
+    std::thread::sleep(Duration::from_millis(100));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let cfg = c.a.client_config();
+    std::thread::spawn(move || {
+        let h = maru::Handler::connect(cfg).expect("connect");
+        let _ = tx.send(h.list("ns").map(|(_, _, entries)| entries.len()));
+    });
+    let listed = rx.recv_timeout(Duration::from_secs(5));
+    let still = !waiting.is_finished();
+    c.etcd.pause(false);
+    assert!(
+        listed.is_ok(),
+        "a listing waited (the store's lock held across etcd's answer)"
+    );
+    assert!(still, "the operation did not wait for etcd: nothing shown");
+    waiting.join().expect("the operation")
+}
+
 /// `tools/maru-cluster-sim`, as the walkthrough in doc/CLUSTER.md runs it.
 struct Sim {
     dir: tempfile::TempDir,

@@ -1,6 +1,6 @@
 //! Deletes and pins: the authority is asked with the store's lock released.
 //!
-//! A client's delete takes three steps. Under the lock, each key's entry is found and the
+//! A client's delete (and an unlink through the mount) takes three steps. Under the lock, each key's entry is found and the
 //! policy asked; an entry of a raw pool shared with other hosts is marked as being withdrawn
 //! (not evicted, renamed or deleted again meanwhile). Without the lock, the authority records
 //! the removals (in cluster mode one group commit with whatever else waits for etcd). Under
@@ -16,11 +16,11 @@ use maru::{Error, Result};
 use maru_fsd::Caller;
 use parking_lot::MutexGuard;
 
-use super::Store;
 use super::authority::{Placed, Publishing, Withdrawn};
 use super::entries::Removal;
 use super::policy::Access;
 use super::state::{Entry, State};
+use super::{Invalidation, Store};
 
 /// An entry a delete or a pin found, between its steps.
 struct Found {
@@ -33,6 +33,15 @@ struct Found {
 }
 
 impl Found {
+    /// Sealed entry `ino` of `ns`, unless a delete is recording its removal already.
+    fn unless_withdrawing(st: &State, ns: &str, ino: u64) -> Result<Found> {
+        let e = &st.entries[&ino];
+        if e.withdrawing {
+            return Err(Error::NotFound(format!("{ns}/{} (being deleted)", e.key)));
+        }
+        Ok(Found::of(st, e))
+    }
+
     fn of(st: &State, e: &Entry) -> Found {
         let at = st.placed(e);
         Found {
@@ -67,22 +76,52 @@ impl Store {
             keys,
             |p| Access::Delete(p),
             |st, ino| {
-                let e = &st.entries[&ino];
-                if e.withdrawing {
-                    return Err(Error::NotFound(format!("{ns}/{} (being deleted)", e.key)));
-                }
-                found.push(Found::of(st, e));
+                found.push(Found::unless_withdrawing(st, ns, ino)?);
                 Ok(())
             },
         )?;
+        let (removed, inv) = self.remove_found(&mut st, ns, &found);
+        let mut removed = removed.into_iter();
+        for r in out.iter_mut().filter(|r| r.is_ok()) {
+            *r = removed.next().expect("one outcome per entry found");
+        }
+        drop(st);
+        self.notify(inv);
+        Ok(out)
+    }
+
+    /// Removes sealed entry `ino` of `ns` (an unlink through the mount), in a delete's
+    /// steps; returns the name the kernel must forget. The lock is let go of, as
+    /// [`Store::delete`] does, while the authority records the removal.
+    pub(super) fn delete_entry(
+        &self,
+        st: &mut MutexGuard<'_, State>,
+        ns: &str,
+        ino: u64,
+    ) -> Result<Option<Invalidation>> {
+        let found = [Found::unless_withdrawing(st, ns, ino)?];
+        let (removed, inv) = self.remove_found(st, ns, &found);
+        removed.into_iter().next().expect("one outcome")?;
+        Ok(inv.into_iter().next())
+    }
+
+    /// The last two steps of a delete: the removals of the entries `found` recorded by the
+    /// authority (without the lock when it is shared and one of them is in a shared pool),
+    /// then each entry removed here; one outcome per entry, and the names to forget.
+    fn remove_found(
+        &self,
+        st: &mut MutexGuard<'_, State>,
+        ns: &str,
+        found: &[Found],
+    ) -> (Vec<Result<()>>, Vec<Invalidation>) {
         let shared = self.authority.shared() && found.iter().any(|f| f.pool.is_some());
         let withdrawn: Vec<Result<Option<Withdrawn>>> = if shared {
-            for f in &found {
+            for f in found {
                 st.entries.get_mut(&f.ino).expect("found").withdrawing = true;
             }
-            let asks = asks(ns, &found);
-            let w = MutexGuard::unlocked(&mut st, || self.authority.withdraw(&asks));
-            for f in &found {
+            let asks = asks(ns, found);
+            let w = MutexGuard::unlocked(st, || self.authority.withdraw(&asks));
+            for f in found {
                 if let Some(e) = st.entries.get_mut(&f.ino) {
                     e.withdrawing = false;
                 }
@@ -92,17 +131,15 @@ impl Store {
             found.iter().map(|_| Ok(None)).collect()
         };
         let mut inv = Vec::new();
-        let mut removed = found.iter().zip(withdrawn).map(|(f, w)| {
-            let how = w?.map_or(Removal::Deleted, Removal::Withdrawn);
-            remove(&mut st, self, ns, f, how, &mut inv)
-        });
-        for r in out.iter_mut().filter(|r| r.is_ok()) {
-            *r = removed.next().expect("one outcome per entry found");
-        }
-        drop(removed);
-        drop(st);
-        self.notify(inv);
-        Ok(out)
+        let removed = found
+            .iter()
+            .zip(withdrawn)
+            .map(|(f, w)| {
+                let how = w?.map_or(Removal::Deleted, Removal::Withdrawn);
+                remove(st, self, ns, f, how, &mut inv)
+            })
+            .collect();
+        (removed, inv)
     }
 
     /// Pins or unpins entries; one outcome per key. The authority records each change first
@@ -182,7 +219,7 @@ fn remove(
     ns: &str,
     f: &Found,
     how: Removal,
-    inv: &mut Vec<super::Invalidation>,
+    inv: &mut Vec<Invalidation>,
 ) -> Result<()> {
     let first = match how {
         Removal::Withdrawn(w) => w.existed,

@@ -15,14 +15,13 @@ use maru::proto::PoolKind;
 use maru::{Error, Result};
 use maru_fsd::{Attr, Backend, Caller, DirEntry, Kind, OpenedFile, Upcall, Xattr};
 
-use super::Store;
-use super::entries::Removal;
 use super::namespaces::join;
 use super::policy::{self, Access, ENTRY_MODES, Perm};
 use super::pools::{Backing, kind_name};
 use super::state::Invalidation;
 use super::state::{Alloc, Origin, State};
 use super::writer::MountWrite;
+use super::{Store, publication_asked};
 use crate::alloc::align_up;
 
 /// Files being written grow ahead of their writer to this boundary, so that a tmpfs with
@@ -58,32 +57,6 @@ impl Store {
             self.authority.release(&ns, &key, ino);
         }
         self.sealed.notify_all();
-    }
-
-    /// Checks that `ino` can be published under its target as it stands and reserves that:
-    /// the name at the authority, its bytes of the namespace's quota, its room in the pool.
-    fn try_commit(&self, st: &mut State, ino: u64) -> Result<()> {
-        let a = &st.allocs[&ino];
-        let m = a.mount().expect("a mount write");
-        if let Some(e) = m.failed {
-            return Err(Error::from_errno(e));
-        }
-        let Some((ns, key)) = m.target().cloned() else {
-            return Ok(()); // unlinked: nothing to publish, nothing to report
-        };
-        let (len, reserved, pool) = (m.len, m.reserved(), a.pool);
-        let n = st.ns.get(&ns)?;
-        if n.entries.contains_key(&key) || n.children.contains_key(&key) {
-            return Err(Error::Exists(format!("{ns}/{key}: published meanwhile")));
-        }
-        st.ns.check_quota(&ns, len.saturating_sub(reserved))?;
-        let uuid = st.pools[pool as usize].pool.uuid();
-        self.authority.reserve_everywhere(&ns, &key, ino, uuid)?;
-        let a = st.allocs.get_mut(&ino).expect("present");
-        st.pools[pool as usize]
-            .pool
-            .commit(ino, &mut a.backing, len)?;
-        st.writer_committed(ino, len)
     }
 
     /// Marks `ino` failed with `e` (it will not be published) and returns `e`.
@@ -772,6 +745,9 @@ impl Backend for StoreFs {
     fn unlink(&self, c: &Caller, parent: u64, name: &str) -> Result<()> {
         let mut st = self.0.st.lock();
         let p = st.ns.path_of(parent)?.to_owned();
+        // A writer whose publication is at the authority: its answer first.
+        self.0
+            .wait_while(&mut st, |st| publication_asked(st, &p, name));
         let n = st.ns.get(&p)?;
         if n.children.contains_key(name) {
             return Err(Error::from_errno(libc::EISDIR));
@@ -779,8 +755,7 @@ impl Backend for StoreFs {
         if let Some(&ino) = n.entries.get(name) {
             let perm = st.entries[&ino].perm;
             Store::allow(&st, c, &p, Access::Delete(&perm))?;
-            let inv =
-                st.remove_entry(&*self.0.authority, &self.0.counters, ino, Removal::Deleted)?;
+            let inv = self.0.delete_entry(&mut st, &p, ino)?;
             drop(st);
             // The kernel drops the name; the backing is freed once the mount lets go of it.
             self.0.notify(
@@ -814,6 +789,11 @@ impl Backend for StoreFs {
         let mut st = self.0.st.lock();
         let p = st.ns.path_of(parent)?.to_owned();
         let np = st.ns.path_of(newparent)?.to_owned();
+        self.0
+            .wait_while(&mut st, |st| publication_asked(st, &p, name));
+        if publication_asked(&st, &p, name) {
+            return Err(Error::from_errno(libc::EBUSY)); // still at the authority
+        }
         if st.ns.get(&p)?.children.contains_key(name) {
             return Err(Error::from_errno(libc::EXDEV));
         }

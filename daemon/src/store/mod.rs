@@ -30,10 +30,12 @@
 //! change per entry at a time, under its own guard), the mount's reads (of sealed entries,
 //! a raw pool's extent leased meanwhile; of entries being written), and the statistics
 //! (`/proc/meminfo` is read before the lock), and in cluster mode a client's publications,
-//! deletes and pins (their etcd round trips, group-committed: [`publishing`], `deletion`).
+//! deletes and pins (their etcd round trips, group-committed: [`publishing`], `deletion`),
+//! and the mount's publications (the name's reservation at a writer's close, the publication
+//! at its release: the writer is marked as asking meanwhile, `writer`) and unlinks.
 //! Not yet: the copy of an entry written through the mount into a raw pool at its close (up
-//! to `max_copy_entry`), the mount's own publications, unlinks and renames in cluster mode,
-//! and an eviction's wait for the other hosts' acknowledgements.
+//! to `max_copy_entry`), the mount's renames of sealed entries in cluster mode, and an
+//! eviction's removals and its wait for the other hosts' acknowledgements.
 
 pub mod authority;
 mod deletion;
@@ -808,13 +810,23 @@ impl Store {
 
 /// True if `ns/key` is being written through the mount and its writer's close committed it.
 fn publication_imminent(st: &State, ns: &str, key: &str) -> bool {
+    writer_of(st, ns, key).is_some_and(|m| m.committed())
+}
+
+/// Whether `ns/key` is being written through the mount and its publication is at the
+/// authority (the store's lock let go of meanwhile).
+fn publication_asked(st: &State, ns: &str, key: &str) -> bool {
+    writer_of(st, ns, key).is_some_and(|m| m.asking())
+}
+
+/// The writer of `ns/key` through the mount, if one is writing it.
+fn writer_of<'a>(st: &'a State, ns: &str, key: &str) -> Option<&'a writer::MountWrite> {
     st.ns
         .get(ns)
         .ok()
         .and_then(|n| n.writing.get(key))
         .and_then(|id| st.allocs.get(id))
         .and_then(Alloc::mount)
-        .is_some_and(|m| m.committed())
 }
 
 /// Bytes of shared memory held in 2 MiB pages (`ShmemHugePages`): all memfs pools and any

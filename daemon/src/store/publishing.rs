@@ -9,8 +9,11 @@
 //! each publication the authority granted is sealed, and each it refused is undone. In
 //! between, nothing of a publication is visible: its name is neither an entry nor free.
 //!
-//! The mount's publications (at an entry's last close, `fsview`) still take all three steps
-//! under the lock.
+//! The mount's publications take two rounds with the authority, both here: at a writer's
+//! close its name is reserved for every host (`Store::try_commit`), at its release the entry
+//! is published (`Store::seal`). In cluster mode, for a shared pool, each lets go of the lock
+//! while etcd answers, with the writer marked as asking (an unlink or a rename of it waits
+//! for the answer), and what may have changed meanwhile is checked again after.
 
 use maru::name::{check_component, split_ns};
 use maru::{Error, Result};
@@ -204,11 +207,78 @@ impl Store {
         })
     }
 
-    /// Publishes allocation `id` (its name reserved at the authority) as `ns/key` of `size`
-    /// bytes, all three steps under the lock (the mount's publications); returns the size.
+    /// Checks that `ino` can be published under its target as it stands and reserves that:
+    /// the name at the authority, its bytes of the namespace's quota, its room in the pool.
+    /// When the authority is shared and the pool too, the lock is let go of while it
+    /// reserves the name (the writer marked as asking), and the checks are made again after.
+    pub(super) fn try_commit(&self, st: &mut MutexGuard<'_, State>, ino: u64) -> Result<()> {
+        let Some((ns, key, _)) = Self::commit_checks(st, ino)? else {
+            return Ok(()); // unlinked: nothing to publish, nothing to report
+        };
+        let pool = st.allocs[&ino].pool;
+        let uuid = st.pools[pool as usize].pool.uuid().map(str::to_owned);
+        let len = if self.authority.shared() && uuid.is_some() {
+            st.writer_asking(ino, true);
+            let reserved = MutexGuard::unlocked(st, || {
+                self.authority
+                    .reserve_everywhere(&ns, &key, ino, uuid.as_deref())
+            });
+            st.writer_asking(ino, false);
+            self.sealed.notify_all();
+            reserved?;
+            let again = if st.writer_still(ino, &ns, &key) {
+                Self::commit_checks(st, ino)
+            } else {
+                Err(Error::NotFound(format!("{ns}/{key} (unlinked meanwhile)")))
+            };
+            match again {
+                Ok(Some((_, _, len))) => len,
+                Ok(None) => unreachable!("the writer still has its target"),
+                Err(e) => {
+                    self.authority.release(&ns, &key, ino);
+                    return Err(e);
+                }
+            }
+        } else {
+            self.authority
+                .reserve_everywhere(&ns, &key, ino, uuid.as_deref())?;
+            st.allocs[&ino].mount().expect("a mount write").len
+        };
+        let st = &mut **st;
+        let a = st.allocs.get_mut(&ino).expect("present");
+        st.pools[pool as usize]
+            .pool
+            .commit(ino, &mut a.backing, len)?;
+        st.writer_committed(ino, len)
+    }
+
+    /// The checks of a commit of writer `ino` as it stands: its target and length, or None
+    /// when it was unlinked.
+    fn commit_checks(st: &State, ino: u64) -> Result<Option<(String, String, u64)>> {
+        let m = st.allocs[&ino].mount().expect("a mount write");
+        if let Some(e) = m.failed {
+            return Err(Error::from_errno(e));
+        }
+        let Some((ns, key)) = m.target().cloned() else {
+            return Ok(None);
+        };
+        let (len, reserved) = (m.len, m.reserved());
+        let n = st.ns.get(&ns)?;
+        if n.entries.contains_key(&key) || n.children.contains_key(&key) {
+            return Err(Error::Exists(format!("{ns}/{key}: published meanwhile")));
+        }
+        st.ns.check_quota(&ns, len.saturating_sub(reserved))?;
+        Ok(Some((ns, key, len)))
+    }
+
+    /// Publishes writer `id` (its name reserved at the authority) as `ns/key` of `size`
+    /// bytes (the mount's publications); returns the size. When the authority is shared and
+    /// the entry in a shared pool, the lock is let go of while it answers; the writer is
+    /// marked as asking meanwhile (an unlink or a rename of it waits), and a writer unlinked
+    /// anyway has its publication taken back.
     pub(super) fn seal(
         &self,
-        st: &mut State,
+        st: &mut MutexGuard<'_, State>,
         id: u64,
         ns: &str,
         key: &str,
@@ -220,7 +290,24 @@ impl Store {
             offset: placing.offset,
             size,
         };
-        self.authority.publish(ns, key, id, &at)?;
+        if self.authority.shared() && at.pool.is_some() {
+            st.writer_asking(id, true);
+            let granted = MutexGuard::unlocked(st, || self.authority.publish(ns, key, id, &at));
+            st.writer_asking(id, false);
+            self.sealed.notify_all();
+            granted?;
+            if !st.writer_still(id, ns, key) {
+                // Unlinked (or failed) while the authority answered: the name goes again.
+                if let Err(e) = self.authority.unpublish(ns, key, id, &at, None) {
+                    tracing::warn!(ns, key, "a publication taken back: {e}");
+                }
+                return Err(Error::NotFound(format!(
+                    "{ns}/{key} (unlinked while being published)"
+                )));
+            }
+        } else {
+            self.authority.publish(ns, key, id, &at)?;
+        }
         self.seal_granted(st, id, ns, key, size)
             .inspect_err(|_| self.authority.release(ns, key, id))
     }

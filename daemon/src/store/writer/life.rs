@@ -87,6 +87,21 @@ impl State {
         Ok(())
     }
 
+    /// Writer `id`'s publication goes to the authority (`true`) or came back (`false`).
+    pub(in crate::store) fn writer_asking(&mut self, id: u64, asking: bool) {
+        if let Some(m) = self.writer(id) {
+            m.asking = asking;
+        }
+    }
+
+    /// Whether writer `id` is still to be published as `ns/key` (not unlinked, renamed or
+    /// failed meanwhile).
+    pub(in crate::store) fn writer_still(&mut self, id: u64, ns: &str, key: &str) -> bool {
+        self.writer(id).is_some_and(|m| {
+            m.failed.is_none() && m.target.as_ref().is_some_and(|(n, k)| n == ns && k == key)
+        })
+    }
+
     /// Writer `id` is being sealed as `ns/key` (its allocation still filed): its name is no
     /// longer being written and its reservation goes; true when its publication was
     /// counted as pending, which [`State::writer_sealed`] then takes back once the entry is

@@ -9,8 +9,10 @@
 //! state transitions are in `life` (methods of the store's `State`). A writer's life: opened (its name in `writing`) → committed by a close that passed the
 //! publication's checks (its bytes reserved in the namespace's quota, its publication counted
 //! as pending; again with its new size after more writes) → moved by a rename, any number of
-//! times → sealed as an entry (`State::writer_sealing`, then `State::writer_sealed`) or
-//! left (`State::writer_left`: unlinked, abandoned, failed or dropped).
+//! times → asking the authority for its publication with the store's lock let go of (in
+//! cluster mode, `State::writer_asking`; an unlink or a rename waits for the answer) → sealed
+//! as an entry (`State::writer_sealing`, then `State::writer_sealed`) or left
+//! (`State::writer_left`: unlinked, abandoned, failed or dropped).
 
 mod life;
 
@@ -30,6 +32,8 @@ pub struct MountWrite {
     reserved: u64,
     /// The first failure (a write, a commit): it will never be published.
     pub failed: Option<i32>,
+    /// Its publication is at the authority (the store's lock let go of meanwhile).
+    asking: bool,
     /// Held across a change of its file's size (`truncate`, `fallocate`), whose reservation
     /// of pages runs outside the store's lock: one such change at a time per entry.
     pub resizing: std::sync::Arc<parking_lot::Mutex<()>>,
@@ -45,6 +49,7 @@ impl MountWrite {
             committed: false,
             reserved: 0,
             failed: None,
+            asking: false,
             resizing: Default::default(),
         }
     }
@@ -62,5 +67,10 @@ impl MountWrite {
     /// The quota bytes reserved for it.
     pub fn reserved(&self) -> u64 {
         self.reserved
+    }
+
+    /// Whether its publication is at the authority (unlinks and renames wait for it).
+    pub fn asking(&self) -> bool {
+        self.asking
     }
 }
