@@ -4,8 +4,9 @@
 //! violation it reports is one no interleaving of the recorded operations explains.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
-use super::history::{Kind, Op, Outcome};
+use super::history::{Fault, Kind, Op, Outcome};
 
 /// Findings, one line each.
 pub fn check(ops: &[Op], lag_us: u64) -> Vec<String> {
@@ -205,4 +206,60 @@ mod tests {
             1
         );
     }
+}
+
+/// How one partition went, against the promised bounds.
+#[derive(Debug, Clone)]
+pub struct Recovery {
+    pub host: String,
+    /// The last store the cut host acknowledged, after the cut (None: none).
+    pub published_for: Option<Duration>,
+    /// When etcd dropped the cut host's lease, after the cut (None: not while it was cut).
+    pub released: Option<Duration>,
+}
+
+/// The recovery of each partition in `faults`: a host cut off stops publishing within the
+/// TTL, and its claims are released (the other hosts may take its regions) within TTL + 1 s.
+/// Returns them with the violations of those bounds.
+pub fn recoveries(ops: &[Op], faults: &[Fault], ttl: Duration) -> (Vec<Recovery>, Vec<String>) {
+    let mut out = Vec::new();
+    let mut bad = Vec::new();
+    for f in faults.iter().filter(|f| f.kind == "partition") {
+        let published_for = ops
+            .iter()
+            .filter(|o| {
+                format!("h{}", o.host) == f.target
+                    && o.kind == Kind::Store
+                    && o.outcome == Outcome::Ok
+                    && o.end > f.start
+                    && o.end <= f.end
+            })
+            .map(|o| Duration::from_micros(o.end - f.start))
+            .max();
+        let released = f.released.map(Duration::from_micros);
+        if let Some(p) = published_for.filter(|p| *p > ttl) {
+            bad.push(format!(
+                "{} cut off at {} µs acknowledged a store {p:?} later (bound: the TTL, {ttl:?})",
+                f.target, f.start
+            ));
+        }
+        let bound = ttl + Duration::from_secs(1);
+        match released {
+            Some(r) if r <= bound => {}
+            Some(r) => bad.push(format!(
+                "{} cut off at {} µs: etcd dropped its claims {r:?} later (bound {bound:?})",
+                f.target, f.start
+            )),
+            None => bad.push(format!(
+                "{} cut off at {} µs: etcd still held its claims when the link returned",
+                f.target, f.start
+            )),
+        }
+        out.push(Recovery {
+            host: f.target.clone(),
+            published_for,
+            released,
+        });
+    }
+    (out, bad)
 }

@@ -85,6 +85,40 @@ impl Env {
         self.hosts[i].lock().expect("host").socket.clone()
     }
 
+    /// Whether etcd holds host `i`'s node record, which lives with its lease (as do its
+    /// claims): false once etcd dropped the lease. Asked of any member that answers; true
+    /// when none does (nothing known).
+    pub fn node_alive(&self, i: usize) -> bool {
+        use base64::Engine;
+        let b64 = base64::engine::general_purpose::STANDARD;
+        let body = format!(
+            r#"{{"key":"{}","range_end":"{}","keys_only":true}}"#,
+            b64.encode("/maru/"),
+            b64.encode("/maru0")
+        );
+        let suffix = format!("/nodes/h{i}");
+        let etcd = self.etcd.lock().expect("etcd");
+        for m in 0..etcd.len() {
+            let Some(reply) = etcd.http(m, "POST", "/v3/kv/range", &body) else {
+                continue;
+            };
+            let Some(json) = reply
+                .split_once("\r\n\r\n")
+                .and_then(|(_, b)| serde_json::from_str::<serde_json::Value>(b).ok())
+            else {
+                continue;
+            };
+            let kvs = json["kvs"].as_array().cloned().unwrap_or_default();
+            return kvs.iter().any(|kv| {
+                kv["key"]
+                    .as_str()
+                    .and_then(|k| b64.decode(k).ok())
+                    .is_some_and(|k| k.ends_with(suffix.as_bytes()))
+            });
+        }
+        true
+    }
+
     /// A client of host `i`, waiting (up to `wait`) for the host to serve.
     pub fn connect(&self, i: usize, wait: Duration) -> Option<maru::Handler> {
         connect(&self.socket(i), wait)

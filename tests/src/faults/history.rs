@@ -54,6 +54,10 @@ pub struct Fault {
     pub target: String,
     pub start: u64,
     pub end: u64,
+    /// A partition: how long after the cut etcd dropped the host's lease (its node record
+    /// and its claims with it: the other hosts may claim its regions); None when it did not
+    /// before the link returned.
+    pub released: Option<u64>,
 }
 
 /// The history, shared by clients and the nemesis.

@@ -62,6 +62,8 @@ pub struct Report {
     pub converged: Option<Duration>,
     /// Pool bytes a fill of 8 MiB entries could not use after everything was deleted.
     pub unusable: Option<u64>,
+    /// Each partition's recovery.
+    pub recoveries: Vec<check::Recovery>,
     pub violations: Vec<String>,
 }
 
@@ -84,6 +86,24 @@ impl std::fmt::Display for Report {
             "  converged after healing in {:?}; pool bytes unusable after the run: {:?}",
             self.converged, self.unusable
         )?;
+        if !self.recoveries.is_empty() {
+            let r: Vec<String> = self
+                .recoveries
+                .iter()
+                .map(|r| {
+                    let published = match r.published_for {
+                        Some(d) => format!("stores acknowledged up to {d:?} after the cut"),
+                        None => "no store acknowledged after the cut".into(),
+                    };
+                    let released = match r.released {
+                        Some(d) => format!("claims released {d:?} after it"),
+                        None => "claims not released while cut".into(),
+                    };
+                    format!("{}: {published}, {released}", r.host)
+                })
+                .collect();
+            writeln!(f, "  partitions: {}", r.join("; "))?;
+        }
         write!(f, "  violations: {}", self.violations.len())?;
         for v in &self.violations {
             write!(f, "\n    {v}")?;
@@ -151,9 +171,13 @@ pub fn run(cfg: &Config) -> Option<Report> {
             e.1 += 1;
         }
     }
-    for f in history.faults.lock().expect("history").iter() {
+    let faults = history.faults.lock().expect("history").clone();
+    for f in &faults {
         *report.faults.entry(f.kind.clone()).or_default() += 1;
     }
+    let (recoveries, late) = check::recoveries(&ops, &faults, cfg.ttl);
+    report.recoveries = recoveries;
+    report.violations.extend(late);
     let lag = cfg.converge.as_micros() as u64;
     report.violations.extend(check::check(&ops, lag));
     Some(report)

@@ -67,6 +67,7 @@ pub fn run(env: &Env, history: &Arc<History>, kinds: &[Kind], seed: u64, until: 
         let kind = kinds[rng.gen_range(0..kinds.len())];
         let host = rng.gen_range(0..env.hosts.len());
         let start = history.now();
+        let mut released = None;
         let target = match kind {
             Kind::Kill => {
                 let mut d = env.hosts[host].lock().expect("host");
@@ -86,7 +87,20 @@ pub fn run(env: &Env, history: &Arc<History>, kinds: &[Kind], seed: u64, until: 
             }
             Kind::Partition => {
                 env.net.link(host, false);
-                std::thread::sleep(ttl + ms(&mut rng, 500, 2500));
+                let cut = Instant::now();
+                // The link stays cut as drawn, and at least until etcd dropped the host's
+                // lease (a second past the bound, TTL + 1 s, at most).
+                let planned = cut + ttl + ms(&mut rng, 500, 2500);
+                let longest = planned.max(cut + ttl + Duration::from_secs(2));
+                while Instant::now() < longest {
+                    if released.is_none() && !env.node_alive(host) {
+                        released = Some(cut.elapsed().as_micros() as u64);
+                    }
+                    if released.is_some() && Instant::now() >= planned {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
                 env.net.link(host, true);
                 format!("h{host}")
             }
@@ -108,6 +122,7 @@ pub fn run(env: &Env, history: &Arc<History>, kinds: &[Kind], seed: u64, until: 
             target,
             start,
             end: history.now(),
+            released,
         });
     }
 }
