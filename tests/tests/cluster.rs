@@ -856,7 +856,8 @@ fn two_hosts_writing_one_name_through_their_mounts_one_close_fails() {
 }
 
 #[test]
-fn a_close_or_an_unlink_through_the_mount_waiting_for_etcd_keeps_no_other_client_waiting() {
+fn a_close_a_rename_or_an_unlink_through_the_mount_waiting_for_etcd_keeps_no_other_client_waiting()
+{
     use std::io::Write;
     use std::os::fd::IntoRawFd;
     require_root!();
@@ -877,6 +878,19 @@ fn a_close_or_an_unlink_through_the_mount_waiting_for_etcd_keeps_no_other_client
             .flatten()
             .is_some_and(|m| m.as_slice() == b"written through the mount")
     });
+    // A rename publishes the new name and removes the old one for every host.
+    let (from, to) = (c.a.path("ns/slow"), c.a.path("ns/moved"));
+    alone_waiting_for_etcd(&c, move || std::fs::rename(from, to)).expect("rename");
+    let hb = c.b.handler();
+    for h in [&ha, &hb] {
+        eventually("the entry under its new name only", || {
+            h.retrieve("ns/moved")
+                .ok()
+                .flatten()
+                .is_some_and(|m| m.as_slice() == b"written through the mount")
+                && !h.exists("ns/slow").unwrap_or(true)
+        });
+    }
     // An unlink records the removal for every host.
     let path = c.a.path("ns/before");
     alone_waiting_for_etcd(&c, move || std::fs::remove_file(path)).expect("unlink");

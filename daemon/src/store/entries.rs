@@ -175,14 +175,19 @@ impl State {
         // The old name goes at the authority (its extent stays: the entry keeps it).
         let moved = auth
             .unpublish(&e.ns, &e.key, ino, &self.placed(&e), None)
-            .and_then(|_| self.pools[e.pool as usize].pool.rename(&e.loc(), ns, key));
-        let at = match moved {
-            Ok(at) => at,
-            Err(err) => {
-                auth.release(ns, key, ino);
-                return Err(err);
-            }
-        };
+            .and_then(|_| self.move_entry(ino, ns, key));
+        if moved.is_err() {
+            auth.release(ns, key, ino);
+        }
+        moved
+    }
+
+    /// Moves sealed entry `ino` to `ns/key` here, the authority having granted the new name
+    /// and dropped the old: its pool's record, its index slots, both namespaces' accounting
+    /// and mtimes.
+    pub fn move_entry(&mut self, ino: u64, ns: &str, key: &str) -> Result<()> {
+        let e = &self.entries[&ino];
+        let at = self.pools[e.pool as usize].pool.rename(&e.loc(), ns, key)?;
         let mut moved = self.unfile(ino).expect("present");
         moved.ns = ns.to_owned();
         moved.key = key.to_owned();

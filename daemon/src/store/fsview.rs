@@ -826,7 +826,7 @@ impl Backend for StoreFs {
             )));
         }
         if let Some(ino) = sealed {
-            return st.rename_entry(&*self.0.authority, ino, &np, newname);
+            return self.0.rename_sealed(&mut st, ino, &np, newname);
         }
         let id = writing.expect("checked");
         let m = st.allocs[&id].mount().expect("a mount write");

@@ -271,6 +271,63 @@ impl Store {
         Ok(Some((ns, key, len)))
     }
 
+    /// Renames sealed entry `ino` to `ns/key` (the mount's rename). In cluster mode, for an
+    /// entry of a shared pool, the authority grants the new name and drops the old one with
+    /// the lock let go of: the new name is reserved here first (no writer of this host takes
+    /// it meanwhile) and the entry is marked as withdrawing (not deleted, evicted or renamed
+    /// again meanwhile).
+    pub(super) fn rename_sealed(
+        &self,
+        st: &mut MutexGuard<'_, State>,
+        ino: u64,
+        ns: &str,
+        key: &str,
+    ) -> Result<()> {
+        let e = &st.entries[&ino];
+        let at = st.placed(e);
+        if !(self.authority.shared() && at.pool.is_some()) {
+            return st.rename_entry(&*self.authority, ino, ns, key);
+        }
+        if e.withdrawing {
+            return Err(Error::NotFound(format!(
+                "{}/{} (being deleted)",
+                e.ns, e.key
+            )));
+        }
+        let (from_ns, from_key) = (e.ns.clone(), e.key.clone());
+        let (pool, offset, size) = (at.pool.map(str::to_owned), at.offset, at.size);
+        self.authority.reserve(ns, key, ino)?;
+        st.entries.get_mut(&ino).expect("present").withdrawing = true;
+        let placed = Placed {
+            pool: pool.as_deref(),
+            offset,
+            size,
+        };
+        let granted = MutexGuard::unlocked(st, || {
+            self.authority.publish(ns, key, ino, &placed)?;
+            self.authority
+                .unpublish(&from_ns, &from_key, ino, &placed, None)
+        });
+        let here = match st.entries.get_mut(&ino) {
+            Some(e) if e.ns == from_ns && e.key == from_key => {
+                e.withdrawing = false;
+                true
+            }
+            _ => false, // removed meanwhile (by another host, through the watch)
+        };
+        let moved = granted.and_then(|_| {
+            if here {
+                st.move_entry(ino, ns, key)
+            } else {
+                Err(Error::NotFound(format!("{from_ns}/{from_key}")))
+            }
+        });
+        if moved.is_err() {
+            self.authority.release(ns, key, ino);
+        }
+        moved
+    }
+
     /// Publishes writer `id` (its name reserved at the authority) as `ns/key` of `size`
     /// bytes (the mount's publications); returns the size. When the authority is shared and
     /// the entry in a shared pool, the lock is let go of while it answers; the writer is

@@ -70,11 +70,16 @@ impl Store {
     }
 
     /// Removes `ns/key` here because another host removed it (its own entry or another's).
+    /// An entry this host is deleting or renaming (withdrawing: its removal of the name may
+    /// be what came back) is left to that operation, which finishes it under the lock.
     pub fn forget_remote(&self, ns: &str, key: &str) {
         let mut st = self.st.lock();
         let Some(ino) = st.ns.get(ns).ok().and_then(|n| n.entries.get(key).copied()) else {
             return;
         };
+        if st.entries[&ino].withdrawing {
+            return;
+        }
         // Forgetting asks nothing of the authority: it cannot fail.
         let inv = st
             .remove_entry(&*self.authority, &self.counters, ino, Removal::Elsewhere)
