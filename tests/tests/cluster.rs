@@ -856,8 +856,7 @@ fn two_hosts_writing_one_name_through_their_mounts_one_close_fails() {
 }
 
 #[test]
-fn a_close_a_rename_or_an_unlink_through_the_mount_waiting_for_etcd_keeps_no_other_client_waiting()
-{
+fn the_mounts_closes_renames_unlinks_and_evictions_waiting_for_etcd_keep_no_other_client_waiting() {
     use std::io::Write;
     use std::os::fd::IntoRawFd;
     require_root!();
@@ -895,6 +894,21 @@ fn a_close_a_rename_or_an_unlink_through_the_mount_waiting_for_etcd_keeps_no_oth
     let path = c.a.path("ns/before");
     alone_waiting_for_etcd(&c, move || std::fs::remove_file(path)).expect("unlink");
     assert!(!ha.exists("ns/before").expect("exists"));
+    // So does an eviction, and it waits for the other hosts' acknowledgements likewise (of
+    // an entry no client maps: the ones read above are still mapped).
+    store(&c.a.handler(), "ns/old", b"least recently used").expect("store");
+    let cfg = c.a.client_config();
+    let (n, _) = alone_waiting_for_etcd(&c, move || {
+        maru::Handler::connect(cfg)
+            .and_then(|h| h.evict(POOL_SIZE))
+            .expect("evict")
+    });
+    assert_eq!(n, 1, "one entry to evict");
+    for h in [&ha, &hb] {
+        eventually("the evicted entry gone", || {
+            !h.exists("ns/old").unwrap_or(true)
+        });
+    }
 }
 
 /// Runs `op`, which asks etcd, with etcd stopped: it must still be waiting 100 ms later,

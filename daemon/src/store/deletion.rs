@@ -22,9 +22,10 @@ use super::policy::Access;
 use super::state::{Entry, State};
 use super::{Invalidation, Store};
 
-/// An entry a delete or a pin found, between its steps.
-struct Found {
+/// An entry a delete, a pin or an eviction found, between its steps.
+pub(super) struct Found {
     ino: u64,
+    ns: String,
     key: String,
     /// The raw pool's UUID (None: a memfs pool's entry) and the offset.
     pool: Option<String>,
@@ -42,10 +43,15 @@ impl Found {
         Ok(Found::of(st, e))
     }
 
-    fn of(st: &State, e: &Entry) -> Found {
+    pub(super) fn ino(&self) -> u64 {
+        self.ino
+    }
+
+    pub(super) fn of(st: &State, e: &Entry) -> Found {
         let at = st.placed(e);
         Found {
             ino: e.ino,
+            ns: e.ns.clone(),
             key: e.key.clone(),
             pool: at.pool.map(str::to_owned),
             offset: at.offset,
@@ -80,7 +86,7 @@ impl Store {
                 Ok(())
             },
         )?;
-        let (removed, inv) = self.remove_found(&mut st, ns, &found);
+        let (removed, inv) = self.remove_found(&mut st, &found, false);
         let mut removed = removed.into_iter();
         for r in out.iter_mut().filter(|r| r.is_ok()) {
             *r = removed.next().expect("one outcome per entry found");
@@ -100,26 +106,27 @@ impl Store {
         ino: u64,
     ) -> Result<Option<Invalidation>> {
         let found = [Found::unless_withdrawing(st, ns, ino)?];
-        let (removed, inv) = self.remove_found(st, ns, &found);
+        let (removed, inv) = self.remove_found(st, &found, false);
         removed.into_iter().next().expect("one outcome")?;
         Ok(inv.into_iter().next())
     }
 
-    /// The last two steps of a delete: the removals of the entries `found` recorded by the
-    /// authority (without the lock when it is shared and one of them is in a shared pool),
-    /// then each entry removed here; one outcome per entry, and the names to forget.
-    fn remove_found(
+    /// The last two steps of a delete (or, `evicted`, an eviction): the removals of the
+    /// entries `found` recorded by the authority (without the lock when it is shared and one
+    /// of them is in a shared pool), then each entry removed here; one outcome per entry,
+    /// and the names to forget.
+    pub(super) fn remove_found(
         &self,
         st: &mut MutexGuard<'_, State>,
-        ns: &str,
         found: &[Found],
+        evicted: bool,
     ) -> (Vec<Result<()>>, Vec<Invalidation>) {
         let shared = self.authority.shared() && found.iter().any(|f| f.pool.is_some());
         let withdrawn: Vec<Result<Option<Withdrawn>>> = if shared {
             for f in found {
                 st.entries.get_mut(&f.ino).expect("found").withdrawing = true;
             }
-            let asks = asks(ns, found);
+            let asks = asks(found);
             let w = MutexGuard::unlocked(st, || self.authority.withdraw(&asks));
             for f in found {
                 if let Some(e) = st.entries.get_mut(&f.ino) {
@@ -135,8 +142,12 @@ impl Store {
             .iter()
             .zip(withdrawn)
             .map(|(f, w)| {
-                let how = w?.map_or(Removal::Deleted, Removal::Withdrawn);
-                remove(st, self, ns, f, how, &mut inv)
+                let how = match w? {
+                    Some(w) => Removal::Withdrawn { w, evicted },
+                    None if evicted => Removal::Evicted,
+                    None => Removal::Deleted,
+                };
+                remove(st, self, f, how, &mut inv)
             })
             .collect();
         (removed, inv)
@@ -195,12 +206,12 @@ impl Store {
     }
 }
 
-/// The removals to record of the entries `found` in `ns`.
-fn asks<'a>(ns: &'a str, found: &'a [Found]) -> Vec<Publishing<'a>> {
+/// The removals to record of the entries `found`.
+fn asks(found: &[Found]) -> Vec<Publishing<'_>> {
     found
         .iter()
         .map(|f| Publishing {
-            ns,
+            ns: &f.ns,
             key: &f.key,
             id: f.ino,
             at: f.placed(),
@@ -216,13 +227,12 @@ fn asks<'a>(ns: &'a str, found: &'a [Found]) -> Vec<Publishing<'a>> {
 fn remove(
     st: &mut State,
     store: &Store,
-    ns: &str,
     f: &Found,
     how: Removal,
     inv: &mut Vec<Invalidation>,
 ) -> Result<()> {
     let first = match how {
-        Removal::Withdrawn(w) => w.existed,
+        Removal::Withdrawn { w, .. } => w.existed,
         _ => true,
     };
     let here = st.entries.get(&f.ino).is_some_and(|e| e.key == f.key);
@@ -232,6 +242,6 @@ fn remove(
     if first {
         Ok(())
     } else {
-        Err(Error::NotFound(format!("{ns}/{}", f.key)))
+        Err(Error::NotFound(format!("{}/{}", f.ns, f.key)))
     }
 }

@@ -23,8 +23,9 @@ pub enum Removal {
     Evicted,
     /// Removed by another host sharing the authority (its name is already released).
     Elsewhere,
-    /// Deleted here, its removal already recorded at the authority ([`Authority::withdraw`]).
-    Withdrawn(Withdrawn),
+    /// Deleted (or, `evicted`, evicted) here, its removal already recorded at the authority
+    /// ([`Authority::withdraw`]).
+    Withdrawn { w: Withdrawn, evicted: bool },
 }
 
 impl State {
@@ -95,13 +96,16 @@ impl State {
                 auth.forget(&e.ns, &e.key);
                 at.pool.is_some_and(|p| auth.held_elsewhere(p, e.offset))
             }
-            Removal::Withdrawn(w) => auth.unpublish(&e.ns, &e.key, e.ino, &at, Some(w))?,
+            Removal::Withdrawn { w, .. } => auth.unpublish(&e.ns, &e.key, e.ino, &at, Some(w))?,
             Removal::Deleted | Removal::Evicted => {
                 auth.unpublish(&e.ns, &e.key, e.ino, &at, None)?
             }
         };
         let e = self.unfile(ino).expect("present");
-        let evicted = how == Removal::Evicted;
+        let evicted = matches!(
+            how,
+            Removal::Evicted | Removal::Withdrawn { evicted: true, .. }
+        );
         if e.holds > 0 {
             // Deleting (or evicting, by hand) a held entry is allowed, as for a pinned one;
             // the holds go with it (another host's entry: recorded there too).

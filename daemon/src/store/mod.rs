@@ -33,10 +33,10 @@
 //! deletes and pins (their etcd round trips, group-committed: [`publishing`], `deletion`),
 //! and the mount's publications (the name's reservation at a writer's close, the publication
 //! at its release: the writer is marked as asking meanwhile, `writer`), unlinks and renames
-//! (the entry marked as withdrawing meanwhile; the applier leaves such an entry alone).
+//! (the entry marked as withdrawing meanwhile; the applier leaves such an entry alone), and
+//! an eviction's removals and its wait for the other hosts' acknowledgements (`placement`).
 //! Not yet: the copy of an entry written through the mount into a raw pool at its close (up
-//! to `max_copy_entry`), and an eviction's removals and its wait for the other hosts'
-//! acknowledgements.
+//! to `max_copy_entry`).
 
 pub mod authority;
 mod deletion;

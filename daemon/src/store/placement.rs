@@ -7,6 +7,7 @@
 use maru::{Error, Result};
 
 use super::Store;
+use super::deletion::Found;
 use super::entries::Removal;
 use super::pools::{Backing, Requester};
 use super::settings::Eviction;
@@ -19,18 +20,33 @@ impl Store {
     /// returns (entries, bytes) evicted. The mount is told of each at once (from inside the
     /// lock: dropping an entry's passthrough backing is an ioctl that takes no store lock, and
     /// the names go to their own thread), so that the pool's free space shows the eviction
-    /// before the next look at it.
-    pub(super) fn evict_lru(&self, st: &mut State, pool: Option<u32>, want: u64) -> (u64, u64) {
-        let (mut freed, mut count) = (0, 0);
-        st.lru.settle(&mut st.entries);
-        let candidates: Vec<u64> = st
+    /// before the next look at it. Entries of a pool shared with other hosts are evicted as
+    /// a delete removes them (`deletion`): their removals recorded at the authority in one
+    /// go without the lock, and the wait for the other hosts' acknowledgements without it too.
+    pub(super) fn evict_lru(
+        &self,
+        st: &mut MutexGuard<'_, State>,
+        pool: Option<u32>,
+        want: u64,
+    ) -> (u64, u64) {
+        let s = &mut **st;
+        s.lru.settle(&mut s.entries);
+        let candidates: Vec<u64> = s
             .lru
             .oldest_first()
             .filter(|ino| {
-                let e = &st.entries[ino];
+                let e = &s.entries[ino];
                 !e.protected() && pool.is_none_or(|p| p == e.pool)
             })
             .collect();
+        let shared = self.authority.shared()
+            && candidates
+                .iter()
+                .any(|ino| s.placed(&s.entries[ino]).pool.is_some());
+        if shared {
+            return self.evict_shared(st, candidates, want);
+        }
+        let (mut freed, mut count) = (0, 0);
         for ino in candidates {
             if freed >= want {
                 break;
@@ -50,16 +66,55 @@ impl Store {
             }
         }
         if count > 0 {
-            // Hosts sharing the pool may map what was evicted: the space comes back once each
-            // acknowledged the removals (one wait for the whole batch).
             st.free_settled(&*self.authority);
+        }
+        (count, freed)
+    }
+
+    /// [`Store::evict_lru`] of `candidates` (oldest first) in a pool shared with other hosts.
+    fn evict_shared(
+        &self,
+        st: &mut MutexGuard<'_, State>,
+        candidates: Vec<u64>,
+        want: u64,
+    ) -> (u64, u64) {
+        let mut chosen = Vec::new();
+        let mut planned = 0;
+        for ino in candidates {
+            if planned >= want {
+                break;
+            }
+            let e = &st.entries[&ino];
+            planned += e.asize;
+            chosen.push(Found::of(st, e));
+        }
+        let sizes: Vec<u64> = chosen.iter().map(|f| st.entries[&f.ino()].asize).collect();
+        let (removed, inv) = self.remove_found(st, &chosen, true);
+        let (mut freed, mut count) = (0, 0);
+        for (r, size) in removed.iter().zip(sizes) {
+            match r {
+                Ok(()) => {
+                    freed += size;
+                    count += 1;
+                }
+                Err(e) => tracing::warn!("evicting: {e}"),
+            }
+        }
+        self.notify(inv);
+        if count > 0 {
+            // Hosts sharing the pool may map what was evicted: the space comes back once each
+            // acknowledged the removals (one wait for the whole batch, without the lock).
+            let free = MutexGuard::unlocked(st, || self.authority.settle());
+            for (pool, offset) in free {
+                st.free_unheld(&pool, offset);
+            }
         }
         (count, freed)
     }
 
     /// Evicts least recently used entries of `pool` until `want` bytes are free (with eviction
     /// on; nothing otherwise). Returns whether that much is free.
-    pub(super) fn ensure_free(&self, st: &mut State, pool: u32, want: u64) -> bool {
+    pub(super) fn ensure_free(&self, st: &mut MutexGuard<'_, State>, pool: u32, want: u64) -> bool {
         let want = want.min(st.pools[pool as usize].pool.capacity());
         for _round in 0..32 {
             let free = st.pools[pool as usize].pool.free_space();
