@@ -49,6 +49,8 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
     let m = auth.member();
     let me = Arc::downgrade(&auth);
     let mut rejoins = auth.rejoins.subscribe();
+    let (caught_up, mut first) = tokio::sync::watch::channel(false);
+    let fence_store = store.clone();
     auth.rt.spawn(async move {
         loop {
             // After a rejoin the host is fenced off until an entire read like this one is
@@ -70,9 +72,17 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
                 return;
             }
             match me.upgrade() {
-                Some(a) => a.caught_up.fetch_max(epoch, Ordering::AcqRel),
+                Some(a) => {
+                    a.caught_up.fetch_max(epoch, Ordering::AcqRel);
+                    // The indexes say so at once (clients trust them again), not at the next
+                    // tick of `publish_fence`.
+                    let until = crate::store::authority::Authority::fence(&*a).unwrap_or(0).max(1);
+                    let s = fence_store.clone();
+                    let _ = tokio::task::spawn_blocking(move || s.set_fence(until)).await;
+                }
                 None => return,
             };
+            caught_up.send_replace(true);
             tracing::debug!(revision = rev, epoch, "cluster: every entry read and applied");
             let watch = m.read().await.watch_entries(rev + 1).await;
             let Ok(mut w) = watch else {
@@ -138,8 +148,23 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
                 apply(&store, &auth, c);
             }
         })?;
+    // marud serves once every entry is read and applied (until then it is fenced off the
+    // shared pool); an etcd that does not answer in time lets it start fenced.
+    let t = std::time::Instant::now();
+    while !*first.borrow_and_update() {
+        if t.elapsed() > FIRST_READ {
+            tracing::warn!(
+                "cluster: the entries are not read yet; serving, fenced off the pool until they are"
+            );
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
     Ok(())
 }
+
+/// How long marud waits at its start for its first read of every entry.
+const FIRST_READ: Duration = Duration::from_secs(30);
 
 /// A kind of record every host follows: all of them at a revision, then every change.
 trait Followed: Send + 'static {

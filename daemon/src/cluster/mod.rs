@@ -184,7 +184,10 @@ impl EtcdAuthority {
             hosts: Mutex::new(Vec::new()),
             group,
             valid,
-            rejoins: tokio::sync::watch::Sender::new(0),
+            // The start counts as a rejoin: what this host recovered from its own log may
+            // have been removed elsewhere while it was down, so it serves nothing of the
+            // shared pool until its first read of every entry is applied.
+            rejoins: tokio::sync::watch::Sender::new(1),
             caught_up: AtomicU64::new(0),
             rejoining: AtomicBool::new(false),
             releasing: Arc::default(),
