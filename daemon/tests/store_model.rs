@@ -753,3 +753,91 @@ fn the_pin_and_holds_are_independent() {
     pin(false);
     assert_eq!(evict_all(&f), 1);
 }
+
+#[test]
+fn the_copy_into_a_raw_pool_at_close_keeps_no_other_client_waiting_and_a_failed_one_leaves_nothing()
+{
+    use std::sync::mpsc;
+    use std::time::Duration;
+    const WAIT: Duration = Duration::from_secs(20);
+    let f = Fixture::new(256, Eviction::Off, 64 << 20);
+    let root = me(0, 0);
+    f.store.mkdir(&root, "ns", 0o755).unwrap();
+    let fs = f.fs();
+    let parent = f.ino(&root, "ns");
+    let data: Vec<u8> = (0..32u32 << 20).map(|i| (i % 251) as u8).collect();
+    let (a, _) = fs.create(&root, parent, "big", 0o644).unwrap();
+    for (i, chunk) in data.chunks(1 << 20).enumerate() {
+        fs.write(a.ino, (i << 20) as u64, chunk).unwrap();
+    }
+    // Once the writes are done the seam is asked by the copy into the pool only: it holds
+    // the copy until the test lets it go, or fails it.
+    let hold_copies = || {
+        let (held_tx, held_rx) = mpsc::channel();
+        let (go_tx, go_rx) = mpsc::channel::<Option<i32>>();
+        let go_rx = std::sync::Mutex::new(go_rx);
+        let held_tx = std::sync::Mutex::new(held_tx);
+        f.store.set_data_fault(Some(Box::new(move |ino| {
+            held_tx.lock().unwrap().send(ino).unwrap();
+            go_rx.lock().unwrap().recv().unwrap()
+        })));
+        (held_rx, go_tx)
+    };
+    let (held_rx, go_tx) = hold_copies();
+    std::thread::scope(|s| {
+        let closing = s.spawn(|| fs.commit(&root, a.ino, false));
+        let held = held_rx
+            .recv_timeout(WAIT)
+            .expect("the close copies the bytes into the pool, asking the seam");
+        assert_eq!(held, a.ino);
+        // While the copy is held, another client stores, retrieves and lists.
+        let (done_tx, done_rx) = mpsc::channel();
+        let fr = &f;
+        s.spawn(move || {
+            let other = me(0, 0);
+            let r = fr.put(&other, "ns", "small", b"small bytes").map(|()| {
+                let got = fr.get("ns", "small");
+                let listed = fr.store.list(&other, "ns").map(|l| l.2.len());
+                (got, listed.ok())
+            });
+            done_tx.send(r).unwrap();
+        });
+        let served = done_rx
+            .recv_timeout(WAIT)
+            .expect("another client's store waited for the copy")
+            .unwrap();
+        assert_eq!(served, (Some(b"small bytes".to_vec()), Some(1)));
+        go_tx.send(None).unwrap();
+        closing.join().unwrap().unwrap();
+    });
+    fs.seal(a.ino).unwrap();
+    assert!(f.get("ns", "big") == Some(data), "the bytes published");
+
+    // A copy that fails fails the close; nothing of the entry stays.
+    let used = f.store.pools()[0].used;
+    f.store.set_data_fault(None);
+    let (b, _) = fs.create(&root, parent, "failed", 0o644).unwrap();
+    fs.write(b.ino, 0, &[5; 3 << 20]).unwrap();
+    let (held_rx, go_tx) = hold_copies();
+    std::thread::scope(|s| {
+        let closing = s.spawn(|| fs.commit(&root, b.ino, false));
+        assert_eq!(held_rx.recv_timeout(WAIT).unwrap(), b.ino);
+        go_tx.send(Some(libc::EIO)).unwrap();
+        assert_eq!(closing.join().unwrap().unwrap_err().errno(), libc::EIO);
+    });
+    fs.seal(b.ino).unwrap();
+    f.store.set_data_fault(None);
+    assert_eq!(f.get("ns", "failed"), None);
+    assert!(fs.lookup(&root, parent, "failed").is_err());
+    // Its extent is free again: the mount's open region takes the next entry there.
+    let after = f.store.pools()[0].used;
+    assert!(after > used, "the mount's writers have their region");
+    let again = vec![6u8; 3 << 20];
+    assert_eq!(
+        f.write_through_mount(&root, "ns", "again", &again).errno(),
+        None
+    );
+    assert_eq!(f.store.pools()[0].used, after);
+    assert!(f.get("ns", "again") == Some(again));
+    f.store.check_invariants().unwrap();
+}

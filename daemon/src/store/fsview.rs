@@ -120,6 +120,15 @@ impl Store {
         })
     }
 
+    /// The buffer of `ino` (an entry being written through the mount into a raw pool).
+    fn buffer(&self, ino: u64) -> Result<Option<super::pools::buffer::Shared>> {
+        let mut st = self.st.lock();
+        Ok(match &Store::writing(&mut st, ino)?.backing {
+            Backing::Buffer { buf, .. } => Some(buf.clone()),
+            _ => None,
+        })
+    }
+
     /// The guard of `ino`'s size changes (an entry being written through the mount).
     fn resizing(&self, ino: u64) -> Result<std::sync::Arc<parking_lot::Mutex<()>>> {
         let mut st = self.st.lock();
@@ -391,17 +400,17 @@ impl Backend for StoreFs {
         if let Some(f) = &file {
             self.0.reserve(pool, f, offset, end)?;
         }
+        // A buffer grows under its own lock, held until its length is set under the store's:
+        // a write or a copy of it waits meanwhile, the store does not.
+        let buf = self.0.buffer(ino)?;
+        let mut grown = buf.as_ref().map(|b| b.lock());
+        if let Some(b) = &mut grown {
+            b.grow(end as usize);
+        }
         let mut st = self.0.st.lock();
         let a = Store::writing(&mut st, ino)?;
-        match &mut a.backing {
-            Backing::File { span, .. } => *span = (*span).max(end),
-            Backing::Buffer { data, dirty, .. } => {
-                if (data.len() as u64) < end {
-                    data.resize(end as usize, 0);
-                    *dirty = true;
-                }
-            }
-            Backing::Extent { .. } | Backing::Packed { .. } => {}
+        if let Backing::File { span, .. } = &mut a.backing {
+            *span = (*span).max(end);
         }
         let m = a.mount_mut().expect("a mount write");
         m.len = m.len.max(end);
@@ -414,26 +423,14 @@ impl Backend for StoreFs {
         let Some(m) = st.allocs.get(&ino).and_then(Alloc::mount) else {
             return Ok(());
         };
-        let r = match (m.failed, m.target().cloned()) {
+        let r = match (m.failed, m.target()) {
             (None, Some((ns, key))) => {
-                let len = m.len;
-                tracing::debug!(ino, ns = %ns, key = %key, size = len, "publishing an entry written through the mount");
-                // Normally committed by its writer's last close; a size that changed since
-                // (or no close at all) is checked here, where a refusal can only be logged.
-                let recheck = !m.committed() || len != m.reserved();
-                let r = if recheck {
-                    self.0.try_commit(&mut st, ino)
-                } else {
-                    let st = &mut *st;
-                    let a = st.allocs.get_mut(&ino).expect("present");
-                    st.pools[a.pool as usize]
-                        .pool
-                        .commit(ino, &mut a.backing, len)
-                };
-                r.and_then(|()| self.0.seal(&mut st, ino, &ns, &key, len).map(drop))
+                tracing::debug!(ino, ns = %ns, key = %key, size = m.len, "publishing an entry written through the mount");
+                self.0.seal_written(&mut st, ino)
             }
             _ => Ok(()), // failed, unlinked or abandoned: dropped below
         };
+        self.0.copied(&mut st, ino);
         let dropped = st.allocs.contains_key(&ino);
         if dropped {
             if let Err(e) = &r {
@@ -455,6 +452,7 @@ impl Backend for StoreFs {
 
     fn abort(&self, ino: u64) {
         let mut st = self.0.st.lock();
+        self.0.copied(&mut st, ino);
         self.0.abandon(&mut st, ino, None);
         self.0.drop_alloc(&mut st, ino);
         drop(st);
@@ -505,12 +503,20 @@ impl Backend for StoreFs {
                 a.mount_mut().expect("a mount write").len = size;
                 return Ok(a.attr(ino));
             }
-            Backing::Buffer { data, dirty, .. } => {
+            Backing::Buffer { buf, .. } => {
                 if size > max {
                     return Err(Error::from_errno(libc::EFBIG));
                 }
-                data.resize(size as usize, 0);
-                *dirty = true;
+                // Resized under its own lock, held until its length is set under the store's.
+                let buf = buf.clone();
+                drop(st);
+                let mut b = buf.lock();
+                b.resize(size as usize);
+                let mut st = self.0.st.lock();
+                let a = Store::writing(&mut st, ino)?;
+                a.mtime = SystemTime::now();
+                a.mount_mut().expect("a mount write").len = size;
+                return Ok(a.attr(ino));
             }
             Backing::Extent { .. } | Backing::Packed { .. } => {}
         }
@@ -643,9 +649,11 @@ impl Backend for StoreFs {
                 file.read_exact_at(&mut buf, offset)?;
                 Ok(buf)
             }
-            Backing::Buffer { data, .. } => {
-                let s = (offset as usize).min(data.len());
-                Ok(data[s..(s + n).min(data.len())].to_vec())
+            Backing::Buffer { buf, .. } => {
+                // Copied out under the buffer's own lock.
+                let buf = buf.clone();
+                drop(guard);
+                Ok(buf.lock().read(offset as usize, n))
             }
             Backing::Extent { .. } | Backing::Packed { .. } => Ok(Vec::new()),
         }
@@ -672,19 +680,22 @@ impl Backend for StoreFs {
             let a = st.allocs.get_mut(&ino).expect("present");
             a.mtime = SystemTime::now();
             match &mut a.backing {
-                Backing::Buffer { data: b, dirty, .. } => {
+                Backing::Buffer { buf, .. } => {
                     if end > max || fault.is_some() {
                         drop(st);
                         let errno = fault.unwrap_or(libc::EFBIG);
                         return self.0.fail(ino, Error::from_errno(errno));
                     }
-                    if (b.len() as u64) < end {
-                        b.resize(end as usize, 0);
+                    // Copied in under the buffer's own lock, held until the length is set
+                    // under the store's.
+                    let buf = buf.clone();
+                    drop(st);
+                    let mut b = buf.lock();
+                    b.write(offset as usize, data);
+                    let mut st = self.0.st.lock();
+                    if let Some(m) = st.allocs.get_mut(&ino).and_then(Alloc::mount_mut) {
+                        m.len = m.len.max(end);
                     }
-                    b[offset as usize..end as usize].copy_from_slice(data);
-                    *dirty = true;
-                    let m = a.mount_mut().expect("a mount write");
-                    m.len = m.len.max(end);
                     return Ok(data.len() as u32);
                 }
                 Backing::File { file, span, .. } => {

@@ -34,9 +34,13 @@
 //! and the mount's publications (the name's reservation at a writer's close, the publication
 //! at its release: the writer is marked as asking meanwhile, `writer`), unlinks and renames
 //! (the entry marked as withdrawing meanwhile; the applier leaves such an entry alone), and
-//! an eviction's removals and its wait for the other hosts' acknowledgements (`placement`).
-//! Not yet: the copy of an entry written through the mount into a raw pool at its close (up
-//! to `max_copy_entry`).
+//! an eviction's removals and its wait for the other hosts' acknowledgements (`placement`),
+//! and for a raw pool the bytes written through the mount (up to `max_copy_entry`): each
+//! write, read and size change of them under their buffer's own lock, and their copy into
+//! the pool at a writer's close and before its publication with the writer marked as copying
+//! ([`pools::buffer`], `Store::copy_in`). Not yet: a raw pool's log synced at each record
+//! (`--wal-sync`), and the flush of a published entry's cache lines on a pool without
+//! coherence across hosts.
 
 pub mod authority;
 mod deletion;

@@ -199,7 +199,12 @@ impl Store {
     fn place_bytes(&self, st: &mut State, id: u64, size: u64) -> Result<Placing> {
         let a = st.allocs.get_mut(&id).expect("checked by the caller");
         let pool = &mut st.pools[a.pool as usize].pool;
-        pool.commit(id, &mut a.backing, size)?;
+        if pool.commit(id, &mut a.backing, size)?.is_some() {
+            // The mount's buffered writers are copied (`Store::copy_in`) before they get here.
+            return Err(Error::Busy(format!(
+                "allocation {id}: its bytes are not yet in the pool"
+            )));
+        }
         Ok(Placing {
             size,
             pool: pool.uuid().map(str::to_owned),
@@ -208,16 +213,19 @@ impl Store {
     }
 
     /// Checks that `ino` can be published under its target as it stands and reserves that:
-    /// the name at the authority, its bytes of the namespace's quota, its room in the pool.
-    /// When the authority is shared and the pool too, the lock is let go of while it
-    /// reserves the name (the writer marked as asking), and the checks are made again after.
+    /// the name at the authority, its bytes of the namespace's quota, its room in the pool
+    /// (with its bytes copied there, for a raw pool). The lock is let go of while the
+    /// authority reserves the name when it and the pool are shared (the writer marked as
+    /// asking), and while the bytes are copied; what may have changed meanwhile is checked
+    /// again after.
     pub(super) fn try_commit(&self, st: &mut MutexGuard<'_, State>, ino: u64) -> Result<()> {
         let Some((ns, key, _)) = Self::commit_checks(st, ino)? else {
             return Ok(()); // unlinked: nothing to publish, nothing to report
         };
         let pool = st.allocs[&ino].pool;
         let uuid = st.pools[pool as usize].pool.uuid().map(str::to_owned);
-        let len = if self.authority.shared() && uuid.is_some() {
+        let asked = self.authority.shared() && uuid.is_some();
+        if asked {
             st.writer_asking(ino, true);
             let reserved = MutexGuard::unlocked(st, || {
                 self.authority
@@ -226,30 +234,112 @@ impl Store {
             st.writer_asking(ino, false);
             self.sealed.notify_all();
             reserved?;
-            let again = if st.writer_still(ino, &ns, &key) {
-                Self::commit_checks(st, ino)
-            } else {
-                Err(Error::NotFound(format!("{ns}/{key} (unlinked meanwhile)")))
-            };
-            match again {
-                Ok(Some((_, _, len))) => len,
-                Ok(None) => unreachable!("the writer still has its target"),
-                Err(e) => {
-                    self.authority.release(&ns, &key, ino);
-                    return Err(e);
-                }
-            }
         } else {
             self.authority
                 .reserve_everywhere(&ns, &key, ino, uuid.as_deref())?;
-            st.allocs[&ino].mount().expect("a mount write").len
+        }
+        let unchanged = |st: &mut State| -> Result<u64> {
+            if !st.writer_still(ino, &ns, &key) {
+                return Err(Error::NotFound(format!("{ns}/{key} (unlinked meanwhile)")));
+            }
+            match Self::commit_checks(st, ino)? {
+                Some((_, _, len)) => Ok(len),
+                None => unreachable!("the writer still has its target"),
+            }
         };
-        let st = &mut **st;
-        let a = st.allocs.get_mut(&ino).expect("present");
-        st.pools[pool as usize]
+        let committed = (|| {
+            let len = if asked {
+                unchanged(st)?
+            } else {
+                st.allocs[&ino].mount().expect("a mount write").len
+            };
+            if self.copy_in(st, ino, len)? {
+                unchanged(st)?;
+            }
+            // The length copied and checked: one that grew meanwhile is committed again at
+            // the release (`Store::seal_written`).
+            st.writer_committed(ino, len)
+        })();
+        if committed.is_err() {
+            self.authority.release(&ns, &key, ino);
+        }
+        committed
+    }
+
+    /// Readies writer `ino`'s bytes for a publication of `len` bytes (`Pool::commit`): a
+    /// raw pool's buffered bytes are copied into the extent reserved for them with the
+    /// store's lock let go of, the writer marked as copying meanwhile (another copy of it
+    /// waits; its drop too, `Store::copied`). Returns whether the lock was let go of.
+    pub(super) fn copy_in(
+        &self,
+        st: &mut MutexGuard<'_, State>,
+        ino: u64,
+        len: u64,
+    ) -> Result<bool> {
+        let waited = self.copied(st, ino);
+        let s = &mut **st;
+        let a = s
+            .allocs
+            .get_mut(&ino)
+            .ok_or_else(|| Error::NotFound(format!("inode {ino} (dropped meanwhile)")))?;
+        let Some(copy) = s.pools[a.pool as usize]
             .pool
-            .commit(ino, &mut a.backing, len)?;
-        st.writer_committed(ino, len)
+            .commit(ino, &mut a.backing, len)?
+        else {
+            return Ok(waited);
+        };
+        st.writer_copying(ino, true);
+        let copied = MutexGuard::unlocked(st, || match self.data_fault(ino) {
+            Some(errno) => Err(Error::from_errno(errno)),
+            None => copy.run(),
+        });
+        st.writer_copying(ino, false);
+        self.sealed.notify_all();
+        copied.map(|()| true)
+    }
+
+    /// Waits until no copy of writer `ino`'s bytes is under way; returns whether it waited.
+    pub(super) fn copied(&self, st: &mut MutexGuard<'_, State>, ino: u64) -> bool {
+        let mut waited = false;
+        while st
+            .allocs
+            .get(&ino)
+            .and_then(Alloc::mount)
+            .is_some_and(|m| m.copying())
+        {
+            self.sealed.wait(st);
+            waited = true;
+        }
+        waited
+    }
+
+    /// Publishes writer `ino` under its target at its writer's last release (the mount):
+    /// committed again if its length changed since its last close (or it had no close), its
+    /// bytes copied, then sealed under its target as it is then. Nothing when it was unlinked
+    /// or failed meanwhile (the caller drops it).
+    pub(super) fn seal_written(&self, st: &mut MutexGuard<'_, State>, ino: u64) -> Result<()> {
+        let m = st.allocs[&ino].mount().expect("a mount write");
+        let len = m.len;
+        // Normally committed by its writer's last close; a size that changed since (or no
+        // close at all) is checked here, where a refusal can only be logged.
+        if !m.committed() || len != m.reserved() {
+            self.try_commit(st, ino)?;
+        } else {
+            self.copy_in(st, ino, len)?;
+        }
+        let Some(m) = st.allocs.get(&ino).and_then(Alloc::mount) else {
+            return Ok(());
+        };
+        let (Some((ns, key)), None) = (m.target().cloned(), m.failed) else {
+            return Ok(()); // unlinked or failed meanwhile
+        };
+        if !m.committed() || m.len != m.reserved() {
+            return Err(Error::Busy(format!(
+                "{ns}/{key}: written while being published"
+            )));
+        }
+        let len = m.len;
+        self.seal(st, ino, &ns, &key, len).map(drop)
     }
 
     /// The checks of a commit of writer `ino` as it stands: its target and length, or None

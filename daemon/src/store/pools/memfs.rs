@@ -220,7 +220,12 @@ impl Pool for Memfs {
         }
     }
 
-    fn commit(&mut self, _id: u64, backing: &mut Backing, size: u64) -> Result<()> {
+    fn commit(
+        &mut self,
+        _id: u64,
+        backing: &mut Backing,
+        size: u64,
+    ) -> Result<Option<super::buffer::CopyIn>> {
         // The bytes are in the pool already (every write succeeded or failed there); the file,
         // grown ahead of its writer, takes its size.
         if let Backing::File { file, span, .. } = backing
@@ -229,7 +234,7 @@ impl Pool for Memfs {
             file.set_len(size)?;
             *span = size;
         }
-        Ok(())
+        Ok(None)
     }
 
     fn publish(&mut self, id: u64, backing: &mut Backing, e: &Loc<'_>) -> Result<u64> {

@@ -3,6 +3,7 @@
 //! metadata), small ones packed into shared files ([`packs`]); [`raw::Raw`] carves a device
 //! (or a file standing in for one) into regions and keeps its metadata in a log.
 
+pub mod buffer;
 pub mod memfs;
 pub mod packs;
 pub mod raw;
@@ -46,15 +47,12 @@ pub enum Backing {
         file: Arc<File>,
     },
     /// Bytes buffered by the daemon (a raw pool written through the mount); copied into the
-    /// extent reserved at the writer's close.
+    /// extent reserved at the writer's close, without the store's lock ([`buffer::CopyIn`]).
     Buffer {
-        /// The bytes.
-        data: Vec<u8>,
-        /// The extent reserved for them (offset, bytes it holds), and whether `data` changed
-        /// since it was copied there.
+        /// The bytes, behind a lock of their own.
+        buf: buffer::Shared,
+        /// The extent reserved for them (offset, bytes it holds).
         placed: Option<(u64, u64)>,
-        /// `data` changed since it was copied into the extent.
-        dirty: bool,
     },
 }
 
@@ -250,9 +248,16 @@ pub trait Pool: Send {
     fn create(&mut self, id: u64) -> Result<Backing>;
     /// Frees an allocation that will not be published.
     fn abort(&mut self, id: u64, backing: &Backing);
-    /// Reserves room for a buffered allocation of `size` bytes at its writer's close (raw
-    /// pools through the mount) and copies the buffer there; nothing for other backings.
-    fn commit(&mut self, id: u64, backing: &mut Backing, size: u64) -> Result<()>;
+    /// Readies allocation `id` for a publication of `size` bytes, at its writer's close and
+    /// again before its publication: a memfs file takes its size; a buffered allocation (raw
+    /// pools through the mount) gets room for `size` bytes, and the copy of its bytes there
+    /// when they are not there yet, for the caller to run without the store's lock.
+    fn commit(
+        &mut self,
+        id: u64,
+        backing: &mut Backing,
+        size: u64,
+    ) -> Result<Option<buffer::CopyIn>>;
     /// Publishes allocation `id` as `e` (`e.offset` is ignored); returns where the entry is:
     /// its offset (raw pools), the inode number of its file (memfs).
     fn publish(&mut self, id: u64, backing: &mut Backing, e: &Loc<'_>) -> Result<u64>;

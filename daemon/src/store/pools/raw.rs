@@ -5,7 +5,6 @@
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -15,6 +14,7 @@ use maru::{Error, Result};
 use super::super::authority::{Authority, fenced_error};
 #[cfg(feature = "seams")]
 use super::Seams;
+use super::buffer::{Buffered, CopyIn};
 use super::{Backing, Found, Loc, Pool, Reader, Requester};
 use crate::alloc::{ExtentAlloc, align_up};
 use crate::pool::{self, ENTRY_ALIGN, PoolSpec, REGION_ALIGN};
@@ -50,7 +50,7 @@ pub struct Raw {
     /// Bytes of the device used for the header and regions.
     size: u64,
     /// The daemon's own descriptor; it holds the device lock (`maructl device` checks it).
-    file: File,
+    file: Arc<File>,
     /// Read-write descriptor handed to writers: a separate open file description, so that
     /// clients' mappings never keep the daemon's lock alive after it exits.
     rw: File,
@@ -117,7 +117,7 @@ impl Raw {
             name: spec.name.clone(),
             path: spec.path.clone(),
             size,
-            file,
+            file: Arc::new(file),
             rw,
             ro,
             log_path,
@@ -408,9 +408,8 @@ impl Pool for Raw {
 
     fn create(&mut self, _id: u64) -> Result<Backing> {
         Ok(Backing::Buffer {
-            data: Vec::new(),
+            buf: Buffered::shared(),
             placed: None,
-            dirty: false,
         })
     }
 
@@ -425,47 +424,44 @@ impl Pool for Raw {
         }
     }
 
-    fn commit(&mut self, _id: u64, backing: &mut Backing, size: u64) -> Result<()> {
-        let Backing::Buffer {
-            data,
-            placed,
-            dirty,
-        } = backing
-        else {
-            return Ok(());
+    fn commit(&mut self, _id: u64, backing: &mut Backing, size: u64) -> Result<Option<CopyIn>> {
+        let Backing::Buffer { buf, placed } = backing else {
+            return Ok(None);
         };
         let asize = align_up(size.max(1), ENTRY_ALIGN);
-        let fits = placed.is_some_and(|(_, held)| held >= asize);
-        if !fits {
+        if !placed.is_some_and(|(_, held)| held >= asize) {
             let offset = self.place(size, Some(MOUNT_WRITERS))?;
             if let Some((old, _)) = placed.replace((offset, asize)) {
                 self.release(old);
             }
-            *dirty = true;
         }
-        if *dirty {
-            if self.authority.fenced() {
-                return Err(fenced_error());
-            }
-            let (offset, _) = placed.expect("placed above");
-            self.file.write_all_at(data, offset)?;
-            *dirty = false;
+        let (offset, _) = placed.expect("placed above");
+        // Never waits for the buffer's lock here: one held is a copy or a write under way,
+        // after which the copy is due anyway (or finds its bytes there and does nothing).
+        if buf.try_lock().is_some_and(|b| b.copied_to(offset, size)) {
+            return Ok(None);
         }
-        Ok(())
+        Ok(Some(CopyIn::new(
+            buf.clone(),
+            self.file.clone(),
+            offset,
+            size,
+            self.authority.clone(),
+        )))
     }
 
-    fn publish(&mut self, id: u64, backing: &mut Backing, e: &Loc<'_>) -> Result<u64> {
+    fn publish(&mut self, _id: u64, backing: &mut Backing, e: &Loc<'_>) -> Result<u64> {
         let offset = match backing {
             Backing::Extent { offset } => *offset,
+            Backing::Buffer {
+                buf,
+                placed: Some((o, _)),
+            } if buf.try_lock().is_some_and(|b| b.copied_to(*o, e.size)) => *o,
             Backing::Buffer { .. } => {
-                self.commit(id, backing, e.size)?;
-                match backing {
-                    Backing::Buffer {
-                        placed: Some((o, _)),
-                        ..
-                    } => *o,
-                    _ => unreachable!("committed above"),
-                }
+                return Err(Error::Busy(format!(
+                    "{}/{}: its bytes are not yet in the pool",
+                    e.ns, e.key
+                )));
             }
             Backing::File { .. } | Backing::Packed { .. } => {
                 return Err(Error::Protocol("a raw allocation with a file".into()));

@@ -94,6 +94,13 @@ impl State {
         }
     }
 
+    /// Writer `id`'s bytes are being copied into their extent (`true`), or the copy is over.
+    pub(in crate::store) fn writer_copying(&mut self, id: u64, copying: bool) {
+        if let Some(m) = self.writer(id) {
+            m.copying = copying;
+        }
+    }
+
     /// Whether writer `id` is still to be published as `ns/key` (not unlinked, renamed or
     /// failed meanwhile).
     pub(in crate::store) fn writer_still(&mut self, id: u64, ns: &str, key: &str) -> bool {

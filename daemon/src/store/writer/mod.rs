@@ -10,7 +10,9 @@
 //! publication's checks (its bytes reserved in the namespace's quota, its publication counted
 //! as pending; again with its new size after more writes) → moved by a rename, any number of
 //! times → asking the authority for its publication with the store's lock let go of (in
-//! cluster mode, `State::writer_asking`; an unlink or a rename waits for the answer) → sealed
+//! cluster mode, `State::writer_asking`; an unlink or a rename waits for the answer) → its
+//! bytes copied into the extent reserved for them, the lock let go of likewise (a raw pool,
+//! at each commit and before the publication: `State::writer_copying`) → sealed
 //! as an entry (`State::writer_sealing`, then `State::writer_sealed`) or left
 //! (`State::writer_left`: unlinked, abandoned, failed or dropped).
 
@@ -34,6 +36,9 @@ pub struct MountWrite {
     pub failed: Option<i32>,
     /// Its publication is at the authority (the store's lock let go of meanwhile).
     asking: bool,
+    /// Its bytes are being copied into the extent reserved for them (a raw pool; the store's
+    /// lock let go of meanwhile): another copy of it, or its drop, waits.
+    copying: bool,
     /// Held across a change of its file's size (`truncate`, `fallocate`), whose reservation
     /// of pages runs outside the store's lock: one such change at a time per entry.
     pub resizing: std::sync::Arc<parking_lot::Mutex<()>>,
@@ -50,6 +55,7 @@ impl MountWrite {
             reserved: 0,
             failed: None,
             asking: false,
+            copying: false,
             resizing: Default::default(),
         }
     }
@@ -72,5 +78,10 @@ impl MountWrite {
     /// Whether its publication is at the authority (unlinks and renames wait for it).
     pub fn asking(&self) -> bool {
         self.asking
+    }
+
+    /// Whether its bytes are being copied into its extent (its drop waits for the copy).
+    pub fn copying(&self) -> bool {
+        self.copying
     }
 }
