@@ -2,7 +2,13 @@
 //! large allocation on the same memfs pool (a file of its own, `fallocate`d), side by side
 //! with the same loop alone and with the same `fallocate` made outside maru (on a tmpfs of
 //! its own, by this process): what that costs the machine without any lock of maru's.
+//!
+//! With `--through-mount`, the large work is instead a process writing an entry through the
+//! mount into a raw pool (a `file:` pool on a tmpfs) and closing it, which copies its bytes
+//! into the pool, and then deleting it; beside it, the same bytes written to a file of a tmpfs
+//! without maru.
 
+use std::io::Write;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -10,7 +16,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use super::scratch;
-use crate::env::{PrivateDaemon, Tmpfs};
+use crate::env::{PrivateDaemon, Tmpfs, sibling};
 
 /// The small stores of one window, and the large allocations that ran during it.
 #[derive(Debug, Clone, Serialize)]
@@ -62,14 +68,60 @@ fn during(
     })
 }
 
+/// Writes `big` bytes to a new file at `path` in 1 MiB writes and closes it.
+fn write_file(path: &Path, big: u64) -> anyhow::Result<()> {
+    let chunk = vec![0xa5u8; 1 << 20];
+    let mut f = std::fs::File::create(path)?;
+    let mut left = big;
+    while left > 0 {
+        let n = left.min(chunk.len() as u64) as usize;
+        f.write_all(&chunk[..n])?;
+        left -= n as u64;
+    }
+    drop(f); // close(2): through the mount, the entry's commit (its copy into a raw pool)
+    Ok(())
+}
+
+/// What `maructl bench stall` runs.
+#[derive(Debug, Clone)]
+pub struct StallArgs {
+    /// The large work's bytes.
+    pub big: u64,
+    /// Alternated rounds.
+    pub rounds: usize,
+    /// The large work is an entry written through the mount into a raw pool, not a client's
+    /// allocation on a memfs pool.
+    pub through_mount: bool,
+    /// The marud to measure (None: the one beside maructl).
+    pub marud: Option<std::path::PathBuf>,
+}
+
 /// `rounds` rounds, each a window of 4 KiB stores alone, one while another client allocates
-/// (and frees) `big` bytes, and one while this process `fallocate`s as much on a tmpfs of its
-/// own, alternated so that noise hits them alike.
-pub fn stall(big: u64, rounds: usize, json: Option<&Path>) -> anyhow::Result<String> {
+/// (and frees) `big` bytes (or writes as much through the mount), and one while this process
+/// does the same work on a tmpfs of its own, alternated so that noise hits them alike.
+pub fn stall(args: &StallArgs, json: Option<&Path>) -> anyhow::Result<String> {
+    let StallArgs {
+        big,
+        rounds,
+        through_mount,
+        ..
+    } = *args;
     let tmp = scratch()?;
     let pool = big + (1 << 30);
-    let spec = format!("memfs:{{dir}}/pool,size={pool}");
-    let d = PrivateDaemon::start(tmp.path(), "stall", &[&spec], false)?;
+    let raw = if through_mount {
+        Some(Tmpfs::mount(&tmp.path().join("raw"), pool + (64 << 20))?)
+    } else {
+        None
+    };
+    let spec = match &raw {
+        Some(t) => format!("file:{}/pool.img,size={pool}", t.dir.display()),
+        None => format!("memfs:{{dir}}/pool,size={pool}"),
+    };
+    let marud = match &args.marud {
+        Some(p) => p.clone(),
+        None => sibling("marud")?,
+    };
+    let d = PrivateDaemon::start_exe(&marud, tmp.path(), "stall", &[&spec], through_mount, &[])?;
     let small = d.handler("bench")?;
     small.mkdir("bench", 0o755)?;
     let other = d.handler("bench")?;
@@ -95,28 +147,46 @@ pub fn stall(big: u64, rounds: usize, json: Option<&Path>) -> anyhow::Result<Str
         while t.elapsed() < span {
             store(&mut alone)?;
         }
-        // Loaded: the other client allocates `big` bytes, then frees them.
-        let handle = std::sync::Mutex::new(None);
-        let took = during(
-            &mut store,
-            &mut loaded,
-            || {
-                *handle.lock().expect("one thread") = Some(other.alloc(big)?);
-                Ok(())
-            },
-            || {
-                let a = handle.lock().expect("one thread").take();
-                Ok(other.free(a.expect("allocated"))?)
-            },
-        )?;
+        // Loaded: the other client allocates `big` bytes, then frees them (or writes them
+        // through the mount, closes, and deletes the entry).
+        let took = match &d.mount {
+            Some(mnt) => {
+                let path = mnt.join("bench").join(format!("big{}", bigs.len()));
+                let entry = &path;
+                during(
+                    &mut store,
+                    &mut loaded,
+                    || write_file(entry, big),
+                    || Ok(std::fs::remove_file(entry)?),
+                )?
+            }
+            None => {
+                let handle = std::sync::Mutex::new(None);
+                during(
+                    &mut store,
+                    &mut loaded,
+                    || {
+                        *handle.lock().expect("one thread") = Some(other.alloc(big)?);
+                        Ok(())
+                    },
+                    || {
+                        let a = handle.lock().expect("one thread").take();
+                        Ok(other.free(a.expect("allocated"))?)
+                    },
+                )?
+            }
+        };
         bigs.push(took);
-        // The same bytes reserved without maru: a file of a tmpfs of this process's own.
+        // The same work without maru: a file of a tmpfs of this process's own.
         let path = outside.dir.join("big");
-        let f = std::fs::File::create(&path)?;
         let took = during(
             &mut store,
             &mut beside,
             || {
+                if through_mount {
+                    return write_file(&path, big);
+                }
+                let f = std::fs::File::create(&path)?;
                 Ok(nix::fcntl::fallocate(
                     &f,
                     nix::fcntl::FallocateFlags::empty(),
@@ -129,22 +199,28 @@ pub fn stall(big: u64, rounds: usize, json: Option<&Path>) -> anyhow::Result<Str
         plain.push(took);
     }
     let size = maru::size::format_size(big);
+    let (work, plain_work, pool_kind) = if through_mount {
+        (
+            format!("another process writes {size} through the mount and closes"),
+            format!("this process writes {size} to a file of a tmpfs (no maru)"),
+            "raw pool",
+        )
+    } else {
+        (
+            format!("another client allocates {size}"),
+            format!("this process fallocates {size} on a tmpfs (no maru)"),
+            "memfs pool",
+        )
+    };
     let rows = [
         window("4 KiB stores alone", alone, Vec::new()),
-        window(
-            &format!("4 KiB stores while another client allocates {size}"),
-            loaded,
-            bigs,
-        ),
-        window(
-            &format!("4 KiB stores while this process fallocates {size} on a tmpfs (no maru)"),
-            beside,
-            plain,
-        ),
+        window(&format!("4 KiB stores while {work}"), loaded, bigs),
+        window(&format!("4 KiB stores while {plain_work}"), beside, plain),
     ];
     let mut out = format!(
-        "\n## small stores while another client allocates {size} (memfs pool, {rounds} rounds)\n\n\
-         | case | stores | p50 µs | p99 µs | longest µs |\n|---|---:|---:|---:|---:|\n"
+        "\n## small stores while {work} ({pool_kind}, {rounds} rounds, {})\n\n\
+         | case | stores | p50 µs | p99 µs | longest µs |\n|---|---:|---:|---:|---:|\n",
+        marud.display()
     );
     for r in &rows {
         out.push_str(&format!(
@@ -154,7 +230,7 @@ pub fn stall(big: u64, rounds: usize, json: Option<&Path>) -> anyhow::Result<Str
     }
     let b = &rows[1].big_alloc_s;
     out.push_str(&format!(
-        "\nthe {size} allocation took {} s; p99 loaded / alone: {:.2}x; longest loaded: {:.2} ms \
+        "\nthe large work took {} s; p99 loaded / alone: {:.2}x; longest loaded: {:.2} ms \
          (target: within 2x, at most 2 ms)\n",
         b.iter()
             .map(|x| format!("{x:.2}"))

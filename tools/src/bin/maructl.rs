@@ -166,8 +166,8 @@ enum BenchCmd {
         #[arg(long = "marud-arg", value_name = "ARG", allow_hyphen_values = true)]
         marud_arg: Vec<String>,
     },
-    /// 4 KiB stores while another client allocates a large file on the same memfs pool,
-    /// against the same stores alone.
+    /// 4 KiB stores while another client allocates a large file on the same memfs pool (or
+    /// writes a large entry through the mount into a raw pool), against the same stores alone.
     Stall {
         /// The other client's allocation (its pool is this and 1 GiB more, in memory).
         #[arg(long, default_value = "8G")]
@@ -178,6 +178,13 @@ enum BenchCmd {
         /// Also write the rows as JSON here.
         #[arg(long = "out-json", value_name = "FILE")]
         out_json: Option<PathBuf>,
+        /// The large work is a process writing an entry of `--size` through the mount into a
+        /// raw pool and closing it (at most marud's largest copied entry, 1 GiB).
+        #[arg(long = "through-mount")]
+        through_mount: bool,
+        /// The marud to measure (default: the one beside maructl).
+        #[arg(long, value_name = "PATH")]
+        marud: Option<PathBuf>,
     },
 }
 
@@ -274,9 +281,17 @@ fn run(cli: Cli) -> Result<Option<ctl::Output>, Failure> {
                     size,
                     rounds,
                     out_json,
+                    through_mount,
+                    marud,
                 } => {
-                    let b = maru::size::parse_size(&size).map_err(|e| bad(e.to_string()))?;
-                    maru_tools::bench::stall::stall(b, rounds.max(1), out_json.as_deref())
+                    let big = maru::size::parse_size(&size).map_err(|e| bad(e.to_string()))?;
+                    let args = maru_tools::bench::stall::StallArgs {
+                        big,
+                        rounds: rounds.max(1),
+                        through_mount,
+                        marud,
+                    };
+                    maru_tools::bench::stall::stall(&args, out_json.as_deref())
                 }
             }
             .map_err(|e| Failure {
