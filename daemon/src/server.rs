@@ -23,7 +23,7 @@ use maru::{Error, Result};
 use maru_fsd::Caller;
 use tokio::net::UnixListener;
 
-use crate::store::Store;
+use crate::store::{SessionId, Store};
 
 /// The group the control socket is given (with mode 0660), so that its members may connect.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -142,7 +142,7 @@ fn serve_conn(store: Arc<Store>, stream: UnixStream) {
 pub struct Dispatcher {
     store: Arc<Store>,
     caller: Caller,
-    session: Option<u64>,
+    session: Option<SessionId>,
     sent_ro: HashSet<u32>,
     sent_rw: HashSet<u32>,
     /// Encoded responses not yet sent.
@@ -433,7 +433,10 @@ impl Dispatcher {
             )
             .collect();
         let t = std::time::Instant::now();
-        let outcomes = self.store.publish_many(self.session.unwrap_or(0), &items);
+        let session = self
+            .session
+            .expect("publications are deferred once a session is open");
+        let outcomes = self.store.publish_many(session, &items);
         let each = t.elapsed() / items.len() as u32;
         drop(items);
         for ((id, ..), r) in std::mem::take(&mut self.publishes)
@@ -517,7 +520,9 @@ impl Dispatcher {
     fn dispatch(&mut self, op: Op, fds: &mut Vec<File>) -> Result<Body> {
         let c = self.caller.clone();
         let store = self.store.clone();
-        let session = self.session.unwrap_or(0);
+        // Every verb but hello needs the session hello opened (`handle` refuses them before).
+        let opened = self.session;
+        let session = move || opened.ok_or_else(|| Error::Protocol("no hello yet".into()));
         Ok(match op {
             Op::Hello { version, client } => {
                 if self.session.is_some() {
@@ -534,7 +539,7 @@ impl Dispatcher {
                 Body::Hello {
                     version: PROTOCOL_VERSION,
                     server: format!("marud {}", env!("CARGO_PKG_VERSION")),
-                    session: s,
+                    session: s.get(),
                     pools: store.pools(),
                 }
             }
@@ -556,7 +561,8 @@ impl Dispatcher {
                 pool,
                 ns,
             } => {
-                let grants = store.alloc(session, size, count, pool.as_deref(), ns.as_deref())?;
+                let grants =
+                    store.alloc(session()?, size, count, pool.as_deref(), ns.as_deref())?;
                 let mut out = Vec::with_capacity(grants.len());
                 // A grant in the same file (a pack) as the one before it goes without one.
                 let mut last: Option<std::sync::Arc<std::fs::File>> = None;
@@ -577,7 +583,7 @@ impl Dispatcher {
                 Body::Allocated { grants: out }
             }
             Op::Free { allocs } => {
-                store.free(session, &allocs)?;
+                store.free(session()?, &allocs)?;
                 Body::Done
             }
             Op::Publish {
@@ -586,7 +592,7 @@ impl Dispatcher {
                 key,
                 len,
             } => Body::Published {
-                generation: store.publish(session, alloc, &ns, &key, len)?,
+                generation: store.publish(session()?, alloc, &ns, &key, len)?,
             },
             Op::Retrieve { ns, keys } => {
                 check_batch(keys.len())?;
@@ -596,7 +602,7 @@ impl Dispatcher {
                     )));
                 }
                 let sent = &mut self.sent_ro;
-                let items = store.retrieve(session, &ns, &keys, |p| !sent.insert(p))?;
+                let items = store.retrieve(session()?, &ns, &keys, |p| !sent.insert(p))?;
                 let mut out = Vec::with_capacity(items.len());
                 for it in items {
                     out.push(it.map(|(loc, f)| {
@@ -610,7 +616,7 @@ impl Dispatcher {
             }
             Op::Release { gens } => {
                 check_batch(gens.len())?;
-                store.release(session, &gens);
+                store.release(session()?, &gens);
                 Body::Done
             }
             Op::Accessed { gens } => {
@@ -639,7 +645,7 @@ impl Dispatcher {
             Op::Hold { ns, keys, hold } => {
                 check_batch(keys.len())?;
                 Body::Batch {
-                    results: batch(store.hold(session, &ns, &keys, hold)?),
+                    results: batch(store.hold(session()?, &ns, &keys, hold)?),
                 }
             }
             Op::Index { ns } => {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use maru::Error;
 use maru_daemon::pool::PoolSpec;
 use maru_daemon::store::fsview::StoreFs;
-use maru_daemon::store::{Eviction, Store, StoreConfig};
+use maru_daemon::store::{Eviction, SessionId, Store, StoreConfig};
 use maru_fsd::backend::ROOT_INO;
 use maru_fsd::{Backend, Caller};
 use proptest::prelude::*;
@@ -588,7 +588,7 @@ fn held_fixture() -> Fixture {
 }
 
 /// Takes (`hold`) or gives back one hold of session `s` per key of `h`.
-fn hold(f: &Fixture, s: u64, keys: &[&str], hold: bool) -> Vec<maru::Result<()>> {
+fn hold(f: &Fixture, s: SessionId, keys: &[&str], hold: bool) -> Vec<maru::Result<()>> {
     let keys: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
     let r = f.store.hold(s, "h", &keys, hold).unwrap();
     f.store.check_invariants().unwrap();

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use crate::store::SessionId;
 use maru::{Error, Result};
 use maru_fsd::Caller;
 use maru_remote::proto::{
@@ -43,7 +44,7 @@ struct ReadTicket {
 struct Conn {
     shared: Arc<Shared>,
     id: u64,
-    session: u64,
+    session: SessionId,
     caller: Caller,
     writes: HashMap<u64, WriteTicket>,
     reads: HashMap<u64, ReadTicket>,

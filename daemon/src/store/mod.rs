@@ -47,6 +47,7 @@ mod deletion;
 mod entries;
 pub mod fsview;
 mod hashmap;
+pub mod ids;
 mod lru;
 mod namespaces;
 mod placement;
@@ -76,12 +77,13 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 use crate::alloc::align_up;
 use crate::pool::{ENTRY_ALIGN, PoolSpec};
 use authority::{Authority, LocalAuthority};
+pub use ids::SessionId;
 use namespaces::{join, parent};
 use policy::{Access, Perm};
 use pools::{Backing, Requester};
 pub use settings::{Eviction, StoreConfig};
+pub use state::Invalidation;
 use state::{Alloc, Origin, State};
-pub use state::{Invalidation, MOUNT_SESSION};
 use stats::Counters;
 
 /// Per key of a retrieve: where the entry is and the descriptor to send (if any).
@@ -262,7 +264,7 @@ impl Store {
     /// client said so. memfs grants carry the file (or the pack) they are in.
     pub fn alloc(
         &self,
-        session: u64,
+        session: SessionId,
         size: u64,
         count: u32,
         pool: Option<&str>,
@@ -396,7 +398,7 @@ impl Store {
     }
 
     /// Gives allocations back.
-    pub fn free(&self, session: u64, ids: &[u64]) -> Result<()> {
+    pub fn free(&self, session: SessionId, ids: &[u64]) -> Result<()> {
         let mut st = self.st.lock();
         for id in ids {
             if st.allocs.get(id).and_then(Alloc::session) != Some(session) {
@@ -507,7 +509,7 @@ impl Store {
     /// [`Error::NotFound`] when the session holds none on it.
     pub fn hold(
         &self,
-        session: u64,
+        session: SessionId,
         ns: &str,
         keys: &[String],
         hold: bool,
@@ -656,7 +658,7 @@ impl Store {
                     .sum();
                 let c = s.caller.clone().unwrap_or_else(Caller::root);
                 ClientInfo {
-                    session: *id,
+                    session: id.get(),
                     name: s.name.clone(),
                     pid: c.pid,
                     uid: c.uid,

@@ -20,6 +20,7 @@ use maru::{Error, Result};
 use parking_lot::MutexGuard;
 
 use super::authority::{Placed, Publishing};
+use super::ids::SessionId;
 use super::policy::{self, Access, Perm};
 use super::state::{Alloc, Entry, State};
 use super::stats::Bytes;
@@ -47,7 +48,7 @@ impl Store {
     /// Seals allocation `id` of `session` as `ns/key`: the first publication of a name wins.
     pub fn publish(
         &self,
-        session: u64,
+        session: SessionId,
         id: u64,
         ns: &str,
         key: &str,
@@ -62,7 +63,7 @@ impl Store {
     /// Seals allocations of `session`, each under its name, with one outcome each (the
     /// allocation's id, or why it was refused: a refused allocation is freed). The
     /// authority is asked for all of them at once (see the module's documentation).
-    pub fn publish_many(&self, session: u64, items: &[Publish<'_>]) -> Vec<Result<u64>> {
+    pub fn publish_many(&self, session: SessionId, items: &[Publish<'_>]) -> Vec<Result<u64>> {
         let mut st = self.st.lock();
         let mut placed: Vec<Result<Placing>> = items
             .iter()
@@ -124,7 +125,12 @@ impl Store {
 
     /// The first step of a client's publication, under the lock: the checks, the name
     /// reserved here, the bytes placed.
-    fn place_publication(&self, st: &mut State, session: u64, p: &Publish<'_>) -> Result<Placing> {
+    fn place_publication(
+        &self,
+        st: &mut State,
+        session: SessionId,
+        p: &Publish<'_>,
+    ) -> Result<Placing> {
         split_ns(p.ns)?;
         check_component(p.key.as_bytes())?;
         let caller = st.caller(session)?;
@@ -147,7 +153,7 @@ impl Store {
     }
 
     /// Allocation `id`, if `session`'s.
-    fn own_alloc(st: &State, session: u64, id: u64) -> Result<&Alloc> {
+    fn own_alloc(st: &State, session: SessionId, id: u64) -> Result<&Alloc> {
         st.allocs
             .get(&id)
             .filter(|a| a.session() == Some(session))
@@ -164,7 +170,7 @@ impl Store {
     fn seal_placed(
         &self,
         st: &mut State,
-        session: u64,
+        session: SessionId,
         p: &Publish<'_>,
         placing: &Placing,
         unlocked: bool,

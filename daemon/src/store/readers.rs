@@ -8,6 +8,7 @@ use maru::Result;
 use maru::name::split_ns;
 use maru_fsd::Caller;
 
+use super::ids::SessionId;
 use super::policy::{self, Access, Perm};
 use super::state::State;
 use super::stats::Bytes;
@@ -32,7 +33,7 @@ impl Store {
     /// read-only descriptor.
     pub fn retrieve(
         &self,
-        session: u64,
+        session: SessionId,
         ns: &str,
         keys: &[String],
         mut pool_fd_sent: impl FnMut(u32) -> bool,

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use maru::name::{check_component, split_ns};
 use maru::proto::PoolKind;
 
+use super::SessionId;
 use super::authority::{Authority, Placed};
 use super::hashmap::HashMap;
 use super::lru::Lru;
@@ -16,7 +17,7 @@ use super::pools::memfs::Memfs;
 use super::pools::raw::Raw;
 use super::pools::{Loc, Pool};
 use super::settings::StoreConfig;
-use super::state::{Entry, MOUNT_SESSION, PoolSlot, Session, State};
+use super::state::{Entry, PoolSlot, Session, State};
 use crate::pool::PoolSpec;
 use maru_fsd::Caller;
 use maru_fsd::backend::ROOT_INO;
@@ -65,14 +66,14 @@ pub fn open_state(
         allocs: HashMap::default(),
         lru: Lru::default(),
         sessions: HashMap::from_iter([(
-            MOUNT_SESSION,
+            SessionId::MOUNT,
             Session {
                 name: "mount".into(),
                 caller: Some(Caller::root()),
                 ..Default::default()
             },
         )]),
-        next_session: MOUNT_SESSION + 1,
+        next_session: SessionId::MOUNT.next(),
         pools,
         gone: HashMap::default(),
         fuse_leases: HashMap::default(),

@@ -3,15 +3,16 @@
 use maru::{Error, Result};
 use maru_fsd::Caller;
 
+use super::SessionId;
 use super::Store;
-use super::state::{MOUNT_SESSION, Session, State};
+use super::state::{Session, State};
 
 impl Store {
     /// Registers a client connection.
-    pub fn open_session(&self, name: &str, caller: Caller) -> u64 {
+    pub fn open_session(&self, name: &str, caller: Caller) -> SessionId {
         let mut st = self.st.lock();
-        let id = st.next_session.max(MOUNT_SESSION + 1);
-        st.next_session = id + 1;
+        let id = st.next_session.max(SessionId::MOUNT.next());
+        st.next_session = id.next();
         st.sessions.insert(
             id,
             Session {
@@ -25,8 +26,8 @@ impl Store {
 
     /// A client went away (closed its connection or crashed): its unpublished allocations
     /// are freed, its leases and holds dropped and its open regions detached.
-    pub fn close_session(&self, id: u64) {
-        if id == MOUNT_SESSION {
+    pub fn close_session(&self, id: SessionId) {
+        if id == SessionId::MOUNT {
             return;
         }
         let mut st = self.st.lock();
@@ -58,7 +59,7 @@ impl Store {
     }
 
     /// Drops leases of a session.
-    pub fn release(&self, session: u64, gens: &[u64]) {
+    pub fn release(&self, session: SessionId, gens: &[u64]) {
         let mut st = self.st.lock();
         for g in gens {
             let held = st.sessions.get_mut(&session).is_some_and(|s| {
@@ -80,7 +81,7 @@ impl Store {
 
 impl State {
     /// Takes (`hold`) or gives back one hold of session `session` on entry `ino`.
-    pub fn hold(&mut self, session: u64, ino: u64, hold: bool) -> Result<()> {
+    pub fn hold(&mut self, session: SessionId, ino: u64, hold: bool) -> Result<()> {
         let s = self
             .sessions
             .get_mut(&session)

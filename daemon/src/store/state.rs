@@ -9,6 +9,7 @@ use maru::proto::{Located, PoolKind};
 use maru_fsd::{Attr, Caller, Kind};
 
 use super::hashmap::HashMap;
+use super::ids::SessionId;
 use super::lru::{Lru, Stamp};
 use super::namespaces::Namespaces;
 use super::policy::Perm;
@@ -39,7 +40,7 @@ pub struct Entry {
     /// Place in the LRU order.
     pub lru: Stamp,
     /// The client session that stored it, while connected.
-    pub owner: Option<u64>,
+    pub owner: Option<SessionId>,
     /// Leases on its extent (raw pools): retrievals whose mappings are alive.
     pub leases: u32,
     /// Owner, group and mode.
@@ -183,7 +184,7 @@ impl Entry {
 #[derive(Debug)]
 pub enum Origin {
     /// Granted to a client session (libmaru), published by its `publish`.
-    Session(u64),
+    Session(SessionId),
     /// Created through the mount, published at its writer's last release.
     Mount(MountWrite),
 }
@@ -225,7 +226,7 @@ impl Alloc {
     }
 
     /// The client session it was granted to.
-    pub fn session(&self) -> Option<u64> {
+    pub fn session(&self) -> Option<SessionId> {
         match self.origin {
             Origin::Session(s) => Some(s),
             Origin::Mount(_) => None,
@@ -254,9 +255,6 @@ impl Alloc {
         }
     }
 }
-
-/// Session of the mount's own allocations (never closed).
-pub const MOUNT_SESSION: u64 = 0;
 
 /// A name removed behind the kernel's back.
 #[derive(Debug, Clone)]
@@ -326,9 +324,9 @@ pub struct State {
     /// LRU order of `entries`.
     pub(super) lru: Lru,
     /// Client sessions.
-    pub(super) sessions: HashMap<u64, Session>,
+    pub(super) sessions: HashMap<SessionId, Session>,
     /// The next session id.
-    pub(super) next_session: u64,
+    pub(super) next_session: SessionId,
     /// The pools.
     pub(super) pools: Vec<PoolSlot>,
     /// Attributes of recently removed entries (for handles still open on them).
@@ -346,7 +344,7 @@ impl State {
     }
 
     /// The caller of client session `session`.
-    pub fn caller(&self, session: u64) -> maru::Result<Caller> {
+    pub fn caller(&self, session: SessionId) -> maru::Result<Caller> {
         self.sessions
             .get(&session)
             .and_then(|s| s.caller.clone())

@@ -15,6 +15,7 @@ use maru::{Error, Result};
 use nix::sys::stat::{Mode, fchmod};
 use nix::unistd::{Gid, Uid, fchown};
 
+use super::super::ids::SessionId;
 use super::super::policy::Perm;
 #[cfg(feature = "seams")]
 use super::Seams;
@@ -416,11 +417,11 @@ impl Pool for Memfs {
         self.packs.recovered(kept)
     }
 
-    fn detach(&mut self, session: u64) {
+    fn detach(&mut self, session: SessionId) {
         self.packs.detach(session);
     }
 
-    fn slack(&self, _session: u64) -> u64 {
+    fn slack(&self, _session: SessionId) -> u64 {
         0
     }
 

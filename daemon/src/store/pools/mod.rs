@@ -11,6 +11,7 @@ pub mod raw;
 use std::fs::File;
 use std::sync::Arc;
 
+use super::ids::SessionId;
 use super::policy::Perm;
 use maru::Result;
 use maru::proto::PoolKind;
@@ -97,7 +98,7 @@ impl Reader {
 #[derive(Debug, Clone, Copy)]
 pub struct Requester<'a> {
     /// The client session (None: the mount's writers).
-    pub session: Option<u64>,
+    pub session: Option<SessionId>,
     /// The namespace the client said it will publish it in.
     pub ns: Option<&'a str>,
     /// The entry's owner, group and mode.
@@ -316,9 +317,9 @@ pub trait Pool: Send {
     /// After recovery: `kept` are the offsets (raw) of the found entries the store kept.
     fn recovered(&mut self, kept: &[Loc<'_>]) -> Result<()>;
     /// A client session ended: its open region (raw) or packs (memfs) take no more.
-    fn detach(&mut self, session: u64);
+    fn detach(&mut self, session: SessionId);
     /// Bytes of a session's open region not yet used (raw).
-    fn slack(&self, session: u64) -> u64;
+    fn slack(&self, session: SessionId) -> u64;
     /// Makes logged metadata durable.
     fn sync(&mut self);
     /// Unmounts what this daemon mounted for the pool (clean shutdown).

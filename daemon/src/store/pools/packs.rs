@@ -32,6 +32,7 @@ use maru::{Error, Result};
 use nix::sys::stat::{Mode, fchmod};
 use nix::unistd::{Gid, Uid, fchown};
 
+use super::super::ids::SessionId;
 use super::super::policy::Perm;
 use super::{Found, Loc, Reader};
 use crate::pool::ENTRY_ALIGN;
@@ -76,7 +77,7 @@ pub struct Packs {
     wal: Wal,
     packs: HashMap<u32, Pack>,
     /// Each session's open pack per class.
-    open: HashMap<(u64, Class), u32>,
+    open: HashMap<(SessionId, Class), u32>,
     next: u32,
 }
 
@@ -146,7 +147,13 @@ impl Packs {
 
     /// Carves `size` bytes from `session`'s open pack for entries of `ns` with `perm`
     /// (a new pack when it has no room).
-    pub fn grant(&mut self, session: u64, ns: &str, perm: &Perm, size: u64) -> Result<PackGrant> {
+    pub fn grant(
+        &mut self,
+        session: SessionId,
+        ns: &str,
+        perm: &Perm,
+        size: u64,
+    ) -> Result<PackGrant> {
         let class = Class {
             ns: ns.to_owned(),
             uid: perm.uid,
@@ -308,8 +315,8 @@ impl Packs {
     }
 
     /// A session ended: its open packs take no more allocations.
-    pub fn detach(&mut self, session: u64) {
-        let ended: Vec<(u64, Class)> = self
+    pub fn detach(&mut self, session: SessionId) {
+        let ended: Vec<(SessionId, Class)> = self
             .open
             .keys()
             .filter(|(s, _)| *s == session)

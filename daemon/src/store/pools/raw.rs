@@ -12,6 +12,7 @@ use maru::proto::{Coherence, PoolKind};
 use maru::{Error, Result};
 
 use super::super::authority::{Authority, fenced_error};
+use super::super::ids::SessionId;
 #[cfg(feature = "seams")]
 use super::Seams;
 use super::buffer::{Buffered, CopyIn};
@@ -25,7 +26,7 @@ use maru::format::{self, Record};
 struct Region {
     len: u64,
     /// The session packing its allocations into it.
-    owner: Option<u64>,
+    owner: Option<SessionId>,
     /// Next free byte (relative) for the owner's bump allocation.
     bump: u64,
     /// Live entries and allocations inside.
@@ -62,7 +63,7 @@ pub struct Raw {
     extents: ExtentAlloc,
     regions: BTreeMap<u64, Region>,
     /// Each client session's open region.
-    open: HashMap<u64, u64>,
+    open: HashMap<SessionId, u64>,
     /// Who may carve which region (the pool's UUID names it there).
     authority: Arc<dyn Authority>,
     uuid: String,
@@ -185,7 +186,7 @@ impl Raw {
     }
 
     /// Packs `size` bytes into `session`'s open region, or carves a new region.
-    fn place(&mut self, size: u64, session: Option<u64>) -> Result<u64> {
+    fn place(&mut self, size: u64, session: Option<SessionId>) -> Result<u64> {
         if self.authority.fenced() {
             return Err(fenced_error());
         }
@@ -279,9 +280,9 @@ impl Raw {
     }
 }
 
-/// The pseudo-session whose open region packs the entries written through the mount, as
-/// a client's allocations are packed into its own (so a 4 KiB file takes 4 KiB, not a region).
-const MOUNT_WRITERS: u64 = u64::MAX;
+/// The session whose open region packs the entries written through the mount, as a client's
+/// allocations are packed into its own (so a 4 KiB file takes 4 KiB, not a region).
+const MOUNT_WRITERS: SessionId = SessionId::MOUNT;
 
 impl Pool for Raw {
     fn uuid(&self) -> Option<&str> {
@@ -644,13 +645,13 @@ impl Pool for Raw {
         Ok(())
     }
 
-    fn detach(&mut self, session: u64) {
+    fn detach(&mut self, session: SessionId) {
         if let Some(roff) = self.open.remove(&session) {
             self.detach_region(roff);
         }
     }
 
-    fn slack(&self, session: u64) -> u64 {
+    fn slack(&self, session: SessionId) -> u64 {
         self.open
             .get(&session)
             .and_then(|o| self.regions.get(o))
