@@ -44,7 +44,7 @@ impl State {
         n.entries.insert(e.key.clone(), e.ino);
         n.bytes += e.size;
         n.mtime = SystemTime::now();
-        let ps = &mut self.pools[e.pool as usize];
+        let ps = &mut self.pools[e.pool];
         ps.sealed_bytes += e.asize;
         ps.entries += 1;
         self.entries.insert(e.ino, e);
@@ -60,7 +60,7 @@ impl State {
         n.index.remove(&e.key);
         n.bytes -= e.size;
         n.mtime = SystemTime::now();
-        let ps = &mut self.pools[e.pool as usize];
+        let ps = &mut self.pools[e.pool];
         ps.sealed_bytes -= e.asize;
         ps.entries -= 1;
         Some(e)
@@ -69,7 +69,7 @@ impl State {
     /// Where sealed entry `e` is, as the authority knows it.
     pub fn placed<'a>(&'a self, e: &Entry) -> Placed<'a> {
         Placed {
-            pool: self.pools[e.pool as usize].pool.uuid(),
+            pool: self.pools[e.pool].pool.uuid(),
             offset: e.offset,
             size: e.size,
         }
@@ -131,7 +131,7 @@ impl State {
             },
             e.size,
         );
-        let ps = &mut self.pools[e.pool as usize];
+        let ps = &mut self.pools[e.pool];
         if evicted {
             ps.evictions += 1;
         }
@@ -191,7 +191,7 @@ impl State {
     /// and mtimes.
     pub fn move_entry(&mut self, ino: u64, ns: &str, key: &str) -> Result<()> {
         let e = &self.entries[&ino];
-        let at = self.pools[e.pool as usize].pool.rename(&e.loc(), ns, key)?;
+        let at = self.pools[e.pool].pool.rename(&e.loc(), ns, key)?;
         let mut moved = self.unfile(ino).expect("present");
         moved.ns = ns.to_owned();
         moved.key = key.to_owned();
@@ -244,7 +244,7 @@ impl State {
             auth.idle_remote(created);
             return;
         }
-        let pool = &self.pools[z.pool as usize].pool;
+        let pool = &self.pools[z.pool].pool;
         if pool
             .uuid()
             .is_some_and(|p| auth.held_elsewhere(p, z.offset))
@@ -252,7 +252,7 @@ impl State {
             return;
         }
         let z = self.zombies.remove(&ino).expect("present");
-        self.pools[z.pool as usize].pool.free_extent(z.offset);
+        self.pools[z.pool].pool.free_extent(z.offset);
     }
 
     /// Frees the removed entries of this host that no other host may map any more, waiting a
@@ -270,11 +270,11 @@ impl State {
             z.remote.is_none()
                 && z.leases == 0
                 && z.offset == offset
-                && self.pools[z.pool as usize].pool.uuid() == Some(pool)
+                && self.pools[z.pool].pool.uuid() == Some(pool)
         });
         if let Some((&ino, _)) = found {
             let z = self.zombies.remove(&ino).expect("present");
-            self.pools[z.pool as usize].pool.free_extent(z.offset);
+            self.pools[z.pool].pool.free_extent(z.offset);
         }
     }
 

@@ -15,6 +15,7 @@ use maru::proto::PoolKind;
 use maru::{Error, Result};
 use maru_fsd::{Attr, Backend, Caller, DirEntry, Kind, OpenedFile, Upcall, Xattr};
 
+use super::ids::PoolIdx;
 use super::namespaces::join;
 use super::policy::{self, Access, ENTRY_MODES, Perm};
 use super::pools::{Backing, kind_name};
@@ -88,7 +89,7 @@ impl Store {
     /// with eviction on, a full pool evicts and the reservation is tried again. A refusal
     /// leaves the file's size as it was. Called without the store's lock (the pages'
     /// allocation takes as long as zeroing them), which it takes to evict only.
-    fn reserve(&self, pool: u32, f: &std::fs::File, offset: u64, end: u64) -> Result<()> {
+    fn reserve(&self, pool: PoolIdx, f: &std::fs::File, offset: u64, end: u64) -> Result<()> {
         let before = f.metadata()?.len();
         if before < end {
             f.set_len(end)?;
@@ -258,7 +259,7 @@ impl Backend for StoreFs {
             .or(st.pools.first())
             .map(|s| s.id)
             .ok_or_else(|| Error::NoSpace("no pools".into()))?;
-        let backing = st.pools[pool as usize].pool.create(id)?;
+        let backing = st.pools[pool].pool.create(id)?;
         let a = Alloc {
             pool,
             size: 0,
@@ -294,7 +295,7 @@ impl Backend for StoreFs {
                 return Err(Error::NotFound(format!("{ns}: removed on another host")));
             }
             let e = &st.entries[&ino];
-            let p = &st.pools[pool as usize].pool;
+            let p = &st.pools[pool].pool;
             if p.passes_through(&e.loc()) {
                 return Ok(OpenedFile::Passthrough(Arc::new(p.open_entry(&e.loc())?)));
             }
@@ -381,7 +382,7 @@ impl Backend for StoreFs {
             let mut st = self.0.st.lock();
             let max = self.0.cfg.max_copy_entry;
             let pool = Store::writing(&mut st, ino)?.pool;
-            let cap = st.pools[pool as usize].pool.capacity();
+            let cap = st.pools[pool].pool.capacity();
             let a = &st.allocs[&ino];
             let limit = if matches!(a.backing, Backing::Buffer { .. }) {
                 max
@@ -479,7 +480,7 @@ impl Backend for StoreFs {
         if let Some(e) = a.mount().and_then(|m| m.failed) {
             return Err(Error::from_errno(e));
         }
-        let cap = st.pools[pool as usize].pool.capacity();
+        let cap = st.pools[pool].pool.capacity();
         let a = st.allocs.get_mut(&ino).expect("present");
         match &mut a.backing {
             Backing::File { file, .. } => {
@@ -578,7 +579,7 @@ impl Backend for StoreFs {
         let old = e.perm;
         apply(&mut e.perm, ENTRY_MODES);
         let attr = e.attr();
-        match st.pools[e.pool as usize].pool.set_owner_mode(&e.loc()) {
+        match st.pools[e.pool].pool.set_owner_mode(&e.loc()) {
             Ok(Some(at)) => st.relocate(ino, at),
             Ok(None) => {}
             Err(err) => {
@@ -616,7 +617,7 @@ impl Backend for StoreFs {
                 return Ok(Vec::new());
             }
             let n = u64::from(len).min(e.size - offset) as usize;
-            let pool = &st.pools[e.pool as usize].pool;
+            let pool = &st.pools[e.pool].pool;
             let reader = pool.reader(&e.loc())?;
             let leased = pool.leases();
             if leased {
@@ -676,7 +677,7 @@ impl Backend for StoreFs {
             if let Some(e) = failed {
                 return Err(Error::from_errno(e));
             }
-            let cap = st.pools[pool as usize].pool.capacity();
+            let cap = st.pools[pool].pool.capacity();
             let a = st.allocs.get_mut(&ino).expect("present");
             a.mtime = SystemTime::now();
             match &mut a.backing {
@@ -845,7 +846,7 @@ impl Backend for StoreFs {
         if committed {
             // Its publication was reserved under the old name: reserve the new one first.
             st.ns.check_quota(&np, if np == p { 0 } else { reserved })?;
-            let uuid = st.pools[st.allocs[&id].pool as usize].pool.uuid();
+            let uuid = st.pools[st.allocs[&id].pool].pool.uuid();
             self.0
                 .authority
                 .reserve_everywhere(&np, newname, id, uuid)?;
@@ -886,7 +887,7 @@ impl Backend for StoreFs {
             ]);
         }
         if let Some(a) = st.allocs.get(&ino) {
-            let p = &st.pools[a.pool as usize];
+            let p = &st.pools[a.pool];
             return Ok(vec![
                 x("state", "writing".into()),
                 x("pool", p.name.clone()),
@@ -899,7 +900,7 @@ impl Backend for StoreFs {
             .entries
             .get(&ino)
             .ok_or_else(|| Error::NotFound(format!("inode {ino}")))?;
-        let p = &st.pools[e.pool as usize];
+        let p = &st.pools[e.pool];
         Ok(vec![
             x("state", "sealed".into()),
             x("pool", p.name.clone()),

@@ -28,3 +28,32 @@ impl fmt::Display for SessionId {
         self.0.fmt(f)
     }
 }
+
+/// One of the store's pools: its place in the order marud was given them (`--pool`), which
+/// clients see as a grant's or a location's `pool`. Only the store makes them, from the pools
+/// it has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PoolIdx(u32);
+
+impl PoolIdx {
+    /// The pool at `i` of the store's pools.
+    pub(in crate::store) fn at(i: usize) -> PoolIdx {
+        PoolIdx(u32::try_from(i).expect("fewer than 2^32 pools"))
+    }
+
+    /// Its number on the wire.
+    pub fn get(self) -> u32 {
+        self.0
+    }
+
+    /// Its place in the store's list of pools.
+    pub(in crate::store) fn slot(self) -> usize {
+        self.0 as usize
+    }
+}
+
+impl fmt::Display for PoolIdx {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}

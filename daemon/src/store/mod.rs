@@ -77,7 +77,7 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 use crate::alloc::align_up;
 use crate::pool::{ENTRY_ALIGN, PoolSpec};
 use authority::{Authority, LocalAuthority};
-pub use ids::SessionId;
+pub use ids::{PoolIdx, SessionId};
 use namespaces::{join, parent};
 use policy::{Access, Perm};
 use pools::{Backing, Requester};
@@ -297,7 +297,7 @@ impl Store {
             None => None,
         };
         let too_big = |p: &state::PoolSlot| size > p.pool.capacity();
-        if hint.is_some_and(|h| too_big(&st.pools[h as usize])) || st.pools.iter().all(too_big) {
+        if hint.is_some_and(|h| too_big(&st.pools[h])) || st.pools.iter().all(too_big) {
             return Err(Error::NoSpace(format!(
                 "{} exceed the capacity of {}",
                 maru::size::format_size(size),
@@ -333,12 +333,12 @@ impl Store {
             };
             if !st.sessions.contains_key(&session) {
                 // The client left while its allocation was made: nothing of it stays.
-                st.pools[p as usize].pool.abort(id, &backing);
+                st.pools[p].pool.abort(id, &backing);
                 err = Some(Error::InvalidArgument(format!("session {session} ended")));
                 break;
             }
             let acct = align_up(size, ENTRY_ALIGN);
-            st.pools[p as usize].writing_bytes += acct;
+            st.pools[p].writing_bytes += acct;
             // The descriptor the client maps, and where in it the allocation is.
             let (offset, file, pack) = match &backing {
                 Backing::File { file, .. } => (0, Some(file.clone()), None),
@@ -367,7 +367,7 @@ impl Store {
                 .insert(id);
             let grant = Grant {
                 alloc: id,
-                pool: p,
+                pool: p.get(),
                 offset,
                 size,
                 fd: file.is_some(),
@@ -385,10 +385,8 @@ impl Store {
 
     /// Until when a client may begin writing into what pool `p` granted (cluster mode, on
     /// the shared pool: see [`Authority::fence`]).
-    fn write_fence(&self, st: &State, p: u32) -> Option<u64> {
-        self.authority
-            .fence()
-            .filter(|_| st.pools[p as usize].pool.leases())
+    fn write_fence(&self, st: &State, p: PoolIdx) -> Option<u64> {
+        self.authority.fence().filter(|_| st.pools[p].pool.leases())
     }
 
     /// Sets until when clients may trust the namespaces' indexes (cluster mode: the
@@ -422,7 +420,7 @@ impl Store {
         let Some(a) = st.allocs.remove(&id) else {
             return;
         };
-        let ps = &mut st.pools[a.pool as usize];
+        let ps = &mut st.pools[a.pool];
         ps.writing_bytes -= a.acct;
         ps.pool.abort(id, &a.backing);
     }
@@ -612,7 +610,7 @@ impl Store {
             .map(|p| {
                 let used = p.pool.used();
                 PoolInfo {
-                    id: p.id,
+                    id: p.id.get(),
                     name: p.name.clone(),
                     kind: p.kind,
                     path: p.path.display().to_string(),
@@ -706,8 +704,8 @@ impl Store {
         let mut st = self.st.lock();
         Self::allow(&st, c, "", Access::Evict)?;
         let mut total = (0, 0);
-        for p in 0..st.pools.len() as u32 {
-            let free = st.pools[p as usize].pool.free_space();
+        for p in (0..st.pools.len()).map(PoolIdx::at) {
+            let free = st.pools[p].pool.free_space();
             if free < bytes {
                 let (n, b) = self.evict_lru(&mut st, Some(p), bytes - free);
                 total.0 += n;

@@ -9,6 +9,7 @@ use maru::{Error, Result};
 use super::Store;
 use super::deletion::Found;
 use super::entries::Removal;
+use super::ids::PoolIdx;
 use super::pools::{Backing, Requester};
 use super::settings::Eviction;
 use super::state::State;
@@ -26,7 +27,7 @@ impl Store {
     pub(super) fn evict_lru(
         &self,
         st: &mut MutexGuard<'_, State>,
-        pool: Option<u32>,
+        pool: Option<PoolIdx>,
         want: u64,
     ) -> (u64, u64) {
         let s = &mut **st;
@@ -114,10 +115,15 @@ impl Store {
 
     /// Evicts least recently used entries of `pool` until `want` bytes are free (with eviction
     /// on; nothing otherwise). Returns whether that much is free.
-    pub(super) fn ensure_free(&self, st: &mut MutexGuard<'_, State>, pool: u32, want: u64) -> bool {
-        let want = want.min(st.pools[pool as usize].pool.capacity());
+    pub(super) fn ensure_free(
+        &self,
+        st: &mut MutexGuard<'_, State>,
+        pool: PoolIdx,
+        want: u64,
+    ) -> bool {
+        let want = want.min(st.pools[pool].pool.capacity());
         for _round in 0..32 {
-            let free = st.pools[pool as usize].pool.free_space();
+            let free = st.pools[pool].pool.free_space();
             if free >= want {
                 return true;
             }
@@ -143,16 +149,16 @@ impl Store {
         who: &Requester<'_>,
         id: u64,
         size: u64,
-        hint: Option<u32>,
-    ) -> Result<(u32, Backing)> {
-        let order: Vec<u32> = match hint {
+        hint: Option<PoolIdx>,
+    ) -> Result<(PoolIdx, Backing)> {
+        let order: Vec<PoolIdx> = match hint {
             Some(p) => vec![p],
-            None => (0..st.pools.len() as u32).collect(),
+            None => (0..st.pools.len()).map(PoolIdx::at).collect(),
         };
         let big_enough = order
             .iter()
             .copied()
-            .find(|p| size <= st.pools[*p as usize].pool.capacity());
+            .find(|p| size <= st.pools[*p].pool.capacity());
         if let Some(p) = big_enough {
             // First pass: no eviction.
             for &q in &order {
@@ -164,9 +170,9 @@ impl Store {
                 // Evict what is missing plus some headroom: memory of evicted entries that a
                 // client still maps is freed only when it unmaps, so a round may free less
                 // than it evicted; keep going while there is something to evict.
-                let headroom = (st.pools[p as usize].pool.capacity() / 64).max(size);
+                let headroom = (st.pools[p].pool.capacity() / 64).max(size);
                 for _round in 0..32 {
-                    let free = st.pools[p as usize].pool.free_space();
+                    let free = st.pools[p].pool.free_space();
                     let deficit = size.saturating_sub(free).max(ENTRY_ALIGN) + headroom;
                     let (n, _) = self.evict_lru(st, Some(p), deficit);
                     match self.grant(st, p, who, id, size) {
@@ -193,14 +199,14 @@ impl Store {
     fn grant(
         &self,
         st: &mut MutexGuard<'_, State>,
-        q: u32,
+        q: PoolIdx,
         who: &Requester<'_>,
         id: u64,
         size: u64,
     ) -> Result<Backing> {
-        match &self.preparers[q as usize] {
+        match &self.preparers[q.slot()] {
             Some(p) if p.prepares(size, who) => MutexGuard::unlocked(st, || p.prepare(size)),
-            _ => st.pools[q as usize].pool.grant(id, size, who),
+            _ => st.pools[q].pool.grant(id, size, who),
         }
     }
 }

@@ -204,7 +204,7 @@ impl Store {
     /// that the authority learns where the entry is before the pool records it.
     fn place_bytes(&self, st: &mut State, id: u64, size: u64) -> Result<Placing> {
         let a = st.allocs.get_mut(&id).expect("checked by the caller");
-        let pool = &mut st.pools[a.pool as usize].pool;
+        let pool = &mut st.pools[a.pool].pool;
         if pool.commit(id, &mut a.backing, size)?.is_some() {
             // The mount's buffered writers are copied (`Store::copy_in`) before they get here.
             return Err(Error::Busy(format!(
@@ -229,7 +229,7 @@ impl Store {
             return Ok(()); // unlinked: nothing to publish, nothing to report
         };
         let pool = st.allocs[&ino].pool;
-        let uuid = st.pools[pool as usize].pool.uuid().map(str::to_owned);
+        let uuid = st.pools[pool].pool.uuid().map(str::to_owned);
         let asked = self.authority.shared() && uuid.is_some();
         if asked {
             st.writer_asking(ino, true);
@@ -288,10 +288,7 @@ impl Store {
             .allocs
             .get_mut(&ino)
             .ok_or_else(|| Error::NotFound(format!("inode {ino} (dropped meanwhile)")))?;
-        let Some(copy) = s.pools[a.pool as usize]
-            .pool
-            .commit(ino, &mut a.backing, len)?
-        else {
+        let Some(copy) = s.pools[a.pool].pool.commit(ino, &mut a.backing, len)? else {
             return Ok(waited);
         };
         st.writer_copying(ino, true);
@@ -479,11 +476,11 @@ impl Store {
             owner: a.session(),
             ..Entry::new(id, ns, key, a.pool, 0, size, perm)
         };
-        let pool = &mut st.pools[a.pool as usize].pool;
+        let pool = &mut st.pools[a.pool].pool;
         e.offset = pool.publish(id, &mut a.backing, &e.loc())?;
         let committed = st.writer_sealing(id, ns, key)?;
         let a = st.allocs.remove(&id).expect("present");
-        st.pools[a.pool as usize].writing_bytes -= a.acct;
+        st.pools[a.pool].writing_bytes -= a.acct;
         st.insert_entry(e);
         if committed {
             st.writer_sealed(ns)?;

@@ -71,12 +71,12 @@ impl Store {
             } = &mut *st;
             let e = entries.get_mut(&ino).expect("present");
             lru.touch(&mut e.lru);
-            let pool = &pools[e.pool as usize].pool;
+            let pool = &pools[e.pool].pool;
             self.counters.add_bytes(Bytes::Retrieved, e.size);
             // A pack's descriptor goes once per reply; a raw pool's once per connection.
             let first = match maru::index::packed(e.offset) {
                 Some((pack, _)) => packs_sent.insert((e.pool, pack)),
-                None => !pool_fd_sent(e.pool),
+                None => !pool_fd_sent(e.pool.get()),
             };
             let f = pool.retrieve_fd(&e.loc(), first)?;
             out.push(Some((e.located(f.is_some()), f)));

@@ -7,9 +7,9 @@ use std::sync::Arc;
 use maru::name::{check_component, split_ns};
 use maru::proto::PoolKind;
 
-use super::SessionId;
 use super::authority::{Authority, Placed};
 use super::hashmap::HashMap;
+use super::ids::{PoolIdx, SessionId};
 use super::lru::Lru;
 use super::namespaces::Namespaces;
 use super::policy::Perm;
@@ -47,7 +47,7 @@ pub fn open_state(
             )?),
         };
         pools.push(PoolSlot {
-            id: i as u32,
+            id: PoolIdx::at(i),
             name: spec.name.clone(),
             kind: spec.kind,
             path: spec.path.clone(),
@@ -144,7 +144,7 @@ fn recover_pool(st: &mut State, p: usize, authority: &dyn Authority) -> anyhow::
         let e = Entry {
             pinned: f.pinned,
             mtime: f.mtime,
-            ..Entry::new(ino, &f.ns, &f.key, p as u32, f.offset, f.size, perm)
+            ..Entry::new(ino, &f.ns, &f.key, PoolIdx::at(p), f.offset, f.size, perm)
         };
         kept.push(ino);
         st.insert_entry(e);

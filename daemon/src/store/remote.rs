@@ -33,7 +33,8 @@ impl Store {
         let pool = st
             .pools
             .iter()
-            .position(|p| p.pool.uuid() == Some(pool_uuid))
+            .find(|p| p.pool.uuid() == Some(pool_uuid))
+            .map(|p| p.id)
             .ok_or_else(|| Error::NotFound(format!("no pool with UUID {pool_uuid}")))?;
         if st.ns.get(ns).is_ok_and(|n| n.entries.contains_key(key)) {
             return Ok(());
@@ -55,7 +56,7 @@ impl Store {
         st.insert_entry(Entry {
             remote: Some(created),
             cold: true,
-            ..Entry::new(ino, ns, key, pool as u32, offset, size, root)
+            ..Entry::new(ino, ns, key, pool, offset, size, root)
         });
         let parent = st.ns.get(ns)?.ino;
         drop(st);
@@ -198,9 +199,7 @@ impl State {
             return Ok(());
         }
         if e.remote.is_none() {
-            self.pools[e.pool as usize]
-                .pool
-                .set_pinned(&e.loc(), pinned)?;
+            self.pools[e.pool].pool.set_pinned(&e.loc(), pinned)?;
         }
         e.pinned = pinned;
         self.index_flags(ino);
@@ -216,7 +215,7 @@ impl State {
             && self
                 .entries
                 .get(&ino)
-                .is_some_and(|e| self.pools[e.pool as usize].pool.leases())
+                .is_some_and(|e| self.pools[e.pool].pool.leases())
     }
 
     /// Readies entry `ino` for a client of this host to map or read (the caller then counts a
@@ -239,7 +238,7 @@ impl State {
         auth.accessed(&e.ns, &e.key);
         if std::mem::take(&mut e.cold) {
             let (pool, offset, size) = (e.pool, e.offset, e.size);
-            self.pools[pool as usize].pool.invalidate(offset, size);
+            self.pools[pool].pool.invalidate(offset, size);
         }
         true
     }

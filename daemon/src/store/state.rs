@@ -9,7 +9,7 @@ use maru::proto::{Located, PoolKind};
 use maru_fsd::{Attr, Caller, Kind};
 
 use super::hashmap::HashMap;
-use super::ids::SessionId;
+use super::ids::{PoolIdx, SessionId};
 use super::lru::{Lru, Stamp};
 use super::namespaces::Namespaces;
 use super::policy::Perm;
@@ -25,7 +25,7 @@ pub struct Entry {
     /// Key.
     pub key: String,
     /// Pool.
-    pub pool: u32,
+    pub pool: PoolIdx,
     /// Offset in the pool (raw pools).
     pub offset: u64,
     /// Bytes.
@@ -75,7 +75,7 @@ impl Entry {
         ino: u64,
         ns: &str,
         key: &str,
-        pool: u32,
+        pool: PoolIdx,
         offset: u64,
         size: u64,
         perm: Perm,
@@ -136,7 +136,7 @@ impl Entry {
         SlotView {
             generation: self.ino,
             size: self.size,
-            pool: self.pool,
+            pool: self.pool.get(),
             flags: self.flags(),
             offset: self.offset,
         }
@@ -170,7 +170,7 @@ impl Entry {
         Located {
             key: self.key.clone(),
             generation: self.ino,
-            pool: self.pool,
+            pool: self.pool.get(),
             offset: self.offset,
             size: self.size,
             pinned: self.pinned,
@@ -193,7 +193,7 @@ pub enum Origin {
 #[derive(Debug)]
 pub struct Alloc {
     /// Pool.
-    pub pool: u32,
+    pub pool: PoolIdx,
     /// Bytes granted (socket) or 0 (mount: see [`MountWrite::len`]).
     pub size: u64,
     /// Who writes it.
@@ -290,7 +290,7 @@ pub struct Session {
 /// A pool with its accounting.
 pub struct PoolSlot {
     /// Index in the store's list.
-    pub id: u32,
+    pub id: PoolIdx,
     /// Name.
     pub name: String,
     /// Kind.
@@ -374,5 +374,18 @@ impl State {
             }
             None => false,
         }
+    }
+}
+
+impl std::ops::Index<PoolIdx> for Vec<PoolSlot> {
+    type Output = PoolSlot;
+    fn index(&self, p: PoolIdx) -> &PoolSlot {
+        &self[p.slot()]
+    }
+}
+
+impl std::ops::IndexMut<PoolIdx> for Vec<PoolSlot> {
+    fn index_mut(&mut self, p: PoolIdx) -> &mut PoolSlot {
+        &mut self[p.slot()]
     }
 }
