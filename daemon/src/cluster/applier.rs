@@ -141,24 +141,23 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
     auth.rt.spawn(watch_uses(auth.member(), tx2.clone()));
     auth.rt.spawn(tend(Arc::downgrade(&auth), tx2.clone()));
     auth.rt.spawn(publish_fence(Arc::downgrade(&auth), tx2));
+    let applying = auth.clone();
     std::thread::Builder::new()
         .name("maru-cluster-apply".into())
         .spawn(move || {
             while let Some(c) = rx.blocking_recv() {
-                apply(&store, &auth, c);
+                apply(&store, &applying, c);
             }
         })?;
     // marud serves once every entry is read and applied (until then it is fenced off the
     // shared pool); an etcd that does not answer in time lets it start fenced.
-    let t = std::time::Instant::now();
-    while !*first.borrow_and_update() {
-        if t.elapsed() > FIRST_READ {
-            tracing::warn!(
-                "cluster: the entries are not read yet; serving, fenced off the pool until they are"
-            );
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(5));
+    let read = auth
+        .rt
+        .block_on(async { tokio::time::timeout(FIRST_READ, first.wait_for(|read| *read)).await });
+    if !matches!(read, Ok(Ok(_))) {
+        tracing::warn!(
+            "cluster: the entries are not read yet; serving, fenced off the pool until they are"
+        );
     }
     Ok(())
 }

@@ -46,8 +46,14 @@ pub struct ClusterSettings {
     pub ttl: Duration,
 }
 
-fn unavailable(what: impl std::fmt::Display) -> Error {
-    Error::Io(std::io::Error::other(format!("cluster: {what}")))
+/// The cluster's metadata could not do what the store asked: an I/O error for the store's
+/// callers, its cause kept as its source (an etcd error, a lost lease, ...).
+#[derive(Debug, thiserror::Error)]
+#[error("cluster: {0}")]
+struct Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>);
+
+fn unavailable(cause: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Error {
+    Error::Io(std::io::Error::other(Unavailable(cause.into())))
 }
 
 /// The metadata authority shared by the hosts of a cluster.
@@ -926,6 +932,24 @@ fn taken_error(ns: &str, key: &str, taken: &Published) -> Error {
 #[cfg(test)]
 mod tests {
     use super::Readers;
+
+    #[test]
+    fn a_cluster_failure_reads_as_before_and_keeps_its_cause() {
+        let e = super::unavailable(maru_cluster::Error::LeaseLost("h1".into()));
+        assert_eq!(
+            e.to_string(),
+            "i/o error: cluster: node \"h1\" lost its etcd lease; rejoin first"
+        );
+        assert_eq!(e.errno(), libc::EIO);
+        let maru::Error::Io(io) = &e else {
+            panic!("{e:?}")
+        };
+        let cause = std::error::Error::source(io.get_ref().expect("wrapped")).expect("kept");
+        assert!(matches!(
+            cause.downcast_ref::<maru_cluster::Error>(),
+            Some(maru_cluster::Error::LeaseLost(n)) if n == "h1"
+        ));
+    }
 
     #[test]
     fn a_removal_holds_what_clients_use_and_refuses_new_users() {

@@ -43,10 +43,6 @@ impl Found {
         Ok(Found::of(st, e))
     }
 
-    pub(super) fn ino(&self) -> u64 {
-        self.ino
-    }
-
     pub(super) fn of(st: &State, e: &Entry) -> Found {
         let at = st.placed(e);
         Found {

@@ -79,7 +79,7 @@ impl Store {
         candidates: Vec<u64>,
         want: u64,
     ) -> (u64, u64) {
-        let mut chosen = Vec::new();
+        let (mut chosen, mut sizes) = (Vec::new(), Vec::new());
         let mut planned = 0;
         for ino in candidates {
             if planned >= want {
@@ -87,9 +87,9 @@ impl Store {
             }
             let e = &st.entries[&ino];
             planned += e.asize;
+            sizes.push(e.asize);
             chosen.push(Found::of(st, e));
         }
-        let sizes: Vec<u64> = chosen.iter().map(|f| st.entries[&f.ino()].asize).collect();
         let (removed, inv) = self.remove_found(st, &chosen, true);
         let (mut freed, mut count) = (0, 0);
         for (r, size) in removed.iter().zip(sizes) {

@@ -11,6 +11,7 @@ pub mod nemesis;
 pub mod workload;
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -180,7 +181,44 @@ pub fn run(cfg: &Config) -> Option<Report> {
     report.violations.extend(late);
     let lag = cfg.converge.as_micros() as u64;
     report.violations.extend(check::check(&ops, lag));
+    if let Ok(dir) = std::env::var("MARU_FAULTS_KEEP")
+        && !report.violations.is_empty()
+    {
+        keep(Path::new(&dir), &env, &report, &ops, &faults);
+    }
     Some(report)
+}
+
+/// A run with violations, kept for reading (`MARU_FAULTS_KEEP=DIR`): each host's marud log,
+/// and the faults and every operation on the keys the violations name, in time order.
+fn keep(dir: &Path, env: &env::Env, r: &Report, ops: &[Op], faults: &[history::Fault]) {
+    use std::fmt::Write;
+    let _ = std::fs::create_dir_all(dir);
+    for (i, h) in env.hosts.iter().enumerate() {
+        let log = h.lock().expect("host").log.clone();
+        let _ = std::fs::copy(log, dir.join(format!("seed{}-h{i}.log", r.seed)));
+    }
+    let mut out = String::new();
+    for f in faults {
+        let _ = writeln!(
+            out,
+            "fault {} {} {}..{} µs released {:?}",
+            f.kind, f.target, f.start, f.end, f.released
+        );
+    }
+    let keys: std::collections::BTreeSet<&str> = r
+        .violations
+        .iter()
+        .filter_map(|v| v.split(':').next())
+        .collect();
+    for o in ops.iter().filter(|o| keys.contains(o.key.as_str())) {
+        let _ = writeln!(
+            out,
+            "{} c{} h{} {:?} {} v{} {}..{} {:?}",
+            o.key, o.client, o.host, o.kind, o.key, o.version, o.start, o.end, o.outcome
+        );
+    }
+    let _ = std::fs::write(dir.join(format!("seed{}-trace.txt", r.seed)), out);
 }
 
 /// After the faults: convergence, the checker's reads on every host, extents, and the space.
