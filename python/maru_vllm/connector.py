@@ -234,6 +234,7 @@ class _ReqState:
     load_from: int = 0  # first token to load (the local ones are not)
     load_to: int = 0  # tokens to load up to
     saving: bool = False  # a save was planned (an asynchronous one holds the blocks at the end)
+    load_async: bool = False  # its load is asynchronous (the request waits for it)
 
 
 class MaruKVConnector(KVConnectorBase_V1):
@@ -347,7 +348,9 @@ class MaruKVConnector(KVConnectorBase_V1):
             if hits:
                 self._held[request.request_id] = keys[:hits]
             self._unhold([k for k, f in zip(keys[hits:], found[hits:]) if f])
-        self._reqs[request.request_id] = _ReqState(
+        # Other requests this instance is serving: what an asynchronous load runs beside.
+        others = any(r != request.request_id for r in self._reqs)
+        st = self._reqs[request.request_id] = _ReqState(
             tokens=tokens, keys=keys, block_ids=[], hits=hits, next_save=hits, local=num_computed_tokens,
         )
         # vLLM computes at least the last prompt token itself, and loads whole blocks: the
@@ -361,7 +364,12 @@ class MaruKVConnector(KVConnectorBase_V1):
                 request.request_id, matched, len(tokens),
             )
         external = max(0, matched - num_computed_tokens)
-        return external, self._async_load and external > 0
+        # An asynchronous load keeps the requests already running going while it is made, and
+        # costs the loading request one engine step (vLLM schedules its prefill in the step
+        # after the one whose output reports the load). With no other request there is nothing
+        # to keep going: the load is made in the request's first step, as a synchronous one.
+        st.load_async = self._async_load and external > 0 and others
+        return external, st.load_async
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         st = self._reqs.get(request.request_id)
@@ -369,7 +377,7 @@ class MaruKVConnector(KVConnectorBase_V1):
             return
         st.load_from = st.local
         st.load_to = st.local + num_external_tokens
-        if self._async_load:
+        if st.load_async:
             # The request waits for its load, which starts in the next step: its blocks are
             # the ones allocated now.
             st.block_ids = list(blocks.get_block_ids()[0])
