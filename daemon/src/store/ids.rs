@@ -13,7 +13,7 @@ impl SessionId {
     pub const MOUNT: SessionId = SessionId(0);
 
     /// The session after this one (the store numbers them in order).
-    pub(in crate::store) fn next(self) -> SessionId {
+    pub(super) fn next(self) -> SessionId {
         SessionId(self.0 + 1)
     }
 
@@ -37,7 +37,7 @@ pub struct PoolIdx(u32);
 
 impl PoolIdx {
     /// The pool at `i` of the store's pools.
-    pub(in crate::store) fn at(i: usize) -> PoolIdx {
+    pub(super) fn at(i: usize) -> PoolIdx {
         PoolIdx(u32::try_from(i).expect("fewer than 2^32 pools"))
     }
 
@@ -47,7 +47,7 @@ impl PoolIdx {
     }
 
     /// Its place in the store's list of pools.
-    pub(in crate::store) fn slot(self) -> usize {
+    pub(super) fn slot(self) -> usize {
         self.0 as usize
     }
 }

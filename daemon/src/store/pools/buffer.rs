@@ -11,7 +11,7 @@ use std::sync::Arc;
 use maru::Result;
 use parking_lot::Mutex;
 
-use super::super::authority::{Authority, fenced_error};
+use crate::store::authority::{Authority, fenced_error};
 
 /// The bytes of one entry being written.
 #[derive(Debug, Default)]
