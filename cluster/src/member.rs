@@ -634,8 +634,9 @@ impl Member {
     }
 
     /// Pins entry `ns/name` for every host (its publisher never evicts it), or unpins it.
-    /// False (nothing recorded) when pinning an entry that does not exist.
-    pub async fn pin(&self, ns: &str, name: &str, pinned: bool) -> Result<bool> {
+    /// The revision of the change; None (nothing recorded) when pinning an entry that does
+    /// not exist.
+    pub async fn pin(&self, ns: &str, name: &str, pinned: bool) -> Result<Option<i64>> {
         check_ns(ns)?;
         check_name(name)?;
         let key = self.keys.pin(ns, name);
@@ -646,7 +647,8 @@ impl Member {
         } else {
             Txn::new().and_then([Op::delete(key)])
         };
-        Ok(self.client.txn(txn).await?.succeeded())
+        let r = self.client.txn(txn).await?;
+        Ok(r.succeeded().then(|| r.revision()))
     }
 
     /// Records (`pinned`) or takes back that clients of this host pin entries `names`: their

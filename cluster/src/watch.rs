@@ -66,11 +66,12 @@ impl AccessWatch {
 pub(crate) struct PrefixWatch {
     pub(crate) stream: WatchStream,
     pub(crate) prefix: String,
-    pub(crate) queued: std::collections::VecDeque<(Vec<u8>, Option<Vec<u8>>)>,
+    /// Changes received and not yet taken, as (key, value (None: deleted), revision).
+    pub(crate) queued: std::collections::VecDeque<(Vec<u8>, Option<Vec<u8>>, i64)>,
 }
 
 impl PrefixWatch {
-    async fn next(&mut self) -> Result<Option<(Vec<u8>, Option<Vec<u8>>)>> {
+    async fn next(&mut self) -> Result<Option<(Vec<u8>, Option<Vec<u8>>, i64)>> {
         loop {
             if let Some(e) = self.queued.pop_front() {
                 return Ok(Some(e));
@@ -81,7 +82,9 @@ impl PrefixWatch {
             for ev in events {
                 let Some(kv) = ev.kv.as_ref() else { continue };
                 let value = (ev.r#type() == EventType::Put).then(|| kv.value.as_slice().to_vec());
-                self.queued.push_back((kv.key.as_slice().to_vec(), value));
+                // A deletion's record carries the deletion's revision as its mod_revision.
+                self.queued
+                    .push_back((kv.key.as_slice().to_vec(), value, kv.mod_revision));
             }
         }
     }
@@ -91,13 +94,14 @@ impl PrefixWatch {
 pub struct PinWatch(pub(crate) PrefixWatch);
 
 impl PinWatch {
-    /// The next change, as (namespace, name, pinned); `None` when the watch ended.
-    pub async fn next(&mut self) -> Result<Option<(String, String, bool)>> {
-        let Some((key, value)) = self.0.next().await? else {
+    /// The next change, as (namespace, name, pinned, its revision); `None` when the watch
+    /// ended.
+    pub async fn next(&mut self) -> Result<Option<(String, String, bool, i64)>> {
+        let Some((key, value, revision)) = self.0.next().await? else {
             return Ok(None);
         };
         let (ns, name) = Keys::split_name(&self.0.prefix, &key)?;
-        Ok(Some((ns, name, value.is_some())))
+        Ok(Some((ns, name, value.is_some(), revision)))
     }
 }
 
@@ -107,7 +111,7 @@ pub struct ClientPinWatch(pub(crate) PrefixWatch, pub(crate) Keys);
 impl ClientPinWatch {
     /// The next change, as (namespace, name, node, pinned); `None` when the watch ended.
     pub async fn next(&mut self) -> Result<Option<(String, String, String, bool)>> {
-        let Some((key, value)) = self.0.next().await? else {
+        let Some((key, value, _)) = self.0.next().await? else {
             return Ok(None);
         };
         let (ns, name, node) = self.1.split_client_pin(&key)?;
@@ -121,7 +125,7 @@ pub struct QuotaWatch(pub(crate) PrefixWatch);
 impl QuotaWatch {
     /// The next change, as (namespace, quota; None: cleared); `None` when the watch ended.
     pub async fn next(&mut self) -> Result<Option<(String, Option<u64>)>> {
-        let Some((key, value)) = self.0.next().await? else {
+        let Some((key, value, _)) = self.0.next().await? else {
             return Ok(None);
         };
         parse_quota(&self.0.prefix, &key, value.as_deref()).map(Some)

@@ -572,26 +572,37 @@ async fn pins_hold_for_every_host_and_go_with_their_entry() {
         .await
         .expect("publish");
     assert!(
-        !b.pin("ns", "absent", true).await.expect("pin"),
+        b.pin("ns", "absent", true).await.expect("pin").is_none(),
         "pinned what is not there"
     );
     let (none, revision) = a.pins().await.expect("pins");
     assert!(none.is_empty());
     let mut watch = a.watch_pins(revision + 1).await.expect("watch");
-    assert!(b.pin("ns", "k", true).await.expect("pin"));
+    let pinned = b.pin("ns", "k", true).await.expect("pin").expect("pinned");
     assert_eq!(
         a.pins().await.expect("pins").0,
         [("ns".to_owned(), "k".to_owned())]
     );
-    assert!(b.pin("ns", "k", false).await.expect("unpin"));
-    assert!(b.pin("ns", "k", true).await.expect("pin"));
+    let unpinned = b
+        .pin("ns", "k", false)
+        .await
+        .expect("unpin")
+        .expect("unpinned");
+    let again = b.pin("ns", "k", true).await.expect("pin").expect("pinned");
     let removed = a.remove("ns", "k").await.expect("remove");
     assert!(removed.existed);
-    let seen: Vec<bool> = next_changes!(watch, 4).into_iter().map(|e| e.2).collect();
+    let seen: Vec<(bool, i64)> = next_changes!(watch, 4)
+        .into_iter()
+        .map(|e| (e.2, e.3))
+        .collect();
     assert_eq!(
-        seen,
-        [true, false, true, false],
-        "pin, unpin, pin, gone with the entry"
+        seen[..3],
+        [(true, pinned), (false, unpinned), (true, again)],
+        "pin, unpin, pin, each at the revision its change answered"
+    );
+    assert!(
+        !seen[3].0 && seen[3].1 > again,
+        "gone with the entry, after"
     );
     assert!(a.pins().await.expect("pins").0.is_empty());
 }

@@ -23,9 +23,9 @@ enum Change {
     /// No host maps this removed extent of this host's any more.
     Unheld(u64),
     /// Every pinned entry at a revision (after a (re)start of the pins' watch).
-    Pins(Vec<(String, String)>),
-    /// A pin or an unpin.
-    Pin(String, String, bool),
+    Pins(Vec<(String, String)>, i64),
+    /// A pin or an unpin, at its revision.
+    Pin(String, String, bool, i64),
     /// Entries of this host's that other hosts used (oldest use first).
     Used(Vec<(String, String)>),
     /// Every quota at a revision (after a (re)start of the quotas' watch).
@@ -184,14 +184,16 @@ struct Pins;
 impl Followed for Pins {
     type Watch = maru_cluster::PinWatch;
     async fn all(m: &Member) -> maru_cluster::Result<(Change, i64)> {
-        m.pins().await.map(|(all, rev)| (Change::Pins(all), rev))
+        m.pins()
+            .await
+            .map(|(all, rev)| (Change::Pins(all, rev), rev))
     }
     async fn watch(m: &Member, from: i64) -> maru_cluster::Result<Self::Watch> {
         m.watch_pins(from).await
     }
     async fn next(w: &mut Self::Watch) -> Option<Change> {
-        let (ns, key, pinned) = w.next().await.ok().flatten()?;
-        Some(Change::Pin(ns, key, pinned))
+        let (ns, key, pinned, revision) = w.next().await.ok().flatten()?;
+        Some(Change::Pin(ns, key, pinned, revision))
     }
 }
 
@@ -442,14 +444,11 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
         }
         Change::Fence(until) => store.set_fence(until),
         Change::Unheld(offset) => store.free_unheld(&auth.pool, offset),
-        Change::Pins(all) => {
-            let all: HashSet<(String, String)> = all.into_iter().collect();
-            let before = std::mem::replace(&mut *auth.pins.lock(), all.clone());
-            for (ns, key) in before.difference(&all) {
-                store.pin_elsewhere(ns, key, false);
-            }
-            for (ns, key) in &all {
-                store.pin_elsewhere(ns, key, true);
+        Change::Pins(all, revision) => {
+            // Read before this host's latest pins and unpins, maybe: those stand.
+            let changed = auth.pins.lock().all(all, revision);
+            for ((ns, key), pinned) in changed {
+                store.pin_elsewhere(&ns, &key, pinned);
             }
         }
         Change::Used(used) => {
@@ -506,14 +505,14 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
             };
             store.client_pin_elsewhere(&name.0, &name.1, any);
         }
-        Change::Pin(ns, key, pinned) => {
-            let name = (ns, key);
-            if pinned {
-                auth.pins.lock().insert(name.clone());
-            } else {
-                auth.pins.lock().remove(&name);
+        Change::Pin(ns, key, pinned, revision) => {
+            if auth
+                .pins
+                .lock()
+                .change((ns.clone(), key.clone()), pinned, revision)
+            {
+                store.pin_elsewhere(&ns, &key, pinned);
             }
-            store.pin_elsewhere(&name.0, &name.1, pinned);
         }
     }
 }
@@ -546,7 +545,7 @@ fn file(store: &Store, auth: &EtcdAuthority, ns: &str, key: &str, rec: &EntryRec
         return;
     }
     // Pinned before this host learnt of it (the pins have a watch of their own).
-    if auth.pins.lock().contains(&(ns.to_owned(), key.to_owned())) {
+    if auth.pins.lock().pinned(&(ns.to_owned(), key.to_owned())) {
         store.pin_elsewhere(ns, key, true);
     }
 }

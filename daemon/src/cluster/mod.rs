@@ -30,6 +30,7 @@ use crate::store::authority::{Authority, Claim, LocalAuthority, Placed, Publishi
 pub mod applier;
 mod group;
 mod membership;
+mod pins;
 mod publishing;
 
 /// An entry's name: (namespace, key).
@@ -89,8 +90,9 @@ pub struct EtcdAuthority {
     settle_stalled: AtomicBool,
     /// Names this host reserved in etcd for writers through its mount.
     reserved: Mutex<HashSet<Name>>,
-    /// The entries pinned in the cluster (from etcd's watch).
-    pins: Mutex<HashSet<(String, String)>>,
+    /// The entries pinned in the cluster (this host's pins, and every host's from etcd's
+    /// watch), each with the revision of its last change.
+    pins: Mutex<pins::Pins>,
     /// Other hosts' entries that clients of this host pin (recorded in etcd under its lease).
     client_pins_here: Mutex<HashSet<Name>>,
     /// Client pins to record or take back in etcd, in order (`record_client_pins`).
@@ -177,7 +179,7 @@ impl EtcdAuthority {
             held: Mutex::new(HashMap::new()),
             settle_stalled: AtomicBool::new(false),
             reserved: Mutex::new(HashSet::new()),
-            pins: Mutex::new(HashSet::new()),
+            pins: Mutex::new(pins::Pins::default()),
             client_pins_here: Mutex::new(HashSet::new()),
             client_pin_tx,
             client_pinned: Mutex::new(HashMap::new()),
@@ -651,22 +653,17 @@ impl Authority for EtcdAuthority {
         }
     }
 
-    fn pin(&self, ns: &str, key: &str, pinned: bool, at: &Placed<'_>) -> Result<()> {
+    fn pin(&self, ns: &str, key: &str, pinned: bool, at: &Placed<'_>) -> Result<bool> {
         if at.pool != Some(self.pool.as_str()) {
-            return Ok(());
+            return Ok(true);
         }
         let (m, n, k) = (self.member(), ns.to_owned(), key.to_owned());
         match self.run(async move { m.read().await.pin(&n, &k, pinned).await }) {
-            Ok(true) => {
+            Ok(Some(revision)) => {
                 let name = (ns.to_owned(), key.to_owned());
-                if pinned {
-                    self.pins.lock().insert(name);
-                } else {
-                    self.pins.lock().remove(&name);
-                }
-                Ok(())
+                Ok(self.pins.lock().change(name, pinned, revision))
             }
-            Ok(false) => Err(Error::NotFound(format!(
+            Ok(None) => Err(Error::NotFound(format!(
                 "{ns}/{key} (removed on another host)"
             ))),
             Err(e) => Err(unavailable(e)),

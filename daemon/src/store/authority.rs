@@ -130,9 +130,10 @@ pub trait Authority: Send + Sync {
     fn hold(&self, _created: i64, _at: &Placed<'_>) {}
     /// Pins (or unpins) published entry `ns/key`, placed at `at`, for every host sharing the
     /// authority (its publisher never evicts it); fails, changing nothing, when that cannot be
-    /// recorded.
-    fn pin(&self, _ns: &str, _key: &str, _pinned: bool, _at: &Placed<'_>) -> Result<()> {
-        Ok(())
+    /// recorded. False when a later change of the pin, by another host, came first (and was
+    /// marked here already): the store leaves it.
+    fn pin(&self, _ns: &str, _key: &str, _pinned: bool, _at: &Placed<'_>) -> Result<bool> {
+        Ok(true)
     }
     /// Clients of this host took their first pin (the original API's pin counts) on entries
     /// `names` that another host published: recorded for every host sharing the authority,

@@ -176,18 +176,20 @@ impl Store {
                 Ok(())
             },
         )?;
-        let asked: Vec<Result<()>> = MutexGuard::unlocked(&mut st, || {
+        let asked: Vec<Result<bool>> = MutexGuard::unlocked(&mut st, || {
             found
                 .iter()
                 .map(|f| match f {
                     Some(f) => self.authority.pin(ns, &f.key, pinned, &f.placed()),
-                    None => Ok(()),
+                    None => Ok(false),
                 })
                 .collect()
         });
         let mut marked = found.iter().zip(asked).map(|(f, r)| {
-            r?;
+            let current = r?;
             match f {
+                // Another host's later change of the pin came first: it stands.
+                Some(_) if !current => Ok(()),
                 Some(f) if st.entries.get(&f.ino).is_some_and(|e| e.key == f.key) => {
                     st.mark_pinned(f.ino, pinned)
                 }
