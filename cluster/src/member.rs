@@ -758,19 +758,16 @@ impl Member {
     }
 
     /// Sets (or clears) the quota of namespace `ns` for every host: bytes of sealed entries
-    /// in it and under it, wherever they were published.
-    pub async fn set_quota(&self, ns: &str, bytes: Option<u64>) -> Result<()> {
+    /// in it and under it, wherever they were published. Returns the revision of the change
+    /// (clearing a quota that was not set changes nothing: the revision etcd is at).
+    pub async fn set_quota(&self, ns: &str, bytes: Option<u64>) -> Result<i64> {
         check_ns(ns)?;
         let key = self.keys.quota(ns);
-        match bytes {
-            Some(b) => {
-                self.client.put(key, b.to_string(), 0).await?;
-            }
-            None => {
-                self.client.delete(key).await?;
-            }
-        }
-        Ok(())
+        let op = match bytes {
+            Some(b) => Op::put(key, b.to_string(), 0),
+            None => Op::delete(key),
+        };
+        Ok(self.client.txn(Txn::new().and_then([op])).await?.revision())
     }
 
     /// Every quota, read at one revision (returned): watch from the next one.

@@ -123,12 +123,14 @@ impl ClientPinWatch {
 pub struct QuotaWatch(pub(crate) PrefixWatch);
 
 impl QuotaWatch {
-    /// The next change, as (namespace, quota; None: cleared); `None` when the watch ended.
-    pub async fn next(&mut self) -> Result<Option<(String, Option<u64>)>> {
-        let Some((key, value, _)) = self.0.next().await? else {
+    /// The next change, as (namespace, quota (None: cleared), its revision); `None` when the
+    /// watch ended.
+    pub async fn next(&mut self) -> Result<Option<(String, Option<u64>, i64)>> {
+        let Some((key, value, revision)) = self.0.next().await? else {
             return Ok(None);
         };
-        parse_quota(&self.0.prefix, &key, value.as_deref()).map(Some)
+        let (ns, bytes) = parse_quota(&self.0.prefix, &key, value.as_deref())?;
+        Ok(Some((ns, bytes, revision)))
     }
 }
 

@@ -615,9 +615,15 @@ async fn quotas_are_one_record_for_every_host() {
     let (none, revision) = b.quotas().await.expect("quotas");
     assert!(none.is_empty());
     let mut watch = b.watch_quotas(revision + 1).await.expect("watch");
-    a.set_quota("team/x", Some(5 << 20)).await.expect("set");
-    a.set_quota("team/x", None).await.expect("clear");
-    a.set_quota("team", Some(7)).await.expect("set");
+    let set = a.set_quota("team/x", Some(5 << 20)).await.expect("set");
+    let cleared = a.set_quota("team/x", None).await.expect("clear");
+    let other = a.set_quota("team", Some(7)).await.expect("set");
+    assert!(set < cleared && cleared < other);
+    assert_eq!(
+        a.set_quota("team/x", None).await.expect("clear again"),
+        other,
+        "clearing what is not set changes nothing"
+    );
     assert_eq!(
         b.quotas().await.expect("quotas").0,
         [("team".to_owned(), 7)]
@@ -626,9 +632,9 @@ async fn quotas_are_one_record_for_every_host() {
     assert_eq!(
         seen,
         [
-            ("team/x".to_owned(), Some(5 << 20)),
-            ("team/x".to_owned(), None),
-            ("team".to_owned(), Some(7)),
+            ("team/x".to_owned(), Some(5 << 20), set),
+            ("team/x".to_owned(), None, cleared),
+            ("team".to_owned(), Some(7), other),
         ]
     );
 }

@@ -29,9 +29,9 @@ enum Change {
     /// Entries of this host's that other hosts used (oldest use first).
     Used(Vec<(String, String)>),
     /// Every quota at a revision (after a (re)start of the quotas' watch).
-    Quotas(Vec<(String, u64)>),
+    Quotas(Vec<(String, u64)>, i64),
     /// A quota set (or cleared).
-    Quota(String, Option<u64>),
+    Quota(String, Option<u64>, i64),
     /// Every entry clients pin, as (namespace, name, node), at a revision (after a (re)start
     /// of the client pins' watch).
     ClientPins(Vec<(String, String, String)>),
@@ -205,14 +205,14 @@ impl Followed for Quotas {
     async fn all(m: &Member) -> maru_cluster::Result<(Change, i64)> {
         m.quotas()
             .await
-            .map(|(all, rev)| (Change::Quotas(all), rev))
+            .map(|(all, rev)| (Change::Quotas(all, rev), rev))
     }
     async fn watch(m: &Member, from: i64) -> maru_cluster::Result<Self::Watch> {
         m.watch_quotas(from).await
     }
     async fn next(w: &mut Self::Watch) -> Option<Change> {
-        let (ns, bytes) = w.next().await.ok().flatten()?;
-        Some(Change::Quota(ns, bytes))
+        let (ns, bytes, revision) = w.next().await.ok().flatten()?;
+        Some(Change::Quota(ns, bytes, revision))
     }
 }
 
@@ -446,9 +446,10 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
         Change::Unheld(offset) => store.free_unheld(&auth.pool, offset),
         Change::Pins(all, revision) => {
             // Read before this host's latest pins and unpins, maybe: those stand.
+            let all = all.into_iter().map(|name| (name, ())).collect();
             let changed = auth.pins.lock().all(all, revision);
             for ((ns, key), pinned) in changed {
-                store.pin_elsewhere(&ns, &key, pinned);
+                store.pin_elsewhere(&ns, &key, pinned.is_some());
             }
         }
         Change::Used(used) => {
@@ -456,23 +457,17 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
                 .fetch_add(used.len() as u64, Ordering::Relaxed);
             store.used_elsewhere(&used);
         }
-        Change::Quotas(all) => {
-            let now: HashSet<String> = all.iter().map(|(ns, _)| ns.clone()).collect();
-            let before = std::mem::replace(&mut *auth.quotas.lock(), now.clone());
-            for ns in before.difference(&now) {
-                store.quota_elsewhere(ns, None);
-            }
-            for (ns, bytes) in all {
-                store.quota_elsewhere(&ns, Some(bytes));
+        Change::Quotas(all, revision) => {
+            // Read before this host's latest quotas, maybe: those stand.
+            let changed = auth.quotas.lock().all(all, revision);
+            for (ns, bytes) in changed {
+                store.quota_elsewhere(&ns, bytes);
             }
         }
-        Change::Quota(ns, bytes) => {
-            if bytes.is_some() {
-                auth.quotas.lock().insert(ns.clone());
-            } else {
-                auth.quotas.lock().remove(&ns);
+        Change::Quota(ns, bytes, revision) => {
+            if auth.quotas.lock().change(ns.clone(), bytes, revision) {
+                store.quota_elsewhere(&ns, bytes);
             }
-            store.quota_elsewhere(&ns, bytes);
         }
         Change::ClientPins(all) => {
             let mut now: HashMap<Name, HashSet<String>> = HashMap::new();
@@ -506,10 +501,11 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
             store.client_pin_elsewhere(&name.0, &name.1, any);
         }
         Change::Pin(ns, key, pinned, revision) => {
+            let name = (ns.clone(), key.clone());
             if auth
                 .pins
                 .lock()
-                .change((ns.clone(), key.clone()), pinned, revision)
+                .change(name, pinned.then_some(()), revision)
             {
                 store.pin_elsewhere(&ns, &key, pinned);
             }
@@ -545,7 +541,12 @@ fn file(store: &Store, auth: &EtcdAuthority, ns: &str, key: &str, rec: &EntryRec
         return;
     }
     // Pinned before this host learnt of it (the pins have a watch of their own).
-    if auth.pins.lock().pinned(&(ns.to_owned(), key.to_owned())) {
+    if auth
+        .pins
+        .lock()
+        .get(&(ns.to_owned(), key.to_owned()))
+        .is_some()
+    {
         store.pin_elsewhere(ns, key, true);
     }
 }

@@ -25,12 +25,13 @@ use maru_cluster::{EntryRecord, Member, NodeInfo, Published};
 use parking_lot::Mutex;
 use tokio::sync::RwLock;
 
+use self::known::Known;
 use crate::store::authority::{Authority, Claim, LocalAuthority, Placed, Publishing, Withdrawn};
 
 pub mod applier;
 mod group;
+mod known;
 mod membership;
-mod pins;
 mod publishing;
 
 /// An entry's name: (namespace, key).
@@ -92,15 +93,16 @@ pub struct EtcdAuthority {
     reserved: Mutex<HashSet<Name>>,
     /// The entries pinned in the cluster (this host's pins, and every host's from etcd's
     /// watch), each with the revision of its last change.
-    pins: Mutex<pins::Pins>,
+    pins: Mutex<Known<Name, ()>>,
     /// Other hosts' entries that clients of this host pin (recorded in etcd under its lease).
     client_pins_here: Mutex<HashSet<Name>>,
     /// Client pins to record or take back in etcd, in order (`record_client_pins`).
     client_pin_tx: tokio::sync::mpsc::UnboundedSender<ClientPinUpdate>,
     /// The entries clients pin, and on which hosts (from etcd's watch).
     client_pinned: Mutex<HashMap<Name, HashSet<String>>>,
-    /// The namespaces with a quota in the cluster (from etcd's watch).
-    quotas: Mutex<HashSet<String>>,
+    /// The quotas of the cluster (this host's, and every host's from etcd's watch), each
+    /// with the revision of its last change.
+    quotas: Mutex<Known<String, u64>>,
     /// Other hosts' entries used here since the last report, by publisher: name -> order.
     used: Mutex<HashMap<String, HashMap<Name, u64>>>,
     uses: AtomicU64,
@@ -179,11 +181,11 @@ impl EtcdAuthority {
             held: Mutex::new(HashMap::new()),
             settle_stalled: AtomicBool::new(false),
             reserved: Mutex::new(HashSet::new()),
-            pins: Mutex::new(pins::Pins::default()),
+            pins: Mutex::new(Known::default()),
             client_pins_here: Mutex::new(HashSet::new()),
             client_pin_tx,
             client_pinned: Mutex::new(HashMap::new()),
-            quotas: Mutex::new(HashSet::new()),
+            quotas: Mutex::new(Known::default()),
             used: Mutex::new(HashMap::new()),
             uses: AtomicU64::new(0),
             uses_reported: AtomicU64::new(0),
@@ -653,15 +655,18 @@ impl Authority for EtcdAuthority {
         }
     }
 
-    fn pin(&self, ns: &str, key: &str, pinned: bool, at: &Placed<'_>) -> Result<bool> {
+    fn pin(&self, ns: &str, key: &str, pinned: bool, at: &Placed<'_>) -> Result<()> {
         if at.pool != Some(self.pool.as_str()) {
-            return Ok(true);
+            return Ok(());
         }
         let (m, n, k) = (self.member(), ns.to_owned(), key.to_owned());
         match self.run(async move { m.read().await.pin(&n, &k, pinned).await }) {
             Ok(Some(revision)) => {
                 let name = (ns.to_owned(), key.to_owned());
-                Ok(self.pins.lock().change(name, pinned, revision))
+                self.pins
+                    .lock()
+                    .change(name, pinned.then_some(()), revision);
+                Ok(())
             }
             Ok(None) => Err(Error::NotFound(format!(
                 "{ns}/{key} (removed on another host)"
@@ -707,10 +712,25 @@ impl Authority for EtcdAuthority {
         });
     }
 
+    fn pinned(&self, ns: &str, key: &str) -> Option<bool> {
+        let known = self.pins.lock();
+        known
+            .state(&(ns.to_owned(), key.to_owned()))
+            .map(|p| p.is_some())
+    }
+
     fn set_quota(&self, ns: &str, bytes: Option<u64>) -> Result<()> {
         let (m, n) = (self.member(), ns.to_owned());
-        self.run(async move { m.read().await.set_quota(&n, bytes).await })
-            .map_err(unavailable)
+        let revision = self
+            .run(async move { m.read().await.set_quota(&n, bytes).await })
+            .map_err(unavailable)?;
+        self.quotas.lock().change(ns.to_owned(), bytes, revision);
+        Ok(())
+    }
+
+    fn quota(&self, ns: &str) -> Option<Option<u64>> {
+        let known = self.quotas.lock();
+        known.state(&ns.to_owned()).map(|q| q.copied())
     }
 
     fn accessed(&self, ns: &str, key: &str) {

@@ -130,10 +130,16 @@ pub trait Authority: Send + Sync {
     fn hold(&self, _created: i64, _at: &Placed<'_>) {}
     /// Pins (or unpins) published entry `ns/key`, placed at `at`, for every host sharing the
     /// authority (its publisher never evicts it); fails, changing nothing, when that cannot be
-    /// recorded. False when a later change of the pin, by another host, came first (and was
-    /// marked here already): the store leaves it.
-    fn pin(&self, _ns: &str, _key: &str, _pinned: bool, _at: &Placed<'_>) -> Result<bool> {
-        Ok(true)
+    /// recorded.
+    fn pin(&self, _ns: &str, _key: &str, _pinned: bool, _at: &Placed<'_>) -> Result<()> {
+        Ok(())
+    }
+    /// Whether `ns/key` is pinned, by the newest change the authority knows of (None when it
+    /// keeps no pins: the change the store made or was told of stands). The store marks an
+    /// entry with this, under its lock, after each change it makes or is told of: changes
+    /// that cross on their way (this host's and the watch's) end on the newest.
+    fn pinned(&self, _ns: &str, _key: &str) -> Option<bool> {
+        None
     }
     /// Clients of this host took their first pin (the original API's pin counts) on entries
     /// `names` that another host published: recorded for every host sharing the authority,
@@ -149,6 +155,11 @@ pub trait Authority: Send + Sync {
     /// changing nothing, when that cannot be recorded.
     fn set_quota(&self, _ns: &str, _bytes: Option<u64>) -> Result<()> {
         Ok(())
+    }
+    /// Namespace `ns`'s quota by the newest change the authority knows of (None when it keeps
+    /// no quotas); as [`Authority::pinned`].
+    fn quota(&self, _ns: &str) -> Option<Option<u64>> {
+        None
     }
     /// Another host's entry `ns/key` was used here: reported, in batches, to the host that
     /// evicts it (cluster-wide LRU).

@@ -176,22 +176,22 @@ impl Store {
                 Ok(())
             },
         )?;
-        let asked: Vec<Result<bool>> = MutexGuard::unlocked(&mut st, || {
+        let asked: Vec<Result<()>> = MutexGuard::unlocked(&mut st, || {
             found
                 .iter()
                 .map(|f| match f {
                     Some(f) => self.authority.pin(ns, &f.key, pinned, &f.placed()),
-                    None => Ok(false),
+                    None => Ok(()),
                 })
                 .collect()
         });
         let mut marked = found.iter().zip(asked).map(|(f, r)| {
-            let current = r?;
+            r?;
             match f {
-                // Another host's later change of the pin came first: it stands.
-                Some(_) if !current => Ok(()),
                 Some(f) if st.entries.get(&f.ino).is_some_and(|e| e.key == f.key) => {
-                    st.mark_pinned(f.ino, pinned)
+                    // Another host's later change of the pin may have come first: it stands.
+                    let now = self.authority.pinned(ns, &f.key).unwrap_or(pinned);
+                    st.mark_pinned(f.ino, now)
                 }
                 Some(f) => Err(Error::NotFound(format!("{ns}/{}", f.key))),
                 None => Ok(()),

@@ -247,13 +247,19 @@ impl Store {
 
     /// Sets or clears a namespace's quota (root only). Entries already stored stay; stores
     /// that would go over it fail with [`Error::Quota`].
+    /// The authority records it first, without the store's lock.
     pub fn set_quota(&self, c: &Caller, ns: &str, bytes: Option<u64>) -> Result<()> {
         split_ns(ns)?;
-        let mut st = self.st.lock();
-        Self::allow(&st, c, ns, Access::SetQuota)?;
-        st.ns.get(ns)?;
+        {
+            let st = self.st.lock();
+            Self::allow(&st, c, ns, Access::SetQuota)?;
+            st.ns.get(ns)?;
+        }
         self.authority.set_quota(ns, bytes)?;
-        st.ns.get_mut(ns)?.quota = bytes;
+        let mut st = self.st.lock();
+        // Removed meanwhile: the quota holds for the namespace of that name made again.
+        st.ensure_ns_here(ns)?;
+        st.ns.get_mut(ns)?.quota = self.authority.quota(ns).unwrap_or(bytes);
         st.ns.save();
         Ok(())
     }

@@ -103,7 +103,7 @@ impl Store {
         let set = split_ns(ns)
             .and_then(|_| st.ensure_ns_here(ns))
             .and_then(|()| {
-                st.ns.get_mut(ns)?.quota = bytes;
+                st.ns.get_mut(ns)?.quota = self.authority.quota(ns).unwrap_or(bytes);
                 Ok(())
             });
         match set {
@@ -119,6 +119,7 @@ impl Store {
         let Some(ino) = st.ns.get(ns).ok().and_then(|n| n.entries.get(key).copied()) else {
             return;
         };
+        let pinned = self.authority.pinned(ns, key).unwrap_or(pinned);
         if let Err(e) = st.mark_pinned(ino, pinned) {
             tracing::warn!(ns, key, "recording a pin of another host: {e}");
         }
@@ -164,7 +165,7 @@ impl Store {
 impl State {
     /// Creates namespace `ns` (and those above it) here if absent, as another host's entry or
     /// quota needs it: owned by root, mode 0755.
-    fn ensure_ns_here(&mut self, ns: &str) -> Result<()> {
+    pub(super) fn ensure_ns_here(&mut self, ns: &str) -> Result<()> {
         let existed = self.ns.contains(ns);
         let mut next = self.next_ino;
         let made = self.ns.ensure_path(ns, || {
