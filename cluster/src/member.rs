@@ -386,10 +386,10 @@ impl Member {
         if let Some(g) = r.range(1)
             && let Some(kv) = g.kvs.first()
         {
-            return Ok(Some(Published::Exists(decode(
-                kv.key.as_slice(),
-                kv.value.as_slice(),
-            )?)));
+            return Ok(Some(Published::Exists {
+                record: decode(kv.key.as_slice(), kv.value.as_slice())?,
+                created: kv.create_revision,
+            }));
         }
         if let Some(g) = r.range(2)
             && let Some(kv) = g.kvs.first()

@@ -29,8 +29,9 @@ pub struct EntryRecord {
 pub enum Published {
     /// Published at this etcd revision.
     New { revision: i64 },
-    /// The key existed: the first writer's record (the caller frees its allocation).
-    Exists(EntryRecord),
+    /// The key existed: the first writer's record, created at etcd revision `created` (the
+    /// caller frees its allocation, unless the record is its own).
+    Exists { record: EntryRecord, created: i64 },
     /// Another host reserved the name for a writer of its own ([`crate::Member::reserve`]).
     Reserved(String),
 }

@@ -67,8 +67,8 @@ async fn two_hosts_publishing_one_key_at_once_one_wins() {
         );
         let (ra, rb) = (ra.expect("a"), rb.expect("b"));
         match (&ra, &rb) {
-            (Published::New { .. }, Published::Exists(w)) => assert_eq!(w.node, "a"),
-            (Published::Exists(w), Published::New { .. }) => assert_eq!(w.node, "b"),
+            (Published::New { .. }, Published::Exists { record: w, .. }) => assert_eq!(w.node, "a"),
+            (Published::Exists { record: w, .. }, Published::New { .. }) => assert_eq!(w.node, "b"),
             other => panic!("round {round}: not exactly one winner: {other:?}"),
         }
     }
@@ -121,14 +121,14 @@ async fn a_group_of_publications_commits_together_and_each_has_its_own_outcome()
     assert_eq!(out.len(), items.len());
     for (i, r) in out.iter().enumerate().take(n as usize) {
         match (i, r) {
-            (7, Ok(Published::Exists(r))) => assert_eq!(r.node, "b"),
+            (7, Ok(Published::Exists { record: r, .. })) => assert_eq!(r.node, "b"),
             (9, Ok(Published::Reserved(h))) => assert_eq!(h, "b"),
             (_, Ok(Published::New { .. })) if i != 7 && i != 9 => {}
             other => panic!("item {i}: {other:?}"),
         }
     }
     assert!(
-        matches!(&out[n as usize], Ok(Published::Exists(r)) if r.offset == 3 * 4096),
+        matches!(&out[n as usize], Ok(Published::Exists { record: r, .. }) if r.offset == 3 * 4096),
         "the second publication of k3 finds the first: {:?}",
         out[n as usize]
     );
@@ -160,9 +160,13 @@ async fn a_group_of_publications_commits_together_and_each_has_its_own_outcome()
     let (all, _) = b.snapshot().await.expect("snapshot");
     assert_eq!(all.len(), n as usize, "every free name, b's k7 and near");
     assert!(all.iter().any(|l| l.name == "k11" && l.record.node == "a"));
+    let k11 = all.iter().find(|l| l.name == "k11").expect("k11").revision;
     assert_eq!(
         b.reserve("ns", "k11").await.expect("reserve"),
-        Some(Published::Exists(record("a", 11 * 4096))),
+        Some(Published::Exists {
+            record: record("a", 11 * 4096),
+            created: k11
+        }),
         "a's reservation went with its publication"
     );
     // A host whose lease is gone publishes none of a group.
@@ -668,7 +672,7 @@ async fn a_reserved_name_is_no_one_elses_until_published_or_given_back() {
     ));
     assert!(matches!(
         b.reserve("ns", "k").await.expect("reserve"),
-        Some(Published::Exists(r)) if r.node == "a"
+        Some(Published::Exists { record: r, .. }) if r.node == "a"
     ));
     // Given back, the name is free; a dead host's reservations go with its lease.
     assert_eq!(a.reserve("ns", "k2").await.expect("reserve"), None);

@@ -1133,6 +1133,44 @@ fn a_host_cut_off_serves_nothing_of_the_pool_and_after_the_link_returns_serves_w
 }
 
 #[test]
+fn a_host_restarted_then_cut_off_drops_what_it_recovered_and_others_removed_meanwhile() {
+    require_root!();
+    let Some(mut c) = apart() else { return };
+    let hb = c.b.handler();
+    {
+        let ha = c.a.handler();
+        ha.mkdir("ns", 0o777).expect("mkdir");
+        store(&ha, "ns/x", &pattern(1, 1 << 20)).expect("store on a");
+    }
+    eventually("b sees a's", || hb.exists("ns/x").unwrap_or(false));
+    // a restarts: it recovers x from its own log and finds its own record in etcd.
+    c.a.stop();
+    c.a.restart();
+    let ha = c.a.handler();
+    let read = |h: &maru::Handler, v: u64| {
+        h.retrieve("ns/x")
+            .ok()
+            .flatten()
+            .is_some_and(|m| m.as_slice() == pattern(v, 1 << 20).as_slice())
+    };
+    eventually("a serves x again", || read(&ha, 1));
+    c.net.link(0, false);
+    eventually("a fences the shared pool off", || {
+        ha.retrieve("ns/x").expect("retrieve").is_none()
+    });
+    // a's lease runs out; b replaces x meanwhile (placing another entry first, where x was:
+    // a's region is b's now), and a hears of none of it.
+    std::thread::sleep(TTL);
+    hb.delete("ns/x").expect("delete on b");
+    store(&hb, "ns/pad", &pattern(2, 1 << 20)).expect("store on b");
+    store(&hb, "ns/x", &pattern(3, 1 << 20)).expect("store on b");
+    c.net.link(0, true);
+    // a rejoins and reads every entry afresh: the x it recovered went, b's is served.
+    eventually("a serves b's x, not the one it recovered", || read(&ha, 3));
+    assert_eq!(location(&c.a, "ns/x"), location(&c.b, "ns/x"));
+}
+
+#[test]
 fn a_host_cut_off_stops_writing_and_after_the_link_returns_nothing_is_owned_twice() {
     require_root!();
     let Some(c) = apart() else { return };

@@ -385,12 +385,19 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
                 .into_iter()
                 .map(|l| ((l.ns, l.name), (l.revision, l.record)))
                 .collect();
+            tracing::debug!(revision, entries = snap.len(), "every entry, read");
             // Removed while the watch was down (and maybe published again since, by any
             // host): other hosts' entries that are gone or not the ones listed, and this
             // host's own published before the read that are gone or not its own any more.
             for (ns, key, created) in store.remote_names() {
                 let name = (ns, key);
                 if snap.get(&name).is_none_or(|(c, _)| *c != created) {
+                    tracing::debug!(
+                        ns = name.0,
+                        key = name.1,
+                        created,
+                        "gone while the watch was down"
+                    );
                     store.forget_remote(&name.0, &name.1);
                 }
             }
@@ -442,8 +449,18 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
             removed(store, auth, &ns, &name, revision);
             auth.removal_applied(created);
         }
-        Change::Fence(until) => store.set_fence(until),
-        Change::Unheld(offset) => store.free_unheld(&auth.pool, offset),
+        Change::Fence(until) => {
+            tracing::debug!(
+                until,
+                now = maru::index::boottime_ns(),
+                "the indexes' fence"
+            );
+            store.set_fence(until)
+        }
+        Change::Unheld(offset) => {
+            tracing::debug!(offset, "a removed extent of this host's is freed");
+            store.free_unheld(&auth.pool, offset)
+        }
         Change::Pins(all, revision) => {
             // Read before this host's latest pins and unpins, maybe: those stand.
             let all = all.into_iter().map(|name| (name, ())).collect();
@@ -516,8 +533,15 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
 /// `ns/name` was removed at `revision` (unless this host published it again since).
 fn removed(store: &Store, auth: &EtcdAuthority, ns: &str, name: &str, revision: i64) {
     if auth.stale_removal(ns, name, revision) {
+        tracing::debug!(
+            ns,
+            name,
+            revision,
+            "a removal of a name published again since"
+        );
         return;
     }
+    tracing::debug!(ns, name, revision, "removed");
     // An entry of this host's that another host removed: its extent stays until every live
     // host acknowledged the removal and none holds it.
     let own = auth
@@ -533,6 +557,7 @@ fn removed(store: &Store, auth: &EtcdAuthority, ns: &str, name: &str, revision: 
 }
 
 fn file(store: &Store, auth: &EtcdAuthority, ns: &str, key: &str, rec: &EntryRecord, created: i64) {
+    tracing::debug!(ns, key, node = %rec.node, offset = rec.offset, len = rec.len, created, "another host's entry");
     auth.remote
         .lock()
         .insert((ns.to_owned(), key.to_owned()), (rec.node.clone(), created));

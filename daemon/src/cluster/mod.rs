@@ -940,7 +940,9 @@ fn cluster_error(e: maru_cluster::Error) -> Error {
 /// The error for a name another host has.
 fn taken_error(ns: &str, key: &str, taken: &Published) -> Error {
     match taken {
-        Published::Exists(r) => Error::Exists(format!("{ns}/{key} (published by host {})", r.node)),
+        Published::Exists { record, .. } => {
+            Error::Exists(format!("{ns}/{key} (published by host {})", record.node))
+        }
         Published::Reserved(n) => Error::Exists(format!("{ns}/{key} (being written on host {n})")),
         Published::New { .. } => unreachable!("a new publication takes no name"),
     }

@@ -63,12 +63,25 @@ impl EtcdAuthority {
         let name = (p.ns.to_owned(), p.key.to_owned());
         let refused = match outcome {
             Ok(Published::New { revision }) => {
+                tracing::debug!(
+                    ns = p.ns,
+                    key = p.key,
+                    offset = p.at.offset,
+                    len = p.at.size,
+                    revision,
+                    "published"
+                );
                 self.reserved.lock().remove(&name);
                 self.published.lock().insert(name, (revision, p.at.offset));
                 return Ok(());
             }
-            // This host's own record (a restart recovering what it published).
-            Ok(Published::Exists(r)) if r.node == self.node && r.offset == p.at.offset => {
+            // This host's own record (a restart recovering what it published): followed as
+            // a publication of this host's (a removal elsewhere frees its extent here, and a
+            // read of every entry after a rejoin finds it gone if it went meanwhile).
+            Ok(Published::Exists { record, created })
+                if record.node == self.node && record.offset == p.at.offset =>
+            {
+                self.published.lock().insert(name, (created, p.at.offset));
                 return Ok(());
             }
             Ok(taken) => taken_error(p.ns, p.key, &taken),

@@ -101,7 +101,14 @@ pub fn read(h: &maru::Handler, key: &str) -> Outcome {
     match h.retrieve(key) {
         Ok(Some(m)) => match parse(key, m.as_slice()) {
             Ok((version, checksum)) => Outcome::Read { version, checksum },
-            Err(why) => Outcome::Corrupt(format!("{why} (checksum {:#x})", fnv(m.as_slice()))),
+            Err(why) => Outcome::Corrupt(format!(
+                "{why} (checksum {:#x}, {} bytes at {:#x} of pool {}, generation {})",
+                fnv(m.as_slice()),
+                m.len(),
+                m.offset(),
+                m.pool(),
+                m.generation()
+            )),
         },
         Ok(None) | Err(maru::Error::NotFound(_)) => Outcome::NotFound,
         Err(e) => Outcome::Failed(format!("{e:?}")),
