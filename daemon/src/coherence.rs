@@ -58,6 +58,56 @@ fn flush_line(_p: *const u8) {}
 #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
 fn fence() {}
 
+/// A raw pool's device, mapped read-only, for a writer's lines to be written back before its
+/// entry is published: held apart from the pool, so that the write-back runs without the
+/// store's lock (an entry of a GiB is 16 million lines).
+pub struct WriteBack {
+    map: memmap2::Mmap,
+    /// Bytes written back so far.
+    flushed: std::sync::atomic::AtomicU64,
+}
+
+impl WriteBack {
+    pub fn new(map: memmap2::Mmap) -> Self {
+        Self {
+            map,
+            flushed: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    /// Writes back (and invalidates) the lines of `[offset, offset + len)` of the device (the
+    /// part of it inside the device); returns the bytes.
+    pub fn flush(&self, offset: u64, len: u64) -> u64 {
+        let n = self.map.len() as u64;
+        let (s, e) = (
+            offset.min(n) as usize,
+            offset.saturating_add(len).min(n) as usize,
+        );
+        flush(&self.map[s..e]);
+        let done = (e - s) as u64;
+        self.flushed
+            .fetch_add(done, std::sync::atomic::Ordering::Relaxed);
+        done
+    }
+
+    /// Drops this host's cached lines of `[offset, offset + len)` (a reader's invalidation:
+    /// not counted as written back); returns the bytes.
+    pub fn invalidate(&self, offset: u64, len: u64) -> u64 {
+        let n = self.map.len() as u64;
+        let (s, e) = (
+            offset.min(n) as usize,
+            offset.saturating_add(len).min(n) as usize,
+        );
+        flush(&self.map[s..e]);
+        (e - s) as u64
+    }
+
+    /// Bytes written back so far.
+    pub fn flushed(&self) -> u64 {
+        self.flushed.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -38,9 +38,11 @@
 //! and for a raw pool the bytes written through the mount (up to `max_copy_entry`): each
 //! write, read and size change of them under their buffer's own lock, and their copy into
 //! the pool at a writer's close and before its publication with the writer marked as copying
-//! ([`pools::buffer`], `Store::copy_in`). Not yet: a raw pool's log synced at each record
-//! (`--wal-sync`), and the flush of a published entry's cache lines on a pool without
-//! coherence across hosts.
+//! ([`pools::buffer`], `Store::copy_in`), and on a pool without coherence across hosts the
+//! write-back of a published entry's lines (before its publication is asked for,
+//! [`crate::coherence::WriteBack`]). Not yet: a raw pool's log synced at each record
+//! (`--wal-sync`), and a reader's invalidation of another host's entry before its first read
+//! here.
 
 pub mod authority;
 mod deletion;

@@ -7,13 +7,18 @@
 //! lock released, and publications waiting at the same moment (a client's batch, other
 //! clients', the mount's) go to etcd together (`crate::cluster::group`). Under the lock again,
 //! each publication the authority granted is sealed, and each it refused is undone. In
-//! between, nothing of a publication is visible: its name is neither an entry nor free.
+//! between, nothing of a publication is visible: its name is neither an entry nor free. On a
+//! pool without hardware coherence across hosts, the writer's lines are written back just
+//! before the authority is asked (without the lock when it is etcd): once another host can
+//! learn of the entry, its bytes are on the device.
 //!
 //! The mount's publications take two rounds with the authority, both here: at a writer's
 //! close its name is reserved for every host (`Store::try_commit`), at its release the entry
 //! is published (`Store::seal`). In cluster mode, for a shared pool, each lets go of the lock
 //! while etcd answers, with the writer marked as asking (an unlink or a rename of it waits
 //! for the answer), and what may have changed meanwhile is checked again after.
+
+use std::sync::Arc;
 
 use maru::name::{check_component, split_ns};
 use maru::{Error, Result};
@@ -25,6 +30,7 @@ use super::policy::{self, Access, Perm};
 use super::state::{Alloc, Entry, State};
 use super::stats::Bytes;
 use super::{ENTRY_ALIGN, Store, align_up};
+use crate::coherence::WriteBack;
 
 /// One publication of [`Store::publish_many`]: allocation `id` as `ns/key`, of `len` bytes
 /// (the whole allocation when None).
@@ -42,6 +48,19 @@ struct Placing {
     /// The raw pool's UUID (None for a memfs pool) and the offset.
     pool: Option<String>,
     offset: u64,
+    /// A pool without hardware coherence across hosts: the writer's lines to write back
+    /// before the publication is asked for.
+    write_back: Option<Arc<WriteBack>>,
+}
+
+impl Placing {
+    /// Writes the entry's lines back to the device, where the pool needs it: before any
+    /// other host can learn of the entry.
+    fn write_back(&self) {
+        if let Some(w) = &self.write_back {
+            w.flush(self.offset, self.size);
+        }
+    }
 }
 
 impl Store {
@@ -86,12 +105,16 @@ impl Store {
                 })
             })
             .collect();
-        // Only a round trip is worth letting the lock go for.
+        // Only a round trip (and the write-back before it) is worth letting the lock go for.
         let unlocked = self.authority.shared() && asks.iter().any(|a| a.at.pool.is_some());
-        let verdicts = if unlocked {
-            MutexGuard::unlocked(&mut st, || self.authority.publish_many(&asks))
-        } else {
+        let ask = || {
+            placed.iter().flatten().for_each(Placing::write_back);
             self.authority.publish_many(&asks)
+        };
+        let verdicts = if unlocked {
+            MutexGuard::unlocked(&mut st, ask)
+        } else {
+            ask()
         };
         let mut verdicts = verdicts.into_iter();
         for (p, r) in items.iter().zip(&mut placed).filter(|(_, r)| r.is_ok()) {
@@ -215,6 +238,7 @@ impl Store {
             size,
             pool: pool.uuid().map(str::to_owned),
             offset: a.backing.offset().unwrap_or(0),
+            write_back: pool.write_back(),
         })
     }
 
@@ -442,7 +466,10 @@ impl Store {
         };
         if self.authority.shared() && at.pool.is_some() {
             st.writer_asking(id, true);
-            let granted = MutexGuard::unlocked(st, || self.authority.publish(ns, key, id, &at));
+            let granted = MutexGuard::unlocked(st, || {
+                placing.write_back();
+                self.authority.publish(ns, key, id, &at)
+            });
             st.writer_asking(id, false);
             self.sealed.notify_all();
             granted?;
@@ -456,6 +483,7 @@ impl Store {
                 )));
             }
         } else {
+            placing.write_back();
             self.authority.publish(ns, key, id, &at)?;
         }
         self.seal_granted(st, id, ns, key, size)

@@ -133,7 +133,9 @@ fn recover_pool(st: &mut State, p: usize, authority: &dyn Authority) -> anyhow::
             size: f.size,
         };
         if let Err(e) = authority.publish(&f.ns, &f.key, ino, &at) {
-            tracing::warn!(ns = %f.ns, key = %f.key, "not recovered ({e}): the name is taken");
+            // The name is another's, or (cluster mode) this host's record of it is gone: it
+            // was removed while this host was down, and its extent is not this host's now.
+            tracing::warn!(ns = %f.ns, key = %f.key, "not recovered: {e}");
             continue;
         }
         let perm = Perm {

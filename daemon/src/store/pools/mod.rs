@@ -226,6 +226,12 @@ pub trait Pool: Send {
     fn coherence(&self) -> Option<maru::proto::Coherence> {
         None
     }
+    /// Without hardware coherence across hosts: the device, for a writer's lines to be
+    /// written back before its entry is published (by the caller, without the store's lock,
+    /// before any other host can learn of the entry).
+    fn write_back(&self) -> Option<Arc<crate::coherence::WriteBack>> {
+        None
+    }
     /// Whether the mount serves entries by passthrough to their own file (where entries
     /// written through it go).
     fn passthrough(&self) -> bool;

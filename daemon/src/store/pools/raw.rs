@@ -18,6 +18,7 @@ use super::Seams;
 use super::buffer::{Buffered, CopyIn};
 use super::{Backing, Found, Loc, Pool, Reader, Requester};
 use crate::alloc::{ExtentAlloc, align_up};
+use crate::coherence::WriteBack;
 use crate::pool::{self, ENTRY_ALIGN, PoolSpec, REGION_ALIGN};
 use crate::wal::{self, Durability, FileSink, Wal};
 use maru::format::{self, Record};
@@ -75,7 +76,9 @@ pub struct Raw {
     /// Without hardware coherence across hosts (`coherent=false`): the daemon's read-only
     /// mapping of the whole device, through which it writes back and invalidates entries'
     /// cache lines, and what it did so far.
-    noncoherent: Option<(memmap2::Mmap, Coherence)>,
+    /// Without hardware coherence across hosts: the device mapped for cache maintenance, and
+    /// the bytes invalidated so far.
+    noncoherent: Option<(Arc<WriteBack>, u64)>,
 }
 
 fn reopen(f: &File, write: bool) -> std::io::Result<File> {
@@ -110,7 +113,7 @@ impl Raw {
             // SAFETY: a shared read-only mapping of the device; the daemon only flushes cache
             // lines through it (never reads a byte another host may be writing).
             let m = unsafe { memmap2::MmapOptions::new().len(size as usize).map(&ro)? };
-            Some((m, Coherence::default()))
+            Some((Arc::new(WriteBack::new(m)), 0))
         };
         let log_path = state_dir.join(format!("pool-{}.wal", header.uuid_string()));
         Ok(Raw {
@@ -133,17 +136,6 @@ impl Raw {
             foreign: Vec::new(),
             noncoherent,
         })
-    }
-
-    /// Writes back (and invalidates) the cache lines of `[offset, offset + len)` on a pool
-    /// without hardware coherence across hosts; nothing on a coherent one. Returns the bytes.
-    fn flush(&mut self, offset: u64, len: u64) -> u64 {
-        let Some((m, _)) = &self.noncoherent else {
-            return 0;
-        };
-        let (s, e) = (offset as usize, (offset + len).min(self.size) as usize);
-        crate::coherence::flush(&m[s.min(e)..e]);
-        (e - s.min(e)) as u64
     }
 
     fn log(&mut self, rec: &Record) -> Result<()> {
@@ -347,14 +339,20 @@ impl Pool for Raw {
     }
 
     fn invalidate(&mut self, offset: u64, len: u64) {
-        let n = self.flush(offset, len);
-        if let Some((_, c)) = &mut self.noncoherent {
-            c.invalidated += n;
+        if let Some((w, invalidated)) = &mut self.noncoherent {
+            *invalidated += w.invalidate(offset, len);
         }
     }
 
     fn coherence(&self) -> Option<Coherence> {
-        self.noncoherent.as_ref().map(|(_, c)| *c)
+        self.noncoherent.as_ref().map(|(w, invalidated)| Coherence {
+            flushed: w.flushed(),
+            invalidated: *invalidated,
+        })
+    }
+
+    fn write_back(&self) -> Option<Arc<WriteBack>> {
+        self.noncoherent.as_ref().map(|(w, _)| w.clone())
     }
 
     fn drop_remote(&mut self, offset: u64, len: u64) {
@@ -468,12 +466,8 @@ impl Pool for Raw {
                 return Err(Error::Protocol("a raw allocation with a file".into()));
             }
         };
-        // Without coherence across hosts: the writer's lines reach the device before any other
-        // host can learn of the entry.
-        let n = self.flush(offset, e.size);
-        if let Some((_, c)) = &mut self.noncoherent {
-            c.flushed += n;
-        }
+        // Without coherence across hosts the writer's lines were written back before the
+        // entry's publication was asked for (`Pool::write_back`).
         self.log(&Self::seal_record(e, offset))?;
         Ok(offset)
     }
