@@ -78,20 +78,14 @@ impl WriteBack {
     /// Writes back (and invalidates) the lines of `[offset, offset + len)` of the device (the
     /// part of it inside the device); returns the bytes.
     pub fn flush(&self, offset: u64, len: u64) -> u64 {
-        let n = self.map.len() as u64;
-        let (s, e) = (
-            offset.min(n) as usize,
-            offset.saturating_add(len).min(n) as usize,
-        );
-        flush(&self.map[s..e]);
-        let done = (e - s) as u64;
+        let done = self.invalidate(offset, len);
         self.flushed
             .fetch_add(done, std::sync::atomic::Ordering::Relaxed);
         done
     }
 
-    /// Drops this host's cached lines of `[offset, offset + len)` (a reader's invalidation:
-    /// not counted as written back); returns the bytes.
+    /// Drops this host's cached lines of `[offset, offset + len)` (a reader's invalidation,
+    /// by the writer's instructions: not counted as written back); returns the bytes.
     pub fn invalidate(&self, offset: u64, len: u64) -> u64 {
         let n = self.map.len() as u64;
         let (s, e) = (
