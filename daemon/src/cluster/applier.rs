@@ -482,7 +482,7 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
             }
         }
         Change::Quota(ns, bytes, revision) => {
-            if auth.quotas.lock().change(ns.clone(), bytes, revision) {
+            if auth.quotas.lock().seen(ns.clone(), bytes, revision) {
                 store.quota_elsewhere(&ns, bytes);
             }
         }
@@ -519,11 +519,7 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
         }
         Change::Pin(ns, key, pinned, revision) => {
             let name = (ns.clone(), key.clone());
-            if auth
-                .pins
-                .lock()
-                .change(name, pinned.then_some(()), revision)
-            {
+            if auth.pins.lock().seen(name, pinned.then_some(()), revision) {
                 store.pin_elsewhere(&ns, &key, pinned);
             }
         }

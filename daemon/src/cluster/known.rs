@@ -5,7 +5,10 @@
 //! changes (known when etcd answers), the watch (every change, in order), and a read of
 //! every record after a (re)start of that watch, which can be older than a change this
 //! host made while the read was on its way. A change older than the one known for a name
-//! is passed by, so a late read never takes back a change made after it.
+//! is passed by, so a late read never takes back a change made after it. What the read and
+//! the watch after it have brought is complete up to a revision: a name cleared before it
+//! needs no record (a change of it as old is passed by all the same), so the records of
+//! cleared names do not pile up.
 
 use std::collections::HashMap;
 use std::hash::Hash;
@@ -15,16 +18,19 @@ use std::hash::Hash;
 pub(super) struct Known<K, V> {
     /// A name's value (None: cleared) and the revision it was set or cleared at.
     known: HashMap<K, (Option<V>, i64)>,
-    /// The revision of the last read of every record: what it covers of a name it does not
-    /// name is known (not set then).
-    read_at: i64,
+    /// Every change up to this revision is known (from the last read of every record and
+    /// the watch after it): a name without a record was not set then.
+    complete_to: i64,
+    /// Records of cleared names.
+    cleared: usize,
 }
 
 impl<K, V> Default for Known<K, V> {
     fn default() -> Self {
         Self {
             known: HashMap::new(),
-            read_at: 0,
+            complete_to: 0,
+            cleared: 0,
         }
     }
 }
@@ -40,16 +46,36 @@ impl<K: Clone + Eq + Hash, V: Clone> Known<K, V> {
         self.known.get(name).map(|c| c.0.as_ref())
     }
 
-    /// Record `name` set to `value` (None: cleared) at `revision`, by this host or seen on
-    /// the watch: true if it is the newest known (the store is to apply it), false if a
-    /// later change of the name is known already.
+    /// Record `name` set to `value` (None: cleared) at `revision`, by this host: true if it
+    /// is the newest known (the store is to apply it), false if a later change of the name
+    /// is known already.
     pub(super) fn change(&mut self, name: K, value: Option<V>, revision: i64) -> bool {
-        let known = self.known.get(&name).map_or(self.read_at, |c| c.1);
+        let known = self.known.get(&name).map_or(self.complete_to, |c| c.1);
         let newer = known < revision;
         if newer {
+            let was_cleared = self.known.get(&name).is_some_and(|c| c.0.is_none());
+            self.cleared = self.cleared + usize::from(value.is_none()) - usize::from(was_cleared);
             self.known.insert(name, (value, revision));
         }
         newer
+    }
+
+    /// As [`Known::change`], for a change the watch brought: every change before its
+    /// revision is known now.
+    pub(super) fn seen(&mut self, name: K, value: Option<V>, revision: i64) -> bool {
+        let newer = self.change(name, value, revision);
+        self.complete_to = self.complete_to.max(revision - 1);
+        if self.cleared > 1024 && self.cleared > self.known.len() / 2 {
+            self.forget_cleared();
+        }
+        newer
+    }
+
+    /// Drops the records of names cleared before the revision every change is known up to.
+    fn forget_cleared(&mut self) {
+        let to = self.complete_to;
+        self.known.retain(|_, c| c.0.is_some() || c.1 > to);
+        self.cleared = self.known.values().filter(|c| c.0.is_none()).count();
     }
 
     /// Every record set, read at `revision`: the changes the store is to apply. A name
@@ -69,8 +95,8 @@ impl<K: Clone + Eq + Hash, V: Clone> Known<K, V> {
                 out.push((name.clone(), None));
             }
         }
-        self.known.retain(|_, c| c.0.is_some() || c.1 > revision);
-        self.read_at = self.read_at.max(revision);
+        self.complete_to = self.complete_to.max(revision);
+        self.forget_cleared();
         out
     }
 }
@@ -101,6 +127,23 @@ mod tests {
         assert!(p.change(n("k1"), None, 20), "cleared here at 20");
         assert!(p.all(vec![(n("k1"), 1)], 15).is_empty());
         assert_eq!(p.get(&n("k1")), None);
+    }
+
+    #[test]
+    fn the_watch_keeps_no_record_of_what_it_cleared_long_ago() {
+        let mut p = Known::<String, u64>::default();
+        assert!(p.all(Vec::new(), 10).is_empty());
+        for i in 0..5000 {
+            assert!(p.seen(format!("k{i}"), Some(1), 11 + 2 * i));
+            assert!(p.seen(format!("k{i}"), None, 12 + 2 * i));
+        }
+        assert!(p.known.len() < 2100, "{} records", p.known.len());
+        // An answer to this host's own pin of k0, older than what the watch brought: passed by.
+        assert!(!p.change(n("k0"), Some(1), 11));
+        assert_eq!(p.state(&n("k0")), None);
+        // One newer than everything: taken.
+        assert!(p.change(n("k0"), Some(2), 20_000));
+        assert_eq!(p.get(&n("k0")), Some(&2));
     }
 
     #[test]
