@@ -178,6 +178,13 @@ pub fn render(s: &Stats) -> String {
         let _ = writeln!(o, "maru_cluster_live {}", u8::from(c.live));
         head(
             &mut o,
+            "maru_cluster_fenced",
+            "gauge",
+            "1 while this host is fenced off the shared pool (cut off, or catching up after).",
+        );
+        let _ = writeln!(o, "maru_cluster_fenced {}", u8::from(c.fenced));
+        head(
+            &mut o,
             "maru_cluster_hosts",
             "gauge",
             "Live hosts of the cluster.",
@@ -424,10 +431,12 @@ mod tests {
             entries_here: 3,
             entries_elsewhere: 7,
             uses_reported: 9,
+            fenced: true,
         }));
         let text = render(&s);
         for line in [
             "maru_cluster_live 1",
+            "maru_cluster_fenced 1",
             "maru_cluster_hosts 1",
             "maru_cluster_entries{origin=\"here\"} 3",
             "maru_cluster_entries{origin=\"elsewhere\"} 7",

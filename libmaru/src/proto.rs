@@ -489,6 +489,10 @@ pub struct ClusterInfo {
     /// Uses of this host's entries that other hosts reported (for the LRU order here).
     #[serde(default)]
     pub uses_reported: u64,
+    /// This host is fenced off the shared pool now (cut off, or back and not yet caught up):
+    /// it serves, lists and grants nothing of it, so what it lists is not the cluster's.
+    #[serde(default)]
+    pub fenced: bool,
 }
 
 impl ClusterInfo {

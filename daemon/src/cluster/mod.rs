@@ -895,6 +895,7 @@ impl Authority for EtcdAuthority {
         Some(maru::proto::ClusterInfo {
             node: self.node.clone(),
             live,
+            fenced: self.fenced(),
             endpoints: self.endpoints.clone(),
             uses_reported: self.uses_reported.load(Ordering::Relaxed),
             hosts: {

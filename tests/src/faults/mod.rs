@@ -391,12 +391,14 @@ type View = Option<Vec<(String, u64, u64)>>;
 /// How the hosts' views differ: per host, what it lists that host 0 does not, and the reverse.
 fn differ(views: &[View]) -> String {
     let Some(Some(first)) = views.first() else {
-        return "host 0 does not list".into();
+        return "host 0 does not list (fenced off the pool, or failing)".into();
     };
     let mut out = Vec::new();
     for (i, v) in views.iter().enumerate().skip(1) {
         let Some(v) = v else {
-            out.push(format!("h{i} does not list"));
+            out.push(format!(
+                "h{i} does not list (fenced off the pool, or failing)"
+            ));
             continue;
         };
         let extra: Vec<_> = v.iter().filter(|e| !first.contains(e)).collect();
@@ -409,9 +411,22 @@ fn differ(views: &[View]) -> String {
 }
 
 /// A host's view: its entries (keys with their namespace), with where they lie
-/// (generations are a host's own).
+/// (generations are a host's own). None while the host is fenced off the shared pool (it
+/// lists none of it then: an empty list is not its view).
 fn view(h: &maru::Handler) -> View {
+    let fenced = || {
+        h.stats()
+            .ok()
+            .and_then(|s| s.cluster)
+            .is_none_or(|c| c.fenced)
+    };
+    if fenced() {
+        return None;
+    }
     let (_, _, mut es) = h.list(workload::NS).ok()?;
+    if fenced() {
+        return None;
+    }
     es.sort_by(|a, b| a.key.cmp(&b.key));
     Some(
         es.into_iter()
