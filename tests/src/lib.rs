@@ -257,12 +257,13 @@ impl Daemon {
         });
         let netns_fd = netns.as_ref().map(std::os::fd::AsRawFd::as_raw_fd);
         let own_mounts = self.own_mounts;
+        // The daemon's own environment last: it may set MARU_LOG itself.
         cmd.args(&self.args)
-            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .env(
                 "MARU_LOG",
                 std::env::var("MARU_TEST_LOG").unwrap_or_else(|_| "info".into()),
             )
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(logf.try_clone().expect("dup"))
             .stderr(logf);

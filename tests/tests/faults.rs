@@ -3,20 +3,26 @@
 //! "Cluster faults"), with only the fault kinds that pass reliably. Each run must end with
 //! no violation found by the checker.
 
+use std::path::Path;
 use std::time::Duration;
 
-use maru_tests::faults::{Config, nemesis::Kind, run};
+use maru_tests::faults::{Config, Report, nemesis::Kind, run};
 use maru_tests::require_root;
 
 fn clean(seed: u64, secs: u64, faults: &[Kind]) {
+    let kept = tempfile::tempdir().expect("tempdir");
     let cfg = Config {
         seed,
         duration: Duration::from_secs(secs),
         faults: faults.to_vec(),
+        keep: Some(kept.path().to_owned()),
         ..Config::default()
     };
     let Some(report) = run(&cfg) else { return };
     eprintln!("{report}");
+    if !report.violations.is_empty() {
+        show_kept(kept.path(), &report);
+    }
     assert!(report.violations.is_empty(), "{report}");
     assert!(
         report.ops.values().map(|(n, _)| n).sum::<u64>() > 50,
@@ -40,4 +46,43 @@ fn seeded_runs_under_faults_find_no_violation() {
     // removed while it was cut off goes (seed 18's wrong bytes). etcd-kill passes the seeds
     // doc/RELIABILITY.md lists but has run too few times to gate every change on.
     clean(7, 15, &[Kind::Kill, Kind::Partition]);
+}
+
+/// What a failed run kept, for CI's log: the trace of the keys the violations name, and each
+/// host's log lines about them (the hosts log every change to an entry then).
+fn show_kept(dir: &Path, report: &Report) {
+    let seed = report.seed;
+    let trace = std::fs::read_to_string(dir.join(format!("seed{seed}-trace.txt")));
+    eprintln!(
+        "--- seed {seed}: faults, and the operations on {:?}",
+        report.keys()
+    );
+    eprintln!("{}", trace.unwrap_or_default());
+    // `k2` must not match `k26`: the name ends where the digits do.
+    let names: Vec<String> = report
+        .keys()
+        .iter()
+        .filter_map(|k| k.rsplit('/').next().map(str::to_owned))
+        .collect();
+    let about = |line: &str| {
+        names.iter().any(|n| {
+            line.match_indices(n.as_str()).any(|(at, _)| {
+                !line[at + n.len()..].starts_with(|c: char| c.is_ascii_digit())
+                    && !line[..at].ends_with(|c: char| c.is_ascii_alphanumeric())
+            })
+        })
+    };
+    for h in 0.. {
+        let Ok(log) = std::fs::read_to_string(dir.join(format!("seed{seed}-h{h}.log"))) else {
+            break;
+        };
+        let lines: Vec<&str> = log.lines().filter(|l| about(l)).collect();
+        eprintln!(
+            "--- seed {seed}: h{h}'s log about them ({} lines)",
+            lines.len()
+        );
+        for l in lines.iter().rev().take(300).rev() {
+            eprintln!("{l}");
+        }
+    }
 }

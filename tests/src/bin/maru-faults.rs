@@ -9,19 +9,17 @@
 //!
 //! With `MARU_FAULTS_KEEP=DIR`, a run with violations is kept in DIR (each host's log, the
 //! history of the keys named); the hosts then log the cluster's changes of every entry
-//! (`MARU_TEST_LOG`, unless set, is `info,maru_daemon::cluster=debug`).
+//! (`maru_daemon::cluster` at debug).
 
 use std::time::Duration;
 
 use maru_tests::faults::{Config, nemesis, run};
 
 fn main() {
-    if std::env::var_os("MARU_FAULTS_KEEP").is_some() && std::env::var_os("MARU_TEST_LOG").is_none()
-    {
-        // SAFETY: set before any thread is started.
-        unsafe { std::env::set_var("MARU_TEST_LOG", "info,maru_daemon::cluster=debug") };
-    }
-    let mut cfg = Config::default();
+    let mut cfg = Config {
+        keep: std::env::var_os("MARU_FAULTS_KEEP").map(Into::into),
+        ..Config::default()
+    };
     let mut runs = 1u64;
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {

@@ -25,8 +25,9 @@ pub struct Env {
 }
 
 impl Env {
-    /// `hosts` marud hosts on a fresh pool; None (skip) without root or etcd outside CI.
-    pub fn start(hosts: usize, ttl: Duration) -> Option<Env> {
+    /// `hosts` marud hosts on a fresh pool, logging at `log` (`MARU_LOG`; by default
+    /// `MARU_TEST_LOG`, else `info`); None (skip) without root or etcd outside CI.
+    pub fn start(hosts: usize, ttl: Duration, log: Option<&str>) -> Option<Env> {
         let net = Net::new(hosts)?;
         let etcd = EtcdCluster::start(Some(&net.hub), &net.hub_ip(), 3, 2379)?;
         let dir = tempfile::tempdir().expect("tempdir");
@@ -66,7 +67,7 @@ impl Env {
                         ],
                     },
                     &net.hosts[i],
-                    &[],
+                    &log.map(|l| vec![("MARU_LOG", l)]).unwrap_or_default(),
                 ))
             })
             .collect();

@@ -11,7 +11,7 @@ pub mod nemesis;
 pub mod workload;
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -34,6 +34,9 @@ pub struct Config {
     /// Whether to check that no space is lost (delete everything, fill the pool). The CI
     /// test leaves it out: it finds space held without faults too, an open finding.
     pub check_space: bool,
+    /// Where a run with violations is kept for reading ([`keep`]); with it, the hosts log
+    /// every change the cluster makes to an entry (`maru_daemon::cluster` at debug).
+    pub keep: Option<PathBuf>,
 }
 
 impl Default for Config {
@@ -48,6 +51,7 @@ impl Default for Config {
             ttl: Duration::from_secs(2),
             converge: Duration::from_secs(5),
             check_space: true,
+            keep: None,
         }
     }
 }
@@ -59,13 +63,40 @@ pub struct Report {
     /// Operations by kind: (all, acknowledged or found).
     pub ops: BTreeMap<String, (u64, u64)>,
     pub faults: BTreeMap<String, u64>,
+    /// Each fault in order: kind, target, and when it began and ended (seconds into the run).
+    pub sequence: Vec<String>,
     /// How long after healing every host's view agreed.
     pub converged: Option<Duration>,
+    /// How long after healing the last client's operation ended (the clients stop then).
+    pub clients_stopped: Option<Duration>,
+    /// The slowest operations (over a second), slowest first: host, kind, key, when it began
+    /// (seconds into the run), how long it took, its outcome.
+    pub slowest: Vec<String>,
     /// Pool bytes a fill of 8 MiB entries could not use after everything was deleted.
     pub unusable: Option<u64>,
     /// Each partition's recovery.
     pub recoveries: Vec<check::Recovery>,
     pub violations: Vec<String>,
+}
+
+impl Report {
+    /// The keys the violations name (`ns/k7`).
+    pub fn keys(&self) -> std::collections::BTreeSet<String> {
+        let prefix = format!("{}/k", workload::NS);
+        let mut keys = std::collections::BTreeSet::new();
+        for v in &self.violations {
+            for (at, _) in v.match_indices(&prefix) {
+                let digits = v[at + prefix.len()..]
+                    .chars()
+                    .take_while(char::is_ascii_digit)
+                    .count();
+                if digits > 0 {
+                    keys.insert(v[at..at + prefix.len() + digits].to_owned());
+                }
+            }
+        }
+        keys
+    }
 }
 
 impl std::fmt::Display for Report {
@@ -82,11 +113,18 @@ impl std::fmt::Display for Report {
             .collect();
         writeln!(f, "seed {}: ops: {}", self.seed, ops.join(", "))?;
         writeln!(f, "  faults: {}", faults.join(", "))?;
+        if !self.sequence.is_empty() {
+            writeln!(f, "  in order: {}", self.sequence.join(", "))?;
+        }
         writeln!(
             f,
-            "  converged after healing in {:?}; pool bytes unusable after the run: {:?}",
-            self.converged, self.unusable
+            "  converged after healing in {:?} (the clients stopped after {:?}); pool bytes \
+             unusable after the run: {:?}",
+            self.converged, self.clients_stopped, self.unusable
         )?;
+        if !self.slowest.is_empty() {
+            writeln!(f, "  slowest operations: {}", self.slowest.join("; "))?;
+        }
         if !self.recoveries.is_empty() {
             let r: Vec<String> = self
                 .recoveries
@@ -116,20 +154,18 @@ impl std::fmt::Display for Report {
 /// Runs once; None when the environment cannot be made (no root, no etcd) outside CI.
 pub fn run(cfg: &Config) -> Option<Report> {
     let t0 = Instant::now();
-    let env = Arc::new(env::Env::start(cfg.hosts, cfg.ttl)?);
+    let log = cfg.keep.as_ref().map(|_| "info,maru_daemon::cluster=debug");
+    let env = Arc::new(env::Env::start(cfg.hosts, cfg.ttl, log)?);
     eprintln!("seed {}: cluster up in {:?}", cfg.seed, t0.elapsed());
     let history = Arc::new(History::new());
     let stop = Arc::new(AtomicBool::new(false));
-    {
-        let h = env.connect(0, Duration::from_secs(10)).expect("host 0");
-        h.mkdir(workload::NS, 0o777).expect("mkdir");
-    }
-    // Every host sees the namespace before the clients start.
+    // Namespaces are each host's own (a host creates one when another host's entry needs
+    // it): made on every host before the clients start.
     for i in 0..cfg.hosts {
         let h = env.connect(i, Duration::from_secs(10)).expect("host");
-        let t = Instant::now();
-        while h.list(workload::NS).is_err() && t.elapsed() < Duration::from_secs(10) {
-            std::thread::sleep(Duration::from_millis(20));
+        match h.mkdir(workload::NS, 0o777) {
+            Ok(()) | Err(maru::Error::Exists(_)) => {}
+            Err(e) => panic!("mkdir {} on h{i}: {e}", workload::NS),
         }
     }
     let mut clients = Vec::new();
@@ -155,6 +191,7 @@ pub fn run(cfg: &Config) -> Option<Report> {
     }
     let mut report = Report {
         seed: cfg.seed,
+        clients_stopped: Some(healed.elapsed()),
         ..Default::default()
     };
     let t1 = Instant::now();
@@ -172,25 +209,54 @@ pub fn run(cfg: &Config) -> Option<Report> {
             e.1 += 1;
         }
     }
+    let mut slow: Vec<&Op> = ops
+        .iter()
+        .filter(|o| o.end.saturating_sub(o.start) > 1_000_000)
+        .collect();
+    slow.sort_by_key(|o| std::cmp::Reverse(o.end - o.start));
+    report.slowest = slow
+        .iter()
+        .take(3)
+        .map(|o| {
+            format!(
+                "h{} {:?} {} at {:.2} s took {:.2} s: {:?}",
+                o.host,
+                o.kind,
+                o.key,
+                o.start as f64 / 1e6,
+                (o.end - o.start) as f64 / 1e6,
+                o.outcome
+            )
+        })
+        .collect();
     let faults = history.faults.lock().expect("history").clone();
     for f in &faults {
         *report.faults.entry(f.kind.clone()).or_default() += 1;
+        let secs = |us: u64| us as f64 / 1e6;
+        report.sequence.push(format!(
+            "{} {} {:.2}-{:.2} s",
+            f.kind,
+            f.target,
+            secs(f.start),
+            secs(f.end)
+        ));
     }
     let (recoveries, late) = check::recoveries(&ops, &faults, cfg.ttl);
     report.recoveries = recoveries;
     report.violations.extend(late);
     let lag = cfg.converge.as_micros() as u64;
     report.violations.extend(check::check(&ops, lag));
-    if let Ok(dir) = std::env::var("MARU_FAULTS_KEEP")
+    if let Some(dir) = &cfg.keep
         && !report.violations.is_empty()
     {
-        keep(Path::new(&dir), &env, &report, &ops, &faults);
+        keep(dir, &env, &report, &ops, &faults);
     }
     Some(report)
 }
 
-/// A run with violations, kept for reading (`MARU_FAULTS_KEEP=DIR`): each host's marud log,
-/// and the faults and every operation on the keys the violations name, in time order.
+/// A run with violations, kept for reading ([`Config::keep`]): each host's marud log
+/// (`seed<N>-h<i>.log`), and the faults and every operation on the keys the violations name,
+/// in time order (`seed<N>-trace.txt`).
 fn keep(dir: &Path, env: &env::Env, r: &Report, ops: &[Op], faults: &[history::Fault]) {
     use std::fmt::Write;
     let _ = std::fs::create_dir_all(dir);
@@ -206,12 +272,8 @@ fn keep(dir: &Path, env: &env::Env, r: &Report, ops: &[Op], faults: &[history::F
             f.kind, f.target, f.start, f.end, f.released
         );
     }
-    let keys: std::collections::BTreeSet<&str> = r
-        .violations
-        .iter()
-        .filter_map(|v| v.split(':').next())
-        .collect();
-    for o in ops.iter().filter(|o| keys.contains(o.key.as_str())) {
+    let keys = r.keys();
+    for o in ops.iter().filter(|o| keys.contains(&o.key)) {
         let _ = writeln!(
             out,
             "{} c{} h{} {:?} {} v{} {}..{} {:?}",
@@ -229,8 +291,8 @@ fn after(env: &env::Env, cfg: &Config, history: &History, healed: Instant, r: &m
                 .expect("a host serves after healing")
         })
         .collect();
-    let live = match converged(&hs, Duration::from_secs(30)) {
-        Ok(live) => live,
+    let (live, before) = match converged(&hs, Duration::from_secs(30)) {
+        Ok(agreed) => agreed,
         Err(d) => {
             r.violations.push(format!(
                 "the hosts' views did not agree within 30 s of healing: {d}"
@@ -241,8 +303,9 @@ fn after(env: &env::Env, cfg: &Config, history: &History, healed: Instant, r: &m
     let took = healed.elapsed();
     r.converged = Some(took);
     if took > cfg.converge {
+        let before = before.map_or("they agreed at once".into(), |d| format!("until then: {d}"));
         r.violations.push(format!(
-            "the hosts' views agreed {took:?} after healing (bound {:?})",
+            "the hosts' views agreed {took:?} after healing (bound {:?}); {before}",
             cfg.converge
         ));
     }
@@ -285,8 +348,8 @@ fn after(env: &env::Env, cfg: &Config, history: &History, healed: Instant, r: &m
         }
     }
     match converged(&hs, Duration::from_secs(10)) {
-        Ok(v) if v.is_empty() => {}
-        Ok(v) => {
+        Ok((v, _)) if v.is_empty() => {}
+        Ok((v, _)) => {
             r.violations.push(format!(
                 "after deleting everything, the hosts still list {v:?}"
             ));
@@ -386,7 +449,9 @@ fn after(env: &env::Env, cfg: &Config, history: &History, healed: Instant, r: &m
     }
 }
 
-type View = Option<Vec<(String, u64, u64)>>;
+/// Entries as a host lists them: name (with its namespace), offset, size.
+type Listing = Vec<(String, u64, u64)>;
+type View = Option<Listing>;
 
 /// How the hosts' views differ: per host, what it lists that host 0 does not, and the reverse.
 fn differ(views: &[View]) -> String {
@@ -435,19 +500,42 @@ fn view(h: &maru::Handler) -> View {
     )
 }
 
-/// Waits until every host lists the same entries; what they list, or how they differ.
-fn converged(hs: &[maru::Handler], limit: Duration) -> Result<Vec<(String, u64, u64)>, String> {
+/// Waits until every host lists the same entries; what they list (and how they differed
+/// last before, if they did), or how they differ.
+fn converged(hs: &[maru::Handler], limit: Duration) -> Result<(Listing, Option<String>), String> {
     let t = Instant::now();
+    let mut before = None;
     loop {
         let views: Vec<View> = hs.iter().map(view).collect();
         if let Some(Some(first)) = views.first()
             && views.iter().all(|v| v.as_ref() == Some(first))
         {
-            return Ok(first.clone());
+            return Ok((first.clone(), before));
         }
         if t.elapsed() > limit {
             return Err(differ(&views));
         }
+        before = Some(differ(&views));
         std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Report;
+
+    #[test]
+    fn a_report_names_the_keys_its_violations_name_each_once() {
+        let r = Report {
+            violations: vec![
+                "ns/k2: read two ways".into(),
+                "the hosts' views did not agree: h1 lists [(\"ns/k26\", 1, 2)] that h0 does \
+                 not, and lacks [(\"ns/k2\", 3, 4)]; h2 ns/kx"
+                    .into(),
+            ],
+            ..Report::default()
+        };
+        let keys: Vec<String> = r.keys().into_iter().collect();
+        assert_eq!(keys, ["ns/k2", "ns/k26"]);
     }
 }
