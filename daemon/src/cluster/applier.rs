@@ -8,44 +8,20 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use maru_cluster::{EntryEvent, EntryRecord, Listed, Member};
+use maru_cluster::{EntryEvent, EntryRecord, Member};
 use tokio::sync::RwLock;
 
+use super::changes::Change;
 use super::{EtcdAuthority, Name};
 use crate::store::Store;
-
-/// What the watch hands the applier thread.
-enum Change {
-    /// Every entry at a revision (after a (re)start of the watch); `done` once applied (and
-    /// acknowledged).
-    All(Vec<Listed>, i64, tokio::sync::oneshot::Sender<()>),
-    Event(EntryEvent),
-    /// No host maps this removed extent of this host's any more.
-    Unheld(u64),
-    /// Every pinned entry at a revision (after a (re)start of the pins' watch).
-    Pins(Vec<(String, String)>, i64),
-    /// A pin or an unpin, at its revision.
-    Pin(String, String, bool, i64),
-    /// Entries of this host's that other hosts used (oldest use first).
-    Used(Vec<(String, String)>),
-    /// Every quota at a revision (after a (re)start of the quotas' watch).
-    Quotas(Vec<(String, u64)>, i64),
-    /// A quota set (or cleared).
-    Quota(String, Option<u64>, i64),
-    /// Every entry clients pin, as (namespace, name, node), at a revision (after a (re)start
-    /// of the client pins' watch).
-    ClientPins(Vec<(String, String, String)>),
-    /// Clients of a node pinned an entry, or no longer do.
-    ClientPin(String, String, String, bool),
-    /// Until when clients may trust the indexes ([`crate::store::Store::set_fence`]).
-    Fence(u64),
-}
+use crate::store::authority::Gone;
 
 /// Feeds `store` with the entries the other hosts publish and remove: a snapshot, then the
 /// watch from the next revision (again from a fresh snapshot whenever the watch breaks).
 pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Result<()> {
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Change>();
     let tx2 = tx.clone();
+    auth.changing.apply_to(tx.clone());
     let m = auth.member();
     let me = Arc::downgrade(&auth);
     let mut rejoins = auth.rejoins.subscribe();
@@ -398,28 +374,25 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
                         created,
                         "gone while the watch was down"
                     );
-                    store.forget_remote(&name.0, &name.1);
+                    removed(store, auth, &name.0, &name.1, revision, created);
                 }
             }
-            let gone: Vec<Name> = auth
+            let gone: Vec<(Name, i64)> = auth
                 .published
                 .lock()
                 .iter()
-                .filter(|(name, (r, offset))| {
-                    *r <= revision
-                        && snap
-                            .get(*name)
-                            .is_none_or(|(_, rec)| rec.node != auth.node || rec.offset != *offset)
+                .filter(|(name, (r, _))| {
+                    *r <= revision && snap.get(*name).is_none_or(|(c, _)| c != r)
                 })
-                .map(|(name, _)| name.clone())
+                .map(|(name, (r, _))| (name.clone(), *r))
                 .collect();
-            for (ns, key) in gone {
+            for ((ns, key), created) in gone {
                 tracing::info!(
                     ns,
                     key,
                     "cluster: removed elsewhere while the watch was down"
                 );
-                removed(store, auth, &ns, &key, revision);
+                removed(store, auth, &ns, &key, revision, created);
             }
             for ((ns, key), (created, rec)) in &snap {
                 if rec.node != auth.node {
@@ -446,9 +419,15 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
             created,
             ..
         }) => {
-            removed(store, auth, &ns, &name, revision);
+            removed(store, auth, &ns, &name, revision, created);
             auth.removal_applied(created);
         }
+        Change::Removed {
+            ns,
+            key,
+            revision,
+            created,
+        } => removed(store, auth, &ns, &key, revision, created),
         Change::Fence(until) => {
             tracing::debug!(
                 until,
@@ -526,40 +505,73 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
     }
 }
 
-/// `ns/name` was removed at `revision` (unless this host published it again since).
-fn removed(store: &Store, auth: &EtcdAuthority, ns: &str, name: &str, revision: i64) {
-    if auth.stale_removal(ns, name, revision) {
-        tracing::debug!(
-            ns,
-            name,
-            revision,
-            "a removal of a name published again since"
-        );
-        return;
+/// Entry `ns/name` created at revision `created` was removed at `revision`: whichever
+/// entry of the name this host has goes if it is that one (this host's publication, or
+/// another host's entry it serves), not a newer one of the name. Held back while this host
+/// is changing the name.
+fn removed(store: &Store, auth: &EtcdAuthority, ns: &str, name: &str, revision: i64, created: i64) {
+    let mut change = Change::Removed {
+        ns: ns.to_owned(),
+        key: name.to_owned(),
+        revision,
+        created,
+    };
+    loop {
+        match auth.changing.hold_back(ns, name, change) {
+            Some(c) => change = c,
+            None => return,
+        }
+        // An entry of this host's that another host removed: its extent stays until every
+        // live host acknowledged the removal and none holds it.
+        let own = auth
+            .published
+            .lock()
+            .get(&(ns.to_owned(), name.to_owned()))
+            .filter(|&&(r, _)| r == created)
+            .map(|&(_, o)| o);
+        tracing::debug!(ns, name, revision, created, own = own.is_some(), "removed");
+        if let Some(offset) = own {
+            auth.held.lock().insert(offset, revision);
+        }
+        // Another host's: this host holds it already if clients here map it.
+        let gone = match own {
+            Some(_) => Gone::Own,
+            None => Gone::Remote(created),
+        };
+        if store.forget_remote(ns, name, gone) {
+            return;
+        }
+        // The store began withdrawing the name meanwhile: held back in turn.
     }
-    tracing::debug!(ns, name, revision, "removed");
-    // An entry of this host's that another host removed: its extent stays until every live
-    // host acknowledged the removal and none holds it.
-    let own = auth
-        .published
-        .lock()
-        .get(&(ns.to_owned(), name.to_owned()))
-        .map(|&(_, o)| o);
-    if let Some(offset) = own {
-        auth.held.lock().insert(offset, revision);
-    }
-    // Another host's: this host holds it already if clients here map it.
-    store.forget_remote(ns, name);
 }
 
+/// Another host's entry `ns/key` (created at revision `created`): filed here. Held back
+/// while this host is changing the name.
 fn file(store: &Store, auth: &EtcdAuthority, ns: &str, key: &str, rec: &EntryRecord, created: i64) {
-    tracing::debug!(ns, key, node = %rec.node, offset = rec.offset, len = rec.len, created, "another host's entry");
-    auth.remote
-        .lock()
-        .insert((ns.to_owned(), key.to_owned()), (rec.node.clone(), created));
-    if let Err(e) = store.file_remote(&auth.pool, ns, key, rec.offset, rec.len, created) {
-        tracing::warn!(ns, key, node = %rec.node, "cannot serve another host's entry: {e}");
-        return;
+    let mut change = Change::Event(EntryEvent::Put {
+        ns: ns.to_owned(),
+        name: key.to_owned(),
+        record: rec.clone(),
+        revision: created,
+    });
+    loop {
+        match auth.changing.hold_back(ns, key, change) {
+            Some(c) => change = c,
+            None => return,
+        }
+        tracing::debug!(ns, key, node = %rec.node, offset = rec.offset, len = rec.len, created, "another host's entry");
+        auth.remote
+            .lock()
+            .insert((ns.to_owned(), key.to_owned()), (rec.node.clone(), created));
+        match store.file_remote(&auth.pool, ns, key, rec.offset, rec.len, created) {
+            Ok(true) => break,
+            // The store began withdrawing the name's entry here meanwhile: held back in turn.
+            Ok(false) => {}
+            Err(e) => {
+                tracing::warn!(ns, key, node = %rec.node, "cannot serve another host's entry: {e}");
+                return;
+            }
+        }
     }
     // Pinned before this host learnt of it (the pins have a watch of their own).
     if auth

@@ -25,10 +25,12 @@ use maru_cluster::{EntryRecord, Member, NodeInfo, Published};
 use parking_lot::Mutex;
 use tokio::sync::RwLock;
 
+use self::changes::Changing;
 use self::known::Known;
 use crate::store::authority::{Authority, Claim, LocalAuthority, Placed, Publishing, Withdrawn};
 
 pub mod applier;
+mod changes;
 mod group;
 mod known;
 mod membership;
@@ -69,6 +71,9 @@ pub struct EtcdAuthority {
     /// Each publication of this host, by name: its etcd revision (a removal the watch reports
     /// from before it is an older entry's) and its offset.
     published: Mutex<HashMap<(String, String), (i64, u64)>>,
+    /// Names this host is changing in the shared pool, with the other hosts' changes of each
+    /// held back meanwhile.
+    changing: Changing,
     /// Each entry of another host this host serves: its publisher, and the etcd revision
     /// that created it.
     remote: Mutex<HashMap<(String, String), (String, i64)>>,
@@ -172,6 +177,7 @@ impl EtcdAuthority {
             node: s.node.clone(),
             pool: pool_uuid.to_owned(),
             published: Mutex::new(HashMap::new()),
+            changing: Changing::default(),
             remote: Mutex::new(HashMap::new()),
             readers: Mutex::new(Readers::default()),
             next_tag: AtomicU64::new(1),
@@ -226,30 +232,6 @@ impl EtcdAuthority {
 
     fn member(&self) -> Arc<RwLock<Member>> {
         self.member.clone()
-    }
-
-    /// Whether a removal the watch reports at `revision` is older than this host's current
-    /// publication of the name.
-    fn stale_removal(&self, ns: &str, key: &str, revision: i64) -> bool {
-        self.published
-            .lock()
-            .get(&(ns.to_owned(), key.to_owned()))
-            .is_some_and(|&(r, _)| r > revision)
-    }
-
-    /// Gives back this host's reservation of `ns/key` in etcd, if it has one (in the
-    /// background: a late one only keeps the name a moment longer).
-    fn drop_reservation(&self, ns: &str, key: &str) {
-        let name = (ns.to_owned(), key.to_owned());
-        if !self.reserved.lock().remove(&name) {
-            return;
-        }
-        let m = self.member();
-        self.rt.spawn(async move {
-            if let Err(e) = m.read().await.unreserve(&name.0, &name.1).await {
-                tracing::warn!(ns = %name.0, key = %name.1, "giving a reservation back: {e}");
-            }
-        });
     }
 
     /// The applier applied every change to the entries up to `revision`: acknowledged (in
@@ -541,13 +523,23 @@ impl Authority for EtcdAuthority {
         let published = self.local.holder(ns, key) == Some(Claim::Published(id));
         let name = (ns.to_owned(), key.to_owned());
         if published && self.published.lock().contains_key(&name) {
-            let (m, n, k) = (self.member(), ns.to_owned(), key.to_owned());
-            if let Err(e) = self.run(async move { m.read().await.remove(&n, &k).await }) {
+            if let Err(e) = self.remove_own(ns, key) {
                 tracing::error!(ns, key, "removing the entry from the cluster: {e}");
             }
             self.published.lock().remove(&name);
         }
         self.local.release(ns, key, id);
+        if published {
+            self.changing.settle(ns, key);
+        }
+    }
+
+    fn withdrawing(&self, ns: &str, key: &str) {
+        self.changing.begin(ns, key);
+    }
+
+    fn settled(&self, ns: &str, key: &str) {
+        self.changing.settle(ns, key);
     }
 
     fn withdraw(&self, items: &[Publishing<'_>]) -> Vec<Result<Option<Withdrawn>>> {
@@ -571,12 +563,7 @@ impl Authority for EtcdAuthority {
         }
         let revision = match withdrawn {
             Some(w) => w.revision,
-            None => {
-                let (m, n, k) = (self.member(), ns.to_owned(), key.to_owned());
-                self.run(async move { m.read().await.remove(&n, &k).await })
-                    .map_err(unavailable)?
-                    .revision
-            }
+            None => self.remove_own(ns, key)?.revision,
         };
         self.published.lock().remove(&name);
         // Only this host's own extents are its to free (another host's: its publisher's).

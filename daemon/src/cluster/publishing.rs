@@ -29,6 +29,8 @@ impl EtcdAuthority {
             }
             out.push(None);
             let name = (p.ns.to_owned(), p.key.to_owned());
+            // From now on the other hosts' changes of the name wait for the store to settle it.
+            self.changing.begin(p.ns, p.key);
             asks.push(Item {
                 reserved: self.reserved.lock().contains(&name),
                 ns: name.0,
@@ -111,6 +113,7 @@ impl EtcdAuthority {
         };
         self.drop_reservation(p.ns, p.key);
         self.local.release(p.ns, p.key, p.id);
+        self.changing.settle(p.ns, p.key);
         Err(refused)
     }
 
@@ -147,6 +150,40 @@ impl EtcdAuthority {
                 tokio::time::sleep(std::time::Duration::from_millis(250)).await;
             }
         })
+    }
+
+    /// The creation revision of this host's publication of `ns/key`, if it has one.
+    fn published_at(&self, ns: &str, key: &str) -> Option<i64> {
+        self.published
+            .lock()
+            .get(&(ns.to_owned(), key.to_owned()))
+            .map(|&(r, _)| r)
+    }
+
+    /// Removes this host's publication `ns/key` from etcd: only the record it published (a
+    /// newer one of the name, another host's after a removal, stays).
+    pub(super) fn remove_own(&self, ns: &str, key: &str) -> Result<maru_cluster::Removed> {
+        let created = self.published_at(ns, key).unwrap_or(0);
+        self.group
+            .remove(vec![(ns.to_owned(), key.to_owned(), created)])
+            .pop()
+            .expect("one outcome")
+            .map_err(unavailable)
+    }
+
+    /// Gives back this host's reservation of `ns/key` in etcd, if it has one (in the
+    /// background: a late one only keeps the name a moment longer).
+    pub(super) fn drop_reservation(&self, ns: &str, key: &str) {
+        let name = (ns.to_owned(), key.to_owned());
+        if !self.reserved.lock().remove(&name) {
+            return;
+        }
+        let m = self.member();
+        self.rt.spawn(async move {
+            if let Err(e) = m.read().await.unreserve(&name.0, &name.1).await {
+                tracing::warn!(ns = %name.0, key = %name.1, "giving a reservation back: {e}");
+            }
+        });
     }
 
     /// [`Authority::withdraw`]: the removals of the entries in the shared pool that this host

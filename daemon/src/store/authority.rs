@@ -49,6 +49,15 @@ pub struct Withdrawn {
     pub existed: bool,
 }
 
+/// Which entry of a name another host removed (`Store::forget_remote`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gone {
+    /// This host's publication of the name.
+    Own,
+    /// Another host's entry, created at this revision of the authority.
+    Remote(i64),
+}
+
 /// Decides who owns each name.
 pub trait Authority: Send + Sync {
     /// Reserves `ns/key` for the entry (allocation) `id`: the name then cannot be taken by
@@ -77,6 +86,18 @@ pub trait Authority: Send + Sync {
     /// Gives `ns/key` back, if `id` holds it: a reservation, or a publication being undone
     /// (its removal, for every host sharing the authority, as far as it can be done).
     fn release(&self, ns: &str, key: &str, id: u64);
+    /// The store marked its entry `ns/key` as being withdrawn (a delete, an eviction or a
+    /// rename asks for its removal), under its lock. An authority shared by several hosts
+    /// holds back the other hosts' changes of the name until [`Authority::settled`], as it
+    /// does while this host publishes the name.
+    fn withdrawing(&self, _ns: &str, _key: &str) {}
+    /// The store is done changing `ns/key` here, under its lock: a publication the authority
+    /// granted is sealed (or a renamed entry moved there), given back, or a withdrawal made
+    /// or failed. The other hosts' changes of the name held back meanwhile apply from now
+    /// on, to what the store has (applied before, a removal would find nothing here to
+    /// remove and the store then seal an entry the cluster no longer has; another host's
+    /// new entry of the name would find the name taken by the one going).
+    fn settled(&self, _ns: &str, _key: &str) {}
     /// The round trip of removals, made first and without the store's lock: records the
     /// removal of each published entry of `items` for every host sharing the authority (in
     /// cluster mode, together: a group commit), one outcome each. `Some` is a removal made,

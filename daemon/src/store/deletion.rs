@@ -121,9 +121,16 @@ impl Store {
         let withdrawn: Vec<Result<Option<Withdrawn>>> = if shared {
             for f in found {
                 st.entries.get_mut(&f.ino).expect("found").withdrawing = true;
+                self.authority.withdrawing(&f.ns, &f.key);
             }
             let asks = asks(found);
-            let w = MutexGuard::unlocked(st, || self.authority.withdraw(&asks));
+            let w = MutexGuard::unlocked(st, || {
+                let w = self.authority.withdraw(&asks);
+                for (a, _) in asks.iter().zip(&w).filter(|(_, w)| w.is_ok()) {
+                    self.ask_gate("withdrawn", a.ns, a.key);
+                }
+                w
+            });
             for f in found {
                 if let Some(e) = st.entries.get_mut(&f.ino) {
                     e.withdrawing = false;
@@ -146,6 +153,9 @@ impl Store {
                 remove(st, self, f, how, &mut inv)
             })
             .collect();
+        for f in found {
+            self.authority.settled(&f.ns, &f.key);
+        }
         (removed, inv)
     }
 

@@ -183,6 +183,7 @@ impl State {
         if moved.is_err() {
             auth.release(ns, key, ino);
         }
+        auth.settled(ns, key);
         moved
     }
 

@@ -99,6 +99,13 @@ pub type InvalidateFn = Box<dyn Fn(Invalidation) + Send + Sync>;
 #[cfg(feature = "seams")]
 pub type DataFault = Box<dyn Fn(u64) -> Option<i32> + Send + Sync>;
 
+/// Called with each name a shared authority answered for, before the store takes its lock
+/// again to finish: `"published"` (a client's publication granted, to be sealed) or
+/// `"withdrawn"` (a delete's removal recorded, the entry to be removed). Tests: what happens
+/// meanwhile; feature `seams`.
+#[cfg(feature = "seams")]
+pub type AskGate = Box<dyn Fn(&str, &str, &str) + Send + Sync>;
+
 /// What the store reports of a door that serves it to other hosts (marud's remote door, which
 /// keeps its own counters): read when statistics are asked for, never on a request's path.
 pub trait RemoteView: Send + Sync {
@@ -121,6 +128,10 @@ pub struct Store {
     /// The fault-injection seam of writes through the mount (tests, feature `seams`).
     #[cfg(feature = "seams")]
     data_fault: parking_lot::RwLock<Option<DataFault>>,
+    /// The seam between a shared authority's answer and the store's next step (tests,
+    /// feature `seams`).
+    #[cfg(feature = "seams")]
+    ask_gate: parking_lot::RwLock<Option<AskGate>>,
     /// The remote door, once it is open (reported in [`Store::stats`]).
     remote: OnceLock<Arc<dyn RemoteView>>,
     /// Held by a pin or unpin across its steps (see `deletion`): pins change in the order
@@ -153,6 +164,8 @@ impl Store {
             sealed: Condvar::new(),
             #[cfg(feature = "seams")]
             data_fault: parking_lot::RwLock::new(None),
+            #[cfg(feature = "seams")]
+            ask_gate: parking_lot::RwLock::new(None),
             remote: OnceLock::new(),
             pins: Mutex::new(()),
         }))

@@ -109,7 +109,11 @@ impl Store {
         let unlocked = self.authority.shared() && asks.iter().any(|a| a.at.pool.is_some());
         let ask = || {
             placed.iter().flatten().for_each(Placing::write_back);
-            self.authority.publish_many(&asks)
+            let verdicts = self.authority.publish_many(&asks);
+            for (a, _) in asks.iter().zip(&verdicts).filter(|(_, v)| v.is_ok()) {
+                self.ask_gate("published", a.ns, a.key);
+            }
+            verdicts
         };
         let verdicts = if unlocked {
             MutexGuard::unlocked(&mut st, ask)
@@ -415,6 +419,7 @@ impl Store {
         let (pool, offset, size) = (at.pool.map(str::to_owned), at.offset, at.size);
         self.authority.reserve(ns, key, ino)?;
         st.entries.get_mut(&ino).expect("present").withdrawing = true;
+        self.authority.withdrawing(&from_ns, &from_key);
         let placed = Placed {
             pool: pool.as_deref(),
             offset,
@@ -442,6 +447,8 @@ impl Store {
         if moved.is_err() {
             self.authority.release(ns, key, ino);
         }
+        self.authority.settled(ns, key);
+        self.authority.settled(&from_ns, &from_key);
         moved
     }
 
@@ -478,6 +485,7 @@ impl Store {
                 if let Err(e) = self.authority.unpublish(ns, key, id, &at, None) {
                     tracing::warn!(ns, key, "a publication taken back: {e}");
                 }
+                self.authority.settled(ns, key);
                 return Err(Error::NotFound(format!(
                     "{ns}/{key} (unlinked while being published)"
                 )));
@@ -510,6 +518,7 @@ impl Store {
         let a = st.allocs.remove(&id).expect("present");
         st.pools[a.pool].writing_bytes -= a.acct;
         st.insert_entry(e);
+        self.authority.settled(ns, key);
         if committed {
             st.writer_sealed(ns)?;
         }

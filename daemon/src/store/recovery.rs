@@ -150,6 +150,7 @@ fn recover_pool(st: &mut State, p: usize, authority: &dyn Authority) -> anyhow::
         };
         kept.push(ino);
         st.insert_entry(e);
+        authority.settled(&f.ns, &f.key);
     }
     // The pool settles its own accounting (a raw pool's regions) from what was kept.
     let locs: Vec<Loc<'_>> = kept.iter().map(|i| st.entries[i].loc()).collect();

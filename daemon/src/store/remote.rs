@@ -6,7 +6,7 @@ use maru::name::{check_component, split_ns};
 use maru::{Error, Result};
 
 use super::Store;
-use super::authority::Authority;
+use super::authority::{Authority, Gone};
 use super::entries::Removal;
 use super::policy::Perm;
 use super::state::{Entry, Invalidation, State};
@@ -17,7 +17,9 @@ impl Store {
     /// Files `ns/key`, which another host published at `offset` (`size` bytes) of the raw
     /// pool whose device header says `pool_uuid`: this host serves it from then on (index,
     /// mount, retrievals) and never carves, frees or evicts its extent. A name this host
-    /// holds already is left alone (the authority keeps names write-once across hosts).
+    /// holds already is left alone (the authority keeps names write-once across hosts);
+    /// false, filing nothing, when that entry is being withdrawn here (the authority holds
+    /// the change back until the store has settled the name, and the caller asks it to).
     pub fn file_remote(
         &self,
         pool_uuid: &str,
@@ -26,7 +28,7 @@ impl Store {
         offset: u64,
         size: u64,
         created: i64,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         split_ns(ns)?;
         check_component(key.as_bytes())?;
         let mut st = self.st.lock();
@@ -36,8 +38,8 @@ impl Store {
             .find(|p| p.pool.uuid() == Some(pool_uuid))
             .map(|p| p.id)
             .ok_or_else(|| Error::NotFound(format!("no pool with UUID {pool_uuid}")))?;
-        if st.ns.get(ns).is_ok_and(|n| n.entries.contains_key(key)) {
-            return Ok(());
+        if let Some(ino) = st.ns.get(ns).ok().and_then(|n| n.entries.get(key).copied()) {
+            return Ok(!st.entries[&ino].withdrawing);
         }
         st.ensure_ns_here(ns)?;
         if st.ns.get(ns)?.children.contains_key(key) {
@@ -67,19 +69,29 @@ impl Store {
             ino,
             by_kernel: false,
         }]);
-        Ok(())
+        Ok(true)
     }
 
-    /// Removes `ns/key` here because another host removed it (its own entry or another's).
-    /// An entry this host is deleting or renaming (withdrawing: its removal of the name may
-    /// be what came back) is left to that operation, which finishes it under the lock.
-    pub fn forget_remote(&self, ns: &str, key: &str) {
+    /// Removes `ns/key` here because another host removed it: this host's entry of the
+    /// name or another host's, as `gone` says (a newer entry of the name stays). False, doing
+    /// nothing, when the name's entry here is being withdrawn (deleted or renamed here: the
+    /// authority holds the change back until the store has settled the name, and the caller
+    /// asks it to).
+    pub fn forget_remote(&self, ns: &str, key: &str, gone: Gone) -> bool {
         let mut st = self.st.lock();
         let Some(ino) = st.ns.get(ns).ok().and_then(|n| n.entries.get(key).copied()) else {
-            return;
+            return true;
         };
-        if st.entries[&ino].withdrawing {
-            return;
+        let e = &st.entries[&ino];
+        if e.withdrawing {
+            return false;
+        }
+        let that_one = match gone {
+            Gone::Own => e.remote.is_none(),
+            Gone::Remote(created) => e.remote == Some(created),
+        };
+        if !that_one {
+            return true;
         }
         // Forgetting asks nothing of the authority: it cannot fail.
         let inv = st
@@ -88,6 +100,7 @@ impl Store {
             .flatten();
         drop(st);
         self.notify(inv.into_iter().collect());
+        true
     }
 
     /// Frees this host's removed entry at `offset` of raw pool `pool`, which no other host

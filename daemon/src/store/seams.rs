@@ -37,6 +37,25 @@ impl Store {
         self.data_fault.read().as_ref().and_then(|f| f(ino))
     }
 
+    /// Installs the seam between a shared authority's answer and the store's next step
+    /// (tests; see [`super::AskGate`]).
+    #[cfg(feature = "seams")]
+    pub fn set_ask_gate(&self, gate: Option<super::AskGate>) {
+        *self.ask_gate.write() = gate;
+    }
+
+    /// Passes the authority's answer `step` for `ns/key` through the seam (tests).
+    #[cfg(feature = "seams")]
+    pub(super) fn ask_gate(&self, step: &str, ns: &str, key: &str) {
+        if let Some(g) = self.ask_gate.read().as_ref() {
+            g(step, ns, key);
+        }
+    }
+
+    /// No seam: built with feature `seams` only.
+    #[cfg(not(feature = "seams"))]
+    pub(super) fn ask_gate(&self, _step: &str, _ns: &str, _key: &str) {}
+
     /// No fault: the seam is built with feature `seams` only.
     #[cfg(not(feature = "seams"))]
     pub(super) fn data_fault(&self, _ino: u64) -> Option<i32> {

@@ -1,0 +1,189 @@
+//! In-process tests of the store in cluster mode: two stores (two hosts) sharing one `file:`
+//! pool and a private etcd, each with its authority and applier as marud runs them, and the
+//! store's seams to stop a host at a chosen step.
+//!
+//! Needs Debian's `etcd-server` (skipped without it, unless `MARU_REQUIRE_ROOT` is set).
+
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use maru_cluster::testing::Etcd;
+use maru_daemon::cluster::applier::start_applier;
+use maru_daemon::cluster::{ClusterSettings, EtcdAuthority};
+use maru_daemon::pool::PoolSpec;
+use maru_daemon::store::{Eviction, Store, StoreConfig};
+use maru_fsd::Caller;
+
+const POOL: u64 = 64 << 20;
+
+/// One host: its store, on the shared pool `pool` (its device UUID `uuid`).
+fn host(etcd: &Etcd, dir: &Path, node: &str, uuid: &str) -> Arc<Store> {
+    let settings = ClusterSettings {
+        endpoints: etcd.endpoints(),
+        node: node.to_owned(),
+        ttl: Duration::from_secs(10),
+    };
+    let auth = EtcdAuthority::join(&settings, uuid).expect("joining the cluster");
+    let cfg = StoreConfig {
+        eviction: Eviction::Off,
+        state_dir: dir.join(format!("state-{node}")),
+        wal_sync: false,
+        max_copy_entry: 1 << 30,
+    };
+    let spec =
+        PoolSpec::parse(&format!("file:{}/cxl.img,size={POOL}", dir.display())).expect("pool spec");
+    let store = Store::open_with(cfg, &[spec], auth.clone()).expect("opening the store");
+    start_applier(store.clone(), auth).expect("the applier");
+    store
+        .mkdir(&Caller::root(), "ns", 0o755)
+        .or_else(|e| match e {
+            maru::Error::Exists(_) => Ok(0),
+            e => Err(e),
+        })
+        .expect("mkdir ns");
+    store
+}
+
+/// Stores `data` as `ns/key` through `store`'s socket verbs.
+fn put(store: &Store, key: &str, data: &[u8]) -> maru::Result<()> {
+    let s = store.open_session("t", Caller::root());
+    let r = (|| {
+        let (g, _) = store
+            .alloc(s, data.len() as u64, 1, None, None)?
+            .pop()
+            .expect("one grant");
+        store
+            .raw_pool_fd(g.pool, true)?
+            .write_all_at(data, g.offset)?;
+        store.publish(s, g.alloc, "ns", key, None).map(drop)
+    })();
+    store.close_session(s);
+    r
+}
+
+/// The bytes `store` serves as `ns/key` (None: absent).
+fn get(store: &Store, key: &str) -> Option<Vec<u8>> {
+    let s = store.open_session("t", Caller::root());
+    let found = store
+        .retrieve(s, "ns", &[key.to_owned()], |_| false)
+        .expect("retrieve")
+        .pop()
+        .expect("one answer")
+        .map(|(loc, _)| {
+            let mut b = vec![0; loc.size as usize];
+            store
+                .raw_pool_fd(loc.pool, false)
+                .and_then(|f| Ok(f.read_exact_at(&mut b, loc.offset)?))
+                .expect("reading the pool");
+            b
+        });
+    store.close_session(s);
+    found
+}
+
+fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "{what}: not within 20 s"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn cluster() -> Option<(Etcd, tempfile::TempDir, String)> {
+    let etcd = Etcd::start()?;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let f = std::fs::File::create(dir.path().join("cxl.img")).expect("pool file");
+    f.set_len(POOL).expect("pool size");
+    let uuid = maru::format::init_header(&f)
+        .expect("device header")
+        .uuid_string();
+    Some((etcd, dir, uuid))
+}
+
+/// Another host removes an entry in the moment between etcd granting this host's publication
+/// of it and this host sealing it (its removal reaches this host's applier first, when there
+/// is nothing here yet to remove). The publication stands (it happened), and the removal
+/// applies after it: the entry goes here too, and a later entry of the name, stored
+/// elsewhere, is what this host serves — not its own bytes of the removed one.
+#[test]
+fn a_removal_of_an_entry_arriving_before_its_seal_removes_it_once_sealed() {
+    let Some((etcd, dir, uuid)) = cluster() else {
+        return;
+    };
+    let h0 = host(&etcd, dir.path(), "h0", &uuid);
+    let h1 = host(&etcd, dir.path(), "h1", &uuid);
+    let once = Arc::new(AtomicBool::new(false));
+    let (ran, other) = (once.clone(), h1.clone());
+    let me = Arc::downgrade(&h0);
+    h0.set_ask_gate(Some(Box::new(move |step, ns, key| {
+        if (step, ns, key) != ("published", "ns", "k") || once.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let me = me.upgrade().expect("h0");
+        // h1 learns of the entry, and deletes it.
+        eventually("h1 serves ns/k", || get(&other, "k").is_some());
+        let deleted = other
+            .delete(&Caller::root(), "ns", &["k".to_owned()])
+            .expect("delete");
+        assert!(deleted.iter().all(Result::is_ok), "{deleted:?}");
+        // A later change of h1's: once h0 applied it, it applied the removal before it.
+        put(&other, "marker", b"m").expect("marker");
+        eventually("h0 serves ns/marker", || get(&me, "marker").is_some());
+    })));
+    put(&h0, "k", &[1u8; 5000]).expect("the publication was granted: it stands");
+    assert!(ran.load(Ordering::SeqCst), "the seam ran");
+    eventually("h0 drops ns/k, removed on h1", || get(&h0, "k").is_none());
+    assert_eq!(get(&h1, "k"), None);
+    // The name stored again, on h1: h0 serves those bytes.
+    put(&h1, "k", &[2u8; 3000]).expect("stored again on h1");
+    eventually("h0 serves h1's ns/k", || {
+        get(&h0, "k").is_some_and(|b| b == [2u8; 3000])
+    });
+    h0.set_ask_gate(None);
+}
+
+/// This host deletes an entry, and in the moment between etcd recording the removal and this
+/// host removing the entry here, the name is stored again on another host (whose new entry
+/// reaches this host's applier while the name is still taken here by the one going). Once
+/// the delete is done, this host serves the new entry: it is not lost for being early.
+#[test]
+fn a_new_entry_of_a_name_arriving_while_it_is_deleted_here_is_served_after() {
+    let Some((etcd, dir, uuid)) = cluster() else {
+        return;
+    };
+    let h0 = host(&etcd, dir.path(), "h0", &uuid);
+    let h1 = host(&etcd, dir.path(), "h1", &uuid);
+    put(&h0, "k", &[1u8; 5000]).expect("stored on h0");
+    eventually("h1 serves ns/k", || get(&h1, "k").is_some());
+    let once = Arc::new(AtomicBool::new(false));
+    let (ran, other) = (once.clone(), h0.clone());
+    let me = Arc::downgrade(&h1);
+    h1.set_ask_gate(Some(Box::new(move |step, ns, key| {
+        if (step, ns, key) != ("withdrawn", "ns", "k") || once.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let me = me.upgrade().expect("h1");
+        // h0 learns of the removal, and stores the name again.
+        eventually("h0 drops ns/k", || get(&other, "k").is_none());
+        put(&other, "k", &[2u8; 3000]).expect("stored again on h0");
+        // A later change of h0's: once h1 applied it, it had the new ns/k before it.
+        put(&other, "marker", b"m").expect("marker");
+        eventually("h1 serves ns/marker", || get(&me, "marker").is_some());
+    })));
+    let deleted = h1
+        .delete(&Caller::root(), "ns", &["k".to_owned()])
+        .expect("delete");
+    assert!(deleted.iter().all(Result::is_ok), "{deleted:?}");
+    assert!(ran.load(Ordering::SeqCst), "the seam ran");
+    eventually("h1 serves h0's new ns/k", || {
+        get(&h1, "k").is_some_and(|b| b == [2u8; 3000])
+    });
+    assert_eq!(get(&h0, "k"), Some(vec![2u8; 3000]));
+    h1.set_ask_gate(None);
+}
