@@ -95,7 +95,9 @@ fn eventually(what: &str, mut f: impl FnMut() -> bool) {
     }
 }
 
-fn cluster() -> Option<(Etcd, tempfile::TempDir, String)> {
+/// A private etcd and a fresh pool file, with hosts `h0` and `h1` on them (the etcd and the
+/// directory live as long as the first two).
+fn two_hosts() -> Option<(Etcd, tempfile::TempDir, Arc<Store>, Arc<Store>)> {
     let etcd = Etcd::start()?;
     let dir = tempfile::tempdir().expect("tempdir");
     let f = std::fs::File::create(dir.path().join("cxl.img")).expect("pool file");
@@ -103,7 +105,35 @@ fn cluster() -> Option<(Etcd, tempfile::TempDir, String)> {
     let uuid = maru::format::init_header(&f)
         .expect("device header")
         .uuid_string();
-    Some((etcd, dir, uuid))
+    let h0 = host(&etcd, dir.path(), "h0", &uuid);
+    let h1 = host(&etcd, dir.path(), "h1", &uuid);
+    Some((etcd, dir, h0, h1))
+}
+
+/// Stops `here` once at `step` for `ns/k` (the store's seam, between etcd's answer and the
+/// store's next step) and runs `meanwhile` on `there`; then `there` stores `ns/marker`, and
+/// `here` goes on once its applier has filed that (and so everything `there` did before).
+/// Returns whether it ran.
+fn stop_once(
+    here: &Arc<Store>,
+    there: &Arc<Store>,
+    step: &'static str,
+    meanwhile: impl Fn(&Store) + Send + Sync + 'static,
+) -> Arc<AtomicBool> {
+    let once = Arc::new(AtomicBool::new(false));
+    let (ran, me, there) = (once.clone(), Arc::downgrade(here), there.clone());
+    here.set_ask_gate(Some(Box::new(move |at, ns, key| {
+        if (at, ns, key) != (step, "ns", "k") || once.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        meanwhile(&there);
+        put(&there, "marker", b"m").expect("marker");
+        let me = me.upgrade().expect("the host stopped");
+        eventually("the stopped host serves ns/marker", || {
+            get(&me, "marker").is_some()
+        });
+    })));
+    ran
 }
 
 /// Another host removes an entry in the moment between etcd granting this host's publication
@@ -113,29 +143,17 @@ fn cluster() -> Option<(Etcd, tempfile::TempDir, String)> {
 /// elsewhere, is what this host serves — not its own bytes of the removed one.
 #[test]
 fn a_removal_of_an_entry_arriving_before_its_seal_removes_it_once_sealed() {
-    let Some((etcd, dir, uuid)) = cluster() else {
+    let Some((_etcd, _dir, h0, h1)) = two_hosts() else {
         return;
     };
-    let h0 = host(&etcd, dir.path(), "h0", &uuid);
-    let h1 = host(&etcd, dir.path(), "h1", &uuid);
-    let once = Arc::new(AtomicBool::new(false));
-    let (ran, other) = (once.clone(), h1.clone());
-    let me = Arc::downgrade(&h0);
-    h0.set_ask_gate(Some(Box::new(move |step, ns, key| {
-        if (step, ns, key) != ("published", "ns", "k") || once.swap(true, Ordering::SeqCst) {
-            return;
-        }
-        let me = me.upgrade().expect("h0");
-        // h1 learns of the entry, and deletes it.
-        eventually("h1 serves ns/k", || get(&other, "k").is_some());
-        let deleted = other
+    // h1 learns of the entry, and deletes it.
+    let ran = stop_once(&h0, &h1, "published", |h1| {
+        eventually("h1 serves ns/k", || get(h1, "k").is_some());
+        let deleted = h1
             .delete(&Caller::root(), "ns", &["k".to_owned()])
             .expect("delete");
         assert!(deleted.iter().all(Result::is_ok), "{deleted:?}");
-        // A later change of h1's: once h0 applied it, it applied the removal before it.
-        put(&other, "marker", b"m").expect("marker");
-        eventually("h0 serves ns/marker", || get(&me, "marker").is_some());
-    })));
+    });
     put(&h0, "k", &[1u8; 5000]).expect("the publication was granted: it stands");
     assert!(ran.load(Ordering::SeqCst), "the seam ran");
     eventually("h0 drops ns/k, removed on h1", || get(&h0, "k").is_none());
@@ -154,28 +172,16 @@ fn a_removal_of_an_entry_arriving_before_its_seal_removes_it_once_sealed() {
 /// the delete is done, this host serves the new entry: it is not lost for being early.
 #[test]
 fn a_new_entry_of_a_name_arriving_while_it_is_deleted_here_is_served_after() {
-    let Some((etcd, dir, uuid)) = cluster() else {
+    let Some((_etcd, _dir, h0, h1)) = two_hosts() else {
         return;
     };
-    let h0 = host(&etcd, dir.path(), "h0", &uuid);
-    let h1 = host(&etcd, dir.path(), "h1", &uuid);
     put(&h0, "k", &[1u8; 5000]).expect("stored on h0");
     eventually("h1 serves ns/k", || get(&h1, "k").is_some());
-    let once = Arc::new(AtomicBool::new(false));
-    let (ran, other) = (once.clone(), h0.clone());
-    let me = Arc::downgrade(&h1);
-    h1.set_ask_gate(Some(Box::new(move |step, ns, key| {
-        if (step, ns, key) != ("withdrawn", "ns", "k") || once.swap(true, Ordering::SeqCst) {
-            return;
-        }
-        let me = me.upgrade().expect("h1");
-        // h0 learns of the removal, and stores the name again.
-        eventually("h0 drops ns/k", || get(&other, "k").is_none());
-        put(&other, "k", &[2u8; 3000]).expect("stored again on h0");
-        // A later change of h0's: once h1 applied it, it had the new ns/k before it.
-        put(&other, "marker", b"m").expect("marker");
-        eventually("h1 serves ns/marker", || get(&me, "marker").is_some());
-    })));
+    // h0 learns of the removal, and stores the name again.
+    let ran = stop_once(&h1, &h0, "withdrawn", |h0| {
+        eventually("h0 drops ns/k", || get(h0, "k").is_none());
+        put(h0, "k", &[2u8; 3000]).expect("stored again on h0");
+    });
     let deleted = h1
         .delete(&Caller::root(), "ns", &["k".to_owned()])
         .expect("delete");
