@@ -21,11 +21,31 @@ pub(crate) fn validity_guard(ttl: i64) -> u64 {
     ttl as u64 * 1_000_000_000 / 3
 }
 
+/// Whether the raft term in which a member renewed a lease still has a leader that a quorum
+/// follows: a linearizable read through the same member, answered in that same term.
+///
+/// A renewal alone does not prove the lease lives on: renewals are not agreed through raft,
+/// and a leader cut off from the other members goes on renewing leases until it notices
+/// (etcd before 3.4.25 and 3.5.8 for as long as it stays stuck), while the majority's new
+/// leader lets them expire. A read confirms its leadership with a quorum (etcd's ReadIndex),
+/// and a term has one leader: the same term in both answers means the renewal reached the
+/// leader the quorum follows.
+pub(crate) async fn confirmed(member: &Client, term: u64) -> bool {
+    let read = member.get("/maru/", crate::etcd::Range::COUNT_UNDER).await;
+    matches!(read, Ok(r) if r.header.is_some_and(|h| h.raft_term == term))
+}
+
 /// Keeps the lease alive every third of its TTL; marks the member not live when etcd says
 /// the lease is gone, or when no renewal succeeded for a whole TTL (etcd unreachable). Each
 /// renewal moves the validity (`Member::validity`) on from the moment it was asked.
+///
+/// `members` holds a client per etcd member: renewals go to one member until it fails (a
+/// member cut off from its quorum, one that does not answer), then at once to the next, so
+/// that one member without a leader does not cost the lease. A renewal counts once
+/// [`confirmed`]. Each attempt (opening the stream if it has to, the renewal, the read)
+/// takes a third of the TTL at most.
 pub(crate) async fn keep_alive(
-    c: Client,
+    members: Vec<Client>,
     lease: i64,
     ttl: i64,
     (live, valid): (Arc<AtomicBool>, Arc<AtomicU64>),
@@ -33,42 +53,48 @@ pub(crate) async fn keep_alive(
 ) {
     let period = Duration::from_millis((ttl as u64 * 1000 / 3).max(100));
     let mut last_ok = tokio::time::Instant::now();
+    let mut at = 0;
     let mut stream = None;
     let lost = || {
         valid.store(0, Ordering::Release);
         live.store(false, Ordering::Release);
     };
     loop {
-        if stream.is_none() {
-            stream = tokio::time::timeout(period, c.lease_keep_alive(lease))
-                .await
-                .ok()
-                .and_then(|r| r.ok());
-        }
-        let mut renewed = false;
-        if let Some(keeper) = stream.as_mut() {
-            let sent = boottime_ns();
-            match tokio::time::timeout(period, keeper.renew()).await {
-                Ok(Ok(granted)) if granted > 0 => {
-                    renewed = true;
-                    let until = sent + granted as u64 * 1_000_000_000 - validity_guard(ttl);
-                    valid.fetch_max(until, Ordering::AcqRel);
-                }
-                Ok(Ok(_)) => {
-                    tracing::warn!(node, lease, "etcd lease expired");
-                    lost();
-                    return;
-                }
-                _ => stream = None, // a new stream next time
+        let sent = boottime_ns();
+        let attempt = async {
+            if stream.is_none() {
+                stream = members[at].lease_keep_alive(lease).await.ok();
+            }
+            let keeper = stream.as_mut()?;
+            let (granted, term) = keeper.renew().await.ok()?;
+            confirmed(&members[at], term).await.then_some(granted)
+        };
+        match tokio::time::timeout(period, attempt).await {
+            Ok(Some(granted)) if granted > 0 => {
+                let until = sent + granted as u64 * 1_000_000_000 - validity_guard(ttl);
+                valid.fetch_max(until, Ordering::AcqRel);
+                last_ok = tokio::time::Instant::now();
+                tracing::debug!(node, lease, member = at, granted, "lease renewed");
+                tokio::time::sleep(period).await;
+                continue;
+            }
+            Ok(Some(_)) => {
+                tracing::warn!(node, lease, "etcd lease expired");
+                lost();
+                return;
+            }
+            // This member failed: the next one, at once, on a new stream.
+            failed => {
+                tracing::debug!(node, lease, member = at, ?failed, "lease renewal failed");
+                stream = None;
+                at = (at + 1) % members.len();
             }
         }
-        if renewed {
-            last_ok = tokio::time::Instant::now();
-        } else if last_ok.elapsed() >= Duration::from_secs(ttl as u64) {
+        if last_ok.elapsed() >= Duration::from_secs(ttl as u64) {
             tracing::warn!(node, lease, "etcd unreachable for a whole lease TTL");
             lost();
             return;
         }
-        tokio::time::sleep(period).await;
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }

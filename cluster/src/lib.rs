@@ -61,6 +61,6 @@ pub use batch::Publication;
 pub use error::{Error, Result};
 pub use keys::UNIT;
 pub use lease::boottime_ns;
-pub use member::Member;
+pub use member::{Member, Rejoined};
 pub use records::{EntryEvent, EntryRecord, Listed, NodeInfo, Published, Removed};
 pub use watch::{AccessWatch, AckWatch, ClientPinWatch, EntryWatch, PinWatch, QuotaWatch};

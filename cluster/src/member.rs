@@ -11,9 +11,19 @@ use tokio::task::JoinHandle;
 use crate::error::{Error, Result};
 use crate::etcd::{self, Client, Compare, Op, Range, Txn, TxnResponse};
 use crate::keys::*;
-use crate::lease::{boottime_ns, keep_alive, validity_guard};
+use crate::lease::{boottime_ns, confirmed, keep_alive, validity_guard};
 use crate::records::*;
 use crate::watch::*;
+
+/// How [`Member::rejoin`] joined again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rejoined {
+    /// etcd still held the lease: this host keeps it, with its node record, claims, holds,
+    /// pins and reservations.
+    Kept,
+    /// On a new lease: whatever the old one held is gone.
+    Anew,
+}
 
 /// One host's membership of a pool's cluster.
 pub struct Member {
@@ -30,6 +40,8 @@ pub struct Member {
     /// it ([`Member::fence_publications`]).
     epoch: AtomicI64,
     keeper: JoinHandle<()>,
+    /// A client per etcd member, for the lease's renewals ([`keep_alive`]).
+    renewers: Vec<Client>,
 }
 
 impl Member {
@@ -51,20 +63,20 @@ impl Member {
         // A request that cannot finish within the TTL (2 s at least) fails rather than hang:
         // a host cut off from etcd learns it about when its lease runs out.
         let patience = Duration::from_secs((ttl as u64).max(2));
-        let client = Client::connect(
-            endpoints,
-            etcd::Options {
-                patience,
-                require_leader: true,
-            },
-        )?;
+        let options = etcd::Options {
+            patience,
+            require_leader: true,
+        };
+        let client = Client::connect(endpoints, options)?;
+        let renewers = Client::each(endpoints, options)?;
         let keys = Keys {
             root: format!("/maru/{pool_uuid}/"),
         };
         let valid = Arc::new(AtomicU64::new(0));
         let (lease, epoch, live, keeper) =
-            Self::register(&client, &keys, &info, ttl, &valid).await?;
+            Self::register(&client, &renewers, &keys, &info, ttl, &valid).await?;
         Ok(Member {
+            renewers,
             client,
             keys,
             info,
@@ -79,6 +91,7 @@ impl Member {
 
     async fn register(
         client: &Client,
+        renewers: &[Client],
         keys: &Keys,
         info: &NodeInfo,
         ttl: i64,
@@ -105,7 +118,7 @@ impl Member {
         );
         let live = Arc::new(AtomicBool::new(true));
         let keeper = tokio::spawn(keep_alive(
-            c,
+            renewers.to_vec(),
             lease,
             ttl,
             (live.clone(), valid.clone()),
@@ -140,17 +153,68 @@ impl Member {
         self.valid.clone()
     }
 
-    /// Joins again after the lease was lost: a new lease, the node record recreated. What
-    /// the old lease held (claims) is gone; the caller re-claims what it needs.
-    pub async fn rejoin(&mut self) -> Result<()> {
+    /// Joins again after the lease was lost here (the keep-alive saw no renewal for a whole
+    /// TTL). If etcd still holds the lease (a renewal succeeds: etcd renews every lease when
+    /// a new leader takes over, so a host that waited out an election may find its lease
+    /// alive), this host keeps it and everything it holds ([`Rejoined::Kept`]); otherwise a
+    /// new lease, the node record recreated ([`Rejoined::Anew`]): what the old lease held
+    /// (claims) is gone, the caller re-claims what it needs.
+    pub async fn rejoin(&mut self) -> Result<Rejoined> {
         self.keeper.abort();
-        let (lease, epoch, live, keeper) =
-            Self::register(&self.client, &self.keys, &self.info, self.ttl, &self.valid).await?;
+        if let Some(kept) = self.renew_lost().await {
+            self.live = Arc::new(AtomicBool::new(true));
+            self.valid.fetch_max(kept, Ordering::AcqRel);
+            // Publications sent before the loss must not land: the node record is written
+            // again (which also proves the lease owns it).
+            if self.fence_publications().await.is_ok() {
+                self.keeper = tokio::spawn(keep_alive(
+                    self.renewers.clone(),
+                    self.lease,
+                    self.ttl,
+                    (self.live.clone(), self.valid.clone()),
+                    self.info.node.clone(),
+                ));
+                return Ok(Rejoined::Kept);
+            }
+            self.valid.store(0, Ordering::Release);
+            self.live.store(false, Ordering::Release);
+        }
+        let (lease, epoch, live, keeper) = Self::register(
+            &self.client,
+            &self.renewers,
+            &self.keys,
+            &self.info,
+            self.ttl,
+            &self.valid,
+        )
+        .await?;
         self.lease = lease;
         self.epoch.store(epoch, Ordering::Release);
         self.live = live;
         self.keeper = keeper;
-        Ok(())
+        Ok(Rejoined::Anew)
+    }
+
+    /// One renewal of the lease this host deemed lost, asked of each member in turn (a third
+    /// of the TTL each); until when the lease is then sure to be alive, if etcd renewed it.
+    async fn renew_lost(&self) -> Option<u64> {
+        let period = Duration::from_millis((self.ttl as u64 * 1000 / 3).max(100));
+        for m in &self.renewers {
+            let sent = boottime_ns();
+            let renewal = async {
+                let (granted, term) = m.lease_keep_alive(self.lease).await?.renew().await?;
+                Ok::<_, etcd::Error>((granted, confirmed(m, term).await))
+            };
+            match tokio::time::timeout(period, renewal).await {
+                Ok(Ok((granted, true))) if granted > 0 => {
+                    return Some(sent + granted as u64 * 1_000_000_000 - validity_guard(self.ttl));
+                }
+                // etcd says the lease is gone.
+                Ok(Ok((0, _))) => return None,
+                _ => {}
+            }
+        }
+        None
     }
 
     /// The comparison a publication makes: this host's node record is as it last wrote it

@@ -175,21 +175,30 @@ impl Drop for Etcd {
 /// its data; every member is killed by pid when the cluster drops.
 pub struct EtcdCluster {
     members: Vec<Member>,
-    netns: Option<String>,
-    ip: String,
+    /// Where the harness's own requests ([`EtcdCluster::http`]) come from.
+    from: Option<String>,
 }
 
 struct Member {
     child: Option<Child>,
     dir: tempfile::TempDir,
+    at: Place,
     client: u16,
     peer: u16,
 }
 
+/// Where an etcd member runs: a network namespace (None: this one) and its address there.
+#[derive(Debug, Clone)]
+pub struct Place {
+    pub netns: Option<String>,
+    pub ip: String,
+}
+
 impl EtcdCluster {
-    /// `n` members on ports from `base` (client `base + 100 i`, peer one above); None (skip)
-    /// when etcd is not installed outside CI.
-    pub fn start(netns: Option<&str>, ip: &str, n: usize, base: u16) -> Option<EtcdCluster> {
+    /// A member at each of `places`, on ports from `base` (client `base + 100 i`, peer one
+    /// above), asked by the harness from namespace `from`; None (skip) when etcd is not
+    /// installed outside CI.
+    pub fn start(from: Option<&str>, places: &[Place], base: u16) -> Option<EtcdCluster> {
         if Command::new("etcd")
             .arg("--version")
             .stdout(Stdio::null())
@@ -199,19 +208,22 @@ impl EtcdCluster {
             skip("etcd is not installed (apt-get install etcd-server)");
             return None;
         }
-        let members = (0..n)
-            .map(|i| Member {
+        let members = places
+            .iter()
+            .enumerate()
+            .map(|(i, at)| Member {
                 child: None,
                 dir: data_dir(),
+                at: at.clone(),
                 client: base + 100 * i as u16,
                 peer: base + 100 * i as u16 + 1,
             })
             .collect();
         let mut c = EtcdCluster {
             members,
-            netns: netns.map(str::to_owned),
-            ip: ip.to_owned(),
+            from: from.map(str::to_owned),
         };
+        let n = places.len();
         for i in 0..n {
             c.spawn(i);
         }
@@ -226,12 +238,12 @@ impl EtcdCluster {
             .members
             .iter()
             .enumerate()
-            .map(|(k, m)| format!("m{k}=http://{}:{}", self.ip, m.peer))
+            .map(|(k, m)| format!("m{k}=http://{}:{}", m.at.ip, m.peer))
             .collect();
         let m = &self.members[i];
-        let client = format!("http://{}:{}", self.ip, m.client);
-        let peer = format!("http://{}:{}", self.ip, m.peer);
-        let mut cmd = match &self.netns {
+        let client = format!("http://{}:{}", m.at.ip, m.client);
+        let peer = format!("http://{}:{}", m.at.ip, m.peer);
+        let mut cmd = match &m.at.netns {
             Some(ns) => {
                 let mut c = Command::new("ip");
                 c.args(["netns", "exec", ns, "etcd"]);
@@ -276,7 +288,8 @@ impl EtcdCluster {
 
     /// A request to member `i`'s client port (JSON gateway); the response, headers included.
     pub fn http(&self, i: usize, method: &str, path: &str, body: &str) -> Option<String> {
-        let addr = format!("{}:{}", self.ip, self.members[i].client);
+        let m = &self.members[i];
+        let addr = format!("{}:{}", m.at.ip, m.client);
         let req = format!(
             "{method} {path} HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
             body.len()
@@ -292,7 +305,7 @@ impl EtcdCluster {
             c.read_to_string(&mut out).ok()?;
             Some(out)
         };
-        match &self.netns {
+        match &self.from {
             None => go(),
             Some(ns) => in_netns(ns, go),
         }
@@ -324,6 +337,19 @@ impl EtcdCluster {
         None
     }
 
+    /// Member `i`'s id and the leader it knows (0: none), from its status; None when it does
+    /// not answer.
+    pub fn leader(&self, i: usize) -> Option<(u64, u64)> {
+        let reply = self.http(i, "POST", "/v3/maintenance/status", "{}")?;
+        let (_, body) = reply.split_once("\r\n\r\n")?;
+        let json: serde_json::Value = serde_json::from_str(body).ok()?;
+        let id = |v: &serde_json::Value| v.as_str().and_then(|s| s.parse::<u64>().ok());
+        Some((
+            id(&json["header"]["member_id"])?,
+            id(&json["leader"]).unwrap_or(0),
+        ))
+    }
+
     pub fn len(&self) -> usize {
         self.members.len()
     }
@@ -336,7 +362,7 @@ impl EtcdCluster {
     pub fn endpoints(&self) -> Vec<String> {
         self.members
             .iter()
-            .map(|m| format!("http://{}:{}", self.ip, m.client))
+            .map(|m| format!("http://{}:{}", m.at.ip, m.client))
             .collect()
     }
 
@@ -451,10 +477,13 @@ static NETS: AtomicU32 = AtomicU32::new(0);
 
 /// Hosts as network namespaces: a hub namespace holds a bridge (and etcd, at
 /// [`Net::hub_ip`]); each host namespace is joined to it by a veth pair, with an address in
-/// a private /24 chosen per test run.
+/// a private /24 chosen per test run. Etcd members may have namespaces of their own on the
+/// bridge too ([`Net::with_members`]), so that they can be cut from each other.
 pub struct Net {
     pub hub: String,
     pub hosts: Vec<String>,
+    /// Etcd members' namespaces.
+    pub members: Vec<String>,
     prefix: String,
     subnet: String,
 }
@@ -462,6 +491,12 @@ pub struct Net {
 impl Net {
     /// `n` hosts; None (skip) without root or `ip` outside CI.
     pub fn new(n: usize) -> Option<Net> {
+        Net::with_members(n, 0)
+    }
+
+    /// `n` hosts and `m` namespaces for etcd members ([`Net::member_place`]); None (skip)
+    /// without root or `ip` outside CI.
+    pub fn with_members(n: usize, m: usize) -> Option<Net> {
         if !nix::unistd::geteuid().is_root() || Command::new("ip").arg("-V").output().is_err() {
             skip("network namespaces need root and iproute2");
             return None;
@@ -473,6 +508,7 @@ impl Net {
         let mut net = Net {
             hub: format!("{prefix}hub"),
             hosts: Vec::new(),
+            members: Vec::new(),
             prefix,
             subnet,
         };
@@ -484,21 +520,69 @@ impl Net {
         ip(&["-n", &net.hub, "link", "set", "br0", "up"]);
         for i in 0..n {
             let host = format!("{}h{i}", net.prefix);
-            ip(&["netns", "add", &host]);
-            net.hosts.push(host.clone());
-            let (inner, outer) = (format!("{}v{i}", net.prefix), format!("{}p{i}", net.prefix));
-            ip(&[
-                "link", "add", &inner, "netns", &host, "type", "veth", "peer", "name", &outer,
-                "netns", &net.hub,
-            ]);
-            ip(&["-n", &host, "link", "set", "lo", "up"]);
-            let addr = format!("{}.{}/24", net.subnet, i + 2);
-            ip(&["-n", &host, "addr", "add", &addr, "dev", &inner]);
-            ip(&["-n", &host, "link", "set", &inner, "up"]);
-            ip(&["-n", &net.hub, "link", "set", &outer, "master", "br0"]);
-            ip(&["-n", &net.hub, "link", "set", &outer, "up"]);
+            net.attach(&host, &format!("{i}"), &net.host_ip(i));
+            net.hosts.push(host);
+        }
+        for i in 0..m {
+            let member = format!("{}e{i}", net.prefix);
+            net.attach(&member, &format!("e{i}"), &net.member_ip(i));
+            net.members.push(member);
         }
         Some(net)
+    }
+
+    /// Makes namespace `ns`, joined to the bridge by a veth pair named after `tag`, with
+    /// address `addr`.
+    fn attach(&self, ns: &str, tag: &str, addr: &str) {
+        ip(&["netns", "add", ns]);
+        let (inner, outer) = (
+            format!("{}v{tag}", self.prefix),
+            format!("{}p{tag}", self.prefix),
+        );
+        ip(&[
+            "link", "add", &inner, "netns", ns, "type", "veth", "peer", "name", &outer, "netns",
+            &self.hub,
+        ]);
+        ip(&["-n", ns, "link", "set", "lo", "up"]);
+        ip(&[
+            "-n",
+            ns,
+            "addr",
+            "add",
+            &format!("{addr}/24"),
+            "dev",
+            &inner,
+        ]);
+        ip(&["-n", ns, "link", "set", &inner, "up"]);
+        ip(&["-n", &self.hub, "link", "set", &outer, "master", "br0"]);
+        ip(&["-n", &self.hub, "link", "set", &outer, "up"]);
+    }
+
+    /// Etcd member `i`'s address.
+    pub fn member_ip(&self, i: usize) -> String {
+        format!("{}.{}", self.subnet, 100 + i)
+    }
+
+    /// Where etcd member `i` runs: its namespace and address.
+    pub fn member_place(&self, i: usize) -> Place {
+        Place {
+            netns: Some(self.members[i].clone()),
+            ip: self.member_ip(i),
+        }
+    }
+
+    /// Cuts namespace `ns` off address `addr` (a route that discards what it sends there),
+    /// or, `cut` false, joins them again. One way: cut both ends for a partition.
+    pub fn block(&self, ns: &str, addr: &str, cut: bool) {
+        let dst = format!("{addr}/32");
+        ip(&[
+            "-n",
+            ns,
+            "route",
+            if cut { "add" } else { "del" },
+            "blackhole",
+            &dst,
+        ]);
     }
 
     /// The hub's address on the bridge (where etcd listens).
@@ -551,7 +635,12 @@ impl Net {
 
 impl Drop for Net {
     fn drop(&mut self) {
-        for ns in self.hosts.iter().chain(std::iter::once(&self.hub)) {
+        for ns in self
+            .hosts
+            .iter()
+            .chain(&self.members)
+            .chain(std::iter::once(&self.hub))
+        {
             let _ = Command::new("ip").args(["netns", "del", ns]).status();
         }
     }

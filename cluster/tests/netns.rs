@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use maru_cluster::testing::{Etcd, Net};
+use maru_cluster::testing::{Etcd, EtcdCluster, Net};
 use maru_cluster::{EntryRecord, Error, Member, NodeInfo, Published, UNIT};
 
 const POOL: &str = "5f0c1d2e-0000-4000-8000-0000000c0ffe";
@@ -139,4 +139,81 @@ fn a_host_cut_off_loses_its_claims_and_owns_nothing_twice_after() {
     assert_eq!(regions.get(&0).map(String::as_str), Some("a"));
     assert_eq!(regions.get(&1).map(String::as_str), Some("b"));
     drop(rts);
+}
+
+/// Cuts etcd member `m` from the other two (a minority of one), or joins it again.
+fn split(net: &Net, m: usize, cut: bool) {
+    for o in (0..3).filter(|&o| o != m) {
+        net.block(&net.members[m], &net.member_ip(o), cut);
+        net.block(&net.members[o], &net.member_ip(m), cut);
+    }
+}
+
+#[test]
+fn a_member_cut_from_its_quorum_costs_no_request_and_no_lease() {
+    let Some(net) = Net::with_members(1, 3) else {
+        return;
+    };
+    let places: Vec<_> = (0..3).map(|m| net.member_place(m)).collect();
+    let Some(etcd) = EtcdCluster::start(Some(&net.hub), &places, 2379) else {
+        return;
+    };
+    // A follower is cut off (a leader cut off goes on as one for a while, and what it is
+    // asked in the meantime waits); it comes first in the host's list, where the lease's
+    // renewals start.
+    let leader = etcd.leader(0).expect("m0's status").1;
+    let m = (0..3)
+        .find(|&i| etcd.leader(i).is_some_and(|(id, _)| id != leader))
+        .expect("a follower");
+    let mut eps = etcd.endpoints();
+    eps.swap(0, m);
+    let rt = net.runtime(0);
+    let a = std::sync::Arc::new(on(&rt, async move {
+        let info = NodeInfo {
+            node: "a".into(),
+            address: "host 0".into(),
+            pid: std::process::id(),
+        };
+        Member::join(&eps, POOL, info, TTL).await.expect("join")
+    }));
+    let lease = a.lease();
+    let a2 = a.clone();
+    assert!(on(&rt, async move {
+        a2.claim(0, 4 * UNIT).await.expect("claim")
+    }));
+    // It knows it has no leader once an election timeout passed.
+    split(&net, m, true);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while etcd.leader(m).is_some_and(|(_, l)| l != 0) {
+        assert!(
+            Instant::now() < deadline,
+            "the member cut off still follows a leader"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Every request lands (those the cut member refuses go to another), for three TTLs;
+    // the lease lives on, renewed by the members with a quorum.
+    let a2 = a.clone();
+    let failed = on(&rt, async move {
+        let mut failed = Vec::new();
+        let t = Instant::now();
+        let mut i = 0u64;
+        while t.elapsed() < 3 * TTL {
+            if let Err(e) = a2.publish("ns", &format!("q{i}"), &record(i << 12)).await {
+                failed.push(e.to_string());
+            }
+            i += 1;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        failed
+    });
+    split(&net, m, false);
+    assert!(
+        failed.is_empty(),
+        "{} requests failed, the first: {:?}",
+        failed.len(),
+        failed.first()
+    );
+    assert!(a.is_live(), "the lease was lost");
+    assert_eq!(a.lease(), lease);
 }

@@ -116,6 +116,17 @@ impl tonic::service::Interceptor for RequireLeader {
 
 type Service = InterceptedService<Channel, RequireLeader>;
 
+/// [`Client::again`] with request `$req` to service `$svc`'s `$rpc`, a fresh clone of both
+/// for each try.
+macro_rules! again {
+    ($self:ident, $svc:ident . $rpc:ident ($req:expr)) => {
+        $self.again(|| {
+            let (mut svc, req) = ($self.$svc.clone(), $req.clone());
+            async move { svc.$rpc(req).await }
+        })
+    };
+}
+
 /// A connection to an etcd cluster. Cheap to clone: clones share the channel.
 #[derive(Clone)]
 pub struct Client {
@@ -123,6 +134,8 @@ pub struct Client {
     watch: WatchClient<Service>,
     lease: LeaseClient<Service>,
     maintenance: MaintenanceClient<Service>,
+    /// How long a request may take, refusals for want of a leader retried included.
+    patience: Duration,
 }
 
 /// How a [`Client`] connects.
@@ -177,13 +190,48 @@ impl Client {
             watch: WatchClient::new(service.clone()),
             lease: LeaseClient::new(service.clone()),
             maintenance: MaintenanceClient::new(service),
+            patience: options.patience,
         })
+    }
+
+    /// One client per endpoint of `endpoints`, each speaking to that member alone (where
+    /// the caller must choose the member, not the balancer: a lease's renewals go to the
+    /// next member when one fails).
+    pub fn each<S: AsRef<str>>(endpoints: &[S], options: Options) -> Result<Vec<Self>> {
+        endpoints
+            .iter()
+            .map(|e| Client::connect(std::slice::from_ref(e), options))
+            .collect()
+    }
+
+    /// Sends a unary request (made afresh by `call`) again while the member that answers
+    /// refuses it for want of a leader (etcd's `hasleader`: a member cut off from its quorum;
+    /// every member during an election). etcd refuses such a request before doing anything
+    /// with it, so sending it again, which the balancer may send to another member, cannot
+    /// apply it twice. Gives up with the refusal once the client's patience is spent.
+    async fn again<T, F, Fut>(&self, mut call: F) -> Result<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
+    {
+        let deadline = tokio::time::Instant::now() + self.patience;
+        let mut pause = Duration::from_millis(5);
+        loop {
+            match call().await {
+                Ok(r) => return Ok(r.into_inner()),
+                Err(s) if no_leader(&s) && tokio::time::Instant::now() + pause < deadline => {
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_millis(100));
+                }
+                Err(s) => return Err(s.into()),
+            }
+        }
     }
 
     /// Reads `key`, or every key `range` selects.
     pub async fn get(&self, key: impl Into<Vec<u8>>, range: Range) -> Result<RangeResponse> {
-        let r = self.kv.clone().range(range.request(key.into())).await?;
-        Ok(r.into_inner())
+        let req = range.request(key.into());
+        again!(self, kv.range(req)).await
     }
 
     /// Writes `key` (attached to `lease` unless 0); returns the revision of the write.
@@ -193,25 +241,28 @@ impl Client {
         value: impl Into<Vec<u8>>,
         lease: i64,
     ) -> Result<i64> {
-        let r = self.kv.clone().put(put_request(key, value, lease)).await?;
-        Ok(revision(r.into_inner().header))
+        let req = put_request(key, value, lease);
+        let r = again!(self, kv.put(req)).await?;
+        Ok(revision(r.header))
     }
 
     /// Deletes `key`; returns how many keys were deleted (0 or 1).
     pub async fn delete(&self, key: impl Into<Vec<u8>>) -> Result<i64> {
-        let r = self.kv.clone().delete_range(delete_request(key)).await?;
-        Ok(r.into_inner().deleted)
+        let req = delete_request(key);
+        let r = again!(self, kv.delete_range(req)).await?;
+        Ok(r.deleted)
     }
 
     /// Runs a transaction.
     pub async fn txn(&self, txn: Txn) -> Result<TxnResponse> {
-        Ok(TxnResponse(self.kv.clone().txn(txn.0).await?.into_inner()))
+        let r = again!(self, kv.txn(txn.0)).await?;
+        Ok(TxnResponse(r))
     }
 
     /// Compacts the history up to `revision` (watches that start earlier are cancelled).
     pub async fn compact(&self, revision: i64, physical: bool) -> Result<()> {
         let req = rpc::CompactionRequest { revision, physical };
-        self.kv.clone().compact(req).await?;
+        again!(self, kv.compact(req)).await?;
         Ok(())
     }
 
@@ -253,7 +304,7 @@ impl Client {
     /// Grants a lease of `ttl` seconds; returns its id.
     pub async fn lease_grant(&self, ttl: i64) -> Result<i64> {
         let req = rpc::LeaseGrantRequest { ttl, id: 0 };
-        let r = self.lease.clone().lease_grant(req).await?.into_inner();
+        let r = again!(self, lease.lease_grant(req)).await?;
         if !r.error.is_empty() {
             return Err(Error::Status(tonic::Status::unavailable(r.error)));
         }
@@ -263,7 +314,7 @@ impl Client {
     /// Revokes a lease: every key attached to it is deleted.
     pub async fn lease_revoke(&self, id: i64) -> Result<()> {
         let req = rpc::LeaseRevokeRequest { id };
-        self.lease.clone().lease_revoke(req).await?;
+        again!(self, lease.lease_revoke(req)).await?;
         Ok(())
     }
 
@@ -290,13 +341,14 @@ impl Client {
 
     /// The status of the member that answers (its version, the leader it knows).
     pub async fn status(&self) -> Result<StatusResponse> {
-        let r = self
-            .maintenance
-            .clone()
-            .status(rpc::StatusRequest {})
-            .await?;
-        Ok(r.into_inner())
+        again!(self, maintenance.status(rpc::StatusRequest {})).await
     }
+}
+
+/// Whether etcd refused a request because the member has no leader (`hasleader`): refused
+/// before it was looked at.
+fn no_leader(s: &tonic::Status) -> bool {
+    s.code() == tonic::Code::Unavailable && s.message() == "etcdserver: no leader"
 }
 
 /// The revision a response header carries (0 without one).
@@ -600,8 +652,9 @@ pub struct LeaseKeeper {
 }
 
 impl LeaseKeeper {
-    /// Renews the lease once: its remaining TTL in seconds (0: the lease no longer exists).
-    pub async fn renew(&mut self) -> Result<i64> {
+    /// Renews the lease once: its remaining TTL in seconds (0: the lease no longer exists),
+    /// and the raft term of the member that answered.
+    pub async fn renew(&mut self) -> Result<(i64, u64)> {
         if !self.asked {
             self.requests
                 .send(rpc::LeaseKeepAliveRequest { id: self.id })
@@ -612,7 +665,7 @@ impl LeaseKeeper {
         let answer = self.responses.message().await?;
         self.asked = false;
         match answer {
-            Some(r) => Ok(r.ttl),
+            Some(r) => Ok((r.ttl, r.header.map_or(0, |h| h.raft_term))),
             None => Err(Error::StreamEnded),
         }
     }

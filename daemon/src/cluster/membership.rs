@@ -32,12 +32,22 @@ async fn keep_membership(me: std::sync::Weak<EtcdAuthority>) {
             a.rejoins.send_modify(|n| *n += 1); // once per lease lost, not per attempt
         }
         let mut m = a.member.write().await;
-        if let Err(e) = m.rejoin().await {
-            tracing::warn!(node = %a.node, "rejoining: {e}");
-            drop(m);
-            drop(a);
-            tokio::time::sleep(Duration::from_millis(400)).await;
-            continue;
+        match m.rejoin().await {
+            Err(e) => {
+                tracing::warn!(node = %a.node, "rejoining: {e}");
+                drop(m);
+                drop(a);
+                tokio::time::sleep(Duration::from_millis(400)).await;
+                continue;
+            }
+            // etcd still held the lease (an election renewed it): its claims, holds, pins
+            // and reservations are all there.
+            Ok(maru_cluster::Rejoined::Kept) => {
+                a.rejoining.store(false, Ordering::Release);
+                tracing::info!(node = %a.node, lease = m.lease(), "kept the cluster lease");
+                continue;
+            }
+            Ok(maru_cluster::Rejoined::Anew) => {}
         }
         for (off, len) in a.local.regions(&a.pool) {
             match m.claim_again(off, len).await {

@@ -1,6 +1,6 @@
-//! The cluster under test: a three-member etcd in a hub network namespace, and marud hosts,
-//! each a host of a network namespace of its own (and a mount namespace of its own), sharing
-//! one `file:` pool. Everything goes when the environment drops, panics included: the
+//! The cluster under test: a three-member etcd, each member in a network namespace of its
+//! own, and marud hosts, each a host of a network namespace of its own (and a mount namespace
+//! of its own), sharing one `file:` pool; all joined by a bridge in a hub namespace. Everything goes when the environment drops, panics included: the
 //! daemons and etcd members are killed by pid, the namespaces (and their veths) deleted, the
 //! pool file and directories removed.
 
@@ -13,6 +13,9 @@ use maru_cluster::testing::{EtcdCluster, Net};
 use crate::{Daemon, Opts, bin};
 
 pub const POOL_SIZE: u64 = 256 << 20;
+
+/// Etcd members, each in a network namespace of its own.
+pub const MEMBERS: usize = 3;
 
 pub struct Env {
     // Drop order: daemons, then etcd, then the namespaces.
@@ -28,8 +31,9 @@ impl Env {
     /// `hosts` marud hosts on a fresh pool, logging at `log` (`MARU_LOG`; by default
     /// `MARU_TEST_LOG`, else `info`); None (skip) without root or etcd outside CI.
     pub fn start(hosts: usize, ttl: Duration, log: Option<&str>) -> Option<Env> {
-        let net = Net::new(hosts)?;
-        let etcd = EtcdCluster::start(Some(&net.hub), &net.hub_ip(), 3, 2379)?;
+        let net = Net::with_members(hosts, MEMBERS)?;
+        let places: Vec<_> = (0..MEMBERS).map(|m| net.member_place(m)).collect();
+        let etcd = EtcdCluster::start(Some(&net.hub), &places, 2379)?;
         let dir = tempfile::tempdir().expect("tempdir");
         let pool = dir.path().join("cxl.img");
         std::fs::File::create(&pool)
@@ -87,9 +91,9 @@ impl Env {
     }
 
     /// Whether etcd holds host `i`'s node record, which lives with its lease (as do its
-    /// claims): false once etcd dropped the lease. Asked of any member that answers; true
-    /// when none does (nothing known).
-    pub fn node_alive(&self, i: usize) -> bool {
+    /// claims): false once etcd dropped the lease. Asked of any member but `minority` (a
+    /// member cut from the others) that answers; true when none does (nothing known).
+    pub fn node_alive(&self, i: usize, minority: Option<usize>) -> bool {
         use base64::Engine;
         let b64 = base64::engine::general_purpose::STANDARD;
         let body = format!(
@@ -99,8 +103,11 @@ impl Env {
         );
         let suffix = format!("/nodes/h{i}");
         let etcd = self.etcd.lock().expect("etcd");
-        for m in 0..etcd.len() {
-            let Some(reply) = etcd.http(m, "POST", "/v3/kv/range", &body) else {
+        for m in (0..etcd.len()).filter(|&m| Some(m) != minority) {
+            let Some(reply) = etcd
+                .http(m, "POST", "/v3/kv/range", &body)
+                .filter(|r| r.starts_with("HTTP/1.0 200") || r.starts_with("HTTP/1.1 200"))
+            else {
                 continue;
             };
             let Some(json) = reply

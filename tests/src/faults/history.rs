@@ -58,6 +58,10 @@ pub struct Fault {
     /// and its claims with it: the other hosts may claim its regions); None when it did not
     /// before the link returned.
     pub released: Option<u64>,
+    /// A host cut from etcd's majority: how long after the cut the majority last elected a
+    /// leader of its own, if it did (etcd renews every lease then, so the host's lease runs
+    /// its TTL again from there).
+    pub elected: Option<u64>,
 }
 
 /// The history, shared by clients and the nemesis.

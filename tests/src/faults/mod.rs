@@ -134,10 +134,13 @@ impl std::fmt::Display for Report {
                         Some(d) => format!("stores acknowledged up to {d:?} after the cut"),
                         None => "no store acknowledged after the cut".into(),
                     };
-                    let released = match r.released {
+                    let mut released = match r.released {
                         Some(d) => format!("claims released {d:?} after it"),
                         None => "claims not released while cut".into(),
                     };
+                    if let Some(e) = r.elected {
+                        released.push_str(&format!(" (etcd's new leader elected {e:?} after it)"));
+                    }
                     format!("{}: {published}, {released}", r.host)
                 })
                 .collect();
@@ -154,7 +157,10 @@ impl std::fmt::Display for Report {
 /// Runs once; None when the environment cannot be made (no root, no etcd) outside CI.
 pub fn run(cfg: &Config) -> Option<Report> {
     let t0 = Instant::now();
-    let log = cfg.keep.as_ref().map(|_| "info,maru_daemon::cluster=debug");
+    let log = cfg
+        .keep
+        .as_ref()
+        .map(|_| "info,maru_daemon::cluster=debug,maru_cluster::lease=debug");
     let env = Arc::new(env::Env::start(cfg.hosts, cfg.ttl, log)?);
     eprintln!("seed {}: cluster up in {:?}", cfg.seed, t0.elapsed());
     let history = Arc::new(History::new());
@@ -268,8 +274,8 @@ fn keep(dir: &Path, env: &env::Env, r: &Report, ops: &[Op], faults: &[history::F
     for f in faults {
         let _ = writeln!(
             out,
-            "fault {} {} {}..{} µs released {:?}",
-            f.kind, f.target, f.start, f.end, f.released
+            "fault {} {} {}..{} µs released {:?} elected {:?}",
+            f.kind, f.target, f.start, f.end, f.released, f.elected
         );
     }
     let keys = r.keys();
@@ -396,57 +402,88 @@ fn after(env: &env::Env, cfg: &Config, history: &History, healed: Instant, r: &m
     // them (holes smaller than 8 MiB that the order of the frees left are not lost space).
     let unit = maru_cluster::UNIT;
     let filler = env.connect(0, Duration::from_secs(5)).expect("host 0");
-    let mut filled = 0u64;
-    let mut n = 0u64;
-    let mut a = Vec::new();
+    let mut filled = Filled::default();
     // Twice: if the first fill falls short, once more after a wait of three TTLs and 5 s
     // (what comes back in the background has come back by then).
     for round in 0..2 {
         if round == 1 {
-            if capacity.saturating_sub(filled) < unit {
+            if capacity.saturating_sub(filled.bytes) < unit {
                 break;
             }
             eprintln!(
-                "seed {}: the fill stopped at {n} entries ({filled} bytes); trying again after a \
-                 wait",
-                cfg.seed
+                "seed {}: the fill stopped at {} entries ({} bytes); trying again after a wait",
+                cfg.seed,
+                filled.keys.len(),
+                filled.bytes
             );
             std::thread::sleep(3 * cfg.ttl + Duration::from_secs(5));
         }
+        filled.more(&filler, "fill");
+        if let Some(e) = filled.failed.take() {
+            r.violations.push(format!("filling the pool: {e}"));
+        }
+    }
+    let unusable = capacity.saturating_sub(filled.bytes);
+    r.unusable = Some(unusable);
+    // Not one claim unit is left over when nothing is lost.
+    if unusable >= unit {
+        r.violations.push(format!(
+            "after deleting everything, {} entries filled {} bytes of the pool: {unusable} of \
+             its {capacity} bytes could not be used",
+            filled.keys.len(),
+            filled.bytes
+        ));
+    }
+    for k in &filled.keys {
+        let _ = filler.delete(k);
+    }
+}
+
+/// What a fill of the pool stored ([`fill`]).
+#[derive(Debug, Default)]
+pub struct Filled {
+    /// The entries stored, with their namespace.
+    pub keys: Vec<String>,
+    pub bytes: u64,
+    /// The error that stopped it, if not `ENOSPC`.
+    pub failed: Option<String>,
+}
+
+impl Filled {
+    /// Stores entries of 8 MiB, then of one claim unit (2 MiB: what is left between 8 MiB
+    /// regions), named `ns/<prefix>N`, through `h` until the pool has no room or a store
+    /// fails otherwise.
+    pub fn more(&mut self, h: &maru::Handler, prefix: &str) {
+        let unit = maru_cluster::UNIT;
         for size in [4 * unit, unit] {
             loop {
-                let key = format!("{}/fill{n}", workload::NS);
-                let res = filler.alloc(size).and_then(|mut h| {
-                    h.as_mut_slice()[..8].copy_from_slice(&n.to_le_bytes());
-                    filler.store(&key, h)
+                let n = self.keys.len() as u64;
+                let key = format!("{}/{prefix}{n}", workload::NS);
+                let res = h.alloc(size).and_then(|mut a| {
+                    a.as_mut_slice()[..8].copy_from_slice(&n.to_le_bytes());
+                    h.store(&key, a)
                 });
                 match res {
                     Ok(()) => {
-                        a.push(key);
-                        n += 1;
-                        filled += size;
+                        self.keys.push(key);
+                        self.bytes += size;
                     }
                     Err(maru::Error::NoSpace(_)) => break,
                     Err(e) => {
-                        r.violations.push(format!("filling the pool: {e}"));
-                        break;
+                        self.failed = Some(e.to_string());
+                        return;
                     }
                 }
             }
         }
     }
-    let unusable = capacity.saturating_sub(filled);
-    r.unusable = Some(unusable);
-    // Not one claim unit is left over when nothing is lost.
-    if unusable >= unit {
-        r.violations.push(format!(
-            "after deleting everything, {n} entries filled {filled} bytes of the pool: \
-             {unusable} of its {capacity} bytes could not be used"
-        ));
-    }
-    for k in &a {
-        let _ = filler.delete(k);
-    }
+}
+
+/// Fills the pool through `h` ([`Filled::more`]).
+pub fn fill(h: &maru::Handler, prefix: &str) -> Filled {
+    let mut f = Filled::default();
+    f.more(h, prefix);
+    f
 }
 
 /// Entries as a host lists them: name (with its namespace), offset, size.

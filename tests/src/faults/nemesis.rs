@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use super::env::Env;
+use super::env::{Env, MEMBERS};
 use super::history::{Fault, History};
 
 /// The kinds of fault.
@@ -23,15 +23,24 @@ pub enum Kind {
     EtcdKill,
     /// A compaction of etcd's keyspace at its current revision.
     Compact,
+    /// One etcd member cut from the other two (a minority and a majority), every host still
+    /// reaching all three; or, one time in two, one host also cut from the majority, so that
+    /// it reaches only the member without a quorum.
+    EtcdPartition,
+    /// The pool filled by one host's client (8 MiB entries, then 2 MiB ones, until `ENOSPC`)
+    /// for a moment, then emptied again.
+    Full,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 5] = [
+    pub const ALL: [Kind; 7] = [
         Kind::Kill,
         Kind::Pause,
         Kind::Partition,
         Kind::EtcdKill,
         Kind::Compact,
+        Kind::EtcdPartition,
+        Kind::Full,
     ];
 
     pub fn name(self) -> &'static str {
@@ -41,6 +50,8 @@ impl Kind {
             Kind::Partition => "partition",
             Kind::EtcdKill => "etcd-kill",
             Kind::Compact => "compact",
+            Kind::EtcdPartition => "etcd-partition",
+            Kind::Full => "full",
         }
     }
 
@@ -67,7 +78,7 @@ pub fn run(env: &Env, history: &Arc<History>, kinds: &[Kind], seed: u64, until: 
         let kind = kinds[rng.gen_range(0..kinds.len())];
         let host = rng.gen_range(0..env.hosts.len());
         let start = history.now();
-        let mut released = None;
+        let (mut released, mut elected) = (None, None);
         let target = match kind {
             Kind::Kill => {
                 let mut d = env.hosts[host].lock().expect("host");
@@ -87,21 +98,48 @@ pub fn run(env: &Env, history: &Arc<History>, kinds: &[Kind], seed: u64, until: 
             }
             Kind::Partition => {
                 env.net.link(host, false);
-                let cut = Instant::now();
-                // The link stays cut as drawn, and at least until etcd dropped the host's
-                // lease (a second past the bound, TTL + 1 s, at most).
-                let planned = cut + ttl + ms(&mut rng, 500, 2500);
-                let longest = planned.max(cut + ttl + Duration::from_secs(2));
-                while Instant::now() < longest {
-                    if released.is_none() && !env.node_alive(host) {
-                        released = Some(cut.elapsed().as_micros() as u64);
-                    }
-                    if released.is_some() && Instant::now() >= planned {
-                        break;
-                    }
-                    std::thread::sleep(Duration::from_millis(20));
-                }
+                let planned = ttl + ms(&mut rng, 500, 2500);
+                (released, _) = cut_off(env, host, None, planned);
                 env.net.link(host, true);
+                format!("h{host}")
+            }
+            Kind::EtcdPartition => {
+                let m = rng.gen_range(0..MEMBERS);
+                let with_host = rng.gen_bool(0.5);
+                let planned = ttl + ms(&mut rng, 500, 2500);
+                let split = |cut: bool| {
+                    for o in (0..MEMBERS).filter(|&o| o != m) {
+                        env.net
+                            .block(&env.net.members[m], &env.net.member_ip(o), cut);
+                        env.net
+                            .block(&env.net.members[o], &env.net.member_ip(m), cut);
+                        if with_host {
+                            env.net
+                                .block(&env.net.hosts[host], &env.net.member_ip(o), cut);
+                        }
+                    }
+                };
+                let known = env.etcd.lock().expect("etcd").leader(m);
+                let minority = known.map(|(id, leader)| Minority {
+                    member: m,
+                    id,
+                    leader,
+                });
+                split(true);
+                if with_host {
+                    (released, elected) = cut_off(env, host, minority, planned);
+                } else {
+                    std::thread::sleep(planned);
+                }
+                split(false);
+                if with_host {
+                    format!("m{m}+h{host}")
+                } else {
+                    format!("m{m}")
+                }
+            }
+            Kind::Full => {
+                full(env, host, ms(&mut rng, 500, 2000));
                 format!("h{host}")
             }
             Kind::EtcdKill => {
@@ -123,6 +161,87 @@ pub fn run(env: &Env, history: &Arc<History>, kinds: &[Kind], seed: u64, until: 
             start,
             end: history.now(),
             released,
+            elected,
         });
+    }
+}
+
+/// The member an etcd partition cut from the others, with its id and the leader it knew.
+#[derive(Clone, Copy)]
+struct Minority {
+    member: usize,
+    id: u64,
+    leader: u64,
+}
+
+/// Holds host `host` cut off etcd (its lease kept alive by nothing) for `planned`, and at
+/// least until etcd dropped its lease (a second past the bound, TTL + 1 s, at most); how
+/// long after the cut etcd dropped it (µs), if it did, and when the majority last elected a
+/// leader meanwhile. `minority`: the member the host still reaches, cut from the others (not
+/// asked whether the lease lives). etcd renews every lease when a new leader takes over, so
+/// the lease's TTL runs again from there: the cut lasts until TTL + 2 s after the last
+/// election too (15 s at most).
+fn cut_off(
+    env: &Env,
+    host: usize,
+    minority: Option<Minority>,
+    planned: Duration,
+) -> (Option<u64>, Option<u64>) {
+    let cut = Instant::now();
+    let planned = cut + planned;
+    let margin = env.ttl + Duration::from_secs(2);
+    let mut leader = minority.map(|m| m.leader);
+    let mut released = None;
+    let mut elected: Option<Instant> = None;
+    loop {
+        let now = Instant::now();
+        if let Some(m) = minority {
+            let etcd = env.etcd.lock().expect("etcd");
+            let now_leads = (0..MEMBERS)
+                .filter(|&o| o != m.member)
+                .filter_map(|o| etcd.leader(o))
+                .map(|(_, l)| l)
+                .find(|&l| l != 0);
+            if now_leads.is_some() && now_leads != leader {
+                leader = now_leads;
+                elected = Some(now);
+            }
+        }
+        let waits_election = minority.is_some_and(|m| leader == Some(m.id));
+        let from = if waits_election {
+            now.min(cut + Duration::from_secs(13))
+        } else {
+            elected.unwrap_or(cut)
+        };
+        if now >= planned.max(from + margin) {
+            break;
+        }
+        if released.is_none() && !env.node_alive(host, minority.map(|m| m.member)) {
+            released = Some(cut.elapsed().as_micros() as u64);
+        }
+        if released.is_some() && now >= planned && !waits_election {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let since = |t: Instant| t.duration_since(cut).as_micros() as u64;
+    (released, elected.map(since))
+}
+
+/// Fills the pool from host `host` ([`super::fill`]), holds it full for `hold`, and deletes
+/// what it stored (each delete tried for up to 10 s: the fault leaves nothing behind).
+fn full(env: &Env, host: usize, hold: Duration) {
+    let Some(h) = env.connect(host, Duration::from_secs(5)) else {
+        return;
+    };
+    let filled = super::fill(&h, "full");
+    std::thread::sleep(hold);
+    for key in &filled.keys {
+        let t = Instant::now();
+        while !matches!(h.delete(key), Ok(()) | Err(maru::Error::NotFound(_)))
+            && t.elapsed() < Duration::from_secs(10)
+        {
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 }
