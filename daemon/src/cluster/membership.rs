@@ -27,10 +27,8 @@ async fn keep_membership(me: std::sync::Weak<EtcdAuthority>) {
         }
         tracing::warn!(node = %a.node, "lost the cluster lease: no publication until rejoined");
         // Fenced off until the regions are claimed again and the applier has read every
-        // entry afresh (see `EtcdAuthority::fence`).
-        if !a.rejoining.swap(true, Ordering::AcqRel) {
-            a.rejoins.send_modify(|n| *n += 1); // once per lease lost, not per attempt
-        }
+        // entry afresh after the rejoin (see `EtcdAuthority::fence`).
+        a.rejoining.store(true, Ordering::Release);
         let mut m = a.member.write().await;
         match m.rejoin().await {
             Err(e) => {
@@ -43,7 +41,7 @@ async fn keep_membership(me: std::sync::Weak<EtcdAuthority>) {
             // etcd still held the lease (an election renewed it): its claims, holds, pins
             // and reservations are all there.
             Ok(maru_cluster::Rejoined::Kept) => {
-                a.rejoining.store(false, Ordering::Release);
+                rejoined(&a);
                 tracing::info!(node = %a.node, lease = m.lease(), "kept the cluster lease");
                 continue;
             }
@@ -84,9 +82,18 @@ async fn keep_membership(me: std::sync::Weak<EtcdAuthority>) {
                 a.reserved.lock().remove(&(ns, key));
             }
         }
-        a.rejoining.store(false, Ordering::Release);
+        rejoined(&a);
         tracing::info!(node = %a.node, lease = m.lease(), "rejoined the cluster");
     }
+}
+
+/// A rejoin is done: the host stays fenced off until the applier has read every entry
+/// afresh, begun after this moment. A read made before, while the host was still cut off
+/// (its lease gone, the rejoin failing), misses what was removed after it: that host served
+/// entries deleted meanwhile elsewhere, whose extents were carved again (seed 74).
+fn rejoined(a: &EtcdAuthority) {
+    a.rejoins.send_modify(|n| *n += 1);
+    a.rejoining.store(false, Ordering::Release);
 }
 
 /// Refreshes the hosts and their claims every second, for stats.

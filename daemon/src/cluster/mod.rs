@@ -123,8 +123,9 @@ pub struct EtcdAuthority {
     group: group::GroupCommit,
     /// Until when this host's lease is sure to be alive (`Member::validity`).
     valid: Arc<AtomicU64>,
-    /// Rejoins begun so far; and the count at which the applier last read every entry afresh
-    /// (after a rejoin, removals made while this host was cut off reach it that way).
+    /// Rejoins done so far; and the count at which the applier last began a read of every
+    /// entry that it applied (after a rejoin, removals made while this host was cut off
+    /// reach it that way: the read must begin after the rejoin).
     rejoins: tokio::sync::watch::Sender<u64>,
     caught_up: AtomicU64,
     /// A rejoin is under way: its regions are being claimed again.
