@@ -290,7 +290,10 @@ impl Member {
     }
 
     async fn claim_units(&self, units: &[u64], fresh: bool) -> Result<bool> {
-        let mut when = vec![self.alive_cmp()];
+        // As a publication: a claim whose answer was lost cannot land after a fence
+        // (`fence_publications`), so a claim given back after it cannot come back.
+        let (current, epoch) = self.publish_cmp();
+        let mut when = vec![current];
         if let (true, Some(first), Some(last)) = (fresh, units.first(), units.last()) {
             // No key in the range: etcd compares a range's absent keys as created at 0.
             when.push(Compare::none_in(
@@ -311,6 +314,9 @@ impl Member {
         let r = self.client.txn(txn).await?;
         if r.succeeded() {
             return Ok(true);
+        }
+        if self.epoch_moved(&r, epoch) {
+            return Box::pin(self.claim_units(units, fresh)).await;
         }
         self.check_alive(&r)?;
         Ok(false)
@@ -576,18 +582,26 @@ impl Member {
             .collect();
         puts.push((self.keys.ack(&self.info.node), revision.to_string()));
         for piece in puts.chunks(UNITS_PER_TXN) {
-            let txn = Txn::new()
-                .when([self.alive_cmp()])
-                .and_then(
-                    piece
-                        .iter()
-                        .map(|(k, v)| Op::put(k.clone(), v.clone(), self.lease))
-                        .collect::<Vec<_>>(),
-                )
-                .or_else([Op::get(self.keys.node(&self.info.node), Range::KEY)]);
-            let r = self.client.txn(txn).await?;
-            if !r.succeeded() {
-                self.check_alive(&r)?;
+            loop {
+                // As a publication: one whose answer was lost cannot land after a fence
+                // (`fence_publications`), so a hold let go after it cannot come back.
+                let (current, epoch) = self.publish_cmp();
+                let txn = Txn::new()
+                    .when([current])
+                    .and_then(
+                        piece
+                            .iter()
+                            .map(|(k, v)| Op::put(k.clone(), v.clone(), self.lease))
+                            .collect::<Vec<_>>(),
+                    )
+                    .or_else([Op::get(self.keys.node(&self.info.node), Range::KEY)]);
+                let r = self.client.txn(txn).await?;
+                if r.succeeded() || !self.epoch_moved(&r, epoch) {
+                    if !r.succeeded() {
+                        self.check_alive(&r)?;
+                    }
+                    break;
+                }
             }
         }
         Ok(())

@@ -65,7 +65,7 @@ async fn keep_membership(me: std::sync::Weak<EtcdAuthority>) {
         // What the old lease held is gone: the holds are recorded again (in the background),
         // the mount writers' reservations taken again where no one took the name meanwhile.
         for h in a.readers.lock().holds.values_mut() {
-            h.recorded = false;
+            (h.recorded, h.unanswered) = (false, false);
         }
         let pinned: Vec<Name> = a.client_pins_here.lock().iter().cloned().collect();
         if let Err(e) = m.pin_for_clients(&pinned, true).await {

@@ -35,6 +35,7 @@ mod group;
 mod known;
 mod membership;
 mod publishing;
+mod regions;
 
 /// An entry's name: (namespace, key).
 type Name = (String, String);
@@ -132,7 +133,7 @@ pub struct EtcdAuthority {
     rejoining: AtomicBool,
     /// Regions given back here whose claims etcd has not deleted yet (offset -> length):
     /// tried in the background until it does; a claim over one of them finishes it first.
-    releasing: Arc<tokio::sync::Mutex<HashMap<u64, u64>>>,
+    releasing: Arc<tokio::sync::Mutex<HashMap<u64, Release>>>,
 }
 
 impl EtcdAuthority {
@@ -154,13 +155,19 @@ impl EtcdAuthority {
         let (eps, pool, ttl) = (s.endpoints.clone(), pool_uuid.to_owned(), s.ttl);
         let (client_pin_tx, client_pin_rx) = tokio::sync::mpsc::unbounded_channel();
         let member = rt.block_on(async move {
-            let deadline = tokio::time::Instant::now() + ttl + Duration::from_secs(3);
+            let start = tokio::time::Instant::now();
             loop {
+                let now = tokio::time::Instant::now();
                 match Member::join(&eps, &pool, info.clone(), ttl).await {
                     Err(maru_cluster::Error::NodeTaken(n))
-                        if tokio::time::Instant::now() < deadline =>
+                        if now < start + ttl + Duration::from_secs(3) =>
                     {
                         tracing::info!(node = %n, "node name still held (an earlier run's lease); waiting");
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                    }
+                    // etcd without a leader (an election), or not answering: for 30 s.
+                    Err(maru_cluster::Error::Etcd(e)) if now < start + Duration::from_secs(30) => {
+                        tracing::warn!("joining the cluster: etcd: {e}; trying again");
                         tokio::time::sleep(Duration::from_millis(500)).await;
                     }
                     r => return r,
@@ -266,9 +273,12 @@ impl EtcdAuthority {
 
     /// Deletes hold `h`'s record in etcd, in the background, and again every half second while
     /// etcd fails it (left, it would keep the extent from its publisher as long as this host
-    /// lives); not once the lease it was recorded under is gone (it went with it).
+    /// lives); not once the lease it was recorded under is gone (it went with it). A hold
+    /// whose recording went unanswered (timed out: it may have landed, or land later, the
+    /// network having queued it) is deleted too, after a fence of this host's publications
+    /// (`Member::fence_publications`), which the recordings compare: none lands after.
     fn forget_hold(&self, h: Hold) {
-        if !h.recorded {
+        if !h.recorded && !h.unanswered {
             return;
         }
         let m = self.member();
@@ -282,7 +292,12 @@ impl EtcdAuthority {
                 if m.lease() != lease {
                     return;
                 }
-                match m.unhold(h.offset, h.len, h.tag).await {
+                let fenced = if h.unanswered {
+                    m.fence_publications().await
+                } else {
+                    Ok(())
+                };
+                match fenced.and(m.unhold(h.offset, h.len, h.tag).await) {
                     Ok(()) => return,
                     Err(e) if attempt == 0 => tracing::warn!(
                         offset = h.offset,
@@ -360,6 +375,7 @@ impl Readers {
             len,
             tag,
             recorded: false,
+            unanswered: false,
         };
         self.holds.insert(created, h);
         true
@@ -376,6 +392,16 @@ struct Hold {
     tag: u64,
     /// In etcd (recorded with the next acknowledgement; again after a rejoin).
     recorded: bool,
+    /// A recording of it under the current lease went unanswered: it may land unseen.
+    unanswered: bool,
+}
+
+/// A region being given back (`EtcdAuthority::give_back`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Release {
+    len: u64,
+    /// Its claim's answer was lost: this host's requests on their way are fenced first.
+    unanswered: bool,
 }
 
 /// How long an eviction waits for every live host's acknowledgement of its removals before
@@ -411,6 +437,24 @@ async fn acknowledge(me: std::sync::Weak<EtcdAuthority>) {
             todo.iter().map(|(_, h)| (h.offset, h.len, h.tag)).collect();
         if let Err(e) = m.acknowledge(want, &extents).await {
             tracing::debug!(revision = want, "acknowledging removals: {e}");
+            if !e.never_sent() {
+                let mut r = a.readers.lock();
+                for (created, h) in &todo {
+                    if let Some(x) = r.holds.get_mut(created)
+                        && x.tag == h.tag
+                    {
+                        x.unanswered = true;
+                    } else {
+                        // Let go of meanwhile, and its recording may land: take it back.
+                        drop(r);
+                        a.forget_hold(Hold {
+                            unanswered: true,
+                            ..h.clone()
+                        });
+                        r = a.readers.lock();
+                    }
+                }
+            }
             continue;
         }
         acked = (m.lease(), want);
@@ -750,107 +794,15 @@ impl Authority for EtcdAuthority {
     }
 
     fn claim_region(&self, pool: &str, offset: u64, len: u64) -> Result<()> {
-        self.local.claim_region(pool, offset, len)?;
-        if pool != self.pool {
-            return Ok(());
-        }
-        let (m, releasing) = (self.member(), self.releasing.clone());
-        let r = self.run(async move {
-            let mut releasing = releasing.lock().await;
-            let m = m.read().await;
-            // A release of this host's over the range not taken yet goes first.
-            let before: Vec<(u64, u64)> = releasing
-                .iter()
-                .filter(|&(&o, &l)| o < offset + len && offset < o + l)
-                .map(|(&o, &l)| (o, l))
-                .collect();
-            for (o, l) in before {
-                m.release(o, l).await?;
-                releasing.remove(&o);
-            }
-            m.claim(offset, len).await
-        });
-        tracing::debug!(offset, len, ?r, "claim");
-        let e = match r {
-            Ok(true) => return Ok(()),
-            Ok(false) => Error::Busy(format!(
-                "region {offset:#x}+{len:#x} is claimed by another host"
-            )),
-            Err(maru_cluster::Error::LeaseLost(_)) => {
-                unavailable("this host lost its lease; no region until it has rejoined")
-            }
-            Err(e) => unavailable(e),
-        };
-        self.local.release_region(pool, offset);
-        Err(e)
+        self.claim_shared(pool, offset, len)
     }
 
     fn claim_again(&self, pool: &str, offset: u64, len: u64) -> Result<()> {
-        self.local.claim_region(pool, offset, len)?;
-        if pool != self.pool {
-            return Ok(());
-        }
-        let m = self.member();
-        match self.run(async move { m.read().await.claim_again(offset, len).await }) {
-            Ok(true) => Ok(()),
-            r => {
-                self.local.release_region(pool, offset);
-                Err(match r {
-                    Ok(_) => Error::Busy(format!(
-                        "region {offset:#x}+{len:#x} is claimed by another host"
-                    )),
-                    Err(e) => unavailable(e),
-                })
-            }
-        }
+        self.claim_again_shared(pool, offset, len)
     }
 
     fn release_region(&self, pool: &str, offset: u64) {
-        let len = self
-            .local
-            .regions(pool)
-            .into_iter()
-            .find(|&(o, _)| o == offset)
-            .map(|(_, l)| l);
-        self.local.release_region(pool, offset);
-        if self.lost.lock().remove(&offset) {
-            return; // another host's now: nothing of it to give back
-        }
-        if let (Some(len), true) = (len, pool == self.pool) {
-            let (m, releasing) = (self.member(), self.releasing.clone());
-            self.rt.spawn(async move {
-                releasing.lock().await.insert(offset, len);
-                let lease = m.read().await.lease();
-                for attempt in 0u32.. {
-                    if attempt > 0 {
-                        tokio::time::sleep(Duration::from_millis(500)).await;
-                    }
-                    let mut pending = releasing.lock().await;
-                    if pending.get(&offset) != Some(&len) {
-                        return; // a claim over it finished it
-                    }
-                    let m = m.read().await;
-                    // A new lease: the claim went with the old one.
-                    let r = if m.lease() == lease {
-                        m.release(offset, len).await
-                    } else {
-                        Ok(())
-                    };
-                    match r {
-                        Ok(()) => {
-                            pending.remove(&offset);
-                            return;
-                        }
-                        Err(e) if attempt == 0 => tracing::warn!(
-                            offset,
-                            len,
-                            "releasing a region in the cluster: {e}; trying again until etcd takes it"
-                        ),
-                        Err(_) => {}
-                    }
-                }
-            });
-        }
+        self.release_shared(pool, offset)
     }
 
     fn regions(&self, pool: &str) -> Vec<(u64, u64)> {

@@ -1,0 +1,163 @@
+//! Regions given back to the cluster: a claim's release, tried in the background until etcd
+//! takes it.
+
+use std::time::Duration;
+
+use maru::{Error, Result};
+
+use super::{EtcdAuthority, Release, unavailable};
+use crate::store::authority::Authority;
+
+impl EtcdAuthority {
+    /// [`Authority::claim_region`](crate::store::authority::Authority::claim_region) on the
+    /// shared pool: claimed in etcd (after the releases of this host's pending over it).
+    pub(super) fn claim_shared(&self, pool: &str, offset: u64, len: u64) -> Result<()> {
+        self.local.claim_region(pool, offset, len)?;
+        if pool != self.pool {
+            return Ok(());
+        }
+        let (m, releasing) = (self.member(), self.releasing.clone());
+        let r = self.run(async move {
+            let mut releasing = releasing.lock().await;
+            let m = m.read().await;
+            // A release of this host's over the range not taken yet goes first (after a
+            // fence, for a claim whose answer was lost: see `give_back`).
+            let before: Vec<(u64, Release)> = releasing
+                .iter()
+                .filter(|&(&o, r)| o < offset + len && offset < o + r.len)
+                .map(|(&o, r)| (o, *r))
+                .collect();
+            for (o, r) in before {
+                if r.unanswered {
+                    m.fence_publications().await?;
+                }
+                m.release(o, r.len).await?;
+                releasing.remove(&o);
+            }
+            m.claim(offset, len).await
+        });
+        tracing::debug!(offset, len, ?r, "claim");
+        let e = match r {
+            Ok(true) => return Ok(()),
+            Ok(false) => Error::Busy(format!(
+                "region {offset:#x}+{len:#x} is claimed by another host"
+            )),
+            Err(maru_cluster::Error::LeaseLost(_)) => {
+                unavailable("this host lost its lease; no region until it has rejoined")
+            }
+            Err(e) => {
+                // Unanswered, the claim may have landed: given back, or it would keep the
+                // region from every host for as long as this one lives.
+                if !e.never_sent() {
+                    self.give_back(offset, len, true);
+                }
+                unavailable(e)
+            }
+        };
+        self.local.release_region(pool, offset);
+        Err(e)
+    }
+
+    /// [`Authority::claim_again`](crate::store::authority::Authority::claim_again) on the
+    /// shared pool.
+    pub(super) fn claim_again_shared(&self, pool: &str, offset: u64, len: u64) -> Result<()> {
+        self.local.claim_region(pool, offset, len)?;
+        if pool != self.pool {
+            return Ok(());
+        }
+        let m = self.member();
+        match self.run(async move { m.read().await.claim_again(offset, len).await }) {
+            Ok(true) => Ok(()),
+            r => {
+                self.local.release_region(pool, offset);
+                Err(match r {
+                    Ok(_) => Error::Busy(format!(
+                        "region {offset:#x}+{len:#x} is claimed by another host"
+                    )),
+                    Err(e) => {
+                        // As for a claim: it may have landed unanswered.
+                        if !e.never_sent() {
+                            self.give_back(offset, len, true);
+                        }
+                        unavailable(e)
+                    }
+                })
+            }
+        }
+    }
+
+    /// [`Authority::release_region`](crate::store::authority::Authority::release_region) on
+    /// the shared pool: given back in the background.
+    pub(super) fn release_shared(&self, pool: &str, offset: u64) {
+        let len = self
+            .local
+            .regions(pool)
+            .into_iter()
+            .find(|&(o, _)| o == offset)
+            .map(|(_, l)| l);
+        self.local.release_region(pool, offset);
+        if self.lost.lock().remove(&offset) {
+            return; // another host's now: nothing of it to give back
+        }
+        if let (Some(len), true) = (len, pool == self.pool) {
+            self.give_back(offset, len, false);
+        }
+    }
+
+    /// Releases this host's claim of `[offset, offset + len)` in etcd, in the background, and
+    /// again every half second while etcd fails it (left, the claim would keep the region
+    /// from every host for as long as this one lives); not once the lease it was made under
+    /// is gone (the claim went with it), nor once a claim over it finished it. Also for a
+    /// claim whose answer was lost (`unanswered`): it may have landed, or land later (the
+    /// network queued it), so this host's publications and claims on their way are fenced
+    /// first (`Member::fence_publications`): none lands after.
+    pub(super) fn give_back(&self, offset: u64, len: u64, unanswered: bool) {
+        let (m, releasing) = (self.member(), self.releasing.clone());
+        // Pending before this returns: a claim over the range made next finishes it first
+        // (it never releases a claim made after it).
+        let r = releasing.clone();
+        let this = Release { len, unanswered };
+        self.run(async move {
+            r.lock().await.insert(offset, this);
+        });
+        self.rt.spawn(async move {
+            let lease = m.read().await.lease();
+            for attempt in 0u32.. {
+                if attempt > 0 {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                let mut pending = releasing.lock().await;
+                if pending.get(&offset) != Some(&this) {
+                    return; // a claim over it finished it
+                }
+                let m = m.read().await;
+                // A new lease: the claim went with the old one.
+                let r = if m.lease() == lease {
+                    let fenced = if unanswered {
+                        m.fence_publications().await
+                    } else {
+                        Ok(())
+                    };
+                    match fenced {
+                        Ok(()) => m.release(offset, len).await,
+                        Err(e) => Err(e),
+                    }
+                } else {
+                    Ok(())
+                };
+                match r {
+                    Ok(()) => {
+                        pending.remove(&offset);
+                        return;
+                    }
+                    Err(e) if attempt == 0 => tracing::warn!(
+                        offset,
+                        len,
+                        "releasing a region in the cluster: {e}; trying again until etcd takes it"
+                    ),
+                    Err(_) => {}
+                }
+            }
+        });
+    }
+}
