@@ -127,6 +127,45 @@ impl Env {
         true
     }
 
+    /// Every key under `/maru/` whose path (after the pool's id) starts with one of
+    /// `kinds` (`regions/`, `maps/`), with its value: asked of any member that answers.
+    pub fn etcd_keys(&self, kinds: &[&str]) -> Vec<(String, String)> {
+        use base64::Engine;
+        let b64 = base64::engine::general_purpose::STANDARD;
+        let body = format!(
+            r#"{{"key":"{}","range_end":"{}"}}"#,
+            b64.encode("/maru/"),
+            b64.encode("/maru0")
+        );
+        let etcd = self.etcd.lock().expect("etcd");
+        for m in 0..etcd.len() {
+            let Some(json) = etcd
+                .http(m, "POST", "/v3/kv/range", &body)
+                .and_then(|r| r.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()))
+                .and_then(|b| serde_json::from_str::<serde_json::Value>(&b).ok())
+            else {
+                continue;
+            };
+            let text = |v: &serde_json::Value| {
+                v.as_str()
+                    .and_then(|s| b64.decode(s).ok())
+                    .map(|b| String::from_utf8_lossy(&b).into_owned())
+                    .unwrap_or_default()
+            };
+            let kvs = json["kvs"].as_array().cloned().unwrap_or_default();
+            return kvs
+                .iter()
+                .map(|kv| (text(&kv["key"]), text(&kv["value"])))
+                .filter(|(k, _)| {
+                    // /maru/<pool>/<kind>...
+                    let rest = k.splitn(4, '/').nth(3).unwrap_or("");
+                    kinds.iter().any(|p| rest.starts_with(p))
+                })
+                .collect();
+        }
+        Vec::new()
+    }
+
     /// A client of host `i`, waiting (up to `wait`) for the host to serve.
     pub fn connect(&self, i: usize, wait: Duration) -> Option<maru::Handler> {
         connect(&self.socket(i), wait)

@@ -402,7 +402,7 @@ fn after(env: &env::Env, cfg: &Config, history: &History, healed: Instant, r: &m
     // them (holes smaller than 8 MiB that the order of the frees left are not lost space).
     let unit = maru_cluster::UNIT;
     let filler = env.connect(0, Duration::from_secs(5)).expect("host 0");
-    let mut filled = Filled::default();
+    let mut filled = workload::Filled::default();
     // Twice: if the first fill falls short, once more after a wait of three TTLs and 5 s
     // (what comes back in the background has come back by then).
     for round in 0..2 {
@@ -427,9 +427,16 @@ fn after(env: &env::Env, cfg: &Config, history: &History, healed: Instant, r: &m
     r.unusable = Some(unusable);
     // Not one claim unit is left over when nothing is lost.
     if unusable >= unit {
+        // What holds it: claims of other hosts, or records of mappings.
+        let held: Vec<String> = env
+            .etcd_keys(&["regions/", "maps/"])
+            .into_iter()
+            .filter(|(k, v)| k.contains("/maps/") || v != "h0")
+            .map(|(k, v)| format!("{k} = {v}"))
+            .collect();
         r.violations.push(format!(
             "after deleting everything, {} entries filled {} bytes of the pool: {unusable} of \
-             its {capacity} bytes could not be used",
+             its {capacity} bytes could not be used; etcd holds meanwhile {held:?}",
             filled.keys.len(),
             filled.bytes
         ));
@@ -437,53 +444,6 @@ fn after(env: &env::Env, cfg: &Config, history: &History, healed: Instant, r: &m
     for k in &filled.keys {
         let _ = filler.delete(k);
     }
-}
-
-/// What a fill of the pool stored ([`fill`]).
-#[derive(Debug, Default)]
-pub struct Filled {
-    /// The entries stored, with their namespace.
-    pub keys: Vec<String>,
-    pub bytes: u64,
-    /// The error that stopped it, if not `ENOSPC`.
-    pub failed: Option<String>,
-}
-
-impl Filled {
-    /// Stores entries of 8 MiB, then of one claim unit (2 MiB: what is left between 8 MiB
-    /// regions), named `ns/<prefix>N`, through `h` until the pool has no room or a store
-    /// fails otherwise.
-    pub fn more(&mut self, h: &maru::Handler, prefix: &str) {
-        let unit = maru_cluster::UNIT;
-        for size in [4 * unit, unit] {
-            loop {
-                let n = self.keys.len() as u64;
-                let key = format!("{}/{prefix}{n}", workload::NS);
-                let res = h.alloc(size).and_then(|mut a| {
-                    a.as_mut_slice()[..8].copy_from_slice(&n.to_le_bytes());
-                    h.store(&key, a)
-                });
-                match res {
-                    Ok(()) => {
-                        self.keys.push(key);
-                        self.bytes += size;
-                    }
-                    Err(maru::Error::NoSpace(_)) => break,
-                    Err(e) => {
-                        self.failed = Some(e.to_string());
-                        return;
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// Fills the pool through `h` ([`Filled::more`]).
-pub fn fill(h: &maru::Handler, prefix: &str) -> Filled {
-    let mut f = Filled::default();
-    f.more(h, prefix);
-    f
 }
 
 /// Entries as a host lists them: name (with its namespace), offset, size.

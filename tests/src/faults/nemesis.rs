@@ -176,11 +176,11 @@ struct Minority {
 
 /// Holds host `host` cut off etcd (its lease kept alive by nothing) for `planned`, and at
 /// least until etcd dropped its lease (a second past the bound, TTL + 1 s, at most); how
-/// long after the cut etcd dropped it (µs), if it did, and when the majority last elected a
-/// leader meanwhile. `minority`: the member the host still reaches, cut from the others (not
-/// asked whether the lease lives). etcd renews every lease when a new leader takes over, so
-/// the lease's TTL runs again from there: the cut lasts until TTL + 2 s after the last
-/// election too (15 s at most).
+/// long after the cut etcd dropped it (µs), if it did, and when etcd last elected a leader
+/// meanwhile. `minority`: the member the host still reaches, cut from the others (not asked
+/// whether the lease lives, nor who leads). etcd renews every lease when a new leader takes
+/// over, so the lease's TTL runs again from there: the cut lasts until TTL + 2 s after the
+/// last election too (15 s at most).
 fn cut_off(
     env: &Env,
     host: usize,
@@ -190,22 +190,25 @@ fn cut_off(
     let cut = Instant::now();
     let planned = cut + planned;
     let margin = env.ttl + Duration::from_secs(2);
-    let mut leader = minority.map(|m| m.leader);
+    // The leader the members with a quorum follow; an election during the cut (any cut:
+    // a member back from a partition of its own can force one) renews every lease.
+    let leads = || {
+        let etcd = env.etcd.lock().expect("etcd");
+        (0..MEMBERS)
+            .filter(|&o| Some(o) != minority.map(|m| m.member))
+            .filter_map(|o| etcd.leader(o))
+            .map(|(_, l)| l)
+            .find(|&l| l != 0)
+    };
+    let mut leader = minority.map(|m| m.leader).or_else(leads);
     let mut released = None;
     let mut elected: Option<Instant> = None;
     loop {
         let now = Instant::now();
-        if let Some(m) = minority {
-            let etcd = env.etcd.lock().expect("etcd");
-            let now_leads = (0..MEMBERS)
-                .filter(|&o| o != m.member)
-                .filter_map(|o| etcd.leader(o))
-                .map(|(_, l)| l)
-                .find(|&l| l != 0);
-            if now_leads.is_some() && now_leads != leader {
-                leader = now_leads;
-                elected = Some(now);
-            }
+        let now_leads = leads();
+        if now_leads.is_some() && now_leads != leader {
+            leader = now_leads;
+            elected = Some(now);
         }
         let waits_election = minority.is_some_and(|m| leader == Some(m.id));
         let from = if waits_election {
@@ -228,13 +231,13 @@ fn cut_off(
     (released, elected.map(since))
 }
 
-/// Fills the pool from host `host` ([`super::fill`]), holds it full for `hold`, and deletes
-/// what it stored (each delete tried for up to 10 s: the fault leaves nothing behind).
+/// Fills the pool from host `host` ([`super::workload::fill`]), holds it full for `hold`,
+/// and deletes what it stored (each delete tried for up to 10 s: the fault leaves nothing behind).
 fn full(env: &Env, host: usize, hold: Duration) {
     let Some(h) = env.connect(host, Duration::from_secs(5)) else {
         return;
     };
-    let filled = super::fill(&h, "full");
+    let filled = super::workload::fill(&h, "full");
     std::thread::sleep(hold);
     for key in &filled.keys {
         let t = Instant::now();

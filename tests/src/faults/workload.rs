@@ -114,3 +114,50 @@ pub fn read(h: &maru::Handler, key: &str) -> Outcome {
         Err(e) => Outcome::Failed(format!("{e:?}")),
     }
 }
+
+/// What a fill of the pool stored ([`fill`]).
+#[derive(Debug, Default)]
+pub struct Filled {
+    /// The entries stored, with their namespace.
+    pub keys: Vec<String>,
+    pub bytes: u64,
+    /// The error that stopped it, if not `ENOSPC`.
+    pub failed: Option<String>,
+}
+
+impl Filled {
+    /// Stores entries of 8 MiB, then of one claim unit (2 MiB: what is left between 8 MiB
+    /// regions), named `ns/<prefix>N`, through `h` until the pool has no room or a store
+    /// fails otherwise.
+    pub fn more(&mut self, h: &maru::Handler, prefix: &str) {
+        let unit = maru_cluster::UNIT;
+        for size in [4 * unit, unit] {
+            loop {
+                let n = self.keys.len() as u64;
+                let key = format!("{}/{prefix}{n}", NS);
+                let res = h.alloc(size).and_then(|mut a| {
+                    a.as_mut_slice()[..8].copy_from_slice(&n.to_le_bytes());
+                    h.store(&key, a)
+                });
+                match res {
+                    Ok(()) => {
+                        self.keys.push(key);
+                        self.bytes += size;
+                    }
+                    Err(maru::Error::NoSpace(_)) => break,
+                    Err(e) => {
+                        self.failed = Some(e.to_string());
+                        return;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Fills the pool through `h` ([`Filled::more`]).
+pub fn fill(h: &maru::Handler, prefix: &str) -> Filled {
+    let mut f = Filled::default();
+    f.more(h, prefix);
+    f
+}
