@@ -26,8 +26,9 @@ pub(crate) fn validity_guard(ttl: i64) -> u64 {
 ///
 /// A renewal alone does not prove the lease lives on: renewals are not agreed through raft,
 /// and a leader cut off from the other members goes on renewing leases until it notices
-/// (etcd before 3.4.25 and 3.5.8 for as long as it stays stuck), while the majority's new
-/// leader lets them expire. A read confirms its leadership with a quorum (etcd's ReadIndex),
+/// (for as long as it stays stuck, in etcd releases that do not check their leadership on a
+/// renewal, 3.4.23 among them: etcd issue 15247), while the majority's new leader lets them
+/// expire. A read confirms its leadership with a quorum (etcd's ReadIndex),
 /// and a term has one leader: the same term in both answers means the renewal reached the
 /// leader the quorum follows.
 pub(crate) async fn confirmed(member: &Client, term: u64) -> bool {
