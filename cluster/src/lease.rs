@@ -32,7 +32,8 @@ pub(crate) fn validity_guard(ttl: i64) -> u64 {
 /// and a term has one leader: the same term in both answers means the renewal reached the
 /// leader the quorum follows.
 pub(crate) async fn confirmed(member: &Client, term: u64) -> bool {
-    let read = member.get("/maru/", crate::etcd::Range::COUNT_UNDER).await;
+    // One key (absent, as it happens): what counts is that the read is linearizable.
+    let read = member.get("/maru/", crate::etcd::Range::KEY).await;
     matches!(read, Ok(r) if r.header.is_some_and(|h| h.raft_term == term))
 }
 
