@@ -356,7 +356,17 @@ async fn tend(me: std::sync::Weak<EtcdAuthority>, tx: tokio::sync::mpsc::Unbound
 
 fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
     match c {
+        Change::Held(read, c) => {
+            if auth.changing.superseded(read) {
+                tracing::debug!(
+                    "a change held back, passed by: a later read of every entry has it"
+                );
+            } else {
+                apply(store, auth, *c);
+            }
+        }
         Change::All(all, revision, done) => {
+            auth.changing.read_begins();
             let snap: HashMap<Name, (i64, EntryRecord)> = all
                 .into_iter()
                 .map(|l| ((l.ns, l.name), (l.revision, l.record)))

@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use maru_cluster::{EntryEvent, Listed};
 use parking_lot::Mutex;
@@ -41,7 +42,14 @@ pub(super) enum Change {
         revision: i64,
         created: i64,
     },
+    /// A change held back while this host changed its name, given back once the store
+    /// settled it, with the count of reads of every entry begun before it was held: one
+    /// begun since has it already, and more (see [`Changing::superseded`]).
+    Held(u64, Box<Change>),
 }
+
+/// A change held back, with the count of reads of every entry begun before it was held.
+type HeldChange = (u64, Change);
 
 /// Names this host is changing in the shared pool — publishing (from the ask until the store
 /// sealed or gave back the entry) or withdrawing (from the store's mark until it removed the
@@ -50,7 +58,9 @@ pub(super) enum Change {
 /// (`Authority::settled`), to what it has then.
 #[derive(Default)]
 pub(super) struct Changing {
-    names: Mutex<HashMap<(String, String), Vec<Change>>>,
+    names: Mutex<HashMap<(String, String), Vec<HeldChange>>>,
+    /// Reads of every entry the applier has begun to apply.
+    reads: AtomicU64,
     /// The applier's queue, where the changes held back go once their name is settled.
     again: OnceLock<UnboundedSender<Change>>,
 }
@@ -75,7 +85,7 @@ impl Changing {
         match self.names.lock().get_mut(&(ns.to_owned(), key.to_owned())) {
             Some(held) => {
                 tracing::debug!(ns, key, "a change of a name being changed here: held back");
-                held.push(change);
+                held.push((self.reads.load(Ordering::Acquire), change));
                 None
             }
             None => Some(change),
@@ -91,9 +101,23 @@ impl Changing {
         let Some(queue) = self.again.get() else {
             return;
         };
-        for change in held {
+        for (read, change) in held {
             tracing::debug!(ns, key, "a change held back, applied");
-            let _ = queue.send(change);
+            let _ = queue.send(Change::Held(read, Box::new(change)));
         }
+    }
+
+    /// The applier begins to apply a read of every entry.
+    pub(super) fn read_begins(&self) {
+        self.reads.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Whether a change held back when `read` reads of every entry had begun is out of date:
+    /// a read begun since reflects etcd at a later revision than the change (its watch
+    /// starts where that read ends), and it may come out of the queue behind that read
+    /// (it went back in when the store settled the name), where applying it would undo
+    /// what the read filed (seed 307: an older entry of a name filed over the newer one).
+    pub(super) fn superseded(&self, read: u64) -> bool {
+        self.reads.load(Ordering::Acquire) > read
     }
 }
