@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use crate::etcd::Client;
+use crate::etcd::{Client, LeaseKeeper};
 
 /// Nanoseconds of CLOCK_BOOTTIME: the clock a lease's validity is told in. Every process of
 /// a host shares it, setting the time of day does not move it, and it goes on while the
@@ -37,15 +37,60 @@ pub(crate) async fn confirmed(member: &Client, term: u64) -> bool {
     matches!(read, Ok(r) if r.header.is_some_and(|h| h.raft_term == term))
 }
 
+/// What one renewal of a lease through one member found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Renewal {
+    /// Renewed, and [`confirmed`]: the lease is sure to be alive until then
+    /// ([`boottime_ns`]: the moment the renewal was asked, plus what etcd granted, less the
+    /// guard).
+    Until(u64),
+    /// etcd (confirmed) says the lease no longer exists.
+    Gone,
+    /// No answer within a third of the TTL, an error, or an answer not confirmed.
+    Failed,
+}
+
+/// A third of the TTL (100 ms at least): how often a lease is renewed, and how long one
+/// attempt may take.
+pub(crate) fn period(ttl: i64) -> Duration {
+    Duration::from_millis((ttl as u64 * 1000 / 3).max(100))
+}
+
+/// Renews lease `lease` (of `ttl` seconds) once through `member`, on `stream` (opened first
+/// if it is None; left None after a failure, for a new one next time).
+pub(crate) async fn renew(
+    member: &Client,
+    stream: &mut Option<LeaseKeeper>,
+    lease: i64,
+    ttl: i64,
+) -> Renewal {
+    let sent = boottime_ns();
+    let attempt = async {
+        if stream.is_none() {
+            *stream = member.lease_keep_alive(lease).await.ok();
+        }
+        let (granted, term) = stream.as_mut()?.renew().await.ok()?;
+        Some((granted, confirmed(member, term).await))
+    };
+    match tokio::time::timeout(period(ttl), attempt).await {
+        Ok(Some((granted, true))) if granted > 0 => {
+            Renewal::Until(sent + granted as u64 * 1_000_000_000 - validity_guard(ttl))
+        }
+        Ok(Some((_, true))) => Renewal::Gone,
+        _ => {
+            *stream = None;
+            Renewal::Failed
+        }
+    }
+}
+
 /// Keeps the lease alive every third of its TTL; marks the member not live when etcd says
 /// the lease is gone, or when no renewal succeeded for a whole TTL (etcd unreachable). Each
 /// renewal moves the validity (`Member::validity`) on from the moment it was asked.
 ///
-/// `members` holds a client per etcd member: renewals go to one member until it fails (a
-/// member cut off from its quorum, one that does not answer), then at once to the next, so
-/// that one member without a leader does not cost the lease. A renewal counts once
-/// [`confirmed`]. Each attempt (opening the stream if it has to, the renewal, the read)
-/// takes a third of the TTL at most.
+/// `members` holds a client per etcd member: renewals ([`renew`]) go to one member until it
+/// fails (a member cut off from its quorum, one that does not answer), then at once to the
+/// next, so that one member without a leader does not cost the lease.
 pub(crate) async fn keep_alive(
     members: Vec<Client>,
     lease: i64,
@@ -53,7 +98,6 @@ pub(crate) async fn keep_alive(
     (live, valid): (Arc<AtomicBool>, Arc<AtomicU64>),
     node: String,
 ) {
-    let period = Duration::from_millis((ttl as u64 * 1000 / 3).max(100));
     let mut last_ok = tokio::time::Instant::now();
     let mut at = 0;
     let mut stream = None;
@@ -62,33 +106,22 @@ pub(crate) async fn keep_alive(
         live.store(false, Ordering::Release);
     };
     loop {
-        let sent = boottime_ns();
-        let attempt = async {
-            if stream.is_none() {
-                stream = members[at].lease_keep_alive(lease).await.ok();
-            }
-            let keeper = stream.as_mut()?;
-            let (granted, term) = keeper.renew().await.ok()?;
-            confirmed(&members[at], term).await.then_some(granted)
-        };
-        match tokio::time::timeout(period, attempt).await {
-            Ok(Some(granted)) if granted > 0 => {
-                let until = sent + granted as u64 * 1_000_000_000 - validity_guard(ttl);
+        match renew(&members[at], &mut stream, lease, ttl).await {
+            Renewal::Until(until) => {
                 valid.fetch_max(until, Ordering::AcqRel);
                 last_ok = tokio::time::Instant::now();
-                tracing::debug!(node, lease, member = at, granted, "lease renewed");
-                tokio::time::sleep(period).await;
+                tracing::debug!(node, lease, member = at, "lease renewed");
+                tokio::time::sleep(period(ttl)).await;
                 continue;
             }
-            Ok(Some(_)) => {
+            Renewal::Gone => {
                 tracing::warn!(node, lease, "etcd lease expired");
                 lost();
                 return;
             }
             // This member failed: the next one, at once, on a new stream.
-            failed => {
-                tracing::debug!(node, lease, member = at, ?failed, "lease renewal failed");
-                stream = None;
+            Renewal::Failed => {
+                tracing::debug!(node, lease, member = at, "lease renewal failed");
                 at = (at + 1) % members.len();
             }
         }

@@ -11,7 +11,7 @@ use tokio::task::JoinHandle;
 use crate::error::{Error, Result};
 use crate::etcd::{self, Client, Compare, Op, Range, Txn, TxnResponse};
 use crate::keys::*;
-use crate::lease::{boottime_ns, confirmed, keep_alive, validity_guard};
+use crate::lease::{Renewal, boottime_ns, keep_alive, renew, validity_guard};
 use crate::records::*;
 use crate::watch::*;
 
@@ -198,20 +198,11 @@ impl Member {
     /// One renewal of the lease this host deemed lost, asked of each member in turn (a third
     /// of the TTL each); until when the lease is then sure to be alive, if etcd renewed it.
     async fn renew_lost(&self) -> Option<u64> {
-        let period = Duration::from_millis((self.ttl as u64 * 1000 / 3).max(100));
         for m in &self.renewers {
-            let sent = boottime_ns();
-            let renewal = async {
-                let (granted, term) = m.lease_keep_alive(self.lease).await?.renew().await?;
-                Ok::<_, etcd::Error>((granted, confirmed(m, term).await))
-            };
-            match tokio::time::timeout(period, renewal).await {
-                Ok(Ok((granted, true))) if granted > 0 => {
-                    return Some(sent + granted as u64 * 1_000_000_000 - validity_guard(self.ttl));
-                }
-                // etcd says the lease is gone.
-                Ok(Ok((0, _))) => return None,
-                _ => {}
+            match renew(m, &mut None, self.lease, self.ttl).await {
+                Renewal::Until(until) => return Some(until),
+                Renewal::Gone => return None,
+                Renewal::Failed => {}
             }
         }
         None
