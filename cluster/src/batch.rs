@@ -2,9 +2,9 @@
 //! allows, each item with its own outcome.
 
 use crate::error::Result;
-use crate::etcd::{self, Compare, Op, Txn};
+use crate::etcd::{self, Compare, Op, Range, Txn};
 use crate::keys::*;
-use crate::member::Member;
+use crate::member::{Member, acks_by_node};
 use crate::records::*;
 
 impl Member {
@@ -81,68 +81,114 @@ impl Member {
             .collect()
     }
 
-    /// Removes entries, each with its pin, as [`Member::remove`] would, in as few
-    /// transactions as etcd's operation limit allows. An item naming a creation revision
-    /// (not 0) removes the entry only if it is that one: a removal that reaches etcd late
-    /// (its caller gave up waiting) never takes a newer entry of the name; when a
-    /// transaction finds one that is not, its items are removed one by one, and that one is
-    /// reported as not there. A name given twice is removed once; the other reports it was
-    /// not there.
-    pub async fn remove_many(&self, names: &[(&str, &str, i64)]) -> Vec<Result<Removed>> {
-        let mut out: Vec<Option<Result<Removed>>> = Vec::with_capacity(names.len());
+    /// Removes entries, each with its pin, in as few transactions as etcd's operation limit
+    /// allows. Each removal leaves a *tombstone* in the same transaction: a key per 2 MiB
+    /// unit of the removed extent, named by this host and bound to no lease, which a fresh
+    /// claim of those units finds ([`Member::claim`]) until every live host acknowledged the
+    /// removal ([`Member::sweep`]): a host whose view lags behind still serves the entry, and
+    /// the extent must not be carved again, whoever frees it (its publisher, or anyone once
+    /// the publisher's lease is gone). An item naming its entry ([`Removing::entry`]) removes
+    /// that one only: a removal that reaches etcd late (its caller gave up waiting) never
+    /// takes a newer entry of the name; the others are read first. When a transaction finds
+    /// an entry not the one named, its items are removed one by one, and that one is reported
+    /// as not there. A name given twice is removed once; the other reports it was not there.
+    pub async fn remove_many(&self, items: &[Removing<'_>]) -> Vec<Result<Removed>> {
+        let mut out: Vec<Option<Result<Removed>>> = Vec::with_capacity(items.len());
         let mut seen = std::collections::HashSet::new();
-        let mut todo: Vec<Removal> = Vec::new();
-        let mut twice = Vec::new();
-        for (i, &(ns, name, created)) in names.iter().enumerate() {
-            if let Err(e) = check_ns(ns).and_then(|()| check_name(name)) {
+        let (mut todo, mut unknown, mut twice) = (Vec::new(), Vec::new(), Vec::new());
+        for (i, r) in items.iter().enumerate() {
+            if let Err(e) = check_ns(r.ns).and_then(|()| check_name(r.name)) {
                 out.push(Some(Err(e)));
                 continue;
             }
             out.push(None);
-            let key = self.keys.entry(ns, name);
-            if seen.insert(key.clone()) {
-                todo.push(Removal {
-                    i,
-                    pin: self.keys.pin(ns, name),
-                    key,
-                    created,
-                });
-            } else {
+            let key = self.keys.entry(r.ns, r.name);
+            if !seen.insert(key.clone()) {
                 twice.push(i);
+                continue;
+            }
+            match r.entry {
+                Some(at) => todo.push(Removal::new(self, i, r, key, at)),
+                None => unknown.push((i, key)),
             }
         }
-        let runs = todo
-            .chunks(REMOVALS_PER_TXN)
-            .map(|chunk| async move { (chunk, self.client.txn(Removal::txn(chunk)).await) });
-        for (chunk, r) in futures_util::future::join_all(runs).await {
+        // The entries not named: read first, each removed only if it is still the one read.
+        for chunk in unknown.chunks(MAX_TXN_OPS) {
+            let gets = chunk.iter().map(|(_, k)| Op::get(k.clone(), Range::KEY));
+            let read = self.client.txn(Txn::new().and_then(gets)).await;
+            for (j, (i, key)) in chunk.iter().enumerate() {
+                let found = match &read {
+                    Ok(r) => r.range(j).and_then(|g| g.kvs.first()).map(|kv| {
+                        decode::<EntryRecord>(kv.key.as_slice(), kv.value.as_slice())
+                            .map(|rec| EntryAt::of(kv.create_revision, &rec))
+                    }),
+                    Err(e) => Some(Err(copy_of(e).into())),
+                };
+                match found {
+                    Some(Ok(at)) => todo.push(Removal::new(self, *i, &items[*i], key.clone(), at)),
+                    Some(Err(e)) => out[*i] = Some(Err(e)),
+                    None => {
+                        out[*i] = Some(Ok(Removed {
+                            existed: false,
+                            revision: read.as_ref().map_or(0, |r| r.revision()),
+                        }))
+                    }
+                }
+            }
+        }
+        // Packed into transactions; one whose tombstones alone pass the limit goes its own way.
+        let (mut groups, mut big): (Vec<Vec<Removal>>, Vec<Removal>) = (Vec::new(), Vec::new());
+        for t in todo {
+            if t.ops() > MAX_TXN_OPS {
+                big.push(t);
+            } else if let Some(g) = groups
+                .iter_mut()
+                .find(|g| g.iter().map(Removal::ops).sum::<usize>() + t.ops() <= MAX_TXN_OPS)
+            {
+                g.push(t);
+            } else {
+                groups.push(vec![t]);
+            }
+        }
+        let node = &self.info.node;
+        let runs = groups
+            .iter()
+            .map(|g| async move { (g, self.client.txn(Removal::txn(g, node)).await) });
+        for (group, r) in futures_util::future::join_all(runs).await {
             match r {
                 Ok(r) if r.succeeded() => {
-                    for (j, t) in chunk.iter().enumerate() {
+                    for t in group {
                         out[t.i] = Some(Ok(Removed {
-                            existed: r.deleted(2 * j).is_some_and(|n| n > 0),
+                            existed: true,
                             revision: r.revision(),
                         }));
                     }
                 }
                 // An entry is not the one named: each on its own.
                 Ok(_) => {
-                    let each = chunk.iter().map(|t| async move {
-                        let r = self.client.txn(Removal::txn(std::slice::from_ref(t))).await;
+                    let each = group.iter().map(|t| async move {
+                        let r = self
+                            .client
+                            .txn(Removal::txn(std::slice::from_ref(t), node))
+                            .await;
                         (t.i, r)
                     });
                     for (i, r) in futures_util::future::join_all(each).await {
                         out[i] = Some(r.map_err(Into::into).map(|r| Removed {
-                            existed: r.succeeded() && r.deleted(0).is_some_and(|n| n > 0),
+                            existed: r.succeeded(),
                             revision: r.revision(),
                         }));
                     }
                 }
                 Err(e) => {
-                    for t in chunk {
+                    for t in group {
                         out[t.i] = Some(Err(copy_of(&e).into()));
                     }
                 }
             }
+        }
+        for t in &big {
+            out[t.i] = Some(self.remove_big(t).await);
         }
         for i in twice {
             let revision = out
@@ -158,6 +204,107 @@ impl Member {
         out.into_iter()
             .map(|o| o.expect("every name has its outcome"))
             .collect()
+    }
+
+    /// A removal whose tombstones do not fit in its transaction: they go first, while the
+    /// entry is still the one named (left behind by a failure, they only keep units from a
+    /// fresh claim while the entry is there anyway, and are swept after its removal), then
+    /// the removal; those put are taken back when the entry was not the one named.
+    async fn remove_big(&self, t: &Removal) -> Result<Removed> {
+        let node = self.info.node.clone();
+        let mut put: Vec<String> = Vec::new();
+        let mut removal = None;
+        for chunk in t.tombstones.chunks(MAX_TXN_OPS - 1) {
+            let txn = Txn::new()
+                .when([Compare::created(t.key.clone(), t.created)])
+                .and_then(chunk.iter().map(|k| Op::put(k.clone(), node.clone(), 0)));
+            let r = self.client.txn(txn).await?;
+            if !r.succeeded() {
+                removal = Some(r);
+                break;
+            }
+            put.extend_from_slice(chunk);
+        }
+        let r = match removal {
+            Some(r) => r,
+            None => {
+                let txn = Txn::new()
+                    .when([Compare::created(t.key.clone(), t.created)])
+                    .and_then([Op::delete(t.key.clone()), Op::delete(t.pin.clone())]);
+                self.client.txn(txn).await?
+            }
+        };
+        if !r.succeeded() {
+            self.delete_keys(&put).await?;
+        }
+        Ok(Removed {
+            existed: r.succeeded(),
+            revision: r.revision(),
+        })
+    }
+
+    /// Takes away the tombstones of removals every live host has acknowledged
+    /// ([`Member::acknowledge`]: each has applied the removal, and recorded a hold if its
+    /// clients map the extent): this host's own, and those whose remover is gone (its lease
+    /// ran out, or it left). Returns how many of this host's are left.
+    pub async fn sweep(&self) -> Result<usize> {
+        let read = Txn::new().and_then([
+            Op::get(self.keys.nodes(), Range::KEYS_UNDER),
+            Op::get(self.keys.acks(), Range::PREFIX),
+            Op::get(self.keys.tombstones(), Range::KEYS_UNDER),
+        ]);
+        let r = self.client.txn(read).await?;
+        let (Some(nodes), Some(acks), Some(stones)) = (r.range(0), r.range(1), r.range(2)) else {
+            return Err(bad(
+                self.keys.tombstones().as_bytes(),
+                "an unexpected reply".into(),
+            ));
+        };
+        if stones.kvs.is_empty() {
+            return Ok(0);
+        }
+        let live: Vec<&[u8]> = nodes
+            .kvs
+            .iter()
+            .filter_map(|kv| kv.key.as_slice().strip_prefix(self.keys.nodes().as_bytes()))
+            .collect();
+        let acked = acks_by_node(&self.keys, &acks.kvs);
+        // Every live host's acknowledgement (one that has none yet counts as 0).
+        let least = live
+            .iter()
+            .map(|n| acked.get(n).copied().unwrap_or(0))
+            .min()
+            .unwrap_or(0);
+        let (mut sweep, mut left) = (Vec::new(), 0);
+        for kv in &stones.kvs {
+            let remover = kv.key.rsplit(|&b| b == b'/').next().unwrap_or_default();
+            let mine = remover == self.info.node.as_bytes();
+            if (mine || !live.contains(&remover)) && kv.mod_revision <= least {
+                sweep.push((kv.key.clone(), kv.mod_revision));
+            } else if mine {
+                left += 1;
+            }
+        }
+        for chunk in sweep.chunks(MAX_TXN_OPS / 2) {
+            // Only the tombstone read: one written again since (a newer removal) stays.
+            let txn = Txn::new()
+                .when(
+                    chunk
+                        .iter()
+                        .map(|(k, rev)| Compare::modified(k.clone(), *rev)),
+                )
+                .and_then(chunk.iter().map(|(k, _)| Op::delete(k.clone())));
+            let r = self.client.txn(txn).await?;
+            if !r.succeeded() {
+                for (k, rev) in chunk {
+                    let one = Txn::new()
+                        .when([Compare::modified(k.clone(), *rev)])
+                        .and_then([Op::delete(k.clone())]);
+                    self.client.txn(one).await?;
+                }
+            }
+        }
+        Ok(left)
     }
 }
 
@@ -179,10 +326,6 @@ fn copy_of(e: &etcd::Error) -> etcd::Error {
         other => etcd::Error::Status(tonic::Status::unavailable(other.to_string())),
     }
 }
-
-/// Removals per transaction: two deletions each (the entry and its pin), within
-/// [`MAX_TXN_OPS`].
-const REMOVALS_PER_TXN: usize = 63;
 
 /// The operations etcd takes in one transaction (`--max-txn-ops`, 128 by default), counted
 /// as [`Txn::ops`] counts them.
@@ -243,26 +386,44 @@ impl Group {
     }
 }
 
-/// One removal of [`Member::remove_many`].
+/// One removal of [`Member::remove_many`], as it goes to etcd.
 struct Removal {
-    /// Its place among the names.
+    /// Its place among the items.
     i: usize,
     key: String,
     pin: String,
-    /// The entry's creation revision, 0 for whichever is there.
+    /// The entry's creation revision.
     created: i64,
+    tombstones: Vec<String>,
 }
 
 impl Removal {
-    /// The transaction removing `items` (each entry and its pin), if each is the one named.
-    fn txn(items: &[Removal]) -> Txn {
+    fn new(m: &Member, i: usize, r: &Removing<'_>, key: String, at: EntryAt) -> Self {
+        Removal {
+            i,
+            key,
+            pin: m.keys.pin(r.ns, r.name),
+            created: at.created,
+            tombstones: m.keys.tombstones_of(at.offset, at.len, &m.info.node),
+        }
+    }
+
+    /// Its operations in a transaction, comparisons included.
+    fn ops(&self) -> usize {
+        3 + self.tombstones.len()
+    }
+
+    /// The transaction removing `items` (each entry and its pin, and leaving its tombstones),
+    /// if each is the one named.
+    fn txn(items: &[Removal], node: &str) -> Txn {
         let when = items
             .iter()
-            .filter(|t| t.created != 0)
             .map(|t| Compare::created(t.key.clone(), t.created));
-        let ops = items
-            .iter()
-            .flat_map(|t| [Op::delete(t.key.clone()), Op::delete(t.pin.clone())]);
+        let ops = items.iter().flat_map(|t| {
+            [Op::delete(t.key.clone()), Op::delete(t.pin.clone())]
+                .into_iter()
+                .chain(t.tombstones.iter().map(|k| Op::put(k.clone(), node, 0)))
+        });
         Txn::new().when(when).and_then(ops)
     }
 }

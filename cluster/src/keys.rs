@@ -8,9 +8,9 @@ use crate::error::{Error, Result};
 pub const UNIT: u64 = 2 << 20;
 
 /// Units claimed per etcd transaction: etcd's default `--max-txn-ops` (128) bounds the
-/// comparisons of one transaction; one more checks the lease, and a fresh claim's check of
-/// the mappings is one more still.
-pub(crate) const UNITS_PER_TXN: usize = 126;
+/// comparisons of one transaction; one more checks the lease, and a fresh claim's checks of
+/// the mappings and of the removals not yet acknowledged are two more still.
+pub(crate) const UNITS_PER_TXN: usize = 125;
 
 /// The unit indexes of `[offset, offset + len)`.
 pub(crate) fn units(offset: u64, len: u64) -> Result<Vec<u64>> {
@@ -118,6 +118,25 @@ impl Keys {
     }
     pub(crate) fn map(&self, unit: u64, offset: u64, node: &str, tag: u64) -> String {
         format!("{}maps/{unit:016x}/{offset:016x}/{node}/{tag}", self.root)
+    }
+    /// Every removal not yet acknowledged by every live host (a *tombstone*: one key per
+    /// 2 MiB unit of the removed extent, named by its remover).
+    pub(crate) fn tombstones(&self) -> String {
+        format!("{}gone/", self.root)
+    }
+    /// Every unit's tombstones from `unit` on, in key order (fixed-width hex).
+    pub(crate) fn tombstones_from(&self, unit: u64) -> String {
+        format!("{}{unit:016x}/", self.tombstones())
+    }
+    pub(crate) fn tombstone(&self, unit: u64, offset: u64, node: &str) -> String {
+        format!("{}{offset:016x}/{node}", self.tombstones_from(unit))
+    }
+    /// The tombstones of the extent `[offset, offset + len)` that `node` removes.
+    pub(crate) fn tombstones_of(&self, offset: u64, len: u64, node: &str) -> Vec<String> {
+        let (first, last) = (offset / UNIT, (offset + len.max(1) - 1) / UNIT);
+        (first..=last)
+            .map(|u| self.tombstone(u, offset, node))
+            .collect()
     }
     /// `(namespace, name)` of an entry key (names never contain `/`; namespaces may).
     pub(crate) fn split_entry(&self, key: &[u8]) -> Result<(String, String)> {

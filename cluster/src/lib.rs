@@ -62,5 +62,7 @@ pub use error::{Error, Result};
 pub use keys::UNIT;
 pub use lease::boottime_ns;
 pub use member::{Member, Rejoined};
-pub use records::{EntryEvent, EntryRecord, Listed, NodeInfo, Published, Removed};
+pub use records::{
+    EntryAt, EntryEvent, EntryRecord, Listed, NodeInfo, Published, Removed, Removing,
+};
 pub use watch::{AccessWatch, AckWatch, ClientPinWatch, EntryWatch, PinWatch, QuotaWatch};

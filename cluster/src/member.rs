@@ -249,8 +249,9 @@ impl Member {
 
     /// Claims `[offset, offset + len)` of the pool for this host to carve afresh, every 2 MiB
     /// unit of it ([`UNIT`]; both must be multiples), all or nothing; false if another host
-    /// holds any unit of it, or any host still maps an extent there (a removed entry another
-    /// host has not let go of): nothing is claimed then.
+    /// holds any unit of it, any host still maps an extent there (a removed entry another
+    /// host has not let go of), or a removal there is not yet acknowledged by every live host
+    /// (its tombstone: [`Member::remove_many`], [`Member::sweep`]): nothing is claimed then.
     ///
     /// # Errors
     ///
@@ -286,10 +287,17 @@ impl Member {
         let (current, epoch) = self.publish_cmp();
         let mut when = vec![current];
         if let (true, Some(first), Some(last)) = (fresh, units.first(), units.last()) {
-            // No key in the range: etcd compares a range's absent keys as created at 0.
+            // No key in the range: etcd compares a range's absent keys as created at 0. No
+            // host maps a removed extent there, and every live host has applied the removals
+            // of what was there (a host whose view lags would still serve it, and would not
+            // have recorded its mapping yet).
             when.push(Compare::none_in(
                 self.keys.maps_from(*first),
                 self.keys.maps_from(last + 1),
+            ));
+            when.push(Compare::none_in(
+                self.keys.tombstones_from(*first),
+                self.keys.tombstones_from(last + 1),
             ));
         }
         let mut then = Vec::with_capacity(units.len());
@@ -540,19 +548,15 @@ impl Member {
             .map(|kv| kv.create_revision))
     }
 
-    /// Removes entry `ns/name` (and its pin), at the revision returned.
+    /// Removes entry `ns/name` (and its pin), whichever is there, at the revision returned:
+    /// [`Member::remove_many`] of one.
     pub async fn remove(&self, ns: &str, name: &str) -> Result<Removed> {
-        check_ns(ns)?;
-        check_name(name)?;
-        let txn = Txn::new().and_then([
-            Op::delete(self.keys.entry(ns, name)),
-            Op::delete(self.keys.pin(ns, name)),
-        ]);
-        let r = self.client.txn(txn).await?;
-        Ok(Removed {
-            existed: r.deleted(0).is_some_and(|n| n > 0),
-            revision: r.revision(),
-        })
+        let one = Removing {
+            ns,
+            name,
+            entry: None,
+        };
+        self.remove_many(&[one]).await.pop().expect("one outcome")
     }
 
     /// Acknowledges every change to the entries up to `revision` (this host applied them):
@@ -612,21 +616,7 @@ impl Member {
                 "an unexpected reply".into(),
             ));
         };
-        let acked: std::collections::HashMap<&[u8], i64> = acks
-            .kvs
-            .iter()
-            .filter_map(|kv| {
-                let node = kv
-                    .key
-                    .as_slice()
-                    .strip_prefix(self.keys.acks().as_bytes())?;
-                let rev = std::str::from_utf8(kv.value.as_slice())
-                    .ok()?
-                    .parse()
-                    .ok()?;
-                Some((node, rev))
-            })
-            .collect();
+        let acked = acks_by_node(&self.keys, &acks.kvs);
         let me = self.keys.node(&self.info.node);
         Ok(nodes
             .kvs
@@ -659,7 +649,7 @@ impl Member {
             .collect()
     }
 
-    async fn delete_keys(&self, keys: &[String]) -> Result<()> {
+    pub(crate) async fn delete_keys(&self, keys: &[String]) -> Result<()> {
         for piece in keys.chunks(UNITS_PER_TXN) {
             let ops: Vec<Op> = piece.iter().map(|k| Op::delete(k.clone())).collect();
             self.client.txn(Txn::new().and_then(ops)).await?;
@@ -899,4 +889,21 @@ impl Drop for Member {
         // Without leave(): the lease runs out after its TTL, as if the host had died.
         self.keeper.abort();
     }
+}
+
+/// Each node's acknowledgement ([`Member::acknowledge`]), from a read of `acks/`.
+pub(crate) fn acks_by_node<'a>(
+    keys: &Keys,
+    kvs: &'a [etcd::KeyValue],
+) -> std::collections::HashMap<&'a [u8], i64> {
+    kvs.iter()
+        .filter_map(|kv| {
+            let node = kv.key.as_slice().strip_prefix(keys.acks().as_bytes())?;
+            let rev = std::str::from_utf8(kv.value.as_slice())
+                .ok()?
+                .parse()
+                .ok()?;
+            Some((node, rev))
+        })
+        .collect()
 }

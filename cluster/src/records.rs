@@ -77,3 +77,31 @@ pub enum EntryEvent {
         record: Option<EntryRecord>,
     },
 }
+
+/// One removal of [`crate::Member::remove_many`].
+#[derive(Debug, Clone, Copy)]
+pub struct Removing<'a> {
+    pub ns: &'a str,
+    pub name: &'a str,
+    /// The entry meant, as the caller knows it; None: whichever is there (read first).
+    pub entry: Option<EntryAt>,
+}
+
+/// Which entry of a name, and where its bytes are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EntryAt {
+    /// The revision that created it.
+    pub created: i64,
+    pub offset: u64,
+    pub len: u64,
+}
+
+impl EntryAt {
+    pub fn of(created: i64, record: &EntryRecord) -> Self {
+        EntryAt {
+            created,
+            offset: record.offset,
+            len: record.len,
+        }
+    }
+}

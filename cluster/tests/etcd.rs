@@ -5,7 +5,8 @@ use std::time::{Duration, Instant};
 
 use maru_cluster::testing::Etcd;
 use maru_cluster::{
-    EntryEvent, EntryRecord, Error, Member, NodeInfo, Publication, Published, UNIT,
+    EntryAt, EntryEvent, EntryRecord, Error, Member, NodeInfo, Publication, Published, Removing,
+    UNIT,
 };
 
 const POOL: &str = "5f0c1d2e-0000-4000-8000-00000000c1a5";
@@ -223,8 +224,22 @@ async fn a_removal_naming_an_entry_takes_only_that_one() {
     a.publish("ns", "z", &record("a", 12288))
         .await
         .expect("publish");
+    let named = |name, created, offset| Removing {
+        ns: "ns",
+        name,
+        entry: Some(EntryAt {
+            created,
+            offset,
+            len: 4096,
+        }),
+    };
+    let whichever = Removing {
+        ns: "ns",
+        name: "z",
+        entry: None,
+    };
     let out = a
-        .remove_many(&[("ns", "x", old), ("ns", "y", y), ("ns", "z", 0)])
+        .remove_many(&[named("x", old, 0), named("y", y, 4096), whichever])
         .await;
     let existed: Vec<bool> = out
         .iter()
@@ -235,7 +250,7 @@ async fn a_removal_naming_an_entry_takes_only_that_one() {
     let left: Vec<(&str, i64)> = all.iter().map(|l| (l.name.as_str(), l.revision)).collect();
     assert_eq!(left, [("x", new)]);
     // Named as it is, it goes.
-    let out = a.remove_many(&[("ns", "x", new)]).await;
+    let out = a.remove_many(&[named("x", new, 8192)]).await;
     assert!(out[0].as_ref().expect("removed").existed);
 }
 
@@ -551,6 +566,13 @@ async fn a_removed_extent_is_free_once_every_host_acknowledged_and_none_holds_it
         a.held(&[big.offset]).await.expect("held"),
         Default::default()
     );
+    // a's removals leave tombstones until every live host, a too, acknowledged them.
+    assert!(!b.claim(2 * UNIT, 3 * UNIT).await.expect("claim"));
+    assert_eq!(a.sweep().await.expect("sweep"), 4, "a has not acknowledged");
+    a.acknowledge(gone_too.revision, &[])
+        .await
+        .expect("acknowledge");
+    assert_eq!(a.sweep().await.expect("sweep"), 0);
     assert!(b.claim(2 * UNIT, 3 * UNIT).await.expect("claim"));
     // A host's holds and acknowledgement go with its lease.
     drop(b);
@@ -564,6 +586,107 @@ async fn a_removed_extent_is_free_once_every_host_acknowledged_and_none_holds_it
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+/// Seed 205's finding (doc/RELIABILITY.md): the publisher of a removed entry gone, its
+/// units were claimed afresh and written while a host whose view lagged still served the
+/// entry there. A removal leaves tombstones that keep its units from a fresh claim until
+/// every live host acknowledged it, whoever removed it, whatever became of the publisher.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_extent_is_not_claimed_afresh_while_a_live_host_has_not_applied_the_removal() {
+    use maru_cluster::etcd::{Client, Options, Range};
+    let Some(etcd) = Etcd::start() else { return };
+    let raw = Client::connect(&etcd.endpoints(), Options::default()).expect("client");
+    let tombstones = || async {
+        let prefix = format!("/maru/{POOL}/gone/");
+        raw.get(prefix, Range::COUNT_UNDER)
+            .await
+            .expect("count")
+            .count
+    };
+    let a = member(&etcd, "a", 2).await;
+    let b = member(&etcd, "b", 10).await;
+    let c = member(&etcd, "c", 10).await;
+    // a publishes e (unit 3), f (unit 4) and g (units 10..140, more tombstones than one
+    // transaction takes).
+    assert!(a.claim(3 * UNIT, 2 * UNIT).await.expect("claim"));
+    assert!(a.claim(10 * UNIT, 130 * UNIT).await.expect("claim"));
+    let created = |p: Published| match p {
+        Published::New { revision } => revision,
+        other => panic!("not published: {other:?}"),
+    };
+    let e = record("a", 3 * UNIT);
+    let f = record("a", 4 * UNIT);
+    let g = EntryRecord {
+        offset: 10 * UNIT,
+        len: 130 * UNIT,
+        node: "a".into(),
+        alloc: 9,
+    };
+    let (ce, cf, cg) = (
+        created(a.publish("ns", "e", &e).await.expect("publish")),
+        created(a.publish("ns", "f", &f).await.expect("publish")),
+        created(a.publish("ns", "g", &g).await.expect("publish")),
+    );
+    let (_, seen) = b.snapshot().await.expect("snapshot");
+    for m in [&a, &b, &c] {
+        m.acknowledge(seen, &[]).await.expect("acknowledge");
+    }
+    // b removes e and g; c removes f.
+    let gone = b
+        .remove_many(&[
+            Removing {
+                ns: "ns",
+                name: "e",
+                entry: Some(EntryAt::of(ce, &e)),
+            },
+            Removing {
+                ns: "ns",
+                name: "g",
+                entry: Some(EntryAt::of(cg, &g)),
+            },
+        ])
+        .await;
+    assert!(gone.iter().all(|r| r.as_ref().expect("removed").existed));
+    let f_gone = c
+        .remove_many(&[Removing {
+            ns: "ns",
+            name: "f",
+            entry: Some(EntryAt::of(cf, &f)),
+        }])
+        .await
+        .pop()
+        .expect("one")
+        .expect("removed");
+    assert!(f_gone.existed);
+    let last = f_gone
+        .revision
+        .max(gone[1].as_ref().expect("removed").revision);
+    assert_eq!(tombstones().await, 1 + 130 + 1);
+    // a dies: its claims go with its lease.
+    drop(a);
+    let t = Instant::now();
+    while b.regions().await.expect("regions").contains_key(&3) {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "a's claims outlived its lease"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // b applied every removal; c's view lags: it has applied none of them, and would still
+    // serve e, f and g. Nobody carves their units afresh, and b's tombstones stay.
+    b.acknowledge(last, &[]).await.expect("acknowledge");
+    assert_eq!(b.sweep().await.expect("sweep"), 131);
+    for (offset, len) in [(3 * UNIT, UNIT), (4 * UNIT, UNIT), (75 * UNIT, UNIT)] {
+        assert!(!b.claim(offset, len).await.expect("claim"), "{offset:#x}");
+    }
+    // c catches up, then leaves without sweeping its own: b sweeps them too (c is gone).
+    c.acknowledge(last, &[]).await.expect("acknowledge");
+    c.leave().await.expect("leave");
+    assert_eq!(b.sweep().await.expect("sweep"), 0);
+    assert_eq!(tombstones().await, 0);
+    assert!(b.claim(3 * UNIT, 2 * UNIT).await.expect("claim"));
+    assert!(b.claim(10 * UNIT, 130 * UNIT).await.expect("claim"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

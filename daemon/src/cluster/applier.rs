@@ -317,16 +317,28 @@ impl EtcdAuthority {
 }
 
 /// Every 200 ms, and whenever another host acknowledges: frees the removed extents of this
-/// host that every live host acknowledged the removal of and none holds; every second,
-/// reports uses of other hosts' entries.
+/// host that every live host acknowledged the removal of and none holds, and sweeps the
+/// tombstones of this host's removals that every live host acknowledged (every 2 s, those
+/// of hosts gone too); every second, reports uses of other hosts' entries.
 async fn tend(me: std::sync::Weak<EtcdAuthority>, tx: tokio::sync::mpsc::UnboundedSender<Change>) {
     let Some(mut seen) = me.upgrade().map(|a| a.acks_seen.subscribe()) else {
         return;
     };
     let mut next_report = tokio::time::Instant::now() + Duration::from_secs(1);
+    let mut next_sweep = tokio::time::Instant::now();
     loop {
         let _ = tokio::time::timeout(Duration::from_millis(200), seen.changed()).await;
         let Some(a) = me.upgrade() else { return };
+        let now = tokio::time::Instant::now();
+        if a.tombstones.swap(false, Ordering::AcqRel) || now >= next_sweep {
+            next_sweep = now + Duration::from_secs(2);
+            let left = a.member.read().await.sweep().await;
+            if left.is_ok_and(|n| n == 0) {
+                tracing::trace!("cluster: every tombstone of this host's swept");
+            } else {
+                a.tombstones.store(true, Ordering::Release);
+            }
+        }
         let pending: Vec<(u64, i64)> = a.held.lock().iter().map(|(o, r)| (*o, *r)).collect();
         if pending.is_empty() {
             a.settle_stalled.store(false, Ordering::Release);
@@ -391,10 +403,10 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
                 .published
                 .lock()
                 .iter()
-                .filter(|(name, (r, _))| {
-                    *r <= revision && snap.get(*name).is_none_or(|(c, _)| c != r)
+                .filter(|(name, e)| {
+                    e.created <= revision && snap.get(*name).is_none_or(|(c, _)| *c != e.created)
                 })
-                .map(|(name, (r, _))| (name.clone(), *r))
+                .map(|(name, e)| (name.clone(), e.created))
                 .collect();
             for ((ns, key), created) in gone {
                 tracing::info!(
@@ -537,8 +549,8 @@ fn removed(store: &Store, auth: &EtcdAuthority, ns: &str, name: &str, revision: 
             .published
             .lock()
             .get(&(ns.to_owned(), name.to_owned()))
-            .filter(|&&(r, _)| r == created)
-            .map(|&(_, o)| o);
+            .filter(|e| e.created == created)
+            .map(|e| e.offset);
         tracing::debug!(ns, name, revision, created, own = own.is_some(), "removed");
         if let Some(offset) = own {
             auth.held.lock().insert(offset, revision);

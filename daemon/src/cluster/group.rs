@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use maru_cluster::{EntryRecord, Member, Publication, Published, Removed};
+use maru_cluster::{EntryAt, EntryRecord, Member, Publication, Published, Removed, Removing};
 use tokio::sync::{RwLock, Semaphore, mpsc};
 
 /// Transactions in flight at once.
@@ -24,15 +24,22 @@ pub(super) struct Item {
     pub reserved: bool,
 }
 
+/// One removal waiting for its commit.
+pub(super) struct Withdrawal {
+    pub ns: String,
+    pub key: String,
+    /// The entry meant, if this host knows it (None: whichever is there).
+    pub entry: Option<EntryAt>,
+}
+
 /// What a caller waits for: publications or removals, and where their outcomes go.
 enum Job {
     Publish(
         Vec<Item>,
         std::sync::mpsc::SyncSender<Vec<maru_cluster::Result<Published>>>,
     ),
-    /// Each entry as (namespace, name, creation revision; 0: whichever is there).
     Remove(
-        Vec<(String, String, i64)>,
+        Vec<Withdrawal>,
         std::sync::mpsc::SyncSender<Vec<maru_cluster::Result<Removed>>>,
     ),
 }
@@ -68,13 +75,9 @@ impl GroupCommit {
         self.wait(Job::Publish(items, reply), rx, n)
     }
 
-    /// Removes entries `names` (namespace, name, the creation revision of the one meant, 0
-    /// for whichever) with the removals waiting beside them, as [`GroupCommit::publish`]
-    /// publishes.
-    pub(super) fn remove(
-        &self,
-        names: Vec<(String, String, i64)>,
-    ) -> Vec<maru_cluster::Result<Removed>> {
+    /// Removes entries `names` with the removals waiting beside them, as
+    /// [`GroupCommit::publish`] publishes.
+    pub(super) fn remove(&self, names: Vec<Withdrawal>) -> Vec<maru_cluster::Result<Removed>> {
         let n = names.len();
         let (reply, rx) = std::sync::mpsc::sync_channel(1);
         self.wait(Job::Remove(names, reply), rx, n)
@@ -133,9 +136,11 @@ async fn commit(member: Arc<RwLock<Member>>, mut rx: mpsc::UnboundedReceiver<Job
                             reserved: i.reserved,
                         }))
                     }
-                    Job::Remove(names, _) => {
-                        removing.extend(names.iter().map(|(n, k, c)| (n.as_str(), k.as_str(), *c)))
-                    }
+                    Job::Remove(names, _) => removing.extend(names.iter().map(|w| Removing {
+                        ns: &w.ns,
+                        name: &w.key,
+                        entry: w.entry,
+                    })),
                 }
             }
             let m = m.read().await;

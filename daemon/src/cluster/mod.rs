@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
 use maru::{Error, Result};
-use maru_cluster::{EntryRecord, Member, NodeInfo, Published};
+use maru_cluster::{EntryAt, EntryRecord, Member, NodeInfo, Published};
 use parking_lot::Mutex;
 use tokio::sync::RwLock;
 
@@ -70,8 +70,8 @@ pub struct EtcdAuthority {
     /// The shared pool's device UUID.
     pool: String,
     /// Each publication of this host, by name: its etcd revision (a removal the watch reports
-    /// from before it is an older entry's) and its offset.
-    published: Mutex<HashMap<(String, String), (i64, u64)>>,
+    /// from before it is an older entry's) and its extent.
+    published: Mutex<HashMap<(String, String), EntryAt>>,
     /// Names this host is changing in the shared pool, with the other hosts' changes of each
     /// held back meanwhile.
     changing: Changing,
@@ -95,6 +95,9 @@ pub struct EtcdAuthority {
     /// An eviction's wait for the acknowledgements ran out (a host slow or cut off): the next
     /// ones do not wait, until the background settler has seen every removal acknowledged.
     settle_stalled: AtomicBool,
+    /// This host's removals may have left tombstones in etcd that are not swept yet
+    /// (`maru_cluster::Member::sweep`).
+    tombstones: AtomicBool,
     /// Names this host reserved in etcd for writers through its mount.
     reserved: Mutex<HashSet<Name>>,
     /// The entries pinned in the cluster (this host's pins, and every host's from etcd's
@@ -194,6 +197,7 @@ impl EtcdAuthority {
             acks_seen: tokio::sync::watch::Sender::new(0),
             held: Mutex::new(HashMap::new()),
             settle_stalled: AtomicBool::new(false),
+            tombstones: AtomicBool::new(false),
             reserved: Mutex::new(HashSet::new()),
             pins: Mutex::new(Known::default()),
             client_pins_here: Mutex::new(HashSet::new()),

@@ -1,10 +1,12 @@
 //! Publications and removals of this host's entries in etcd, through the group commit
 //! (`group`): the authority's side of a store's publication and delete.
 
-use maru::{Error, Result};
-use maru_cluster::{EntryRecord, Published};
+use std::sync::atomic::Ordering;
 
-use super::group::Item;
+use maru::{Error, Result};
+use maru_cluster::{EntryAt, EntryRecord, Published};
+
+use super::group::{Item, Withdrawal};
 use super::{EtcdAuthority, cluster_error, taken_error, unavailable};
 use crate::store::authority::{Authority, Claim, Publishing, Withdrawn};
 
@@ -74,7 +76,7 @@ impl EtcdAuthority {
                     "published"
                 );
                 self.reserved.lock().remove(&name);
-                self.published.lock().insert(name, (revision, p.at.offset));
+                self.published.lock().insert(name, entry_at(revision, p));
                 return Ok(());
             }
             // This host's own record (a restart recovering what it published): followed as
@@ -83,7 +85,7 @@ impl EtcdAuthority {
             Ok(Published::Exists { record, created })
                 if record.node == self.node && record.offset == p.at.offset =>
             {
-                self.published.lock().insert(name, (created, p.at.offset));
+                self.published.lock().insert(name, entry_at(created, p));
                 return Ok(());
             }
             Ok(taken) => taken_error(p.ns, p.key, &taken),
@@ -97,7 +99,7 @@ impl EtcdAuthority {
                 // It made it: published, as etcd says.
                 Some(Some(revision)) => {
                     self.reserved.lock().remove(&name);
-                    self.published.lock().insert(name, (revision, p.at.offset));
+                    self.published.lock().insert(name, entry_at(revision, p));
                     return Ok(());
                 }
                 Some(None) => unavailable(e),
@@ -157,18 +159,28 @@ impl EtcdAuthority {
         self.published
             .lock()
             .get(&(ns.to_owned(), key.to_owned()))
-            .map(|&(r, _)| r)
+            .map(|e| e.created)
     }
 
     /// Removes this host's publication `ns/key` from etcd: only the record it published (a
     /// newer one of the name, another host's after a removal, stays).
     pub(super) fn remove_own(&self, ns: &str, key: &str) -> Result<maru_cluster::Removed> {
-        let created = self.published_at(ns, key).unwrap_or(0);
-        self.group
-            .remove(vec![(ns.to_owned(), key.to_owned(), created)])
+        let entry = self
+            .published
+            .lock()
+            .get(&(ns.to_owned(), key.to_owned()))
+            .copied();
+        let r = self
+            .group
+            .remove(vec![Withdrawal {
+                ns: ns.to_owned(),
+                key: key.to_owned(),
+                entry,
+            }])
             .pop()
-            .expect("one outcome")
-            .map_err(unavailable)
+            .expect("one outcome");
+        self.tombstones.store(true, Ordering::Release);
+        r.map_err(unavailable)
     }
 
     /// Gives back this host's reservation of `ns/key` in etcd, if it has one (in the
@@ -203,17 +215,23 @@ impl EtcdAuthority {
                 let name = (p.ns.to_owned(), p.key.to_owned());
                 // The one this host knows: a removal etcd receives late takes no newer one.
                 let created = self
-                    .published
-                    .lock()
-                    .get(&name)
-                    .map(|&(r, _)| r)
-                    .or_else(|| self.remote.lock().get(&name).map(|&(_, c)| c))
-                    .unwrap_or(0);
-                names.push((name.0, name.1, created));
+                    .published_at(p.ns, p.key)
+                    .or_else(|| self.remote.lock().get(&name).map(|&(_, c)| c));
+                names.push(Withdrawal {
+                    ns: name.0,
+                    key: name.1,
+                    entry: created.map(|created| EntryAt {
+                        created,
+                        offset: p.at.offset,
+                        len: p.at.size,
+                    }),
+                });
             }
         }
         if !names.is_empty() {
-            for (i, r) in asked.into_iter().zip(self.group.remove(names)) {
+            let removed = self.group.remove(names);
+            self.tombstones.store(true, Ordering::Release);
+            for (i, r) in asked.into_iter().zip(removed) {
                 out[i] = r
                     .map(|r| {
                         Some(Withdrawn {
@@ -225,5 +243,14 @@ impl EtcdAuthority {
             }
         }
         out
+    }
+}
+
+/// Publication `p`, created at `revision`: the entry this host follows as its own.
+fn entry_at(revision: i64, p: &Publishing<'_>) -> EntryAt {
+    EntryAt {
+        created: revision,
+        offset: p.at.offset,
+        len: p.at.size,
     }
 }
