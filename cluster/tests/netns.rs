@@ -161,9 +161,9 @@ fn a_member_cut_from_its_quorum_costs_no_request_and_no_lease() {
     // A follower is cut off (a leader cut off goes on as one for a while, and what it is
     // asked in the meantime waits); it comes first in the host's list, where the lease's
     // renewals start.
-    let leader = etcd.leader(0).expect("m0's status").1;
+    let leader = etcd.leader(0).expect("m0's status").leader;
     let m = (0..3)
-        .find(|&i| etcd.leader(i).is_some_and(|(id, _)| id != leader))
+        .find(|&i| etcd.leader(i).is_some_and(|s| s.id != leader))
         .expect("a follower");
     let mut eps = etcd.endpoints();
     eps.swap(0, m);
@@ -184,7 +184,7 @@ fn a_member_cut_from_its_quorum_costs_no_request_and_no_lease() {
     // It knows it has no leader once an election timeout passed.
     split(&net, m, true);
     let deadline = Instant::now() + Duration::from_secs(15);
-    while etcd.leader(m).is_some_and(|(_, l)| l != 0) {
+    while etcd.leader(m).is_some_and(|s| s.leader != 0) {
         assert!(
             Instant::now() < deadline,
             "the member cut off still follows a leader"

@@ -120,10 +120,10 @@ pub fn run(env: &Env, history: &Arc<History>, kinds: &[Kind], seed: u64, until: 
                     }
                 };
                 let known = env.etcd.lock().expect("etcd").leader(m);
-                let minority = known.map(|(id, leader)| Minority {
+                let minority = known.map(|s| Minority {
                     member: m,
-                    id,
-                    leader,
+                    id: s.id,
+                    leader: s.leader,
                 });
                 split(true);
                 if with_host {
@@ -190,26 +190,30 @@ fn cut_off(
     let cut = Instant::now();
     let planned = cut + planned;
     let margin = env.ttl + Duration::from_secs(2);
-    // The leader the members with a quorum follow; an election during the cut (any cut:
-    // a member back from a partition of its own can force one) renews every lease.
+    // The leader the members with a quorum follow, and the newest term among them; an
+    // election during the cut (any cut: a member back from a partition of its own forces
+    // one, which the same leader may win again, in a new term) renews every lease.
     let leads = || {
         let etcd = env.etcd.lock().expect("etcd");
-        (0..MEMBERS)
+        let known: Vec<_> = (0..MEMBERS)
             .filter(|&o| Some(o) != minority.map(|m| m.member))
             .filter_map(|o| etcd.leader(o))
-            .map(|(_, l)| l)
-            .find(|&l| l != 0)
+            .collect();
+        let leader = known.iter().map(|s| s.leader).find(|&l| l != 0);
+        (leader, known.iter().map(|s| s.term).max().unwrap_or(0))
     };
-    let mut leader = minority.map(|m| m.leader).or_else(leads);
+    let (now_leads, mut term) = leads();
+    let mut leader = minority.map(|m| m.leader).or(now_leads);
     let mut released = None;
     let mut elected: Option<Instant> = None;
     loop {
         let now = Instant::now();
-        let now_leads = leads();
-        if now_leads.is_some() && now_leads != leader {
+        let (now_leads, now_term) = leads();
+        if now_leads.is_some() && (now_leads != leader || now_term > term) {
             leader = now_leads;
             elected = Some(now);
         }
+        term = term.max(now_term);
         let waits_election = minority.is_some_and(|m| leader == Some(m.id));
         let from = if waits_election {
             now.min(cut + Duration::from_secs(13))
