@@ -504,17 +504,25 @@ impl Member {
         self.delete_if_mine(self.keys.reservation(ns, name)).await
     }
 
-    /// From a failed transaction's first read (this node's record): LeaseLost unless the
-    /// record is there under this host's lease.
     /// Whether a publication's transaction that compared `epoch` failed because publications
     /// were fenced since ([`Member::fence_publications`]): the node record (read first in its
-    /// failure branch) is this lease's, and written after `epoch`.
+    /// failure branch) is this lease's, and written after `epoch`. The write is then the
+    /// epoch to compare from now on, even when it came from a fence whose answer was lost
+    /// (it landed all the same): without that, every publication and claim would fail on it
+    /// and be tried again, for ever (seed 211: two marud overflowed their stacks so).
     fn epoch_moved(&self, r: &TxnResponse, epoch: i64) -> bool {
-        r.range(0)
-            .and_then(|g| g.kvs.first())
-            .is_some_and(|kv| kv.lease == self.lease && kv.mod_revision > epoch)
+        let Some(kv) = r.range(0).and_then(|g| g.kvs.first()) else {
+            return false;
+        };
+        if kv.lease != self.lease || kv.mod_revision <= epoch {
+            return false;
+        }
+        self.epoch.fetch_max(kv.mod_revision, Ordering::AcqRel);
+        true
     }
 
+    /// From a failed transaction's first read (this node's record): LeaseLost unless the
+    /// record is there under this host's lease.
     fn check_alive(&self, r: &TxnResponse) -> Result<()> {
         let ours = r
             .range(0)

@@ -301,6 +301,33 @@ async fn a_publication_from_before_a_fence_cannot_land_and_later_ones_do() {
     );
 }
 
+/// Seed 211: a fence whose answer was lost (a timeout) landed all the same; every later
+/// publication and claim compared the epoch before it, failed, and was tried again, for ever
+/// (two marud overflowed their stacks). The write found is taken as the epoch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fence_whose_answer_was_lost_does_not_stop_later_publications() {
+    use maru_cluster::etcd::{Client, Op, Options, Txn};
+    let Some(etcd) = Etcd::start() else { return };
+    let a = member(&etcd, "a", 10).await;
+    assert!(a.claim(0, UNIT).await.expect("claim"));
+    // The fence's write, as etcd applies it; a never hears of it.
+    let c = Client::connect(&etcd.endpoints(), Options::default()).expect("client");
+    let node = format!("/maru/{POOL}/nodes/a");
+    let info = serde_json::json!({"node": "a", "address": "127.0.0.1", "pid": 1});
+    let fence = Txn::new().and_then([Op::put(node, info.to_string(), a.lease())]);
+    assert!(c.txn(fence).await.expect("txn").succeeded());
+    assert!(matches!(
+        a.publish("ns", "x", &record("a", 0))
+            .await
+            .expect("publish"),
+        Published::New { .. }
+    ));
+    assert!(a.claim(UNIT, UNIT).await.expect("claim"));
+    // A claim refused for another reason fails once, as it should.
+    let b = member(&etcd, "b", 10).await;
+    assert!(!b.claim(0, UNIT).await.expect("claim"));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_refused_at_the_connection_is_known_never_sent() {
     use maru_cluster::etcd::{Client, Options, Range};
