@@ -368,6 +368,12 @@ async fn tend(me: std::sync::Weak<EtcdAuthority>, tx: tokio::sync::mpsc::Unbound
 
 fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
     match c {
+        Change::Release(ns, key) => {
+            for (read, c) in auth.changing.release(&ns, &key) {
+                tracing::debug!(ns, key, "a change held back, applied");
+                apply(store, auth, Change::Held(read, Box::new(c)));
+            }
+        }
         Change::Held(read, c) => {
             if auth.changing.superseded(read) {
                 tracing::debug!(
