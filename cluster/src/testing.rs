@@ -171,8 +171,9 @@ impl Drop for Etcd {
 
 /// A three-member (or `n`-member) etcd: members `m0`, `m1`, ... all listening on `ip` in
 /// network namespace `netns` (None: this one), each on ports of its own, each with its data
-/// in a temporary directory. A member can be killed (SIGKILL, as a crash) and restarted on
-/// its data; every member is killed by pid when the cluster drops.
+/// in a temporary directory, its log beside it ([`EtcdCluster::log`]). A member can be killed
+/// (SIGKILL, as a crash) and restarted on its data; every member is killed by pid when the
+/// cluster drops.
 pub struct EtcdCluster {
     members: Vec<Member>,
     /// Where the harness's own requests ([`EtcdCluster::http`]) come from.
@@ -241,6 +242,12 @@ impl EtcdCluster {
             .map(|(k, m)| format!("m{k}=http://{}:{}", m.at.ip, m.peer))
             .collect();
         let m = &self.members[i];
+        // Appended to across restarts: one member's whole life in one file.
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log(i))
+            .expect("etcd member's log");
         let client = format!("http://{}:{}", m.at.ip, m.client);
         let peer = format!("http://{}:{}", m.at.ip, m.peer);
         let mut cmd = match &m.at.netns {
@@ -253,7 +260,7 @@ impl EtcdCluster {
         };
         let child = cmd
             .args(["--name", &format!("m{i}"), "--data-dir"])
-            .arg(m.dir.path())
+            .arg(m.dir.path().join("data"))
             .args(["--listen-client-urls", &client])
             .args(["--advertise-client-urls", &client])
             .args(["--listen-peer-urls", &peer])
@@ -266,7 +273,7 @@ impl EtcdCluster {
             // follow (3.4's default: an election, and no leader for seconds, at every return).
             .arg("--pre-vote")
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(log)
             .spawn()
             .expect("start etcd");
         self.members[i].child = Some(child);
@@ -369,6 +376,11 @@ impl EtcdCluster {
             .iter()
             .map(|m| format!("http://{}:{}", m.at.ip, m.client))
             .collect()
+    }
+
+    /// Member `i`'s log (its standard error, every run of it), until the cluster drops.
+    pub fn log(&self, i: usize) -> std::path::PathBuf {
+        self.members[i].dir.path().join("etcd.log")
     }
 
     /// Member `i`'s pid, while it runs (`ip netns exec` execs etcd: the child's pid is etcd's).

@@ -7,8 +7,8 @@
 //! Run `--runs N` runs with seeds `seed, seed+1, ...`; prints each run's report and exits 1
 //! if any run found a violation. Needs root and etcd (Debian's `etcd-server`).
 //!
-//! With `MARU_FAULTS_KEEP=DIR`, a run with violations is kept in DIR (each host's log, the
-//! history of the keys named); the hosts then log the cluster's changes of every entry
+//! With `MARU_FAULTS_KEEP=DIR`, a run with violations is kept in DIR (each host's log, each
+//! etcd member's, the history of the keys named); the hosts then log the cluster's changes of every entry
 //! (`maru_daemon::cluster` at debug).
 
 use std::time::Duration;

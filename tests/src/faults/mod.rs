@@ -261,7 +261,7 @@ pub fn run(cfg: &Config) -> Option<Report> {
 }
 
 /// A run with violations, kept for reading ([`Config::keep`]): each host's marud log
-/// (`seed<N>-h<i>.log`), and the faults and every operation on the keys the violations name,
+/// (`seed<N>-h<i>.log`), each etcd member's (`seed<N>-m<i>.log`), and the faults and every operation on the keys the violations name,
 /// in time order (`seed<N>-trace.txt`).
 fn keep(dir: &Path, env: &env::Env, r: &Report, ops: &[Op], faults: &[history::Fault]) {
     use std::fmt::Write;
@@ -269,6 +269,10 @@ fn keep(dir: &Path, env: &env::Env, r: &Report, ops: &[Op], faults: &[history::F
     for (i, h) in env.hosts.iter().enumerate() {
         let log = h.lock().expect("host").log.clone();
         let _ = std::fs::copy(log, dir.join(format!("seed{}-h{i}.log", r.seed)));
+    }
+    let etcd = env.etcd.lock().expect("etcd");
+    for m in 0..etcd.len() {
+        let _ = std::fs::copy(etcd.log(m), dir.join(format!("seed{}-m{m}.log", r.seed)));
     }
     let mut out = String::new();
     for f in faults {
