@@ -17,9 +17,10 @@ use maru_fsd::Caller;
 use parking_lot::MutexGuard;
 
 use super::authority::{Placed, Publishing, Withdrawn};
+use super::entries::Entry;
 use super::entries::Removal;
 use super::policy::Access;
-use super::state::{Entry, State};
+use super::state::State;
 use super::{Invalidation, Store};
 
 /// An entry a delete, a pin or an eviction found, between its steps.
@@ -37,8 +38,8 @@ impl Found {
     /// Sealed entry `ino` of `ns`, unless a delete is recording its removal already.
     fn unless_withdrawing(st: &State, ns: &str, ino: u64) -> Result<Found> {
         let e = &st.entries[&ino];
-        if e.withdrawing {
-            return Err(Error::NotFound(format!("{ns}/{} (being deleted)", e.key)));
+        if e.withdrawing() {
+            return Err(Error::NotFound(format!("{ns}/{} (being deleted)", e.key())));
         }
         Ok(Found::of(st, e))
     }
@@ -46,9 +47,9 @@ impl Found {
     pub(super) fn of(st: &State, e: &Entry) -> Found {
         let at = st.placed(e);
         Found {
-            ino: e.ino,
-            ns: e.ns.clone(),
-            key: e.key.clone(),
+            ino: e.ino(),
+            ns: e.ns().to_owned(),
+            key: e.key().to_owned(),
             pool: at.pool.map(str::to_owned),
             offset: at.offset,
             size: at.size,
@@ -120,7 +121,10 @@ impl Store {
         let shared = self.authority.shared() && found.iter().any(|f| f.pool.is_some());
         let withdrawn: Vec<Result<Option<Withdrawn>>> = if shared {
             for f in found {
-                st.entries.get_mut(&f.ino).expect("found").withdrawing = true;
+                st.entries
+                    .get_mut(&f.ino)
+                    .expect("found")
+                    .set_withdrawing(true);
                 self.authority.withdrawing(&f.ns, &f.key);
             }
             let asks = asks(found);
@@ -133,7 +137,7 @@ impl Store {
             });
             for f in found {
                 if let Some(e) = st.entries.get_mut(&f.ino) {
-                    e.withdrawing = false;
+                    e.set_withdrawing(false);
                 }
             }
             w
@@ -182,7 +186,7 @@ impl Store {
             |st, ino| {
                 let e = &st.entries[&ino];
                 // Nothing to change: nothing to ask.
-                found.push((e.pinned != pinned).then(|| Found::of(st, e)));
+                found.push((e.pinned() != pinned).then(|| Found::of(st, e)));
                 Ok(())
             },
         )?;
@@ -198,7 +202,7 @@ impl Store {
         let mut marked = found.iter().zip(asked).map(|(f, r)| {
             r?;
             match f {
-                Some(f) if st.entries.get(&f.ino).is_some_and(|e| e.key == f.key) => {
+                Some(f) if st.entries.get(&f.ino).is_some_and(|e| e.key() == f.key) => {
                     // Another host's later change of the pin may have come first: it stands.
                     let now = self.authority.pinned(ns, &f.key).unwrap_or(pinned);
                     st.mark_pinned(f.ino, now)
@@ -243,7 +247,7 @@ fn remove(
         Removal::Withdrawn { w, .. } => w.existed,
         _ => true,
     };
-    let here = st.entries.get(&f.ino).is_some_and(|e| e.key == f.key);
+    let here = st.entries.get(&f.ino).is_some_and(|e| e.key() == f.key);
     if here {
         inv.extend(st.remove_entry(&*store.authority, &store.counters, f.ino, how)?);
     }

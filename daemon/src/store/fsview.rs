@@ -285,7 +285,7 @@ impl Backend for StoreFs {
             if write {
                 return Err(Error::ReadOnly("sealed entries are immutable".into()));
             }
-            let (ns, perm, pool) = (e.ns.clone(), e.perm, e.pool);
+            let (ns, perm, pool) = (e.ns().to_owned(), e.perm(), e.pool());
             Store::allow(&st, c, &ns, Access::Read(&perm))?;
             st.touch(ino);
             if st.fenced_off(self.0.authority.fenced(), ino) {
@@ -299,7 +299,7 @@ impl Backend for StoreFs {
             if p.passes_through(&e.loc()) {
                 return Ok(OpenedFile::Passthrough(Arc::new(p.open_entry(&e.loc())?)));
             }
-            st.entries.get_mut(&ino).expect("present").leases += 1;
+            st.entries.get_mut(&ino).expect("present").lease();
             *st.fuse_leases.entry(ino).or_insert(0) += 1;
             return Ok(OpenedFile::Copy);
         }
@@ -464,7 +464,7 @@ impl Backend for StoreFs {
         {
             let st = self.0.st.lock();
             if let Some(e) = st.entries.get(&ino) {
-                if e.size == size {
+                if e.size() == size {
                     return Ok(e.attr());
                 }
                 return Err(Error::ReadOnly("sealed entries are immutable".into()));
@@ -573,18 +573,20 @@ impl Backend for StoreFs {
             .entries
             .get_mut(&ino)
             .ok_or_else(|| Error::NotFound(format!("inode {ino}")))?;
-        if !policy::may_chown(c, &e.perm, uid, gid) {
+        let old = e.perm();
+        if !policy::may_chown(c, &old, uid, gid) {
             return Err(denied());
         }
-        let old = e.perm;
-        apply(&mut e.perm, ENTRY_MODES);
+        let mut perm = old;
+        apply(&mut perm, ENTRY_MODES);
+        e.set_perm(perm);
         let attr = e.attr();
-        match st.pools[e.pool].pool.set_owner_mode(&e.loc()) {
+        match st.pools[e.pool()].pool.set_owner_mode(&e.loc()) {
             Ok(Some(at)) => st.relocate(ino, at),
             Ok(None) => {}
             Err(err) => {
                 // Nothing changed where the entry is: neither does what it says.
-                st.entries.get_mut(&ino).expect("present").perm = old;
+                st.entries.get_mut(&ino).expect("present").set_perm(old);
                 return Err(err);
             }
         }
@@ -613,15 +615,15 @@ impl Backend for StoreFs {
                 st.zombies.get_mut(&ino)
             }
             .expect("present");
-            if offset >= e.size {
+            if offset >= e.size() {
                 return Ok(Vec::new());
             }
-            let n = u64::from(len).min(e.size - offset) as usize;
-            let pool = &st.pools[e.pool].pool;
+            let n = u64::from(len).min(e.size() - offset) as usize;
+            let pool = &st.pools[e.pool()].pool;
             let reader = pool.reader(&e.loc())?;
             let leased = pool.leases();
             if leased {
-                e.leases += 1;
+                e.lease();
             }
             drop(guard);
             let mut buf = vec![0u8; n];
@@ -765,7 +767,7 @@ impl Backend for StoreFs {
             return Err(Error::from_errno(libc::EISDIR));
         }
         if let Some(&ino) = n.entries.get(name) {
-            let perm = st.entries[&ino].perm;
+            let perm = st.entries[&ino].perm();
             Store::allow(&st, c, &p, Access::Delete(&perm))?;
             let inv = self.0.delete_entry(&mut st, &p, ino)?;
             drop(st);
@@ -818,7 +820,7 @@ impl Backend for StoreFs {
             src.writing.get(name).copied(),
         );
         let perm = match (sealed, writing) {
-            (Some(i), _) => st.entries[&i].perm,
+            (Some(i), _) => st.entries[&i].perm(),
             (None, Some(i)) => st.allocs[&i].perm,
             (None, None) => return Err(Error::NotFound(join(&p, name))),
         };
@@ -900,7 +902,7 @@ impl Backend for StoreFs {
             .entries
             .get(&ino)
             .ok_or_else(|| Error::NotFound(format!("inode {ino}")))?;
-        let p = &st.pools[e.pool];
+        let p = &st.pools[e.pool()];
         Ok(vec![
             x("state", "sealed".into()),
             x("pool", p.name.clone()),
@@ -910,17 +912,17 @@ impl Backend for StoreFs {
             // `offset` in the store is the file's inode number), or a piece of a pack.
             x(
                 "offset",
-                match maru::index::packed(e.offset) {
+                match maru::index::packed(e.offset()) {
                     Some((_, off)) => off,
                     None if p.kind == PoolKind::Memfs => 0,
-                    None => e.offset,
+                    None => e.offset(),
                 }
                 .to_string(),
             ),
-            x("size", e.size.to_string()),
-            x("pinned", if e.pinned { "1" } else { "0" }.into()),
-            x("holds", e.holds.to_string()),
-            x("generation", e.ino.to_string()),
+            x("size", e.size().to_string()),
+            x("pinned", if e.pinned() { "1" } else { "0" }.into()),
+            x("holds", e.holds().to_string()),
+            x("generation", e.ino().to_string()),
             x(
                 "access",
                 if p.pool.passes_through(&e.loc()) {
@@ -940,7 +942,7 @@ impl Backend for StoreFs {
                 .entries
                 .get(&ino)
                 .ok_or_else(|| Error::NotFound(format!("inode {ino}")))?;
-            (e.ns.clone(), e.key.clone())
+            (e.ns().to_owned(), e.key().to_owned())
         };
         let mut out = self.0.pin(c, &ns, &[key], pinned)?;
         out.pop().expect("one outcome")

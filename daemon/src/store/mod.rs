@@ -5,7 +5,8 @@
 //!
 //! - [`state`]: the types the lock guards (allocations' origin and backing are enums);
 //! - [`namespaces`]: the tree, modes, quotas and their persistence;
-//! - [`entries`]: the only code that inserts, removes or renames a sealed entry;
+//! - [`entries`]: the entry, whose fields only it writes (they are private to it), and the
+//!   only code that inserts, removes or renames one;
 //! - [`lru`]: the least-recently-used order; [`placement`]: pools and eviction;
 //! - [`pools`]: the pool trait and its memfs and raw implementations;
 //! - [`sessions`]: client sessions and leases; [`stats`]: counters as atomics;
@@ -35,7 +36,8 @@
 //! at its release: the writer is marked as asking meanwhile, `writer`), unlinks and renames
 //! (the entry marked as withdrawing meanwhile; the applier leaves such an entry alone), and
 //! an eviction's removals and its wait for the other hosts' acknowledgements (`placement`),
-//! and for a raw pool the bytes written through the mount (up to `max_copy_entry`): each
+//! and the claim of each region a raw pool carves (`Pool::unclaimed`, `Store::claim`), and
+//! for a raw pool the bytes written through the mount (up to `max_copy_entry`): each
 //! write, read and size change of them under their buffer's own lock, and their copy into
 //! the pool at a writer's close and before its publication with the writer marked as copying
 //! ([`pools::buffer`], `Store::copy_in`), and on a pool without coherence across hosts the
@@ -510,7 +512,7 @@ impl Store {
             .iter()
             .map(|k| match st.ns.get(ns)?.entries.get(k).copied() {
                 Some(ino) => {
-                    let perm = st.entries[&ino].perm;
+                    let perm = st.entries[&ino].perm();
                     policy::check(c, &chain, ns, access(&perm))?;
                     act(st, ino)
                 }
@@ -555,7 +557,7 @@ impl Store {
             |st, ino| {
                 st.hold(session, ino, hold)?;
                 let e = &st.entries[&ino];
-                if e.remote.is_some() && e.holds == u32::from(hold) {
+                if e.remote().is_some() && e.holds() == u32::from(hold) {
                     firsts.push(ino);
                 }
                 Ok(())
@@ -566,7 +568,7 @@ impl Store {
         }
         let names: Vec<(String, String)> = firsts
             .iter()
-            .map(|ino| (ns.to_owned(), st.entries[ino].key.clone()))
+            .map(|ino| (ns.to_owned(), st.entries[ino].key().to_owned()))
             .collect();
         if !hold {
             self.authority.unpin_for_clients(&names);
@@ -691,7 +693,7 @@ impl Store {
         clients.sort_by_key(|c| c.session);
         let pools = Self::pool_infos(&st, huge);
         let cluster = self.authority.cluster().map(|mut c| {
-            let elsewhere = st.entries.values().filter(|e| e.remote.is_some()).count() as u64;
+            let elsewhere = st.entries.values().filter(|e| e.remote().is_some()).count() as u64;
             c.entries_elsewhere = elsewhere;
             c.entries_here = st.entries.len() as u64 - elsewhere;
             for h in c.hosts.iter_mut().filter(|h| h.node == c.node) {
@@ -743,8 +745,8 @@ impl Store {
             let sealed: u64 = st
                 .entries
                 .values()
-                .filter(|e| e.pool == p.id)
-                .map(|e| e.asize)
+                .filter(|e| e.pool() == p.id)
+                .map(|e| e.asize())
                 .sum();
             if sealed != p.sealed_bytes {
                 return Err(format!(
@@ -761,11 +763,11 @@ impl Store {
                     .get(ino)
                     .ok_or_else(|| format!("{k}/{key}: dangling"))?;
                 match n.index.lookup(key) {
-                    Some(v) if v.generation == e.ino && v.flags == e.flags() => {}
+                    Some(v) if v.generation == e.ino() && v.flags == e.flags() => {}
                     other => return Err(format!("{k}/{key}: index says {other:?}")),
                 }
                 match self.authority.holder(k, key) {
-                    Some(authority::Claim::Published(g)) if g == e.ino => {}
+                    Some(authority::Claim::Published(g)) if g == e.ino() => {}
                     other => return Err(format!("{k}/{key}: the authority says {other:?}")),
                 }
             }
@@ -779,11 +781,11 @@ impl Store {
         }
         for (ino, n) in &holds {
             match st.entries.get(ino) {
-                Some(e) if e.holds == *n => {}
+                Some(e) if e.holds() == *n => {}
                 other => {
                     return Err(format!(
                         "inode {ino}: sessions hold it {n} times, the entry says {:?}",
-                        other.map(|e| e.holds)
+                        other.map(|e| e.holds())
                     ));
                 }
             }
@@ -791,11 +793,13 @@ impl Store {
         if let Some(e) = st
             .entries
             .values()
-            .find(|e| e.holds > 0 && !holds.contains_key(&e.ino))
+            .find(|e| e.holds() > 0 && !holds.contains_key(&e.ino()))
         {
             return Err(format!(
                 "{}/{}: held {} times by no session",
-                e.ns, e.key, e.holds
+                e.ns(),
+                e.key(),
+                e.holds()
             ));
         }
         // Every entry is filed once in the LRU order, under a key no later than its last use.
@@ -807,12 +811,12 @@ impl Store {
             ));
         }
         for (ino, e) in &st.entries {
-            if st.lru.filed_under(e.lru.filed) != Some(*ino) || e.lru.used < e.lru.filed {
+            if st.lru.filed_under(e.lru().filed) != Some(*ino) || e.lru().used < e.lru().filed {
                 return Err(format!(
                     "inode {ino}: filed under {} in lru ({:?}), last used at {}",
-                    e.lru.filed,
-                    st.lru.filed_under(e.lru.filed),
-                    e.lru.used
+                    e.lru().filed,
+                    st.lru.filed_under(e.lru().filed),
+                    e.lru().used
                 ));
             }
         }

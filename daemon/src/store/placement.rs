@@ -37,7 +37,7 @@ impl Store {
             .oldest_first()
             .filter(|ino| {
                 let e = &s.entries[ino];
-                !e.protected() && pool.is_none_or(|p| p == e.pool)
+                !e.protected() && pool.is_none_or(|p| p == e.pool())
             })
             .collect();
         let shared = self.authority.shared()
@@ -52,7 +52,7 @@ impl Store {
             if freed >= want {
                 break;
             }
-            let asize = st.entries[&ino].asize;
+            let asize = st.entries[&ino].asize();
             match st.remove_entry(&*self.authority, &self.counters, ino, Removal::Evicted) {
                 Ok(Some(i)) => {
                     freed += asize;
@@ -86,8 +86,8 @@ impl Store {
                 break;
             }
             let e = &st.entries[&ino];
-            planned += e.asize;
-            sizes.push(e.asize);
+            planned += e.asize();
+            sizes.push(e.asize());
             chosen.push(Found::of(st, e));
         }
         let (removed, inv) = self.remove_found(st, &chosen, true);
@@ -160,11 +160,20 @@ impl Store {
             .copied()
             .find(|p| size <= st.pools[*p].pool.capacity());
         if let Some(p) = big_enough {
-            // First pass: no eviction.
+            // First pass: no eviction. A pool that fails for another reason than room (its
+            // region's claim could not be made: etcd unreachable) says why, if none grants.
+            let mut failed = None;
             for &q in &order {
-                if let Ok(b) = self.grant(st, q, who, id, size) {
-                    return Ok((q, b));
+                match self.grant(st, q, who, id, size) {
+                    Ok(b) => return Ok((q, b)),
+                    Err(Error::NoSpace(_)) => {}
+                    Err(e) => {
+                        failed.get_or_insert(e);
+                    }
                 }
+            }
+            if let Some(e) = failed {
+                return Err(e);
             }
             if self.cfg.eviction == Eviction::Lru {
                 // Evict what is missing plus some headroom: memory of evicted entries that a
@@ -195,7 +204,9 @@ impl Store {
     }
 
     /// One grant in pool `q`: its slow part made with the lock released where the pool has
-    /// one for it, else made by the pool under the lock.
+    /// one for it, else made by the pool under the lock; a region it carved is claimed at
+    /// the authority before it is given ([`Store::claim`]), another tried when another host
+    /// claimed that one first.
     fn grant(
         &self,
         st: &mut MutexGuard<'_, State>,
@@ -204,9 +215,66 @@ impl Store {
         id: u64,
         size: u64,
     ) -> Result<Backing> {
-        match &self.preparers[q.slot()] {
-            Some(p) if p.prepares(size, who) => MutexGuard::unlocked(st, || p.prepare(size)),
-            _ => st.pools[q].pool.grant(id, size, who),
+        let mut refused = Refused::default();
+        loop {
+            let b = match &self.preparers[q.slot()] {
+                Some(p) if p.prepares(size, who) => MutexGuard::unlocked(st, || p.prepare(size))?,
+                _ => st.pools[q].pool.grant(id, size, who)?,
+            };
+            let Some(region) = st.pools[q].pool.unclaimed(id) else {
+                return Ok(b);
+            };
+            // Refused, the region went with the grant (`Pool::claimed`).
+            match self.claim(st, q, region) {
+                Ok(()) => return Ok(b),
+                Err(e) => refused.again(e, region.0, &st.pools[q].name)?,
+            }
+        }
+    }
+
+    /// Claims at the authority the region `(offset, len)` pool `q` carved for an allocation
+    /// ([`Pool::unclaimed`](super::pools::Pool::unclaimed)), and tells the pool how it went.
+    /// Where other hosts share the authority the claim is a round trip (etcd): it is made
+    /// with the store's lock let go of, so that nobody else waits for it (nothing else is
+    /// placed in the region meanwhile).
+    pub(super) fn claim(
+        &self,
+        st: &mut MutexGuard<'_, State>,
+        q: PoolIdx,
+        (offset, len): (u64, u64),
+    ) -> Result<()> {
+        let uuid = st.pools[q]
+            .pool
+            .uuid()
+            .expect("only raw pools carve regions")
+            .to_owned();
+        let claim = || self.authority.claim_region(&uuid, offset, len);
+        let r = if self.authority.shared() {
+            MutexGuard::unlocked(st, claim)
+        } else {
+            claim()
+        };
+        st.pools[q].pool.claimed(offset, &r);
+        r
+    }
+}
+
+/// The regions whose claims other hosts refused to one placement: it tries other regions
+/// ([`Error::Busy`]: another host claimed the region first) until one is refused a second
+/// time (the pool, tried again once it looked full, has no region free of other hosts').
+#[derive(Default)]
+pub(super) struct Refused(std::collections::HashSet<u64>);
+
+impl Refused {
+    /// Whether to try another region after the claim of region `offset` of pool `pool`
+    /// failed with `e`: Ok to try again, else the error to give.
+    pub(super) fn again(&mut self, e: Error, offset: u64, pool: &str) -> Result<()> {
+        match e {
+            Error::Busy(_) if self.0.insert(offset) => Ok(()),
+            Error::Busy(_) => Err(Error::NoSpace(format!(
+                "pool {pool} is full (other hosts claim what is free)"
+            ))),
+            e => Err(e),
         }
     }
 }

@@ -25,9 +25,12 @@ use maru::{Error, Result};
 use parking_lot::MutexGuard;
 
 use super::authority::{Placed, Publishing};
+use super::entries::Entry;
 use super::ids::SessionId;
+use super::placement::Refused;
 use super::policy::{self, Access, Perm};
-use super::state::{Alloc, Entry, State};
+use super::pools::Backing;
+use super::state::{Alloc, State};
 use super::stats::Bytes;
 use super::{ENTRY_ALIGN, Store, align_up};
 use crate::coherence::WriteBack;
@@ -303,7 +306,9 @@ impl Store {
     /// Readies writer `ino`'s bytes for a publication of `len` bytes (`Pool::commit`): a
     /// raw pool's buffered bytes are copied into the extent reserved for them with the
     /// store's lock let go of, the writer marked as copying meanwhile (another copy of it
-    /// waits; its drop too, `Store::copied`). Returns whether the lock was let go of.
+    /// waits; its drop too, `Store::copied`), after the claim of a region carved for them
+    /// (`Pool::unclaimed`), made in the same unlocked window. Returns whether the lock was
+    /// let go of.
     pub(super) fn copy_in(
         &self,
         st: &mut MutexGuard<'_, State>,
@@ -311,22 +316,53 @@ impl Store {
         len: u64,
     ) -> Result<bool> {
         let waited = self.copied(st, ino);
-        let s = &mut **st;
-        let a = s
-            .allocs
-            .get_mut(&ino)
-            .ok_or_else(|| Error::NotFound(format!("inode {ino} (dropped meanwhile)")))?;
-        let Some(copy) = s.pools[a.pool].pool.commit(ino, &mut a.backing, len)? else {
-            return Ok(waited);
-        };
-        st.writer_copying(ino, true);
-        let copied = MutexGuard::unlocked(st, || match self.data_fault(ino) {
-            Some(errno) => Err(Error::from_errno(errno)),
-            None => copy.run(),
-        });
-        st.writer_copying(ino, false);
-        self.sealed.notify_all();
-        copied.map(|()| true)
+        let mut refused = Refused::default();
+        loop {
+            let s = &mut **st;
+            let a = s
+                .allocs
+                .get_mut(&ino)
+                .ok_or_else(|| Error::NotFound(format!("inode {ino} (dropped meanwhile)")))?;
+            let q = a.pool;
+            let pool = &mut s.pools[q].pool;
+            let copy = pool.commit(ino, &mut a.backing, len)?;
+            let region = pool.unclaimed(ino);
+            let uuid = pool.uuid().map(str::to_owned);
+            if copy.is_none() && region.is_none() {
+                return Ok(waited);
+            }
+            st.writer_copying(ino, true);
+            let (claim, copied) = MutexGuard::unlocked(st, || {
+                let claim = region.map(|(offset, rlen)| {
+                    let uuid = uuid.as_deref().expect("only raw pools carve regions");
+                    self.authority.claim_region(uuid, offset, rlen)
+                });
+                let copied = match (&claim, copy) {
+                    (Some(Err(_)), _) | (_, None) => Ok(()),
+                    (_, Some(copy)) => match self.data_fault(ino) {
+                        Some(errno) => Err(Error::from_errno(errno)),
+                        None => copy.run(),
+                    },
+                };
+                (claim, copied)
+            });
+            st.writer_copying(ino, false);
+            self.sealed.notify_all();
+            if let (Some((offset, _)), Some(claim)) = (region, claim) {
+                st.pools[q].pool.claimed(offset, &claim);
+                if let Err(e) = claim {
+                    // The region went with the bytes' place: another is tried.
+                    if let Some(Backing::Buffer { placed, .. }) =
+                        st.allocs.get_mut(&ino).map(|a| &mut a.backing)
+                    {
+                        *placed = None;
+                    }
+                    refused.again(e, offset, &st.pools[q].name)?;
+                    continue;
+                }
+            }
+            return copied.map(|()| true);
+        }
     }
 
     /// Waits until no copy of writer `ino`'s bytes is under way; returns whether it waited.
@@ -409,16 +445,20 @@ impl Store {
         if !(self.authority.shared() && at.pool.is_some()) {
             return st.rename_entry(&*self.authority, ino, ns, key);
         }
-        if e.withdrawing {
+        if e.withdrawing() {
             return Err(Error::NotFound(format!(
                 "{}/{} (being deleted)",
-                e.ns, e.key
+                e.ns(),
+                e.key()
             )));
         }
-        let (from_ns, from_key) = (e.ns.clone(), e.key.clone());
+        let (from_ns, from_key) = (e.ns().to_owned(), e.key().to_owned());
         let (pool, offset, size) = (at.pool.map(str::to_owned), at.offset, at.size);
         self.authority.reserve(ns, key, ino)?;
-        st.entries.get_mut(&ino).expect("present").withdrawing = true;
+        st.entries
+            .get_mut(&ino)
+            .expect("present")
+            .set_withdrawing(true);
         self.authority.withdrawing(&from_ns, &from_key);
         let placed = Placed {
             pool: pool.as_deref(),
@@ -431,8 +471,8 @@ impl Store {
                 .unpublish(&from_ns, &from_key, ino, &placed, None)
         });
         let here = match st.entries.get_mut(&ino) {
-            Some(e) if e.ns == from_ns && e.key == from_key => {
-                e.withdrawing = false;
+            Some(e) if e.ns() == from_ns && e.key() == from_key => {
+                e.set_withdrawing(false);
                 true
             }
             _ => false, // removed meanwhile (by another host, through the watch)
@@ -507,13 +547,10 @@ impl Store {
             mode: a.perm.mode & policy::ENTRY_MODES,
             ..a.perm
         };
-        let mut e = Entry {
-            asize,
-            owner: a.session(),
-            ..Entry::new(id, ns, key, a.pool, 0, size, perm)
-        };
+        let e = Entry::new(id, ns, key, a.pool, 0, size, perm).stored_by(a.session(), asize);
         let pool = &mut st.pools[a.pool].pool;
-        e.offset = pool.publish(id, &mut a.backing, &e.loc())?;
+        let offset = pool.publish(id, &mut a.backing, &e.loc())?;
+        let e = e.at(offset);
         let committed = st.writer_sealing(id, ns, key)?;
         let a = st.allocs.remove(&id).expect("present");
         st.pools[a.pool].writing_bytes -= a.acct;

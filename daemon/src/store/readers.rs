@@ -47,7 +47,7 @@ impl Store {
         let n = st.ns.get(ns)?;
         let inos: Vec<Option<u64>> = keys.iter().map(|k| n.entries.get(k).copied()).collect();
         for ino in inos.iter().flatten() {
-            policy::check(&c, &chain, ns, Access::Read(&st.entries[ino].perm))?;
+            policy::check(&c, &chain, ns, Access::Read(&st.entries[ino].perm()))?;
         }
         let mut out = Vec::with_capacity(keys.len());
         let mut packs_sent = std::collections::HashSet::new();
@@ -70,18 +70,18 @@ impl Store {
                 ..
             } = &mut *st;
             let e = entries.get_mut(&ino).expect("present");
-            lru.touch(&mut e.lru);
-            let pool = &pools[e.pool].pool;
-            self.counters.add_bytes(Bytes::Retrieved, e.size);
+            lru.touch(e.as_mut());
+            let pool = &pools[e.pool()].pool;
+            self.counters.add_bytes(Bytes::Retrieved, e.size());
             // A pack's descriptor goes once per reply; a raw pool's once per connection.
-            let first = match maru::index::packed(e.offset) {
-                Some((pack, _)) => packs_sent.insert((e.pool, pack)),
-                None => !pool_fd_sent(e.pool.get()),
+            let first = match maru::index::packed(e.offset()) {
+                Some((pack, _)) => packs_sent.insert((e.pool(), pack)),
+                None => !pool_fd_sent(e.pool().get()),
             };
             let f = pool.retrieve_fd(&e.loc(), first)?;
             out.push(Some((e.located(f.is_some()), f)));
             if pool.leases() {
-                e.leases += 1;
+                e.lease();
                 let s = sessions.get_mut(&session).expect("live");
                 *s.leases.entry(ino).or_insert(0) += 1;
             }
@@ -142,18 +142,18 @@ impl Store {
         for g in gens {
             let Some(e) = st.entries.get(g) else { continue };
             if c.uid != 0 {
-                if chain.as_ref().is_none_or(|(ns, _)| *ns != e.ns) {
-                    chain = Some((e.ns.clone(), st.ns.chain(&e.ns)));
+                if chain.as_ref().is_none_or(|(ns, _)| *ns != e.ns()) {
+                    chain = Some((e.ns().to_owned(), st.ns.chain(e.ns())));
                 }
                 let (ns, path) = chain.as_ref().expect("set above");
-                if policy::check(c, path, ns, Access::Read(&e.perm)).is_err() {
+                if policy::check(c, path, ns, Access::Read(&e.perm())).is_err() {
                     continue;
                 }
             }
             let State { entries, lru, .. } = &mut *st;
             let e = entries.get_mut(g).expect("looked up above");
-            lru.touch(&mut e.lru);
-            self.counters.add_bytes(Bytes::Retrieved, e.size);
+            lru.touch(e.as_mut());
+            self.counters.add_bytes(Bytes::Retrieved, e.size());
         }
     }
 }

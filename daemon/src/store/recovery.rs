@@ -8,6 +8,7 @@ use maru::name::{check_component, split_ns};
 use maru::proto::PoolKind;
 
 use super::authority::{Authority, Placed};
+use super::entries::Entry;
 use super::hashmap::HashMap;
 use super::ids::{PoolIdx, SessionId};
 use super::lru::Lru;
@@ -17,7 +18,7 @@ use super::pools::memfs::Memfs;
 use super::pools::raw::Raw;
 use super::pools::{Loc, Pool};
 use super::settings::StoreConfig;
-use super::state::{Entry, PoolSlot, Session, State};
+use super::state::{PoolSlot, Session, State};
 use crate::pool::PoolSpec;
 use maru_fsd::Caller;
 use maru_fsd::backend::ROOT_INO;
@@ -143,11 +144,8 @@ fn recover_pool(st: &mut State, p: usize, authority: &dyn Authority) -> anyhow::
             gid: f.gid,
             mode: f.mode,
         };
-        let e = Entry {
-            pinned: f.pinned,
-            mtime: f.mtime,
-            ..Entry::new(ino, &f.ns, &f.key, PoolIdx::at(p), f.offset, f.size, perm)
-        };
+        let e = Entry::new(ino, &f.ns, &f.key, PoolIdx::at(p), f.offset, f.size, perm)
+            .recovered(f.pinned, f.mtime);
         kept.push(ino);
         st.insert_entry(e);
         authority.settled(&f.ns, &f.key);

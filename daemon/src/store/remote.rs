@@ -7,9 +7,10 @@ use maru::{Error, Result};
 
 use super::Store;
 use super::authority::{Authority, Gone};
+use super::entries::Entry;
 use super::entries::Removal;
 use super::policy::Perm;
-use super::state::{Entry, Invalidation, State};
+use super::state::{Invalidation, State};
 use crate::alloc::align_up;
 use crate::pool::ENTRY_ALIGN;
 
@@ -39,7 +40,7 @@ impl Store {
             .map(|p| p.id)
             .ok_or_else(|| Error::NotFound(format!("no pool with UUID {pool_uuid}")))?;
         if let Some(ino) = st.ns.get(ns).ok().and_then(|n| n.entries.get(key).copied()) {
-            return Ok(!st.entries[&ino].withdrawing);
+            return Ok(!st.entries[&ino].withdrawing());
         }
         st.ensure_ns_here(ns)?;
         if st.ns.get(ns)?.children.contains_key(key) {
@@ -55,11 +56,9 @@ impl Store {
             gid: 0,
             mode: 0o644,
         };
-        st.insert_entry(Entry {
-            remote: Some(created),
-            cold: true,
-            ..Entry::new(ino, ns, key, pool, offset, size, root)
-        });
+        st.insert_entry(
+            Entry::new(ino, ns, key, pool, offset, size, root).published_elsewhere(created),
+        );
         let parent = st.ns.get(ns)?.ino;
         drop(st);
         // The kernel may cache the name as absent: make it look again.
@@ -83,12 +82,12 @@ impl Store {
             return true;
         };
         let e = &st.entries[&ino];
-        if e.withdrawing {
+        if e.withdrawing() {
             return false;
         }
         let that_one = match gone {
-            Gone::Own => e.remote.is_none(),
-            Gone::Remote(created) => e.remote == Some(created),
+            Gone::Own => e.remote().is_none(),
+            Gone::Remote(created) => e.remote() == Some(created),
         };
         if !that_one {
             return true;
@@ -146,7 +145,7 @@ impl Store {
             return;
         };
         if let Some(e) = st.entries.get_mut(&ino) {
-            e.pinned_elsewhere = pinned;
+            e.set_pinned_elsewhere(pinned);
             st.index_flags(ino);
         }
     }
@@ -157,7 +156,8 @@ impl Store {
         let mut st = self.st.lock();
         for (ns, key) in used {
             let ino = st.ns.get(ns).ok().and_then(|n| n.entries.get(key).copied());
-            if let Some(ino) = ino.filter(|i| st.entries.get(i).is_some_and(|e| e.remote.is_none()))
+            if let Some(ino) =
+                ino.filter(|i| st.entries.get(i).is_some_and(|e| e.remote().is_none()))
             {
                 st.touch(ino);
             }
@@ -170,7 +170,7 @@ impl Store {
         let st = self.st.lock();
         st.entries
             .values()
-            .filter_map(|e| Some((e.ns.clone(), e.key.clone(), e.remote?)))
+            .filter_map(|e| Some((e.ns().to_owned(), e.key().to_owned(), e.remote()?)))
             .collect()
     }
 }
@@ -209,13 +209,13 @@ impl State {
             .entries
             .get_mut(&ino)
             .ok_or_else(|| Error::NotFound("entry".into()))?;
-        if e.pinned == pinned {
+        if e.pinned() == pinned {
             return Ok(());
         }
-        if e.remote.is_none() {
-            self.pools[e.pool].pool.set_pinned(&e.loc(), pinned)?;
+        if e.remote().is_none() {
+            self.pools[e.pool()].pool.set_pinned(&e.loc(), pinned)?;
         }
-        e.pinned = pinned;
+        e.set_pinned(pinned);
         self.index_flags(ino);
         Ok(())
     }
@@ -229,7 +229,7 @@ impl State {
             && self
                 .entries
                 .get(&ino)
-                .is_some_and(|e| self.pools[e.pool].pool.leases())
+                .is_some_and(|e| self.pools[e.pool()].pool.leases())
     }
 
     /// Readies entry `ino` for a client of this host to map or read (the caller then counts a
@@ -243,15 +243,15 @@ impl State {
         let Some(e) = self.entries.get_mut(&ino) else {
             return true;
         };
-        let Some(created) = e.remote else {
+        let Some(created) = e.remote() else {
             return true;
         };
         if !auth.use_remote(created) {
             return false;
         }
-        auth.accessed(&e.ns, &e.key);
-        if std::mem::take(&mut e.cold) {
-            let (pool, offset, size) = (e.pool, e.offset, e.size);
+        auth.accessed(e.ns(), e.key());
+        if e.take_cold() {
+            let (pool, offset, size) = (e.pool(), e.offset(), e.size());
             self.pools[pool].pool.invalidate(offset, size);
         }
         true

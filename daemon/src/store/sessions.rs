@@ -52,9 +52,7 @@ impl Store {
             p.pool.detach(id);
         }
         for e in st.entries.values_mut() {
-            if e.owner == Some(id) {
-                e.owner = None;
-            }
+            e.disown(id);
         }
     }
 
@@ -92,25 +90,23 @@ impl State {
             .ok_or_else(|| Error::NotFound("entry".into()))?;
         if hold {
             // The entry's count is the sum of the sessions': it overflows first.
-            let all = e.holds.checked_add(1).ok_or_else(|| {
-                Error::InvalidArgument(format!("{}/{}: too many holds", e.ns, e.key))
-            })?;
-            e.holds = all;
+            e.add_hold()?;
             *s.holds.entry(ino).or_insert(0) += 1;
         } else {
             let Some(mine) = s.holds.get_mut(&ino) else {
                 return Err(Error::NotFound(format!(
                     "{}/{}: not held by this client",
-                    e.ns, e.key
+                    e.ns(),
+                    e.key()
                 )));
             };
             *mine -= 1;
             if *mine == 0 {
                 s.holds.remove(&ino);
             }
-            e.holds -= 1;
+            e.drop_holds(1);
         }
-        if e.holds == u32::from(hold) {
+        if e.holds() == u32::from(hold) {
             // 0 -> 1 or 1 -> 0: the index's held bit changes.
             self.index_flags(ino);
         }
@@ -121,11 +117,11 @@ impl State {
     /// entry's name when it is another host's and its last hold here went.
     pub fn unhold(&mut self, ino: u64, n: u32) -> Option<(String, String)> {
         let e = self.entries.get_mut(&ino)?;
-        e.holds = e.holds.saturating_sub(n);
-        if e.holds > 0 {
+        e.drop_holds(n);
+        if e.holds() > 0 {
             return None;
         }
-        let name = e.remote.map(|_| (e.ns.clone(), e.key.clone()));
+        let name = e.remote().map(|_| (e.ns().to_owned(), e.key().to_owned()));
         self.index_flags(ino);
         name
     }

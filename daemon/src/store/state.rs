@@ -4,181 +4,16 @@ use super::writer::MountWrite;
 use std::collections::HashSet;
 use std::time::SystemTime;
 
-use maru::index::{FLAG_HELD, FLAG_PINNED, SlotView};
-use maru::proto::{Located, PoolKind};
+use maru::proto::PoolKind;
 use maru_fsd::{Attr, Caller, Kind};
 
+use super::entries::Entry;
 use super::hashmap::HashMap;
 use super::ids::{PoolIdx, SessionId};
-use super::lru::{Lru, Stamp};
+use super::lru::Lru;
 use super::namespaces::Namespaces;
 use super::policy::Perm;
-use super::pools::{Backing, Loc, Pool};
-
-/// A sealed entry.
-#[derive(Debug, Clone)]
-pub struct Entry {
-    /// Inode, also its generation: unique for the daemon's life.
-    pub ino: u64,
-    /// Namespace.
-    pub ns: String,
-    /// Key.
-    pub key: String,
-    /// Pool.
-    pub pool: PoolIdx,
-    /// Offset in the pool (raw pools).
-    pub offset: u64,
-    /// Bytes.
-    pub size: u64,
-    /// Bytes reserved in the pool.
-    pub asize: u64,
-    /// Protected from eviction by the operator (persistent).
-    pub pinned: bool,
-    /// Holds of client sessions (`Op::Hold`, every session's together): protected from
-    /// eviction while > 0. Not persistent: sessions do not outlive the daemon.
-    pub holds: u32,
-    /// Place in the LRU order.
-    pub lru: Stamp,
-    /// The client session that stored it, while connected.
-    pub owner: Option<SessionId>,
-    /// Leases on its extent (raw pools): retrievals whose mappings are alive.
-    pub leases: u32,
-    /// Owner, group and mode.
-    pub perm: Perm,
-    /// Publication time.
-    pub mtime: SystemTime,
-    /// Published by another host sharing the pool (cluster mode): the revision at which the
-    /// authority created it (its identity there). Its extent is not this host's to free, and
-    /// this host never evicts it.
-    pub remote: Option<i64>,
-    /// Clients of other hosts pin this host's entry (cluster mode): not evicted while they do.
-    pub pinned_elsewhere: bool,
-    /// Another host's entry not read here yet: on a pool without coherence across hosts, its
-    /// stale cache lines are dropped before the first read ([`State::ready_remote`]).
-    pub cold: bool,
-    /// A delete's round trip to the authority is on its way (cluster mode): not evicted,
-    /// renamed or deleted again meanwhile.
-    pub withdrawing: bool,
-}
-
-impl AsMut<Stamp> for Entry {
-    fn as_mut(&mut self) -> &mut Stamp {
-        &mut self.lru
-    }
-}
-
-impl Entry {
-    /// A sealed entry of `size` bytes at `offset` of `pool`, published now: not pinned, held
-    /// or leased, nobody's session's, this host's; its room in the pool is `size` rounded up
-    /// to the pool's alignment.
-    pub fn new(
-        ino: u64,
-        ns: &str,
-        key: &str,
-        pool: PoolIdx,
-        offset: u64,
-        size: u64,
-        perm: Perm,
-    ) -> Self {
-        Entry {
-            ino,
-            ns: ns.to_owned(),
-            key: key.to_owned(),
-            pool,
-            offset,
-            size,
-            asize: crate::alloc::align_up(size.max(1), crate::pool::ENTRY_ALIGN),
-            pinned: false,
-            holds: 0,
-            lru: Default::default(),
-            owner: None,
-            leases: 0,
-            perm,
-            mtime: SystemTime::now(),
-            remote: None,
-            pinned_elsewhere: false,
-            cold: false,
-            withdrawing: false,
-        }
-    }
-
-    /// What its pool needs to know of it.
-    pub fn loc(&self) -> Loc<'_> {
-        Loc {
-            ns: &self.ns,
-            key: &self.key,
-            offset: self.offset,
-            size: self.size,
-            asize: self.asize,
-            pinned: self.pinned,
-            uid: self.perm.uid,
-            gid: self.perm.gid,
-            mode: self.perm.mode,
-        }
-    }
-
-    /// Its attributes, as the mount shows them.
-    pub fn attr(&self) -> Attr {
-        Attr {
-            ino: self.ino,
-            kind: Kind::File,
-            size: self.size,
-            mode: self.perm.mode,
-            uid: self.perm.uid,
-            gid: self.perm.gid,
-            mtime: self.mtime,
-            sealed: true,
-        }
-    }
-
-    /// Its slot in the shared index.
-    pub fn slot_view(&self) -> SlotView {
-        SlotView {
-            generation: self.ino,
-            size: self.size,
-            pool: self.pool.get(),
-            flags: self.flags(),
-            offset: self.offset,
-        }
-    }
-
-    /// Its flags in the shared index: pinned, held.
-    pub fn flags(&self) -> u32 {
-        let mut f = 0;
-        if self.pinned {
-            f |= FLAG_PINNED;
-        }
-        if self.holds > 0 || self.pinned_elsewhere {
-            f |= FLAG_HELD;
-        }
-        f
-    }
-
-    /// Whether eviction must pass it by: pinned, held (here or on other hosts), leased, or
-    /// another host's.
-    pub fn protected(&self) -> bool {
-        self.pinned
-            || self.holds > 0
-            || self.pinned_elsewhere
-            || self.leases > 0
-            || self.remote.is_some()
-            || self.withdrawing
-    }
-
-    /// Where it is, for a client.
-    pub fn located(&self, fd: bool) -> Located {
-        Located {
-            key: self.key.clone(),
-            generation: self.ino,
-            pool: self.pool.get(),
-            offset: self.offset,
-            size: self.size,
-            pinned: self.pinned,
-            holds: self.holds,
-            fd,
-        }
-    }
-}
+use super::pools::{Backing, Pool};
 
 /// Who writes an allocation and how it gets published.
 #[derive(Debug)]
@@ -369,7 +204,7 @@ impl State {
     pub fn touch(&mut self, ino: u64) -> bool {
         match self.entries.get_mut(&ino) {
             Some(e) => {
-                self.lru.touch(&mut e.lru);
+                self.lru.touch(e.as_mut());
                 true
             }
             None => false,

@@ -1,18 +1,339 @@
-//! Sealed entries: the only code that inserts, removes or renames an entry, with its index
-//! slot, its namespace's accounting, its pool's and the LRU order.
+//! Sealed entries: the entry, whose fields no module but this one and its child [`table`]
+//! writes (the compiler keeps it so), and why one goes.
 
 use std::time::SystemTime;
 
 use maru::Result;
+use maru::index::{FLAG_HELD, FLAG_PINNED, SlotView};
+use maru::proto::Located;
+use maru_fsd::{Attr, Kind};
 
-use super::authority::{Authority, Placed, Withdrawn};
-use super::namespaces::Namespace;
-use super::state::Invalidation;
-use super::state::{Entry, State};
-use super::stats::{Bytes, Counters};
+use super::authority::Withdrawn;
+use super::ids::{PoolIdx, SessionId};
+use super::lru::Stamp;
+use super::policy::Perm;
+use super::pools::Loc;
 
-/// At most this many removed entries' attributes are kept for handles still open on them.
-const GONE: usize = 4096;
+mod table;
+
+/// A sealed entry. Its fields are this module's: other modules read them through its getters
+/// and change them through the verbs below, which keep its index slot, its namespace's and
+/// its pool's accounting in step (the compiler enforces it).
+#[derive(Debug, Clone)]
+pub struct Entry {
+    /// Inode, also its generation: unique for the daemon's life.
+    ino: u64,
+    /// Namespace.
+    ns: String,
+    /// Key.
+    key: String,
+    /// Pool.
+    pool: PoolIdx,
+    /// Offset in the pool (raw pools).
+    offset: u64,
+    /// Bytes.
+    size: u64,
+    /// Bytes reserved in the pool.
+    asize: u64,
+    /// Protected from eviction by the operator (persistent).
+    pinned: bool,
+    /// Holds of client sessions (`Op::Hold`, every session's together): protected from
+    /// eviction while > 0. Not persistent: sessions do not outlive the daemon.
+    holds: u32,
+    /// Place in the LRU order.
+    lru: Stamp,
+    /// The client session that stored it, while connected.
+    owner: Option<SessionId>,
+    /// Leases on its extent (raw pools): retrievals whose mappings are alive.
+    leases: u32,
+    /// Owner, group and mode.
+    perm: Perm,
+    /// Publication time.
+    mtime: SystemTime,
+    /// Published by another host sharing the pool (cluster mode): the revision at which the
+    /// authority created it (its identity there). Its extent is not this host's to free, and
+    /// this host never evicts it.
+    remote: Option<i64>,
+    /// Clients of other hosts pin this host's entry (cluster mode): not evicted while they do.
+    pinned_elsewhere: bool,
+    /// Another host's entry not read here yet: on a pool without coherence across hosts, its
+    /// stale cache lines are dropped before the first read (`State::ready_remote`).
+    cold: bool,
+    /// A delete's round trip to the authority is on its way (cluster mode): not evicted,
+    /// renamed or deleted again meanwhile.
+    withdrawing: bool,
+}
+
+impl AsMut<Stamp> for Entry {
+    fn as_mut(&mut self) -> &mut Stamp {
+        &mut self.lru
+    }
+}
+
+impl Entry {
+    /// A sealed entry of `size` bytes at `offset` of `pool`, published now: not pinned, held
+    /// or leased, nobody's session's, this host's; its room in the pool is `size` rounded up
+    /// to the pool's alignment.
+    pub fn new(
+        ino: u64,
+        ns: &str,
+        key: &str,
+        pool: PoolIdx,
+        offset: u64,
+        size: u64,
+        perm: Perm,
+    ) -> Self {
+        Entry {
+            ino,
+            ns: ns.to_owned(),
+            key: key.to_owned(),
+            pool,
+            offset,
+            size,
+            asize: crate::alloc::align_up(size.max(1), crate::pool::ENTRY_ALIGN),
+            pinned: false,
+            holds: 0,
+            lru: Default::default(),
+            owner: None,
+            leases: 0,
+            perm,
+            mtime: SystemTime::now(),
+            remote: None,
+            pinned_elsewhere: false,
+            cold: false,
+            withdrawing: false,
+        }
+    }
+
+    /// Its inode, also its generation.
+    pub fn ino(&self) -> u64 {
+        self.ino
+    }
+
+    /// Its namespace.
+    pub fn ns(&self) -> &str {
+        &self.ns
+    }
+
+    /// Its key.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// Its pool.
+    pub fn pool(&self) -> PoolIdx {
+        self.pool
+    }
+
+    /// Where it is in its pool (raw pools: the offset).
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// Its bytes.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// The bytes it takes in its pool.
+    pub fn asize(&self) -> u64 {
+        self.asize
+    }
+
+    /// Pinned by the operator.
+    pub fn pinned(&self) -> bool {
+        self.pinned
+    }
+
+    /// Its place in the LRU order (changed by the order only: `AsMut<Stamp>`).
+    pub fn lru(&self) -> Stamp {
+        self.lru
+    }
+
+    /// The holds of client sessions on it, every session's together.
+    pub fn holds(&self) -> u32 {
+        self.holds
+    }
+
+    /// Its owner, group and mode.
+    pub fn perm(&self) -> Perm {
+        self.perm
+    }
+
+    /// Another host's entry: the revision at which the authority created it.
+    pub fn remote(&self) -> Option<i64> {
+        self.remote
+    }
+
+    /// A delete's round trip to the authority is on its way.
+    pub fn withdrawing(&self) -> bool {
+        self.withdrawing
+    }
+
+    /// Recovered from its pool's record: pinned as it was, published when it was.
+    pub fn recovered(self, pinned: bool, mtime: SystemTime) -> Self {
+        Entry {
+            pinned,
+            mtime,
+            ..self
+        }
+    }
+
+    /// Published by another host (its creation revision `created`), not read here yet.
+    pub fn published_elsewhere(self, created: i64) -> Self {
+        Entry {
+            remote: Some(created),
+            cold: true,
+            ..self
+        }
+    }
+
+    /// Stored by client session `owner` (None: through the mount), taking `asize` bytes of
+    /// its pool.
+    pub fn stored_by(self, owner: Option<SessionId>, asize: u64) -> Self {
+        Entry {
+            owner,
+            asize,
+            ..self
+        }
+    }
+
+    /// Placed at `offset` of its pool (its pool answered where it sealed it).
+    pub fn at(self, offset: u64) -> Self {
+        Entry { offset, ..self }
+    }
+
+    /// Client session `session` is gone: it owns the entry no more.
+    pub fn disown(&mut self, session: SessionId) {
+        if self.owner == Some(session) {
+            self.owner = None;
+        }
+    }
+
+    /// One more hold (of a session that counts its own); fails when the count would
+    /// overflow.
+    pub fn add_hold(&mut self) -> Result<()> {
+        self.holds = self.holds.checked_add(1).ok_or_else(|| {
+            maru::Error::InvalidArgument(format!("{}/{}: too many holds", self.ns, self.key))
+        })?;
+        Ok(())
+    }
+
+    /// `n` holds fewer (never below none).
+    pub fn drop_holds(&mut self, n: u32) {
+        self.holds = self.holds.saturating_sub(n);
+    }
+
+    /// One more lease (a retrieval here maps it, or a handle of the mount has it open).
+    pub fn lease(&mut self) {
+        self.leases += 1;
+    }
+
+    /// Marks (or no longer) a delete's round trip to the authority on its way.
+    pub fn set_withdrawing(&mut self, withdrawing: bool) {
+        self.withdrawing = withdrawing;
+    }
+
+    /// Marks it pinned (or no longer) by clients of other hosts; the caller writes its index
+    /// slot's flags (`State::index_flags`).
+    pub fn set_pinned_elsewhere(&mut self, pinned: bool) {
+        self.pinned_elsewhere = pinned;
+    }
+
+    /// Marks it pinned (or no longer) by the operator; the caller writes its index slot's
+    /// flags and its pool's record.
+    pub fn set_pinned(&mut self, pinned: bool) {
+        self.pinned = pinned;
+    }
+
+    /// Its owner, group and mode change (its pool's record already did).
+    pub fn set_perm(&mut self, perm: Perm) {
+        self.perm = perm;
+    }
+
+    /// Whether this is its first read here since another host published it (then no
+    /// longer).
+    pub fn take_cold(&mut self) -> bool {
+        std::mem::take(&mut self.cold)
+    }
+
+    /// What its pool needs to know of it.
+    pub fn loc(&self) -> Loc<'_> {
+        Loc {
+            ns: &self.ns,
+            key: &self.key,
+            offset: self.offset,
+            size: self.size,
+            asize: self.asize,
+            pinned: self.pinned,
+            uid: self.perm.uid,
+            gid: self.perm.gid,
+            mode: self.perm.mode,
+        }
+    }
+
+    /// Its attributes, as the mount shows them.
+    pub fn attr(&self) -> Attr {
+        Attr {
+            ino: self.ino,
+            kind: Kind::File,
+            size: self.size,
+            mode: self.perm.mode,
+            uid: self.perm.uid,
+            gid: self.perm.gid,
+            mtime: self.mtime,
+            sealed: true,
+        }
+    }
+
+    /// Its slot in the shared index.
+    pub fn slot_view(&self) -> SlotView {
+        SlotView {
+            generation: self.ino,
+            size: self.size,
+            pool: self.pool.get(),
+            flags: self.flags(),
+            offset: self.offset,
+        }
+    }
+
+    /// Its flags in the shared index: pinned, held.
+    pub fn flags(&self) -> u32 {
+        let mut f = 0;
+        if self.pinned {
+            f |= FLAG_PINNED;
+        }
+        if self.holds > 0 || self.pinned_elsewhere {
+            f |= FLAG_HELD;
+        }
+        f
+    }
+
+    /// Whether eviction must pass it by: pinned, held (here or on other hosts), leased, or
+    /// another host's.
+    pub fn protected(&self) -> bool {
+        self.pinned
+            || self.holds > 0
+            || self.pinned_elsewhere
+            || self.leases > 0
+            || self.remote.is_some()
+            || self.withdrawing
+    }
+
+    /// Where it is, for a client.
+    pub fn located(&self, fd: bool) -> Located {
+        Located {
+            key: self.key.clone(),
+            generation: self.ino,
+            pool: self.pool.get(),
+            offset: self.offset,
+            size: self.size,
+            pinned: self.pinned,
+            holds: self.holds,
+            fd,
+        }
+    }
+}
 
 /// Why a sealed entry goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -24,294 +345,6 @@ pub enum Removal {
     /// Removed by another host sharing the authority (its name is already released).
     Elsewhere,
     /// Deleted (or, `evicted`, evicted) here, its removal already recorded at the authority
-    /// ([`Authority::withdraw`]).
+    /// ([`Authority::withdraw`](super::authority::Authority::withdraw)).
     Withdrawn { w: Withdrawn, evicted: bool },
-}
-
-impl State {
-    /// Files a sealed entry (its name already published at the authority): namespace, index
-    /// slot, accounting, LRU.
-    pub fn insert_entry(&mut self, mut e: Entry) {
-        e.lru = self.lru.file(e.ino);
-        let n = self.ns.get_mut(&e.ns).expect("the namespace exists");
-        if n.index.needs_rebuild() {
-            rebuild_index(n);
-        }
-        assert!(
-            n.index.insert(&e.key, e.slot_view()),
-            "the index has room after a rebuild"
-        );
-        n.entries.insert(e.key.clone(), e.ino);
-        n.bytes += e.size;
-        n.mtime = SystemTime::now();
-        let ps = &mut self.pools[e.pool];
-        ps.sealed_bytes += e.asize;
-        ps.entries += 1;
-        self.entries.insert(e.ino, e);
-    }
-
-    /// Takes entry `ino` out of its namespace, index, pool accounting and the LRU order
-    /// (not out of its pool: see [`State::remove_entry`] and [`State::rename_entry`]).
-    fn unfile(&mut self, ino: u64) -> Option<Entry> {
-        let e = self.entries.remove(&ino)?;
-        self.lru.remove(&e.lru);
-        let n = self.ns.get_mut(&e.ns).expect("the namespace exists");
-        n.entries.remove(&e.key);
-        n.index.remove(&e.key);
-        n.bytes -= e.size;
-        n.mtime = SystemTime::now();
-        let ps = &mut self.pools[e.pool];
-        ps.sealed_bytes -= e.asize;
-        ps.entries -= 1;
-        Some(e)
-    }
-
-    /// Where sealed entry `e` is, as the authority knows it.
-    pub fn placed<'a>(&'a self, e: &Entry) -> Placed<'a> {
-        Placed {
-            pool: self.pools[e.pool].pool.uuid(),
-            offset: e.offset,
-            size: e.size,
-        }
-    }
-
-    /// Removes a sealed entry: removes its name at the authority (or forgets it, when another
-    /// host removed it), drops it from its pool and returns the name the kernel must forget.
-    /// Its space is freed unless clients map it, here (leases) or on other hosts (the
-    /// authority says); another host's entry frees nothing here. Fails, changing nothing,
-    /// when the authority cannot record the removal.
-    pub fn remove_entry(
-        &mut self,
-        auth: &dyn Authority,
-        counters: &Counters,
-        ino: u64,
-        how: Removal,
-    ) -> Result<Option<Invalidation>> {
-        let Some(e) = self.entries.get(&ino) else {
-            return Ok(None);
-        };
-        let at = self.placed(e);
-        let held = match how {
-            Removal::Elsewhere => {
-                auth.forget(&e.ns, &e.key);
-                at.pool.is_some_and(|p| auth.held_elsewhere(p, e.offset))
-            }
-            Removal::Withdrawn { w, .. } => auth.unpublish(&e.ns, &e.key, e.ino, &at, Some(w))?,
-            Removal::Deleted | Removal::Evicted => {
-                auth.unpublish(&e.ns, &e.key, e.ino, &at, None)?
-            }
-        };
-        let e = self.unfile(ino).expect("present");
-        let evicted = matches!(
-            how,
-            Removal::Evicted | Removal::Withdrawn { evicted: true, .. }
-        );
-        if e.holds > 0 {
-            // Deleting (or evicting, by hand) a held entry is allowed, as for a pinned one;
-            // the holds go with it (another host's entry: recorded there too).
-            for s in self.sessions.values_mut() {
-                s.holds.remove(&ino);
-            }
-            if e.remote.is_some() {
-                auth.unpin_for_clients(&[(e.ns.clone(), e.key.clone())]);
-            }
-        }
-        if self.gone.len() > GONE {
-            self.gone.clear();
-        }
-        self.gone.insert(ino, e.attr());
-        if let Some(s) = e.owner.and_then(|o| self.sessions.get_mut(&o)) {
-            s.used = s.used.saturating_sub(e.size);
-        }
-        counters.add_bytes(
-            if evicted {
-                Bytes::Evicted
-            } else {
-                Bytes::Deleted
-            },
-            e.size,
-        );
-        let ps = &mut self.pools[e.pool];
-        if evicted {
-            ps.evictions += 1;
-        }
-        let parent = self.ns.get(&e.ns).map_or(0, |n| n.ino);
-        if let Some(created) = e.remote {
-            ps.pool.drop_remote(e.offset, e.asize);
-            if e.leases > 0 {
-                // Clients here map it: its publisher must keep the extent until they let go.
-                let at = Placed {
-                    pool: ps.pool.uuid(),
-                    offset: e.offset,
-                    size: e.size,
-                };
-                auth.hold(created, &at);
-                self.zombies.insert(e.ino, e.clone());
-            }
-        } else if !ps.pool.delete(&e.loc(), e.leases > 0 || held) {
-            self.zombies.insert(e.ino, e.clone());
-        }
-        Ok(Some(Invalidation {
-            parent,
-            name: e.key,
-            ino,
-            by_kernel: false,
-        }))
-    }
-
-    /// Moves sealed entry `ino` to `ns/key` (never over an existing name: the authority
-    /// grants the new name first). Both namespaces' accounting and mtimes change.
-    pub fn rename_entry(
-        &mut self,
-        auth: &dyn Authority,
-        ino: u64,
-        ns: &str,
-        key: &str,
-    ) -> Result<()> {
-        let e = self.entries.get(&ino).expect("a sealed entry").clone();
-        if e.withdrawing {
-            return Err(maru::Error::NotFound(format!(
-                "{}/{} (being deleted)",
-                e.ns, e.key
-            )));
-        }
-        auth.publish(ns, key, ino, &self.placed(&e))?;
-        // The old name goes at the authority (its extent stays: the entry keeps it).
-        let moved = auth
-            .unpublish(&e.ns, &e.key, ino, &self.placed(&e), None)
-            .and_then(|_| self.move_entry(ino, ns, key));
-        if moved.is_err() {
-            auth.release(ns, key, ino);
-        }
-        auth.settled(ns, key);
-        moved
-    }
-
-    /// Moves sealed entry `ino` to `ns/key` here, the authority having granted the new name
-    /// and dropped the old: its pool's record, its index slots, both namespaces' accounting
-    /// and mtimes.
-    pub fn move_entry(&mut self, ino: u64, ns: &str, key: &str) -> Result<()> {
-        let e = &self.entries[&ino];
-        let at = self.pools[e.pool].pool.rename(&e.loc(), ns, key)?;
-        let mut moved = self.unfile(ino).expect("present");
-        moved.ns = ns.to_owned();
-        moved.key = key.to_owned();
-        if let Some(at) = at {
-            moved.offset = at;
-        }
-        self.insert_entry(moved);
-        Ok(())
-    }
-
-    /// Entry `ino`'s bytes moved to `at` in its pool (a packed entry left its pack): its
-    /// index slot says so.
-    pub fn relocate(&mut self, ino: u64, at: u64) {
-        if let Some(mut e) = self.unfile(ino) {
-            e.offset = at;
-            self.insert_entry(e);
-        }
-    }
-
-    /// Writes entry `ino`'s flags (pinned, held) to its index slot.
-    pub fn index_flags(&mut self, ino: u64) {
-        let Some(e) = self.entries.get(&ino) else {
-            return;
-        };
-        if let Ok(n) = self.ns.get_mut(&e.ns) {
-            n.index.set_flags(&e.key, e.flags());
-        }
-    }
-
-    /// Gives back one lease on entry (or removed entry) `ino`. The last lease on a removed
-    /// entry frees its extent, unless other hosts still map it; on another host's entry, it
-    /// lets go of this host's hold.
-    pub fn unlease(&mut self, auth: &dyn Authority, ino: u64, n: u32) {
-        if let Some(e) = self.entries.get_mut(&ino) {
-            e.leases = e.leases.saturating_sub(n);
-            if let (0, Some(created)) = (e.leases, e.remote) {
-                auth.idle_remote(created);
-            }
-            return;
-        }
-        let Some(z) = self.zombies.get_mut(&ino) else {
-            return;
-        };
-        z.leases = z.leases.saturating_sub(n);
-        if z.leases > 0 {
-            return;
-        }
-        if let Some(created) = z.remote {
-            self.zombies.remove(&ino);
-            auth.idle_remote(created);
-            return;
-        }
-        let pool = &self.pools[z.pool].pool;
-        if pool
-            .uuid()
-            .is_some_and(|p| auth.held_elsewhere(p, z.offset))
-        {
-            return;
-        }
-        let z = self.zombies.remove(&ino).expect("present");
-        self.pools[z.pool].pool.free_extent(z.offset);
-    }
-
-    /// Frees the removed entries of this host that no other host may map any more, waiting a
-    /// moment for the others to acknowledge the removals ([`Authority::settle`]).
-    pub fn free_settled(&mut self, auth: &dyn Authority) {
-        for (pool, offset) in auth.settle() {
-            self.free_unheld(&pool, offset);
-        }
-    }
-
-    /// Frees the removed entry of this host at `offset` of raw pool `pool` that no host maps
-    /// any more (the authority said so), unless clients here still do.
-    pub fn free_unheld(&mut self, pool: &str, offset: u64) {
-        let found = self.zombies.iter().find(|(_, z)| {
-            z.remote.is_none()
-                && z.leases == 0
-                && z.offset == offset
-                && self.pools[z.pool].pool.uuid() == Some(pool)
-        });
-        if let Some((&ino, _)) = found {
-            let z = self.zombies.remove(&ino).expect("present");
-            self.pools[z.pool].pool.free_extent(z.offset);
-        }
-    }
-
-    /// Gives namespace `ns` and every namespace under it a fresh index, retiring the old
-    /// ones, after a change of `ns`'s access: a client that mapped one must ask for the new
-    /// one, and marud checks its access again (an index shows every name and size as they
-    /// change, to whoever maps it).
-    pub fn renew_indexes(&mut self, ns: &str) {
-        let under = format!("{ns}/");
-        let names: Vec<String> = self
-            .ns
-            .iter()
-            .filter(|(n, _)| *n == ns || n.starts_with(&under))
-            .map(|(n, _)| n.clone())
-            .collect();
-        for name in names {
-            let Ok(n) = self.ns.get_mut(&name) else {
-                continue;
-            };
-            rebuild_index(n);
-        }
-    }
-}
-
-/// Replaces a namespace's index with a fresh table holding its live keys
-/// ([`crate::nsindex::NsIndex::grown`]); the old one is retired and its memory given back
-/// off the store's lock (clients map it until they see it retired).
-fn rebuild_index(n: &mut Namespace) {
-    match n.index.grown() {
-        Ok(ix) => {
-            ix.set_pending(n.pending);
-            let old = std::mem::replace(&mut n.index, ix);
-            let _ = std::thread::Builder::new()
-                .name("maru-index".into())
-                .spawn(move || drop(old));
-        }
-        Err(e) => tracing::error!("cannot grow a namespace index: {e}"),
-    }
 }

@@ -251,6 +251,17 @@ pub trait Pool: Send {
     /// allocations into its open region; memfs pools a session's small ones for one namespace
     /// into a pack).
     fn grant(&mut self, id: u64, size: u64, who: &Requester<'_>) -> Result<Backing>;
+    /// The region (offset, bytes) carved for allocation `id` by [`Pool::grant`] or
+    /// [`Pool::commit`] whose claim at the authority is still to be made: the store makes it
+    /// (without its lock where the authority is shared: a round trip) before the allocation
+    /// is used, and reports how it went ([`Pool::claimed`]). None: nothing to claim.
+    fn unclaimed(&self, _id: u64) -> Option<(u64, u64)> {
+        None
+    }
+    /// The claim of the region at `offset` ([`Pool::unclaimed`]) was made, or refused: the
+    /// region then goes with the allocation it was carved for, which the store drops without
+    /// [`Pool::abort`] (what another host claimed first, [`maru::Error::Busy`], is set aside).
+    fn claimed(&mut self, _offset: u64, _outcome: &Result<()>) {}
     /// An empty allocation for a writer through the mount.
     fn create(&mut self, id: u64) -> Result<Backing>;
     /// Frees an allocation that will not be published.

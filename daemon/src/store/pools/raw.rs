@@ -73,6 +73,10 @@ pub struct Raw {
     /// Units another host claimed when this one tried to carve them: reserved in `extents`
     /// until the pool looks full, then tried again.
     foreign: Vec<(u64, u64)>,
+    /// Regions carved whose claim at the authority the store has yet to make, without its
+    /// lock ([`Pool::unclaimed`]), by the allocation they were carved for: nothing else is
+    /// packed into one meanwhile.
+    unclaimed: HashMap<u64, u64>,
     /// Without hardware coherence across hosts (`coherent=false`): the daemon's read-only
     /// mapping of the whole device, through which it writes back and invalidates entries'
     /// cache lines, and what it did so far.
@@ -134,6 +138,7 @@ impl Raw {
             uuid: header.uuid_string(),
             remote_units: BTreeMap::new(),
             foreign: Vec::new(),
+            unclaimed: HashMap::new(),
             noncoherent,
         })
     }
@@ -145,20 +150,35 @@ impl Raw {
         }
     }
 
-    /// Frees the empty region at `roff` (its extent, and its claim at the authority).
+    /// Frees the empty region at `roff` (its extent, and its claim at the authority, if it
+    /// was made).
     fn free_region(&mut self, roff: u64) {
         if let Some(r) = self.regions.remove(&roff) {
-            let mut u = roff;
-            while u < roff + r.len {
-                match self.remote_units.get_mut(&u) {
-                    // Other hosts' entries live there (a region this host lost): it stays
-                    // set aside for them.
-                    Some(ru) => ru.reserved = true,
-                    None => self.extents.free(u, REGION_ALIGN),
-                }
-                u += REGION_ALIGN;
+            self.open.retain(|_, o| *o != roff);
+            self.give_units(roff, r.len, false);
+            if self.unclaimed.remove(&roff).is_none() {
+                self.authority.release_region(&self.uuid, roff);
             }
-            self.authority.release_region(&self.uuid, roff);
+        }
+    }
+
+    /// The 2 MiB units of `[roff, roff + len)`, a region of this host's no more, go back to
+    /// `extents`, or (`foreign`: another host claimed them first) are set aside until the
+    /// pool looks full.
+    fn give_units(&mut self, roff: u64, len: u64, foreign: bool) {
+        let mut u = roff;
+        while u < roff + len {
+            match self.remote_units.get_mut(&u) {
+                // Other hosts' entries live there (a region this host lost): it stays set
+                // aside for them.
+                Some(ru) => ru.reserved = true,
+                None if foreign => match self.foreign.last_mut() {
+                    Some((o, l)) if *o + *l == u => *l += REGION_ALIGN,
+                    _ => self.foreign.push((u, REGION_ALIGN)),
+                },
+                None => self.extents.free(u, REGION_ALIGN),
+            }
+            u += REGION_ALIGN;
         }
     }
 
@@ -169,7 +189,10 @@ impl Raw {
         };
         r.live = r.live.saturating_sub(1);
         if r.live == 0 {
-            if r.owner.is_some() && !self.authority.lost(&self.uuid, roff) {
+            if r.owner.is_some()
+                && !self.unclaimed.contains_key(&roff)
+                && !self.authority.lost(&self.uuid, roff)
+            {
                 r.bump = 0;
             } else {
                 self.free_region(roff);
@@ -177,8 +200,9 @@ impl Raw {
         }
     }
 
-    /// Packs `size` bytes into `session`'s open region, or carves a new region.
-    fn place(&mut self, size: u64, session: Option<SessionId>) -> Result<u64> {
+    /// Packs `size` bytes for allocation `id` into `session`'s open region, or carves a new
+    /// region (claimed by the store after: [`Pool::unclaimed`]).
+    fn place(&mut self, size: u64, session: Option<SessionId>, id: u64) -> Result<u64> {
         if self.authority.fenced() {
             return Err(fenced_error());
         }
@@ -193,6 +217,7 @@ impl Raw {
         }
         if let Some(s) = session
             && let Some(&roff) = self.open.get(&s)
+            && !self.unclaimed.contains_key(&roff)
             && let Some(r) = self.regions.get_mut(&roff)
             && r.bump + asize <= r.len
         {
@@ -212,6 +237,7 @@ impl Raw {
                 live: 1,
             },
         );
+        self.unclaimed.insert(roff, id);
         if let Some(s) = session
             && let Some(old) = self.open.insert(s, roff)
         {
@@ -220,31 +246,19 @@ impl Raw {
         Ok(roff)
     }
 
-    /// Carves a region of `rlen` bytes and claims it at the authority. With other hosts
-    /// sharing the pool, a range one of them claimed is set aside and another tried; once
-    /// the pool looks full, what was set aside is tried again (its holder may have let go).
+    /// Carves a region of `rlen` bytes, to be claimed at the authority. Ranges other hosts
+    /// claimed first were set aside ([`Pool::claimed`]); once the pool looks full, they are
+    /// tried again (their holders may have let go).
     fn carve(&mut self, rlen: u64) -> Result<u64> {
-        let mut retried = false;
-        loop {
-            let Some(roff) = self.extents.alloc(rlen, REGION_ALIGN) else {
-                if self.foreign.is_empty() || retried {
-                    return Err(Error::NoSpace(format!("pool {} is full", self.name)));
-                }
-                for (o, l) in std::mem::take(&mut self.foreign) {
-                    self.extents.free(o, l);
-                }
-                retried = true;
-                continue;
-            };
-            match self.authority.claim_region(&self.uuid, roff, rlen) {
-                Ok(()) => return Ok(roff),
-                Err(Error::Busy(_)) if self.authority.shared() => self.foreign.push((roff, rlen)),
-                Err(e) => {
-                    self.extents.free(roff, rlen);
-                    return Err(e);
-                }
-            }
+        if let Some(roff) = self.extents.alloc(rlen, REGION_ALIGN) {
+            return Ok(roff);
         }
+        for (o, l) in std::mem::take(&mut self.foreign) {
+            self.extents.free(o, l);
+        }
+        self.extents
+            .alloc(rlen, REGION_ALIGN)
+            .ok_or_else(|| Error::NoSpace(format!("pool {} is full", self.name)))
     }
 
     /// The owner leaves a region: it is freed once empty.
@@ -399,10 +413,29 @@ impl Pool for Raw {
         true
     }
 
-    fn grant(&mut self, _id: u64, size: u64, who: &Requester<'_>) -> Result<Backing> {
+    fn grant(&mut self, id: u64, size: u64, who: &Requester<'_>) -> Result<Backing> {
         Ok(Backing::Extent {
-            offset: self.place(size, who.session)?,
+            offset: self.place(size, who.session, id)?,
         })
+    }
+
+    fn unclaimed(&self, id: u64) -> Option<(u64, u64)> {
+        let (&roff, _) = self.unclaimed.iter().find(|&(_, &a)| a == id)?;
+        Some((roff, self.regions[&roff].len))
+    }
+
+    fn claimed(&mut self, offset: u64, outcome: &Result<()>) {
+        if self.unclaimed.remove(&offset).is_none() || outcome.is_ok() {
+            return;
+        }
+        // Refused: the region goes, with the allocation it was carved for (the store drops
+        // that one); what another host claimed first is set aside.
+        let Some(r) = self.regions.remove(&offset) else {
+            return;
+        };
+        self.open.retain(|_, o| *o != offset);
+        let foreign = matches!(outcome, Err(Error::Busy(_))) && self.authority.shared();
+        self.give_units(offset, r.len, foreign);
     }
 
     fn create(&mut self, _id: u64) -> Result<Backing> {
@@ -423,13 +456,13 @@ impl Pool for Raw {
         }
     }
 
-    fn commit(&mut self, _id: u64, backing: &mut Backing, size: u64) -> Result<Option<CopyIn>> {
+    fn commit(&mut self, id: u64, backing: &mut Backing, size: u64) -> Result<Option<CopyIn>> {
         let Backing::Buffer { buf, placed } = backing else {
             return Ok(None);
         };
         let asize = align_up(size.max(1), ENTRY_ALIGN);
         if !placed.is_some_and(|(_, held)| held >= asize) {
-            let offset = self.place(size, Some(MOUNT_WRITERS))?;
+            let offset = self.place(size, Some(MOUNT_WRITERS), id)?;
             if let Some((old, _)) = placed.replace((offset, asize)) {
                 self.release(old);
             }
@@ -663,7 +696,12 @@ impl Pool for Raw {
     fn unmount(&self) {}
 
     fn check(&self) -> std::result::Result<(), String> {
-        let held: Vec<(u64, u64)> = self.regions.iter().map(|(o, r)| (*o, r.len)).collect();
+        let held: Vec<(u64, u64)> = self
+            .regions
+            .iter()
+            .filter(|(o, _)| !self.unclaimed.contains_key(o))
+            .map(|(o, r)| (*o, r.len))
+            .collect();
         if held != self.authority.regions(&self.uuid) {
             return Err(format!(
                 "pool {}: regions {held:?}, the authority's claims {:?}",
@@ -672,11 +710,15 @@ impl Pool for Raw {
             ));
         }
         let regions: u64 = self.regions.values().map(|r| r.len).sum();
-        if regions + self.extents.free_bytes() != self.capacity() {
+        // Set aside: units other hosts claimed first, and units of other hosts' entries.
+        let aside: u64 = self.foreign.iter().map(|(_, l)| l).sum::<u64>()
+            + REGION_ALIGN * self.remote_units.values().filter(|u| u.reserved).count() as u64;
+        if regions + aside + self.extents.free_bytes() != self.capacity() {
             return Err(format!(
-                "pool {}: regions {} + free {} != capacity {}",
+                "pool {}: regions {} + set aside {} + free {} != capacity {}",
                 self.name,
                 regions,
+                aside,
                 self.extents.free_bytes(),
                 self.capacity()
             ));
