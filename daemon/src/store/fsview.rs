@@ -11,11 +11,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
-use maru::proto::PoolKind;
 use maru::{Error, Result};
 use maru_fsd::{Attr, Backend, Caller, DirEntry, Kind, OpenedFile, Upcall, Xattr};
 
-use super::ids::PoolIdx;
+use super::ids::{Place, PoolIdx};
 use super::namespaces::join;
 use super::policy::{self, Access, ENTRY_MODES, Perm};
 use super::pools::{Backing, kind_name};
@@ -908,14 +907,13 @@ impl Backend for StoreFs {
             x("pool", p.name.clone()),
             x("kind", kind_name(p.kind).into()),
             x("location", p.pool.location(&e.loc())),
-            // Where the bytes start in `location`: a memfs entry is all of its own file (its
-            // `offset` in the store is the file's inode number), or a piece of a pack.
+            // Where the bytes start in `location`: a memfs entry is all of its own file, or a
+            // piece of a pack.
             x(
                 "offset",
-                match maru::index::packed(e.offset()) {
-                    Some((_, off)) => off,
-                    None if p.kind == PoolKind::Memfs => 0,
-                    None => e.offset(),
+                match e.place() {
+                    Place::Extent(off) | Place::Packed { offset: off, .. } => off,
+                    Place::File(_) => 0,
                 }
                 .to_string(),
             ),

@@ -1,5 +1,6 @@
-//! The store's identifiers that are not plain numbers to its code: a client session is not an
-//! inode, an allocation or an offset, and the compiler keeps them apart.
+//! The store's identifiers that are not plain numbers to its code: a client session is not a
+//! pool, an inode or an allocation, and where an entry's bytes are (a raw pool's extent, a
+//! memfs file's inode, a piece of a pack) is not one `u64`; the compiler keeps them apart.
 
 use std::fmt;
 
@@ -55,5 +56,46 @@ impl PoolIdx {
 impl fmt::Display for PoolIdx {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         self.0.fmt(f)
+    }
+}
+
+/// Where a sealed entry's bytes are in its pool: three things that clients and the pools'
+/// logs carry as one `u64` (its location, [`Place::wire`]), and the store keeps apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Place {
+    /// At this offset of a raw pool's device.
+    Extent(u64),
+    /// In a file of its own in a memfs pool, whose inode number this is.
+    File(u64),
+    /// In pack `pack` of a memfs pool, at `offset` of the pack's file.
+    Packed { pack: u32, offset: u64 },
+}
+
+impl Place {
+    /// Not placed yet: what a pool's publication is given, to answer where.
+    pub const NOWHERE: Place = Place::Extent(0);
+
+    /// The `u64` clients and the pools' logs carry.
+    pub fn wire(self) -> u64 {
+        match self {
+            Place::Extent(o) | Place::File(o) => o,
+            Place::Packed { pack, offset } => maru::index::pack_location(pack, offset),
+        }
+    }
+
+    /// The offset in a raw pool's device.
+    pub fn extent(self) -> Option<u64> {
+        match self {
+            Place::Extent(o) => Some(o),
+            _ => None,
+        }
+    }
+
+    /// The pack and the offset in it.
+    pub fn packed(self) -> Option<(u32, u64)> {
+        match self {
+            Place::Packed { pack, offset } => Some((pack, offset)),
+            _ => None,
+        }
     }
 }

@@ -26,7 +26,7 @@ use parking_lot::MutexGuard;
 
 use super::authority::{Placed, Publishing};
 use super::entries::Entry;
-use super::ids::SessionId;
+use super::ids::{Place, SessionId};
 use super::placement::Refused;
 use super::policy::{self, Access, Perm};
 use super::pools::Backing;
@@ -547,7 +547,8 @@ impl Store {
             mode: a.perm.mode & policy::ENTRY_MODES,
             ..a.perm
         };
-        let e = Entry::new(id, ns, key, a.pool, 0, size, perm).stored_by(a.session(), asize);
+        let e = Entry::new(id, ns, key, a.pool, Place::NOWHERE, size, perm)
+            .stored_by(a.session(), asize);
         let pool = &mut st.pools[a.pool].pool;
         let offset = pool.publish(id, &mut a.backing, &e.loc())?;
         let e = e.at(offset);

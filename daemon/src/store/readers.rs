@@ -74,7 +74,7 @@ impl Store {
             let pool = &pools[e.pool()].pool;
             self.counters.add_bytes(Bytes::Retrieved, e.size());
             // A pack's descriptor goes once per reply; a raw pool's once per connection.
-            let first = match maru::index::packed(e.offset()) {
+            let first = match e.place().packed() {
                 Some((pack, _)) => packs_sent.insert((e.pool(), pack)),
                 None => !pool_fd_sent(e.pool().get()),
             };

@@ -130,7 +130,7 @@ fn recover_pool(st: &mut State, p: usize, authority: &dyn Authority) -> anyhow::
         let ino = st.alloc_ino();
         let at = Placed {
             pool: st.pools[p].pool.uuid(),
-            offset: f.offset,
+            offset: f.place.wire(),
             size: f.size,
         };
         if let Err(e) = authority.publish(&f.ns, &f.key, ino, &at) {
@@ -144,7 +144,7 @@ fn recover_pool(st: &mut State, p: usize, authority: &dyn Authority) -> anyhow::
             gid: f.gid,
             mode: f.mode,
         };
-        let e = Entry::new(ino, &f.ns, &f.key, PoolIdx::at(p), f.offset, f.size, perm)
+        let e = Entry::new(ino, &f.ns, &f.key, PoolIdx::at(p), f.place, f.size, perm)
             .recovered(f.pinned, f.mtime);
         kept.push(ino);
         st.insert_entry(e);

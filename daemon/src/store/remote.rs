@@ -9,6 +9,7 @@ use super::Store;
 use super::authority::{Authority, Gone};
 use super::entries::Entry;
 use super::entries::Removal;
+use super::ids::Place;
 use super::policy::Perm;
 use super::state::{Invalidation, State};
 use crate::alloc::align_up;
@@ -57,7 +58,8 @@ impl Store {
             mode: 0o644,
         };
         st.insert_entry(
-            Entry::new(ino, ns, key, pool, offset, size, root).published_elsewhere(created),
+            Entry::new(ino, ns, key, pool, Place::Extent(offset), size, root)
+                .published_elsewhere(created),
         );
         let parent = st.ns.get(ns)?.ino;
         drop(st);
@@ -251,7 +253,7 @@ impl State {
         }
         auth.accessed(e.ns(), e.key());
         if e.take_cold() {
-            let (pool, offset, size) = (e.pool(), e.offset(), e.size());
+            let (pool, offset, size) = (e.pool(), e.place().wire(), e.size());
             self.pools[pool].pool.invalidate(offset, size);
         }
         true

@@ -9,7 +9,7 @@ use maru::proto::Located;
 use maru_fsd::{Attr, Kind};
 
 use super::authority::Withdrawn;
-use super::ids::{PoolIdx, SessionId};
+use super::ids::{Place, PoolIdx, SessionId};
 use super::lru::Stamp;
 use super::policy::Perm;
 use super::pools::Loc;
@@ -29,8 +29,8 @@ pub struct Entry {
     key: String,
     /// Pool.
     pool: PoolIdx,
-    /// Offset in the pool (raw pools).
-    offset: u64,
+    /// Where its bytes are in its pool.
+    place: Place,
     /// Bytes.
     size: u64,
     /// Bytes reserved in the pool.
@@ -71,7 +71,7 @@ impl AsMut<Stamp> for Entry {
 }
 
 impl Entry {
-    /// A sealed entry of `size` bytes at `offset` of `pool`, published now: not pinned, held
+    /// A sealed entry of `size` bytes at `place` of `pool`, published now: not pinned, held
     /// or leased, nobody's session's, this host's; its room in the pool is `size` rounded up
     /// to the pool's alignment.
     pub fn new(
@@ -79,7 +79,7 @@ impl Entry {
         ns: &str,
         key: &str,
         pool: PoolIdx,
-        offset: u64,
+        place: Place,
         size: u64,
         perm: Perm,
     ) -> Self {
@@ -88,7 +88,7 @@ impl Entry {
             ns: ns.to_owned(),
             key: key.to_owned(),
             pool,
-            offset,
+            place,
             size,
             asize: crate::alloc::align_up(size.max(1), crate::pool::ENTRY_ALIGN),
             pinned: false,
@@ -125,9 +125,9 @@ impl Entry {
         self.pool
     }
 
-    /// Where it is in its pool (raw pools: the offset).
-    pub fn offset(&self) -> u64 {
-        self.offset
+    /// Where its bytes are in its pool.
+    pub fn place(&self) -> Place {
+        self.place
     }
 
     /// Its bytes.
@@ -198,9 +198,9 @@ impl Entry {
         }
     }
 
-    /// Placed at `offset` of its pool (its pool answered where it sealed it).
-    pub fn at(self, offset: u64) -> Self {
-        Entry { offset, ..self }
+    /// Placed at `place` of its pool (its pool answered where it sealed it).
+    pub fn at(self, place: Place) -> Self {
+        Entry { place, ..self }
     }
 
     /// Client session `session` is gone: it owns the entry no more.
@@ -262,7 +262,7 @@ impl Entry {
         Loc {
             ns: &self.ns,
             key: &self.key,
-            offset: self.offset,
+            place: self.place,
             size: self.size,
             asize: self.asize,
             pinned: self.pinned,
@@ -293,7 +293,7 @@ impl Entry {
             size: self.size,
             pool: self.pool.get(),
             flags: self.flags(),
-            offset: self.offset,
+            offset: self.place.wire(),
         }
     }
 
@@ -326,7 +326,7 @@ impl Entry {
             key: self.key.clone(),
             generation: self.ino,
             pool: self.pool.get(),
-            offset: self.offset,
+            offset: self.place.wire(),
             size: self.size,
             pinned: self.pinned,
             holds: self.holds,

@@ -7,6 +7,7 @@ use maru::Result;
 
 use super::{Entry, Removal};
 use crate::store::authority::{Authority, Placed};
+use crate::store::ids::Place;
 use crate::store::namespaces::Namespace;
 use crate::store::state::{Invalidation, State};
 use crate::store::stats::{Bytes, Counters};
@@ -56,7 +57,7 @@ impl State {
     pub fn placed<'a>(&'a self, e: &Entry) -> Placed<'a> {
         Placed {
             pool: self.pools[e.pool].pool.uuid(),
-            offset: e.offset,
+            offset: e.place.wire(),
             size: e.size,
         }
     }
@@ -80,7 +81,7 @@ impl State {
         let held = match how {
             Removal::Elsewhere => {
                 auth.forget(&e.ns, &e.key);
-                at.pool.is_some_and(|p| auth.held_elsewhere(p, e.offset))
+                at.pool.is_some_and(|p| auth.held_elsewhere(p, at.offset))
             }
             Removal::Withdrawn { w, .. } => auth.unpublish(&e.ns, &e.key, e.ino, &at, Some(w))?,
             Removal::Deleted | Removal::Evicted => {
@@ -123,12 +124,14 @@ impl State {
         }
         let parent = self.ns.get(&e.ns).map_or(0, |n| n.ino);
         if let Some(created) = e.remote {
-            ps.pool.drop_remote(e.offset, e.asize);
+            // Another host's entry: in a raw pool, an extent.
+            let offset = e.place.wire();
+            ps.pool.drop_remote(offset, e.asize);
             if e.leases > 0 {
                 // Clients here map it: its publisher must keep the extent until they let go.
                 let at = Placed {
                     pool: ps.pool.uuid(),
-                    offset: e.offset,
+                    offset,
                     size: e.size,
                 };
                 auth.hold(created, &at);
@@ -183,7 +186,7 @@ impl State {
         moved.ns = ns.to_owned();
         moved.key = key.to_owned();
         if let Some(at) = at {
-            moved.offset = at;
+            moved.place = at;
         }
         self.insert_entry(moved);
         Ok(())
@@ -191,9 +194,9 @@ impl State {
 
     /// Entry `ino`'s bytes moved to `at` in its pool (a packed entry left its pack): its
     /// index slot says so.
-    pub fn relocate(&mut self, ino: u64, at: u64) {
+    pub fn relocate(&mut self, ino: u64, at: Place) {
         if let Some(mut e) = self.unfile(ino) {
-            e.offset = at;
+            e.place = at;
             self.insert_entry(e);
         }
     }
@@ -234,12 +237,12 @@ impl State {
         let pool = &self.pools[z.pool].pool;
         if pool
             .uuid()
-            .is_some_and(|p| auth.held_elsewhere(p, z.offset))
+            .is_some_and(|p| auth.held_elsewhere(p, z.place.wire()))
         {
             return;
         }
         let z = self.zombies.remove(&ino).expect("present");
-        self.pools[z.pool].pool.free_extent(z.offset);
+        self.pools[z.pool].pool.free_extent(z.place);
     }
 
     /// Frees the removed entries of this host that no other host may map any more, waiting a
@@ -256,12 +259,12 @@ impl State {
         let found = self.zombies.iter().find(|(_, z)| {
             z.remote.is_none()
                 && z.leases == 0
-                && z.offset == offset
+                && z.place == Place::Extent(offset)
                 && self.pools[z.pool].pool.uuid() == Some(pool)
         });
         if let Some((&ino, _)) = found {
             let z = self.zombies.remove(&ino).expect("present");
-            self.pools[z.pool].pool.free_extent(z.offset);
+            self.pools[z.pool].pool.free_extent(z.place);
         }
     }
 

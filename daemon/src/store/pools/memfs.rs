@@ -9,13 +9,12 @@ use std::path::Path;
 use std::sync::Arc;
 
 use maru::format::Record;
-use maru::index::{pack_location, packed};
 use maru::proto::PoolKind;
 use maru::{Error, Result};
 use nix::sys::stat::{Mode, fchmod};
 use nix::unistd::{Gid, Uid, fchown};
 
-use super::super::ids::SessionId;
+use super::super::ids::{Place, SessionId};
 use super::super::policy::Perm;
 #[cfg(feature = "seams")]
 use super::Seams;
@@ -81,8 +80,8 @@ impl Memfs {
     }
 
     /// Gives file `file` (created by the daemon, as root) the entry's size, owner and mode and
-    /// links it as `e`; returns its inode number.
-    fn publish_file(&mut self, id: u64, backing: &mut Backing, e: &Loc<'_>) -> Result<u64> {
+    /// links it as `e`; returns where it is: a file of its own, by its inode number.
+    fn publish_file(&mut self, id: u64, backing: &mut Backing, e: &Loc<'_>) -> Result<Place> {
         let Backing::File { file, span, mode } = backing else {
             return Err(Error::Protocol("a memfs allocation without a file".into()));
         };
@@ -103,16 +102,21 @@ impl Memfs {
             *mode = e.mode;
         }
         self.fs.publish(id, file, e.ns, e.key)?;
-        // The entry's "offset": its file's inode number, by which a client that opens the file
-        // itself (Store::index_fd) tells it is this entry's.
-        Ok(file.metadata()?.ino())
+        // Its file's inode number, by which a client that opens the file itself
+        // (Store::index_fd) tells it is this entry's.
+        Ok(Place::File(file.metadata()?.ino()))
     }
 
-    /// Copies the `e.size` bytes at `at` (a pack's) into a file of their own, published as
-    /// `e` (of id `id`); returns its inode number and the file's backing.
-    fn own_file(&mut self, id: u64, at: u64, e: &Loc<'_>) -> Result<(u64, Backing)> {
+    /// Copies the `e.size` bytes at `offset` of pack `pack` into a file of their own,
+    /// published as `e` (of id `id`); returns where it is and the file's backing.
+    fn own_file(
+        &mut self,
+        id: u64,
+        (pack, offset): (u32, u64),
+        e: &Loc<'_>,
+    ) -> Result<(Place, Backing)> {
         let mut bytes = vec![0u8; e.size as usize];
-        self.packs.reader_at(at)?.read(0, &mut bytes)?;
+        self.packs.reader_at(pack, offset)?.read(0, &mut bytes)?;
         let f = self.fs.create_writing(e.size, e.mode)?;
         f.write_all_at(&bytes, 0)?;
         let mut b = Backing::File {
@@ -132,12 +136,13 @@ impl Memfs {
         self.packs.log(&r)
     }
 
-    /// Moves packed entry `e` (its new name, owner and mode already in `e`, its location
-    /// `at`) out of its pack into a file of its own; returns the file's inode number. Its
+    /// Moves packed entry `e` (its new name, owner and mode already in `e`, at `offset` of
+    /// pack `pack`) out of its pack into a file of its own; returns where it is now. Its
     /// bytes leave the pack: the pack's readers may not be the entry's any more (a mapping
     /// taken before reads zeros).
-    fn unpack(&mut self, at: u64, e: &Loc<'_>) -> Result<u64> {
-        let (ino, _) = self.own_file(0, at, e)?;
+    fn unpack(&mut self, (pack, offset): (u32, u64), e: &Loc<'_>) -> Result<Place> {
+        let (place, _) = self.own_file(0, (pack, offset), e)?;
+        let at = Place::Packed { pack, offset }.wire();
         if let Err(err) = self.log(Record::Del { off: at }) {
             // Still packed as far as anyone knows: the copy goes.
             if let Err(e2) = self.fs.delete(e.ns, e.key) {
@@ -145,11 +150,9 @@ impl Memfs {
             }
             return Err(err);
         }
-        if let Some((pack, offset)) = packed(at) {
-            self.packs.punch(pack, offset, e.asize);
-            self.packs.release(pack);
-        }
-        Ok(ino)
+        self.packs.punch(pack, offset, e.asize);
+        self.packs.release(pack);
+        Ok(place)
     }
 }
 
@@ -175,7 +178,7 @@ impl Pool for Memfs {
     }
 
     fn passes_through(&self, e: &Loc<'_>) -> bool {
-        packed(e.offset).is_none()
+        e.place.packed().is_none()
     }
 
     fn preparer(&self) -> Option<Arc<dyn Prepare>> {
@@ -238,7 +241,7 @@ impl Pool for Memfs {
         Ok(None)
     }
 
-    fn publish(&mut self, id: u64, backing: &mut Backing, e: &Loc<'_>) -> Result<u64> {
+    fn publish(&mut self, id: u64, backing: &mut Backing, e: &Loc<'_>) -> Result<Place> {
         let Backing::Packed {
             pack, offset, len, ..
         } = *backing
@@ -246,22 +249,24 @@ impl Pool for Memfs {
             return self.publish_file(id, backing, e);
         };
         if self.packs.fits(pack, e) {
-            let at = pack_location(pack, offset);
-            self.log(Packs::seal_record(at, e))?;
+            let at = Place::Packed { pack, offset };
+            self.log(Packs::seal_record(at.wire(), e))?;
             return Ok(at);
         }
         // Published elsewhere than its allocation said: its pack is not for this entry's
         // readers; the bytes go to a file of their own.
-        let (ino, file) = self.own_file(id, pack_location(pack, offset), e)?;
+        let (place, file) = self.own_file(id, (pack, offset), e)?;
         self.packs.punch(pack, offset, len);
         self.packs.release(pack);
         *backing = file;
-        Ok(ino)
+        Ok(place)
     }
 
     fn delete(&mut self, e: &Loc<'_>, leased: bool) -> bool {
-        if let Some((pack, _)) = packed(e.offset) {
-            if let Err(err) = self.log(Record::Del { off: e.offset }) {
+        if let Some((pack, _)) = e.place.packed() {
+            if let Err(err) = self.log(Record::Del {
+                off: e.place.wire(),
+            }) {
                 tracing::warn!(ns = %e.ns, key = %e.key, "logging a packed entry's removal: {err}");
             }
             // Its bytes are read by copy through the mount while an open file leases it.
@@ -278,45 +283,45 @@ impl Pool for Memfs {
         true
     }
 
-    fn free_extent(&mut self, offset: u64) {
-        if let Some((pack, _)) = packed(offset) {
+    fn free_extent(&mut self, place: Place) {
+        if let Some((pack, _)) = place.packed() {
             self.packs.release(pack);
         }
     }
 
-    fn rename(&mut self, e: &Loc<'_>, ns: &str, key: &str) -> Result<Option<u64>> {
-        let Some((pack, _)) = packed(e.offset) else {
+    fn rename(&mut self, e: &Loc<'_>, ns: &str, key: &str) -> Result<Option<Place>> {
+        let Some((pack, offset)) = e.place.packed() else {
             self.fs.rename(e.ns, e.key, ns, key)?;
             return Ok(None);
         };
         let to = Loc { ns, key, ..*e };
         if self.packs.fits(pack, &to) {
             self.log(Record::Rename {
-                off: e.offset,
+                off: e.place.wire(),
                 ns: ns.to_owned(),
                 key: key.to_owned(),
             })?;
             return Ok(None);
         }
-        self.unpack(e.offset, &to).map(Some)
+        self.unpack((pack, offset), &to).map(Some)
     }
 
     fn set_pinned(&mut self, e: &Loc<'_>, pinned: bool) -> Result<()> {
-        if packed(e.offset).is_some() {
+        if e.place.packed().is_some() {
             return self.log(Record::Pin {
-                off: e.offset,
+                off: e.place.wire(),
                 pin: pinned,
             });
         }
         Ok(self.fs.set_pinned(e.ns, e.key, pinned)?)
     }
 
-    fn set_owner_mode(&mut self, e: &Loc<'_>) -> Result<Option<u64>> {
-        if let Some((pack, _)) = packed(e.offset) {
+    fn set_owner_mode(&mut self, e: &Loc<'_>) -> Result<Option<Place>> {
+        if let Some((pack, offset)) = e.place.packed() {
             if self.packs.fits(pack, e) {
                 return Ok(None);
             }
-            return self.unpack(e.offset, e).map(Some);
+            return self.unpack((pack, offset), e).map(Some);
         }
         let f = self.fs.open_entry(e.ns, e.key)?;
         let md = f.metadata()?;
@@ -332,9 +337,9 @@ impl Pool for Memfs {
     }
 
     fn retrieve_fd(&self, e: &Loc<'_>, first: bool) -> Result<Option<File>> {
-        if packed(e.offset).is_some() {
+        if let Some((pack, _)) = e.place.packed() {
             return Ok(if first {
-                Some(self.packs.reader(e.offset)?)
+                Some(self.packs.reader(pack)?)
             } else {
                 None
             });
@@ -343,7 +348,7 @@ impl Pool for Memfs {
     }
 
     fn open_entry(&self, e: &Loc<'_>) -> Result<File> {
-        if packed(e.offset).is_some() {
+        if e.place.packed().is_some() {
             return Err(Error::Unsupported(
                 "a packed entry has no file of its own".into(),
             ));
@@ -352,8 +357,8 @@ impl Pool for Memfs {
     }
 
     fn reader(&self, e: &Loc<'_>) -> Result<Reader> {
-        if packed(e.offset).is_some() {
-            return self.packs.reader_at(e.offset);
+        if let Some((pack, offset)) = e.place.packed() {
+            return self.packs.reader_at(pack, offset);
         }
         Ok(Reader {
             file: Arc::new(self.fs.open_entry(e.ns, e.key)?),
@@ -366,8 +371,8 @@ impl Pool for Memfs {
     }
 
     fn location(&self, e: &Loc<'_>) -> String {
-        if packed(e.offset).is_some() {
-            return self.packs.location(e.offset);
+        if let Some((pack, _)) = e.place.packed() {
+            return self.packs.location(pack);
         }
         self.fs.entry_path(e.ns, e.key).display().to_string()
     }
@@ -405,7 +410,8 @@ impl Pool for Memfs {
         let mut out = Vec::with_capacity(found.len());
         for f in found {
             let md = std::fs::metadata(self.fs.entry_path(&f.ns, &f.key))?;
-            out.push(Found::of(f.ns, f.key, md.ino(), f.size, f.pinned, &md));
+            let at = Place::File(md.ino());
+            out.push(Found::of(f.ns, f.key, at, f.size, f.pinned, &md));
         }
         // After the files: a crash while an entry left its pack leaves it in both, and the
         // file is the one kept (its pack's copy is not recovered).

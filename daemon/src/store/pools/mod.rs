@@ -11,7 +11,7 @@ pub mod raw;
 use std::fs::File;
 use std::sync::Arc;
 
-use super::ids::SessionId;
+use super::ids::{Place, SessionId};
 use super::policy::Perm;
 use maru::Result;
 use maru::proto::PoolKind;
@@ -112,8 +112,8 @@ pub struct Loc<'a> {
     pub ns: &'a str,
     /// Key.
     pub key: &'a str,
-    /// Offset in the pool (raw pools).
-    pub offset: u64,
+    /// Where its bytes are.
+    pub place: Place,
     /// Bytes.
     pub size: u64,
     /// Bytes reserved.
@@ -135,8 +135,8 @@ pub struct Found {
     pub ns: String,
     /// Key.
     pub key: String,
-    /// Offset in the pool.
-    pub offset: u64,
+    /// Where its bytes are.
+    pub place: Place,
     /// Bytes.
     pub size: u64,
     /// Pinned.
@@ -152,12 +152,12 @@ pub struct Found {
 }
 
 impl Found {
-    /// An entry at `offset` whose owner, group, mode and modification time are those of file
+    /// An entry at `place` whose owner, group, mode and modification time are those of file
     /// `md` (a memfs entry's own file, or its pack).
     pub fn of(
         ns: String,
         key: String,
-        offset: u64,
+        place: Place,
         size: u64,
         pinned: bool,
         md: &std::fs::Metadata,
@@ -166,7 +166,7 @@ impl Found {
         Found {
             ns,
             key,
-            offset,
+            place,
             size,
             pinned,
             uid: md.uid(),
@@ -276,22 +276,22 @@ pub trait Pool: Send {
         backing: &mut Backing,
         size: u64,
     ) -> Result<Option<buffer::CopyIn>>;
-    /// Publishes allocation `id` as `e` (`e.offset` is ignored); returns where the entry is:
-    /// its offset (raw pools), the inode number of its file (memfs).
-    fn publish(&mut self, id: u64, backing: &mut Backing, e: &Loc<'_>) -> Result<u64>;
+    /// Publishes allocation `id` as `e` (`e.place` is ignored); returns where the entry is: an
+    /// extent (raw pools), a file of its own or a piece of a pack (memfs).
+    fn publish(&mut self, id: u64, backing: &mut Backing, e: &Loc<'_>) -> Result<Place>;
     /// Removes a sealed entry; false when its extent stays reserved (leased): free it with
     /// [`Pool::free_extent`] when the last lease goes.
     fn delete(&mut self, e: &Loc<'_>, leased: bool) -> bool;
-    /// Frees the extent of a deleted entry whose last lease went.
-    fn free_extent(&mut self, offset: u64);
+    /// Frees the bytes of a deleted entry (at `place`) whose last lease went.
+    fn free_extent(&mut self, place: Place);
     /// Moves a sealed entry to `ns/key`; returns its new location if that changed (a packed
     /// entry moved to another namespace leaves its pack).
-    fn rename(&mut self, e: &Loc<'_>, ns: &str, key: &str) -> Result<Option<u64>>;
+    fn rename(&mut self, e: &Loc<'_>, ns: &str, key: &str) -> Result<Option<Place>>;
     /// Records a pin change.
     fn set_pinned(&mut self, e: &Loc<'_>, pinned: bool) -> Result<()>;
     /// Records a change of owner or mode; returns the entry's new location if that changed
     /// (a packed entry leaves its pack).
-    fn set_owner_mode(&mut self, e: &Loc<'_>) -> Result<Option<u64>>;
+    fn set_owner_mode(&mut self, e: &Loc<'_>) -> Result<Option<Place>>;
     /// A descriptor for a client's retrieval: memfs the entry's file (a packed entry's pack,
     /// when `first`: a reply carries each pack once); raw the pool's read-only descriptor,
     /// when `first` (a connection gets it once).

@@ -32,7 +32,7 @@ use maru::{Error, Result};
 use nix::sys::stat::{Mode, fchmod};
 use nix::unistd::{Gid, Uid, fchown};
 
-use super::super::ids::SessionId;
+use super::super::ids::{Place, SessionId};
 use super::super::policy::Perm;
 use super::{Found, Loc, Reader};
 use crate::pool::ENTRY_ALIGN;
@@ -357,9 +357,8 @@ impl Packs {
         Ok(self.wal.append(r)?)
     }
 
-    /// Reads a packed entry's bytes.
-    pub fn reader_at(&self, at: u64) -> Result<Reader> {
-        let (pack, base) = packed(at).ok_or_else(|| Error::Protocol("not packed".into()))?;
+    /// Reads the bytes of a packed entry at `base` of pack `pack`.
+    pub fn reader_at(&self, pack: u32, base: u64) -> Result<Reader> {
         let p = self
             .packs
             .get(&pack)
@@ -370,9 +369,8 @@ impl Packs {
         })
     }
 
-    /// The read-only descriptor of the pack holding `at`.
-    pub fn reader(&self, at: u64) -> Result<File> {
-        let (pack, _) = packed(at).ok_or_else(|| Error::Protocol("not packed".into()))?;
+    /// The read-only descriptor of pack `pack`.
+    pub fn reader(&self, pack: u32) -> Result<File> {
         let p = self
             .packs
             .get(&pack)
@@ -380,9 +378,8 @@ impl Packs {
         Ok(p.ro.try_clone()?)
     }
 
-    /// The path of the pack holding `at`.
-    pub fn location(&self, at: u64) -> String {
-        let pack = packed(at).map_or(0, |(p, _)| p);
+    /// The path of pack `pack`.
+    pub fn location(&self, pack: u32) -> String {
         self.path(pack).display().to_string()
     }
 
@@ -403,7 +400,7 @@ impl Packs {
             else {
                 continue;
             };
-            let Some((pack, _)) = packed(off) else {
+            let Some((pack, offset)) = packed(off) else {
                 continue;
             };
             let md = files
@@ -413,7 +410,8 @@ impl Packs {
                 tracing::warn!(%ns, %key, pack, "not recovered: its pack is gone");
                 continue;
             };
-            out.push(Found::of(ns, key, off, size, pin, md));
+            let at = Place::Packed { pack, offset };
+            out.push(Found::of(ns, key, at, size, pin, md));
         }
         Ok(out)
     }
@@ -423,7 +421,7 @@ impl Packs {
     pub fn recovered(&mut self, kept: &[Loc<'_>]) -> Result<()> {
         let mut live: HashMap<u32, u32> = HashMap::new();
         for e in kept {
-            if let Some((pack, _)) = packed(e.offset) {
+            if let Some((pack, _)) = e.place.packed() {
                 *live.entry(pack).or_default() += 1;
             }
         }
@@ -450,7 +448,7 @@ impl Packs {
             let md = rw.metadata()?;
             let ns = kept
                 .iter()
-                .find(|e| packed(e.offset).is_some_and(|(p, _)| p == id))
+                .find(|e| e.place.packed().is_some_and(|(p, _)| p == id))
                 .map(|e| e.ns.to_owned())
                 .unwrap_or_default();
             self.packs.insert(
@@ -479,8 +477,8 @@ impl Packs {
     fn checkpoint(&mut self, live: &[Loc<'_>]) {
         let recs: Vec<Record> = live
             .iter()
-            .filter(|e| packed(e.offset).is_some())
-            .map(|e| Self::seal_record(e.offset, e))
+            .filter(|e| e.place.packed().is_some())
+            .map(|e| Self::seal_record(e.place.wire(), e))
             .collect();
         if let Err(e) = self.wal.checkpoint(&recs) {
             tracing::warn!(dir = %self.dir.display(), "rewriting the pack log: {e}");

@@ -12,7 +12,7 @@ use maru::proto::{Coherence, PoolKind};
 use maru::{Error, Result};
 
 use super::super::authority::{Authority, fenced_error};
-use super::super::ids::SessionId;
+use super::super::ids::{Place, SessionId};
 #[cfg(feature = "seams")]
 use super::Seams;
 use super::buffer::{Buffered, CopyIn};
@@ -286,6 +286,11 @@ impl Raw {
     }
 }
 
+/// Where entry `e` of a raw pool is: an extent of the device.
+fn extent(e: &Loc<'_>) -> u64 {
+    e.place.extent().expect("a raw pool's entries are extents")
+}
+
 /// The session whose open region packs the entries written through the mount, as a client's
 /// allocations are packed into its own (so a 4 KiB file takes 4 KiB, not a region).
 const MOUNT_WRITERS: SessionId = SessionId::MOUNT;
@@ -482,7 +487,7 @@ impl Pool for Raw {
         )))
     }
 
-    fn publish(&mut self, _id: u64, backing: &mut Backing, e: &Loc<'_>) -> Result<u64> {
+    fn publish(&mut self, _id: u64, backing: &mut Backing, e: &Loc<'_>) -> Result<Place> {
         let offset = match backing {
             Backing::Extent { offset } => *offset,
             Backing::Buffer {
@@ -502,27 +507,29 @@ impl Pool for Raw {
         // Without coherence across hosts the writer's lines were written back before the
         // entry's publication was asked for (`Pool::write_back`).
         self.log(&Self::seal_record(e, offset))?;
-        Ok(offset)
+        Ok(Place::Extent(offset))
     }
 
     fn delete(&mut self, e: &Loc<'_>, leased: bool) -> bool {
-        if let Err(err) = self.log(&Record::Del { off: e.offset }) {
+        if let Err(err) = self.log(&Record::Del { off: extent(e) }) {
             tracing::error!("pool log: {err}");
         }
         if leased {
             return false;
         }
-        self.release(e.offset);
+        self.release(extent(e));
         true
     }
 
-    fn free_extent(&mut self, offset: u64) {
-        self.release(offset);
+    fn free_extent(&mut self, place: Place) {
+        if let Some(offset) = place.extent() {
+            self.release(offset);
+        }
     }
 
-    fn rename(&mut self, e: &Loc<'_>, ns: &str, key: &str) -> Result<Option<u64>> {
+    fn rename(&mut self, e: &Loc<'_>, ns: &str, key: &str) -> Result<Option<Place>> {
         self.log(&Record::Rename {
-            off: e.offset,
+            off: extent(e),
             ns: ns.to_owned(),
             key: key.to_owned(),
         })?;
@@ -531,12 +538,12 @@ impl Pool for Raw {
 
     fn set_pinned(&mut self, e: &Loc<'_>, pinned: bool) -> Result<()> {
         self.log(&Record::Pin {
-            off: e.offset,
+            off: extent(e),
             pin: pinned,
         })
     }
 
-    fn set_owner_mode(&mut self, _e: &Loc<'_>) -> Result<Option<u64>> {
+    fn set_owner_mode(&mut self, _e: &Loc<'_>) -> Result<Option<Place>> {
         // The log keeps the owner of each entry as sealed; a change of mode lives in memory.
         Ok(None)
     }
@@ -558,7 +565,7 @@ impl Pool for Raw {
     fn reader(&self, e: &Loc<'_>) -> Result<Reader> {
         Ok(Reader {
             file: self.ro.clone(),
-            base: e.offset,
+            base: extent(e),
         })
     }
 
@@ -571,7 +578,7 @@ impl Pool for Raw {
     }
 
     fn location(&self, e: &Loc<'_>) -> String {
-        format!("{}@{:#x}", self.path.display(), e.offset)
+        format!("{}@{:#x}", self.path.display(), extent(e))
     }
 
     fn ensure_ns(&mut self, _ns: &str) -> Result<()> {
@@ -604,7 +611,7 @@ impl Pool for Raw {
             found.push(Found {
                 ns,
                 key,
-                offset: off,
+                place: Place::Extent(off),
                 size,
                 pinned: pin,
                 uid,
@@ -620,8 +627,8 @@ impl Pool for Raw {
         // Regions: maximal runs of 2 MiB units covered by the entries kept.
         let mut units: BTreeMap<u64, u32> = BTreeMap::new();
         for e in kept {
-            let s = e.offset / REGION_ALIGN * REGION_ALIGN;
-            let end = align_up(e.offset + e.asize, REGION_ALIGN);
+            let s = extent(e) / REGION_ALIGN * REGION_ALIGN;
+            let end = align_up(extent(e) + e.asize, REGION_ALIGN);
             let mut u = s;
             while u < end {
                 units.entry(u).or_insert(0);
@@ -656,7 +663,7 @@ impl Pool for Raw {
         }
         let recs: Vec<Record> = kept
             .iter()
-            .map(|e| Self::seal_record(e, e.offset))
+            .map(|e| Self::seal_record(e, extent(e)))
             .collect();
         let sink = FileSink::open(
             &self.log_path,
