@@ -318,3 +318,42 @@ fn a_writer_through_the_mount_claims_its_region_without_the_lock() {
     assert_eq!(f.get("w").unwrap(), data);
     f.store.check_invariants().unwrap();
 }
+
+/// In a pool shared with other hosts, a region emptied goes back at once, though its session
+/// stays (the mount's writers never leave): kept for the session's next allocations, it is
+/// room no other host could use.
+#[test]
+fn an_emptied_region_goes_back_though_its_session_stays() {
+    let f = Fixture::new(64);
+    let free = f.free();
+    let s = f.store.open_session("t", Caller::root());
+    let (g, _) = f
+        .store
+        .alloc(s, 4096, 1, None, None)
+        .unwrap()
+        .pop()
+        .unwrap();
+    f.store.publish(s, g.alloc, "ns", "k", None).unwrap();
+    assert_eq!(f.free(), free - (2 << 20));
+    f.store
+        .delete(&Caller::root(), "ns", &["k".into()])
+        .unwrap();
+    assert_eq!(f.free(), free, "the session's emptied region is given back");
+    // Through the mount likewise.
+    let fs = StoreFs(f.store.clone());
+    let root = Caller::root();
+    let parent = fs.lookup(&root, ROOT_INO, "ns").unwrap().ino;
+    let (a, _) = fs.create(&root, parent, "w", 0o644).unwrap();
+    fs.write(a.ino, 0, b"through the mount").unwrap();
+    fs.commit(&root, a.ino, false).unwrap();
+    fs.seal(a.ino).unwrap();
+    assert_eq!(f.free(), free - (2 << 20));
+    f.store.delete(&root, "ns", &["w".into()]).unwrap();
+    assert_eq!(
+        f.free(),
+        free,
+        "the mount writers' emptied region is given back"
+    );
+    f.store.close_session(s);
+    f.store.check_invariants().unwrap();
+}

@@ -393,6 +393,18 @@ impl Daemon {
         }
     }
 
+    /// Path under the mount while the daemon runs with its mount up (None otherwise: a
+    /// path then could reach the directory under the mount, or nothing).
+    pub fn mounted_path(&self, rel: &str) -> Option<PathBuf> {
+        let (c, m) = (self.child.as_ref()?, self.mount.as_ref()?);
+        let up = if self.own_mounts {
+            is_mounted_in(c.id(), m)
+        } else {
+            is_mounted(m)
+        };
+        up.then(|| self.path(rel))
+    }
+
     /// The first memfs pool's directory.
     pub fn pool_dir(&self) -> &Path {
         &self.pool_dirs[0]

@@ -37,6 +37,7 @@ fn main() {
             "--duration" => cfg.duration = Duration::from_secs(num(&val)),
             "--hosts" => cfg.hosts = num(&val) as usize,
             "--clients" => cfg.clients = num(&val) as usize,
+            "--mount-clients" => cfg.mount_clients = num(&val) as usize,
             "--keys" => cfg.keys = num(&val),
             "--ttl" => cfg.ttl = Duration::from_secs(num(&val)),
             "--converge" => cfg.converge = Duration::from_secs(num(&val)),
@@ -73,7 +74,7 @@ fn usage(why: &str) -> ! {
     eprintln!(
         "maru-faults: {why}\nusage: maru-faults [--seed N] [--runs N] [--duration SECS] \
          [--faults kill,pause,partition,etcd-kill,compact|none] [--hosts N] [--clients N] \
-         [--keys N] [--ttl SECS] [--converge SECS] [--no-space-check]"
+         [--mount-clients N] [--keys N] [--ttl SECS] [--converge SECS] [--no-space-check]"
     );
     std::process::exit(2)
 }

@@ -25,8 +25,10 @@ pub struct Config {
     pub duration: Duration,
     pub faults: Vec<nemesis::Kind>,
     pub hosts: usize,
-    /// Clients per host.
+    /// Clients per host, through libmaru.
     pub clients: usize,
+    /// Clients per host through the mount, besides.
+    pub mount_clients: usize,
     pub keys: u64,
     pub ttl: Duration,
     /// How long after the faults stop every host's view must agree.
@@ -47,6 +49,7 @@ impl Default for Config {
             faults: nemesis::Kind::ALL.to_vec(),
             hosts: 3,
             clients: 2,
+            mount_clients: 1,
             keys: 32,
             ttl: Duration::from_secs(2),
             converge: Duration::from_secs(5),
@@ -175,12 +178,22 @@ pub fn run(cfg: &Config) -> Option<Report> {
         }
     }
     let mut clients = Vec::new();
+    let per_host = cfg.clients + cfg.mount_clients;
     for host in 0..cfg.hosts {
-        for k in 0..cfg.clients {
+        for k in 0..per_host {
+            let door = if k < cfg.clients {
+                workload::Door::Socket
+            } else {
+                let env = env.clone();
+                workload::Door::Mount(Box::new(move |key: &str| {
+                    env.hosts[host].lock().ok()?.mounted_path(key)
+                }))
+            };
             let c = workload::Client {
-                id: (host * cfg.clients + k) as u32,
+                id: (host * per_host + k) as u32,
                 host,
                 socket: env.socket(host),
+                door,
                 keys: cfg.keys,
                 seed: cfg.seed,
             };
@@ -209,7 +222,9 @@ pub fn run(cfg: &Config) -> Option<Report> {
     );
     let ops = history.ops.lock().expect("history").clone();
     for o in &ops {
-        let e = report.ops.entry(format!("{:?}", o.kind)).or_default();
+        let mount = o.client != u32::MAX && o.client as usize % per_host >= cfg.clients;
+        let kind = format!("{:?}{}", o.kind, if mount { " (mount)" } else { "" });
+        let e = report.ops.entry(kind).or_default();
         e.0 += 1;
         if matches!(o.outcome, Outcome::Ok | Outcome::Read { .. }) {
             e.1 += 1;

@@ -1,6 +1,7 @@
 //! The clients: each a thread on one host, with a PRNG of its own seeded from the run's seed,
-//! storing, retrieving, deleting, pinning and listing keys of one namespace, and recording
-//! every operation in the history.
+//! storing, retrieving, deleting, pinning and listing keys of one namespace — through libmaru
+//! on the host's control socket, or as files under the host's mount — and recording every
+//! operation in the history.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -19,11 +20,25 @@ pub fn key(i: u64) -> String {
     format!("{NS}/k{i}")
 }
 
+/// The path of a key under a host's mount while the host runs with its mount up.
+pub type MountPath = Box<dyn Fn(&str) -> Option<PathBuf> + Send>;
+
+/// How a client reaches its host.
+pub enum Door {
+    /// libmaru, over the host's control socket.
+    Socket,
+    /// Files under the host's mount: the path of a key there while the host runs with its
+    /// mount up (None otherwise). The control socket only tells when a store's publication,
+    /// which follows the writer's `close` (at the kernel's release), has landed.
+    Mount(MountPath),
+}
+
 /// One client's part of the workload.
 pub struct Client {
     pub id: u32,
     pub host: usize,
     pub socket: PathBuf,
+    pub door: Door,
     pub keys: u64,
     pub seed: u64,
 }
@@ -53,13 +68,19 @@ impl Client {
             let version = (u64::from(self.id) << 32) | n;
             let len = rng.gen_range(64..=(256 << 10));
             let start = history.now();
-            let outcome = match kind {
-                Kind::Store => outcome(store(h, &key, &entry(&key, version, len))),
-                Kind::Retrieve => read(h, &key),
-                Kind::Delete => outcome(h.delete(&key)),
-                Kind::Pin => outcome(h.pin(&key)),
-                Kind::Unpin => outcome(h.unpin(&key)),
-                Kind::List => outcome(h.list(NS).map(|_| ())),
+            let outcome = match &self.door {
+                Door::Socket => match kind {
+                    Kind::Store => outcome(store(h, &key, &entry(&key, version, len))),
+                    Kind::Retrieve => read(h, &key),
+                    Kind::Delete => outcome(h.delete(&key)),
+                    Kind::Pin => outcome(h.pin(&key)),
+                    Kind::Unpin => outcome(h.unpin(&key)),
+                    Kind::List => outcome(h.list(NS).map(|_| ())),
+                },
+                Door::Mount(at) => match at(&key) {
+                    Some(path) => mount::op(h, kind, &key, &path, || entry(&key, version, len)),
+                    None => Outcome::Failed("the host's mount is down".into()),
+                },
             };
             let end = history.now();
             // Perhaps a broken connection (the host was killed): connect again.
@@ -77,6 +98,107 @@ impl Client {
                 outcome,
             });
             std::thread::sleep(Duration::from_millis(rng.gen_range(0..20)));
+        }
+    }
+}
+
+/// The operations as files under a host's mount.
+mod mount {
+    use std::io::Write;
+    use std::os::fd::IntoRawFd;
+    use std::path::Path;
+
+    use crate::faults::history::{Kind, Outcome, fnv, parse};
+
+    /// `kind` on `key`, whose path under the mount is `path`; `bytes` makes a store's.
+    pub fn op(
+        h: &maru::Handler,
+        kind: Kind,
+        key: &str,
+        path: &Path,
+        bytes: impl FnOnce() -> Vec<u8>,
+    ) -> Outcome {
+        let r = match kind {
+            Kind::Store => return store(h, key, path, &bytes()),
+            Kind::Retrieve => return read(key, path),
+            Kind::Delete => std::fs::remove_file(path),
+            Kind::Pin => pin(path, true),
+            Kind::Unpin => pin(path, false),
+            Kind::List => path
+                .parent()
+                .map_or(Ok(()), |ns| std::fs::read_dir(ns).map(|d| d.for_each(drop))),
+        };
+        match r {
+            Ok(()) => Outcome::Ok,
+            Err(e) => io(e, kind),
+        }
+    }
+
+    /// A store as a careful writer makes one (doc/SEMANTICS.md): create the name, write,
+    /// close (whose answer is the commit's: the name and room reserved), unlinking the name
+    /// before the close when a write fails. Acknowledged once the other door sees the
+    /// entry: the publication itself follows the close, at the kernel's release.
+    fn store(h: &maru::Handler, key: &str, path: &Path, bytes: &[u8]) -> Outcome {
+        let mut f = match std::fs::File::create_new(path) {
+            Ok(f) => f,
+            Err(e) => return io(e, Kind::Store),
+        };
+        if let Err(e) = f.write_all(bytes) {
+            let _ = std::fs::remove_file(path);
+            return io(e, Kind::Store);
+        }
+        if let Err(e) = nix::unistd::close(f.into_raw_fd()) {
+            return io(e.into(), Kind::Store);
+        }
+        match h.exists(key) {
+            Ok(true) => Outcome::Ok,
+            Ok(false) => Outcome::Failed("closed, but not published".into()),
+            Err(e) => Outcome::Failed(format!("{e:?}")),
+        }
+    }
+
+    /// A read of the whole file, its bytes checked.
+    fn read(key: &str, path: &Path) -> Outcome {
+        match std::fs::read(path) {
+            Ok(b) => match parse(key, &b) {
+                Ok((version, checksum)) => Outcome::Read { version, checksum },
+                Err(why) => Outcome::Corrupt(format!(
+                    "{why} (checksum {:#x}, {} bytes, through the mount)",
+                    fnv(&b),
+                    b.len()
+                )),
+            },
+            Err(e) => io(e, Kind::Retrieve),
+        }
+    }
+
+    /// Sets `user.maru.pinned` (the operator's pin, as `maructl pin` does).
+    fn pin(path: &Path, pinned: bool) -> std::io::Result<()> {
+        let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())?;
+        let v: &[u8] = if pinned { b"1" } else { b"0" };
+        // SAFETY: valid C strings, and a value of `v.len()` bytes.
+        let r = unsafe {
+            libc::setxattr(
+                c.as_ptr(),
+                c"user.maru.pinned".as_ptr(),
+                v.as_ptr().cast(),
+                v.len(),
+                0,
+            )
+        };
+        if r < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// What an error of the mount means for the history: a missing name is `NotFound` (a
+    /// store's, whose namespace is there, cannot be: it failed), a name taken `Exists`.
+    fn io(e: std::io::Error, kind: Kind) -> Outcome {
+        match e.raw_os_error() {
+            Some(libc::ENOENT) if kind != Kind::Store => Outcome::NotFound,
+            Some(libc::EEXIST) if kind == Kind::Store => Outcome::Exists,
+            _ => Outcome::Failed(format!("{e}")),
         }
     }
 }

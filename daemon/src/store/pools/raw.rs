@@ -189,7 +189,11 @@ impl Raw {
         };
         r.live = r.live.saturating_sub(1);
         if r.live == 0 {
+            // Its owner's open region stays for its next allocations, but only on a pool of
+            // this host's alone: shared with other hosts, an empty region kept by an idle
+            // session (the mount's writers never leave) is room none of them can use.
             if r.owner.is_some()
+                && !self.authority.shared()
                 && !self.unclaimed.contains_key(&roff)
                 && !self.authority.lost(&self.uuid, roff)
             {
