@@ -180,6 +180,10 @@ fn run(s: Settings) -> anyhow::Result<()> {
     raise_fd_limit();
     set_nice(s.nice);
     drop_capabilities().context("dropping capabilities")?;
+    // A predecessor stuck in its exit holds its mount's requests and the pools' locks.
+    if s.mount.is_some() {
+        mount::end_predecessor(&s.state_dir, std::time::Duration::from_secs(10))?;
+    }
     // NIXL is found before any thread starts (it is told its plugins by the environment).
     let nixl = match &s.remote {
         Some(_) => Some(maru_daemon::remote::RemoteDoor::load_nixl()?),
@@ -231,6 +235,7 @@ fn run(s: Settings) -> anyhow::Result<()> {
         Some(dir) => Some(mount::mount(
             store.clone(),
             dir,
+            &s.state_dir,
             s.fuse_threads,
             s.fuse_uring,
         )?),

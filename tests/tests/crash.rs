@@ -323,3 +323,111 @@ os._exit(0)
     assert!(h.exists("m/done").unwrap());
     assert_eq!(std::fs::metadata(&p).unwrap().len(), 1000 * 4096);
 }
+
+/// The threads of process `pid` whose name starts with `prefix`.
+fn threads_named(pid: u32, prefix: &str) -> Vec<i32> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .flatten()
+        .filter(|t| {
+            std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.starts_with(prefix))
+        })
+        .filter_map(|t| t.file_name().to_str()?.parse().ok())
+        .collect()
+}
+
+/// A thread's scheduling state (`R`, `S`, `D`, …) from `/proc/PID/task/TID/stat`.
+fn thread_state(pid: u32, tid: i32) -> String {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat")).unwrap_or_default();
+    s.rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().next())
+        .unwrap_or("")
+        .to_owned()
+}
+
+/// Seed 822 of the faults harness, made certain: marud is killed while its invalidation of a
+/// name waits in the kernel for the name's directory, locked by a client's create that waits
+/// for marud's answer. That thread cannot die, so marud never finishes exiting and its mount's
+/// requests are never aborted; its successor must end it (by the connection's fusectl abort)
+/// and start. The FUSE workers are held with ptrace, which stops single threads.
+#[test]
+fn a_marud_stuck_in_its_exit_is_ended_by_its_successor() {
+    use nix::sys::{ptrace, wait};
+    use nix::unistd::Pid;
+    maru_tests::require_root!();
+    let mut d = Daemon::start(Opts {
+        extra: ["--fuse-uring", "off", "--fuse-threads", "1"]
+            .map(String::from)
+            .to_vec(),
+        ..Default::default()
+    });
+    let h = d.handler();
+    h.mkdir("ns", 0o777).unwrap();
+    h.put("ns/a", &pattern(1, 4096)).unwrap();
+    h.put("ns/kept", &pattern(2, 4096)).unwrap();
+    // The kernel caches the name: removing it behind its back makes marud invalidate it.
+    assert_eq!(std::fs::metadata(d.path("ns/a")).unwrap().len(), 4096);
+    let pid = d.pid();
+    let workers = threads_named(pid, "fuser-");
+    assert!(!workers.is_empty(), "no FUSE worker thread found");
+    for &t in &workers {
+        ptrace::seize(Pid::from_raw(t), ptrace::Options::empty()).unwrap();
+        ptrace::interrupt(Pid::from_raw(t)).unwrap();
+        wait::waitpid(Pid::from_raw(t), Some(wait::WaitPidFlag::__WALL)).unwrap();
+    }
+    // A client's create in ns: the kernel holds the directory's lock until marud answers.
+    let p = d.path("ns/b");
+    let client = std::thread::spawn(move || {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(p)
+            .map(drop)
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        !client.is_finished(),
+        "the create was answered by a stopped marud"
+    );
+    // A delete through the socket: marud's invalidation of ns/a now waits for that lock.
+    h.delete("ns/a").unwrap();
+    let inval = threads_named(pid, "maru-inval");
+    assert_eq!(inval.len(), 1);
+    let t = std::time::Instant::now();
+    while thread_state(pid, inval[0]) != "D" {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "the invalidation never waited for the directory (state {})",
+            thread_state(pid, inval[0])
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    d.kill9();
+    // The held workers die with the rest; as their tracer, the test reaps them.
+    for &t in &workers {
+        let _ = wait::waitpid(Pid::from_raw(t), Some(wait::WaitPidFlag::__WALL));
+    }
+    assert!(
+        d.dying().is_some(),
+        "marud exited though a thread of it waited for the directory"
+    );
+    // The successor aborts the stuck connection: the client's create fails, the killed marud
+    // exits (`restart` checks it within 10 s), and the new one serves the same store.
+    d.restart();
+    let r = client.join().unwrap();
+    assert!(r.is_err(), "the create succeeded on an aborted connection");
+    assert!(d.log_text().contains("aborting it"), "no abort was logged");
+    let h = d.handler();
+    assert!(!h.exists("ns/a").unwrap());
+    assert_eq!(
+        h.retrieve("ns/kept").unwrap().unwrap().as_slice(),
+        pattern(2, 4096)
+    );
+    assert_eq!(
+        std::fs::read(d.path("ns/kept")).unwrap(),
+        pattern(2, 4096),
+        "the new mount does not serve the store"
+    );
+    std::fs::write(d.path("ns/b"), b"after").unwrap();
+    assert!(h.exists("ns/b").unwrap());
+}

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use maru::Error;
 
-use super::{PoolSpec, cpath, default_memfs_size, mounted_fstype, statvfs};
+use super::{PoolSpec, cpath, default_memfs_size, mount_entry, statvfs};
 use crate::acl::{self, Acl};
 
 /// A memfs pool.
@@ -194,7 +194,7 @@ impl MemfsPool {
         if let Some(n) = spec.numa {
             opts.push_str(&format!(",mpol=bind:{n}"));
         }
-        let mounted_here = match mounted_fstype(&root).as_deref() {
+        let mounted_here = match mount_entry(&root).map(|m| m.fstype).as_deref() {
             Some("tmpfs") => {
                 tracing::info!(dir = %root.display(), "reusing the tmpfs left by an earlier run");
                 if spec.size.is_some() {

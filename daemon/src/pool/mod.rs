@@ -185,8 +185,8 @@ fn cpath(p: &Path) -> io::Result<CString> {
     CString::new(p.as_os_str().as_bytes()).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
 }
 
-/// Finds the filesystem type mounted exactly at `dir`, if any (last mount wins).
-pub fn mounted_fstype(dir: &Path) -> Option<String> {
+/// The filesystem mounted exactly at `dir`, if any (the last mounted there).
+pub fn mount_entry(dir: &Path) -> Option<MountEntry> {
     let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
     let want = dir.to_str()?;
     let mut found = None;
@@ -195,11 +195,30 @@ pub fn mounted_fstype(dir: &Path) -> Option<String> {
         let Some(sep) = f.iter().position(|x| *x == "-") else {
             continue;
         };
-        if f.get(4).map(|m| unescape_mount(m)) == Some(want.to_owned()) {
-            found = f.get(sep + 1).map(|s| s.to_string());
+        if f.get(4).map(|m| unescape_mount(m)) != Some(want.to_owned()) {
+            continue;
+        }
+        let dev = f.get(2).and_then(|d| {
+            let (a, b) = d.split_once(':')?;
+            Some((a.parse().ok()?, b.parse().ok()?))
+        });
+        if let (Some(fstype), Some(dev)) = (f.get(sep + 1), dev) {
+            found = Some(MountEntry {
+                fstype: fstype.to_string(),
+                dev,
+            });
         }
     }
     found
+}
+
+/// A line of the mount table: the filesystem's type and its device number (major, minor).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MountEntry {
+    /// `tmpfs`, `fuse.maru`, …
+    pub fstype: String,
+    /// The superblock's device number.
+    pub dev: (u32, u32),
 }
 
 fn unescape_mount(s: &str) -> String {

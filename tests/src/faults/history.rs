@@ -1,6 +1,7 @@
 //! The record of a run: every client operation (who, where, what, when, what came of it)
 //! and every fault, with times in microseconds since the run began.
 
+use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::time::Instant;
 
@@ -69,6 +70,8 @@ pub struct History {
     t0: Instant,
     pub ops: Mutex<Vec<Op>>,
     pub faults: Mutex<Vec<Fault>>,
+    /// Each client's operation under way: (host, kind, key, start).
+    running: Mutex<BTreeMap<u32, (usize, Kind, String, u64)>>,
 }
 
 impl History {
@@ -77,6 +80,7 @@ impl History {
             t0: Instant::now(),
             ops: Mutex::new(Vec::new()),
             faults: Mutex::new(Vec::new()),
+            running: Mutex::new(BTreeMap::new()),
         }
     }
 
@@ -85,8 +89,27 @@ impl History {
         self.t0.elapsed().as_micros() as u64
     }
 
+    /// Client `client` of host `host` begins `kind` on `key` at `start`.
+    pub fn begin(&self, client: u32, host: usize, kind: Kind, key: &str, start: u64) {
+        let mut r = self.running.lock().expect("history");
+        r.insert(client, (host, kind, key.to_owned(), start));
+    }
+
+    /// An operation ended (after [`History::begin`], or the checker's own).
     pub fn op(&self, op: Op) {
+        self.running.lock().expect("history").remove(&op.client);
         self.ops.lock().expect("history").push(op);
+    }
+
+    /// The operations under way now, one line each.
+    pub fn running(&self) -> Vec<String> {
+        let r = self.running.lock().expect("history");
+        r.iter()
+            .map(|(c, (host, kind, key, start))| {
+                let since = *start as f64 / 1e6;
+                format!("client {c} of h{host}: {kind:?} {key} since {since:.2} s")
+            })
+            .collect()
     }
 
     pub fn fault(&self, f: Fault) {

@@ -205,6 +205,7 @@ pub fn run(cfg: &Config) -> Option<Report> {
     nemesis::run(&env, &history, &cfg.faults, cfg.seed, until);
     let healed = Instant::now();
     stop.store(true, Ordering::Relaxed);
+    let hung = stop_clients(&env, &history, &clients);
     for c in clients {
         c.join().expect("a client panicked");
     }
@@ -213,6 +214,7 @@ pub fn run(cfg: &Config) -> Option<Report> {
         clients_stopped: Some(healed.elapsed()),
         ..Default::default()
     };
+    report.violations.extend(hung);
     let t1 = Instant::now();
     after(&env, cfg, &history, healed, &mut report);
     eprintln!(
@@ -273,6 +275,52 @@ pub fn run(cfg: &Config) -> Option<Report> {
         keep(dir, &env, &report, &ops, &faults);
     }
     Some(report)
+}
+
+/// How long the clients have to finish their last operation once the faults stop: longer than
+/// any fault's effect lasts (a cut or a pause holds an operation for its TTL and a few seconds).
+const STOP_BOUND: Duration = Duration::from_secs(60);
+
+/// Waits for the clients to finish once the faults stopped. Clients still in an operation
+/// [`STOP_BOUND`] later are hung (a liveness violation, one per operation, returned): every host
+/// is then killed and restarted (a successor ends a predecessor stuck in its exit, aborting its
+/// mount's requests), and the clients get as long again; a client still running then stops the
+/// harness, which could neither check nor clean up.
+fn stop_clients(
+    env: &env::Env,
+    history: &History,
+    clients: &[std::thread::JoinHandle<()>],
+) -> Vec<String> {
+    let all_done = |limit: Duration| {
+        let t = Instant::now();
+        while clients.iter().any(|c| !c.is_finished()) {
+            if t.elapsed() > limit {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        true
+    };
+    if all_done(STOP_BOUND) {
+        return Vec::new();
+    }
+    let hung: Vec<String> = history
+        .running()
+        .into_iter()
+        .map(|r| format!("hung: {r}, still running {STOP_BOUND:?} after the faults stopped"))
+        .collect();
+    eprintln!("{}", hung.join("\n"));
+    for h in &env.hosts {
+        let mut d = h.lock().expect("host");
+        d.kill9();
+        d.restart();
+    }
+    assert!(
+        all_done(STOP_BOUND),
+        "clients still running after every host was restarted: {:?}",
+        history.running()
+    );
+    hung
 }
 
 /// A run with violations, kept for reading ([`Config::keep`]): each host's marud log

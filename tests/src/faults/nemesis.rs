@@ -83,9 +83,12 @@ pub fn run(env: &Env, history: &Arc<History>, kinds: &[Kind], seed: u64, until: 
             Kind::Kill => {
                 let mut d = env.hosts[host].lock().expect("host");
                 d.kill9();
+                // Stuck in its exit (a thread of it waits on a lock held by a request to its
+                // own mount): its successor must end it.
+                let stuck = d.dying().is_some();
                 std::thread::sleep(ms(&mut rng, 100, 1500));
                 d.restart();
-                format!("h{host}")
+                format!("h{host}{}", if stuck { " (stuck in its exit)" } else { "" })
             }
             Kind::Pause => {
                 let pid = env.hosts[host].lock().expect("host").pid() as i32;

@@ -68,6 +68,7 @@ impl Client {
             let version = (u64::from(self.id) << 32) | n;
             let len = rng.gen_range(64..=(256 << 10));
             let start = history.now();
+            history.begin(self.id, self.host, kind, &key, start);
             let outcome = match &self.door {
                 Door::Socket => match kind {
                     Kind::Store => outcome(store(h, &key, &entry(&key, version, len))),

@@ -11,12 +11,17 @@ use maru_fsd::ring::{Rings, UringMode};
 use crate::store::fsview::StoreFs;
 use crate::store::{Invalidation, Store};
 
+mod connection;
+
+pub use connection::end_predecessor;
+
 /// A live mount; unmounts on drop.
 pub struct Mounted {
     session: Option<fuser::BackgroundSession>,
     rings: Option<Rings>,
     store: Arc<Store>,
     dir: PathBuf,
+    state_dir: PathBuf,
 }
 
 impl Mounted {
@@ -34,6 +39,7 @@ impl Drop for Mounted {
         {
             tracing::warn!("unmounting {}: {e}", self.dir.display());
         }
+        connection::forget(&self.state_dir);
         // The unmount ended the connection, which ends the queue threads.
         if let Some(r) = self.rings.take() {
             r.join();
@@ -60,7 +66,7 @@ fn prepare_rings(fs: &FuseFs<StoreFs>, mode: UringMode) -> anyhow::Result<Option
 
 /// Detaches a dead FUSE mount (ENOTCONN) left at `dir` by a crashed daemon.
 pub fn clear_stale(dir: &Path) -> anyhow::Result<()> {
-    let Some(fstype) = crate::pool::mounted_fstype(dir) else {
+    let Some(fstype) = crate::pool::mount_entry(dir).map(|m| m.fstype) else {
         return Ok(());
     };
     if !fstype.starts_with("fuse") {
@@ -93,10 +99,12 @@ pub fn clear_stale(dir: &Path) -> anyhow::Result<()> {
 }
 
 /// Mounts the filesystem at `dir` with `threads` workers for `/dev/fuse`; `uring` says
-/// whether requests should rather come over io_uring, one queue per CPU.
+/// whether requests should rather come over io_uring, one queue per CPU. The connection is
+/// recorded in `state_dir` for the next start ([`end_predecessor`]).
 pub fn mount(
     store: Arc<Store>,
     dir: &Path,
+    state_dir: &Path,
     threads: usize,
     uring: UringMode,
 ) -> anyhow::Result<Mounted> {
@@ -172,6 +180,7 @@ pub fn mount(
             let _ = tx.lock().send(inv);
         }
     })));
+    connection::record(state_dir, dir);
     tracing::info!(
         dir = %dir.display(),
         transport = if rings.is_some() { "io_uring" } else { "/dev/fuse" },
@@ -182,5 +191,6 @@ pub fn mount(
         rings,
         store,
         dir: dir.to_owned(),
+        state_dir: state_dir.to_owned(),
     })
 }
