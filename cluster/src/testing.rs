@@ -362,6 +362,14 @@ impl EtcdCluster {
         })
     }
 
+    /// The member that leads, by its own status (None when none answers as the leader).
+    pub fn leader_member(&self) -> Option<usize> {
+        (0..self.len()).find(|&i| {
+            self.leader(i)
+                .is_some_and(|s| s.leader != 0 && s.id == s.leader)
+        })
+    }
+
     pub fn len(&self) -> usize {
         self.members.len()
     }

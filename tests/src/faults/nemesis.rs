@@ -19,7 +19,7 @@ pub enum Kind {
     Pause,
     /// A host cut from the hub (etcd and the other hosts) for longer than the TTL.
     Partition,
-    /// `kill -9` of an etcd member (the leader as often as not), restarted after a moment.
+    /// `kill -9` of an etcd member (the leader one time in two), restarted after a moment.
     EtcdKill,
     /// A compaction of etcd's keyspace at its current revision.
     Compact,
@@ -147,11 +147,18 @@ pub fn run(env: &Env, history: &Arc<History>, kinds: &[Kind], seed: u64, until: 
             }
             Kind::EtcdKill => {
                 let mut e = env.etcd.lock().expect("etcd");
-                let m = rng.gen_range(0..e.len());
+                // The leader one time in two (when one leads), another member otherwise.
+                let any = rng.gen_range(0..e.len());
+                let leader = if rng.gen_bool(0.5) {
+                    e.leader_member()
+                } else {
+                    None
+                };
+                let m = leader.unwrap_or(any);
                 e.kill(m);
                 std::thread::sleep(ms(&mut rng, 200, 3000));
                 e.restart(m);
-                format!("m{m}")
+                format!("m{m}{}", if leader.is_some() { " (leader)" } else { "" })
             }
             Kind::Compact => {
                 let rev = env.etcd.lock().expect("etcd").compact();
