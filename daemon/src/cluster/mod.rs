@@ -622,7 +622,7 @@ impl Authority for EtcdAuthority {
             // Freed once every other live host acknowledged the removal and none holds it
             // (`settle`, or in the background, which looks at once: with no other live host
             // that is all it takes).
-            self.held.lock().insert(at.offset, revision);
+            self.held.lock().insert(at.offset(), revision);
             self.acks_seen.send_modify(|n| *n += 1);
         }
         Ok(own)
@@ -686,7 +686,7 @@ impl Authority for EtcdAuthority {
             return;
         }
         let tag = self.next_tag.fetch_add(1, Ordering::Relaxed);
-        if self.readers.lock().hold(created, at.offset, at.size, tag) {
+        if self.readers.lock().hold(created, at.offset(), at.size, tag) {
             self.ack_kick.notify_one();
         }
     }

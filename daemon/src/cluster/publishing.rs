@@ -38,7 +38,7 @@ impl EtcdAuthority {
                 ns: name.0,
                 key: name.1,
                 record: EntryRecord {
-                    offset: p.at.offset,
+                    offset: p.at.offset(),
                     len: p.at.size,
                     node: self.node.clone(),
                     alloc: p.id,
@@ -70,7 +70,7 @@ impl EtcdAuthority {
                 tracing::debug!(
                     ns = p.ns,
                     key = p.key,
-                    offset = p.at.offset,
+                    offset = p.at.offset(),
                     len = p.at.size,
                     revision,
                     "published"
@@ -83,7 +83,7 @@ impl EtcdAuthority {
             // a publication of this host's (a removal elsewhere frees its extent here, and a
             // read of every entry after a rejoin finds it gone if it went meanwhile).
             Ok(Published::Exists { record, created })
-                if record.node == self.node && record.offset == p.at.offset =>
+                if record.node == self.node && record.offset == p.at.offset() =>
             {
                 self.published.lock().insert(name, entry_at(created, p));
                 return Ok(());
@@ -127,7 +127,7 @@ impl EtcdAuthority {
     /// without knowing would free an extent that the other hosts may serve as the entry's.
     fn resolve(&self, p: &Publishing<'_>) -> Option<Option<i64>> {
         let rec = EntryRecord {
-            offset: p.at.offset,
+            offset: p.at.offset(),
             len: p.at.size,
             node: self.node.clone(),
             alloc: p.id,
@@ -222,7 +222,7 @@ impl EtcdAuthority {
                     key: name.1,
                     entry: created.map(|created| EntryAt {
                         created,
-                        offset: p.at.offset,
+                        offset: p.at.offset(),
                         len: p.at.size,
                     }),
                 });
@@ -250,7 +250,7 @@ impl EtcdAuthority {
 fn entry_at(revision: i64, p: &Publishing<'_>) -> EntryAt {
     EntryAt {
         created: revision,
-        offset: p.at.offset,
+        offset: p.at.offset(),
         len: p.at.size,
     }
 }

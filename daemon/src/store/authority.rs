@@ -13,6 +13,7 @@ use maru::{Error, Result};
 use parking_lot::Mutex;
 
 use super::hashmap::HashMap;
+use super::ids::Place;
 
 /// A name's state at the authority.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -24,12 +25,21 @@ pub enum Claim {
 }
 
 /// Where a published entry's bytes are: its raw pool's UUID (None for a memfs pool, whose
-/// entries no other host can see), the offset and the size.
+/// entries no other host can see), the place in that pool and the size.
 #[derive(Debug, Clone, Copy)]
 pub struct Placed<'a> {
     pub pool: Option<&'a str>,
-    pub offset: u64,
+    pub place: Place,
     pub size: u64,
+}
+
+impl Placed<'_> {
+    /// The raw offset, in the pool other hosts share: only raw pools are shared, and an entry
+    /// of any other pool (`pool` None) is this host's alone, never published to the others.
+    pub fn offset(&self) -> u64 {
+        debug_assert!(self.pool.is_none() || self.place.extent().is_some());
+        self.place.extent().unwrap_or(0)
+    }
 }
 
 /// One publication of [`Authority::publish_many`]: `ns/key` as entry `id`, placed at `at`.
@@ -341,7 +351,7 @@ mod tests {
         assert!(matches!(a.reserve("ns", "k", 8), Err(Error::Exists(_))));
         let at = Placed {
             pool: None,
-            offset: 0,
+            place: Place::NOWHERE,
             size: 1,
         };
         assert!(matches!(

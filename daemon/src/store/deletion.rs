@@ -19,6 +19,7 @@ use parking_lot::MutexGuard;
 use super::authority::{Placed, Publishing, Withdrawn};
 use super::entries::Entry;
 use super::entries::Removal;
+use super::ids::Place;
 use super::policy::Access;
 use super::state::State;
 use super::{Invalidation, Store};
@@ -28,9 +29,9 @@ pub(super) struct Found {
     ino: u64,
     ns: String,
     key: String,
-    /// The raw pool's UUID (None: a memfs pool's entry) and the offset.
+    /// The raw pool's UUID (None: a memfs pool's entry) and where the entry is in it.
     pool: Option<String>,
-    offset: u64,
+    place: Place,
     size: u64,
 }
 
@@ -51,7 +52,7 @@ impl Found {
             ns: e.ns().to_owned(),
             key: e.key().to_owned(),
             pool: at.pool.map(str::to_owned),
-            offset: at.offset,
+            place: at.place,
             size: at.size,
         }
     }
@@ -59,7 +60,7 @@ impl Found {
     fn placed(&self) -> Placed<'_> {
         Placed {
             pool: self.pool.as_deref(),
-            offset: self.offset,
+            place: self.place,
             size: self.size,
         }
     }

@@ -48,9 +48,10 @@ pub struct Publish<'a> {
 /// A publication between its steps: checked, its name reserved here, its bytes placed.
 struct Placing {
     size: u64,
-    /// The raw pool's UUID (None for a memfs pool) and the offset.
+    /// The raw pool's UUID (None for a memfs pool) and the entry's place in it (an extent of
+    /// a raw pool; nowhere yet for a memfs pool, which places it when it publishes).
     pool: Option<String>,
-    offset: u64,
+    place: Place,
     /// A pool without hardware coherence across hosts: the writer's lines to write back
     /// before the publication is asked for.
     write_back: Option<Arc<WriteBack>>,
@@ -60,8 +61,8 @@ impl Placing {
     /// Writes the entry's lines back to the device, where the pool needs it: before any
     /// other host can learn of the entry.
     fn write_back(&self) {
-        if let Some(w) = &self.write_back {
-            w.flush(self.offset, self.size);
+        if let (Some(w), Some(offset)) = (&self.write_back, self.place.extent()) {
+            w.flush(offset, self.size);
         }
     }
 }
@@ -102,7 +103,7 @@ impl Store {
                     id: p.id,
                     at: Placed {
                         pool: r.pool.as_deref(),
-                        offset: r.offset,
+                        place: r.place,
                         size: r.size,
                     },
                 })
@@ -244,7 +245,7 @@ impl Store {
         Ok(Placing {
             size,
             pool: pool.uuid().map(str::to_owned),
-            offset: a.backing.offset().unwrap_or(0),
+            place: a.backing.offset().map_or(Place::NOWHERE, Place::Extent),
             write_back: pool.write_back(),
         })
     }
@@ -453,7 +454,7 @@ impl Store {
             )));
         }
         let (from_ns, from_key) = (e.ns().to_owned(), e.key().to_owned());
-        let (pool, offset, size) = (at.pool.map(str::to_owned), at.offset, at.size);
+        let (pool, place, size) = (at.pool.map(str::to_owned), at.place, at.size);
         self.authority.reserve(ns, key, ino)?;
         st.entries
             .get_mut(&ino)
@@ -462,7 +463,7 @@ impl Store {
         self.authority.withdrawing(&from_ns, &from_key);
         let placed = Placed {
             pool: pool.as_deref(),
-            offset,
+            place,
             size,
         };
         let granted = MutexGuard::unlocked(st, || {
@@ -508,7 +509,7 @@ impl Store {
         let placing = self.place_bytes(st, id, size)?;
         let at = Placed {
             pool: placing.pool.as_deref(),
-            offset: placing.offset,
+            place: placing.place,
             size,
         };
         if self.authority.shared() && at.pool.is_some() {

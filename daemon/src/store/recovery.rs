@@ -130,7 +130,7 @@ fn recover_pool(st: &mut State, p: usize, authority: &dyn Authority) -> anyhow::
         let ino = st.alloc_ino();
         let at = Placed {
             pool: st.pools[p].pool.uuid(),
-            offset: f.place.wire(),
+            place: f.place,
             size: f.size,
         };
         if let Err(e) = authority.publish(&f.ns, &f.key, ino, &at) {

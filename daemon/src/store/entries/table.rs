@@ -57,7 +57,7 @@ impl State {
     pub fn placed<'a>(&'a self, e: &Entry) -> Placed<'a> {
         Placed {
             pool: self.pools[e.pool].pool.uuid(),
-            offset: e.place.wire(),
+            place: e.place,
             size: e.size,
         }
     }
@@ -81,7 +81,7 @@ impl State {
         let held = match how {
             Removal::Elsewhere => {
                 auth.forget(&e.ns, &e.key);
-                at.pool.is_some_and(|p| auth.held_elsewhere(p, at.offset))
+                at.pool.is_some_and(|p| auth.held_elsewhere(p, at.offset()))
             }
             Removal::Withdrawn { w, .. } => auth.unpublish(&e.ns, &e.key, e.ino, &at, Some(w))?,
             Removal::Deleted | Removal::Evicted => {
@@ -125,13 +125,14 @@ impl State {
         let parent = self.ns.get(&e.ns).map_or(0, |n| n.ino);
         if let Some(created) = e.remote {
             // Another host's entry: in a raw pool, an extent.
-            let offset = e.place.wire();
-            ps.pool.drop_remote(offset, e.asize);
+            if let Some(offset) = e.place.extent() {
+                ps.pool.drop_remote(offset, e.asize);
+            }
             if e.leases > 0 {
                 // Clients here map it: its publisher must keep the extent until they let go.
                 let at = Placed {
                     pool: ps.pool.uuid(),
-                    offset,
+                    place: e.place,
                     size: e.size,
                 };
                 auth.hold(created, &at);
@@ -237,7 +238,7 @@ impl State {
         let pool = &self.pools[z.pool].pool;
         if pool
             .uuid()
-            .is_some_and(|p| auth.held_elsewhere(p, z.place.wire()))
+            .is_some_and(|p| z.place.extent().is_some_and(|o| auth.held_elsewhere(p, o)))
         {
             return;
         }
