@@ -19,6 +19,7 @@ pub mod client;
 pub mod daemon_config;
 pub mod error;
 pub mod format;
+pub mod fuse_record;
 pub mod host;
 pub mod index;
 pub mod key;

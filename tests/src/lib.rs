@@ -484,11 +484,12 @@ impl Drop for Daemon {
             }
         }
         let t = Instant::now();
-        if self.dying.is_some() && self.child.is_none() {
-            // Only a successor ends a daemon stuck in its exit: start one to stop it.
-            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.spawn()));
-        }
         self.stop();
+        if self.dying.is_some() {
+            // Only a successor ends a daemon stuck in its exit: start one, and stop it.
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.spawn()));
+            self.stop();
+        }
         // Kept for a post-mortem (the faults harness's runs, by hand).
         if let Some(keep) = std::env::var_os("MARU_TEST_KEEP_LOGS") {
             let name = self.dir.file_name().unwrap_or_default().to_string_lossy();

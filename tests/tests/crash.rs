@@ -411,6 +411,27 @@ fn a_marud_stuck_in_its_exit_is_ended_by_its_successor() {
         d.dying().is_some(),
         "marud exited though a thread of it waited for the directory"
     );
+    // maructl doctor says what happened and what to do.
+    let cfg = d.dir.join("marud.toml");
+    let mount = d.mount.clone().expect("mounted");
+    let text = format!(
+        "state_dir = \"{}\"\nsocket = \"{}\"\nmount = \"{}\"\n",
+        d.dir.join("state").display(),
+        d.socket.display(),
+        mount.display()
+    );
+    std::fs::write(&cfg, text).unwrap();
+    let out = std::process::Command::new(bin("maructl"))
+        .args(["doctor", "--config"])
+        .arg(&cfg)
+        .env_remove("MARU_SOCKET")
+        .output()
+        .unwrap();
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        report.contains("stuck in its exit") && report.contains("/abort"),
+        "doctor did not see the stuck marud:\n{report}"
+    );
     // The successor aborts the stuck connection: the client's create fails, the killed marud
     // exits (`restart` checks it within 10 s), and the new one serves the same store.
     d.restart();

@@ -79,14 +79,16 @@ pub(super) fn marud(t: &Target) -> (Check, bool) {
                 true,
             );
         }
-        None => Check::fail(
-            NAME,
-            format!(
-                "marud at {shown} does not answer within {}s",
-                (LIMIT * 2).as_secs()
-            ),
-            "systemctl restart marud (journalctl -u marud says why it hung)",
-        ),
+        None => stuck(t).unwrap_or_else(|| {
+            Check::fail(
+                NAME,
+                format!(
+                    "marud at {shown} does not answer within {}s",
+                    (LIMIT * 2).as_secs()
+                ),
+                "systemctl restart marud (journalctl -u marud says why it hung)",
+            )
+        }),
         Some(Err(maru::Error::Io(e))) => match e.kind() {
             ErrorKind::NotFound => {
                 Check::fail(NAME, format!("no marud: nothing at {shown}"), START)
@@ -115,6 +117,29 @@ pub(super) fn marud(t: &Target) -> (Check, bool) {
         ),
     };
     (check, false)
+}
+
+/// A marud that was killed and cannot finish dying (doc/OPERATIONS.md, "A marud that cannot
+/// finish dying"), as the state directory's record of the mount's connection shows it: its
+/// socket accepts and its mount takes requests, and nothing answers.
+fn stuck(t: &Target) -> Option<Check> {
+    use maru::fuse_record::{Record, Server};
+    let r = Record::read(&t.state_dir)?.ok()?;
+    (r.server() == Server::Dying).then(|| {
+        Check::fail(
+            "marud",
+            format!(
+                "marud (pid {}) was killed and is stuck in its exit, its mount's FUSE connection \
+                 {} open: requests to the mount wait for it",
+                r.pid, r.conn
+            ),
+            format!(
+                "systemctl restart marud (the next marud aborts the connection), or \
+                 echo 1 > /sys/fs/fuse/connections/{}/abort",
+                r.conn
+            ),
+        )
+    })
 }
 
 /// The type and source of the topmost mount on `dir` in a `/proc/self/mountinfo` text.
@@ -155,10 +180,18 @@ pub(super) fn mount(t: &Target, daemon_up: bool) -> Check {
                 format!("umount -l {shown}; systemctl restart marud"),
             ),
             Some(Err(e)) => Check::fail(NAME, format!("{shown}: {e}"), "systemctl restart marud"),
-            None => Check::fail(
-                NAME,
-                format!("{shown} does not answer within {}s", LIMIT.as_secs()),
-                "systemctl restart marud (journalctl -u marud says why it hung)",
+            None => stuck(t).map_or_else(
+                || {
+                    Check::fail(
+                        NAME,
+                        format!("{shown} does not answer within {}s", LIMIT.as_secs()),
+                        "systemctl restart marud (journalctl -u marud says why it hung)",
+                    )
+                },
+                |c| Check {
+                    name: NAME.into(),
+                    ..c
+                },
             ),
         },
         Some((fstype, source)) => Check::warn(
