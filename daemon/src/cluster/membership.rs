@@ -51,13 +51,19 @@ async fn keep_membership(me: std::sync::Weak<EtcdAuthority>) {
             match m.claim_again(off, len).await {
                 Ok(true) => {}
                 Ok(false) => {
-                    tracing::error!(
-                        off,
-                        len,
-                        "a region of this host was claimed by another while this one was cut off; \
-                         nothing more is placed there, and what was written there is not published"
-                    );
-                    a.lost.lock().insert(off);
+                    // Unless a claim of it on its way across the cut was refused meanwhile
+                    // and the region has left (under `lost`'s lock, as that claim leaves it).
+                    let mut lost = a.lost.lock();
+                    if a.local.regions(&a.pool).iter().any(|&(o, _)| o == off) {
+                        tracing::error!(
+                            off,
+                            len,
+                            "a region of this host was claimed by another while this one was cut \
+                             off; nothing more is placed there, and what was written there is \
+                             not published"
+                        );
+                        lost.insert(off);
+                    }
                 }
                 Err(e) => tracing::warn!(off, len, "claiming a region again: {e}"),
             }

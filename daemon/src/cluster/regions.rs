@@ -54,7 +54,15 @@ impl EtcdAuthority {
                 unavailable(e)
             }
         };
+        // The region leaves, and with it any mark that it was lost: a claim on its way across
+        // a cut (its region claimed here already) is found taken by the rejoin and marked
+        // lost; left marked once the region has gone, the mark would keep the region from
+        // etcd when this host next claims it and frees it (its release skipped as another's).
+        // Under `lost`'s lock: the rejoin marks a region only while it is claimed here.
+        let mut lost = self.lost.lock();
+        lost.remove(&offset);
         self.local.release_region(pool, offset);
+        drop(lost);
         Err(e)
     }
 
@@ -66,10 +74,15 @@ impl EtcdAuthority {
             return Ok(());
         }
         let m = self.member();
-        match self.run(async move { m.read().await.claim_again(offset, len).await }) {
+        let r = self.run(async move { m.read().await.claim_again(offset, len).await });
+        match r {
             Ok(true) => Ok(()),
             r => {
+                // As for a claim: the region leaves, and any mark that it was lost with it.
+                let mut lost = self.lost.lock();
+                lost.remove(&offset);
                 self.local.release_region(pool, offset);
+                drop(lost);
                 Err(match r {
                     Ok(_) => Error::Busy(format!(
                         "region {offset:#x}+{len:#x} is claimed by another host"
