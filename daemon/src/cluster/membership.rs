@@ -47,12 +47,24 @@ async fn keep_membership(me: std::sync::Weak<EtcdAuthority>) {
             }
             Ok(maru_cluster::Rejoined::Anew) => {}
         }
+        // A region claimed here when the rejoin began may leave meanwhile: a claim of it on
+        // its way across the cut, refused or failed, drops it (under `lost`'s lock, which this
+        // takes to look).
+        let held = |off: u64| {
+            let _lost = a.lost.lock();
+            a.local.regions(&a.pool).iter().any(|&(o, _)| o == off)
+        };
         for (off, len) in a.local.regions(&a.pool) {
             match m.claim_again(off, len).await {
+                Ok(true) if !held(off) => {
+                    // Gone from here while claimed again: given back, or etcd would keep it
+                    // for this host as long as it lives.
+                    if let Err(e) = m.release(off, len).await {
+                        tracing::warn!(off, len, "giving back a region claimed again: {e}");
+                    }
+                }
                 Ok(true) => {}
                 Ok(false) => {
-                    // Unless a claim of it on its way across the cut was refused meanwhile
-                    // and the region has left (under `lost`'s lock, as that claim leaves it).
                     let mut lost = a.lost.lock();
                     if a.local.regions(&a.pool).iter().any(|&(o, _)| o == off) {
                         tracing::error!(

@@ -37,20 +37,26 @@ impl EtcdAuthority {
             m.claim(offset, len).await
         });
         tracing::debug!(offset, len, ?r, "claim");
+        // Refused or failed, the region leaves this host, and is given back in etcd whatever
+        // the answer: a rejoin while the claim was on its way claims the regions held here
+        // again, this one included, for this host under its new lease (a release of a unit
+        // another host holds changes nothing). Left, such a claim would keep the region from
+        // every host for as long as this one lives (seed 5 of the CI's partitions).
         let e = match r {
             Ok(true) => return Ok(()),
-            Ok(false) => Error::Busy(format!(
-                "region {offset:#x}+{len:#x} is claimed by another host"
-            )),
+            Ok(false) => {
+                self.give_back(offset, len, false);
+                Error::Busy(format!(
+                    "region {offset:#x}+{len:#x} is claimed by another host"
+                ))
+            }
             Err(maru_cluster::Error::LeaseLost(_)) => {
+                self.give_back(offset, len, false);
                 unavailable("this host lost its lease; no region until it has rejoined")
             }
             Err(e) => {
-                // Unanswered, the claim may have landed: given back, or it would keep the
-                // region from every host for as long as this one lives.
-                if !e.never_sent() {
-                    self.give_back(offset, len, true);
-                }
+                // Unanswered, the claim itself may have landed, or land later: fenced first.
+                self.give_back(offset, len, !e.never_sent());
                 unavailable(e)
             }
         };
