@@ -60,16 +60,20 @@ impl EtcdAuthority {
                 unavailable(e)
             }
         };
-        // The region leaves, and with it any mark that it was lost: a claim on its way across
-        // a cut (its region claimed here already) is found taken by the rejoin and marked
-        // lost; left marked once the region has gone, the mark would keep the region from
-        // etcd when this host next claims it and frees it (its release skipped as another's).
-        // Under `lost`'s lock: the rejoin marks a region only while it is claimed here.
+        self.unclaim(pool, offset);
+        Err(e)
+    }
+
+    /// A claim of the region at `offset` did not hold: the region leaves this host, and with
+    /// it any mark that it was lost. (A claim on its way across a cut, its region claimed here
+    /// already, is found taken by the rejoin and marked lost; left marked once the region has
+    /// gone, the mark would keep the region from etcd when this host next claims it and frees
+    /// it, its release skipped as another's.) Under `lost`'s lock: the rejoin marks a region
+    /// only while it is claimed here.
+    fn unclaim(&self, pool: &str, offset: u64) {
         let mut lost = self.lost.lock();
         lost.remove(&offset);
         self.local.release_region(pool, offset);
-        drop(lost);
-        Err(e)
     }
 
     /// [`Authority::claim_again`](crate::store::authority::Authority::claim_again) on the
@@ -84,11 +88,7 @@ impl EtcdAuthority {
         match r {
             Ok(true) => Ok(()),
             r => {
-                // As for a claim: the region leaves, and any mark that it was lost with it.
-                let mut lost = self.lost.lock();
-                lost.remove(&offset);
-                self.local.release_region(pool, offset);
-                drop(lost);
+                self.unclaim(pool, offset);
                 Err(match r {
                     Ok(_) => Error::Busy(format!(
                         "region {offset:#x}+{len:#x} is claimed by another host"
