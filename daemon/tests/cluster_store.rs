@@ -193,3 +193,61 @@ fn a_new_entry_of_a_name_arriving_while_it_is_deleted_here_is_served_after() {
     assert_eq!(get(&h0, "k"), Some(vec![2u8; 3000]));
     h1.set_ask_gate(None);
 }
+
+/// Whether `store`'s index of `ns` names `key`: what clients read without asking marud, and
+/// serve themselves from a mapping they kept when the slot is the one they mapped.
+fn indexed(store: &Store, key: &str) -> bool {
+    let g = store.index_fd(&Caller::root(), "ns").expect("the index");
+    // SAFETY: a read-only shared mapping of the index's memfd, read through atomics only.
+    let map = unsafe { memmap2::Mmap::map(&g.table) }.expect("mapping the index");
+    // SAFETY: the mapping is page-aligned and lives while the table is read.
+    let t = unsafe { maru::index::Table::from_raw(map.as_ptr(), map.len()) }.expect("a table");
+    t.lookup(key.as_bytes()).is_some()
+}
+
+/// A removal of another host's entry that reaches this host while it is deleting the entry
+/// itself waits for that delete to settle; this host acknowledges it at once, so the entry's
+/// publisher may carve the extent again before the delete is done here. Meanwhile the entry
+/// is refused to new readers and out of the index (seed 906: a removal a rejoin found, held
+/// back for a delete in flight, was served from an extent carved again meanwhile).
+#[test]
+fn a_removal_held_back_for_a_delete_here_is_served_to_no_one_meanwhile() {
+    let Some((_etcd, _dir, h0, h1)) = two_hosts() else {
+        return;
+    };
+    put(&h0, "k", &[1u8; 5000]).expect("stored on h0");
+    eventually("h1 serves ns/k", || get(&h1, "k").is_some());
+    assert!(indexed(&h1, "k"));
+    let checked = Arc::new(AtomicBool::new(false));
+    let (done, me, there) = (checked.clone(), Arc::downgrade(&h1), h0.clone());
+    h1.set_ask_gate(Some(Box::new(move |at, ns, key| {
+        if (at, ns, key) != ("withdrawn", "ns", "k") || done.load(Ordering::SeqCst) {
+            return;
+        }
+        // h1's removal is in etcd; once h1 has filed a later entry of h0's, its applier has
+        // come to the removal too, and held it back.
+        put(&there, "marker", b"m").expect("marker");
+        let h1 = me.upgrade().expect("the host stopped");
+        eventually("h1 serves ns/marker", || get(&h1, "marker").is_some());
+        assert_eq!(get(&h1, "k"), None, "a new reader got the removed entry");
+        assert!(
+            !indexed(&h1, "k"),
+            "the index still names the removed entry"
+        );
+        done.store(true, Ordering::SeqCst);
+    })));
+    let deleted = h1
+        .delete(&Caller::root(), "ns", &["k".to_owned()])
+        .expect("delete");
+    assert!(deleted.iter().all(Result::is_ok), "{deleted:?}");
+    assert!(checked.load(Ordering::SeqCst), "the seam ran");
+    h1.set_ask_gate(None);
+    eventually("h0 drops ns/k", || get(&h0, "k").is_none());
+    assert_eq!(get(&h1, "k"), None);
+    // The name stored again: both serve it.
+    put(&h0, "k", &[2u8; 3000]).expect("stored again on h0");
+    eventually("h1 serves the new ns/k", || {
+        get(&h1, "k").is_some_and(|b| b == [2u8; 3000])
+    });
+    assert!(indexed(&h1, "k"));
+}

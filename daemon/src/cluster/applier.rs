@@ -93,7 +93,7 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
                         };
                         let Some(a) = me.upgrade() else { return };
                         if let Some((_, created, rec)) = &removal {
-                            a.on_removal(*created, rec);
+                            a.on_removal(*created, rec.offset, rec.len);
                         }
                         if tx.send(Change::Event(ev)).is_err() {
                             return;
@@ -393,16 +393,19 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
             // Removed while the watch was down (and maybe published again since, by any
             // host): other hosts' entries that are gone or not the ones listed, and this
             // host's own published before the read that are gone or not its own any more.
-            for (ns, key, created) in store.remote_names() {
-                let name = (ns, key);
-                if snap.get(&name).is_none_or(|(c, _)| *c != created) {
+            // Another host's is refused to new readers, and held if clients here map it, as
+            // a removal the watch brings is (`on_removal`), before the read is acknowledged.
+            for e in store.remote_entries() {
+                let name = (e.ns, e.key);
+                if snap.get(&name).is_none_or(|(c, _)| *c != e.created) {
                     tracing::debug!(
                         ns = name.0,
                         key = name.1,
-                        created,
+                        created = e.created,
                         "gone while the watch was down"
                     );
-                    removed(store, auth, &name.0, &name.1, revision, created);
+                    auth.on_removal(e.created, e.offset, e.size);
+                    removed(store, auth, &name.0, &name.1, revision, e.created);
                 }
             }
             let gone: Vec<(Name, i64)> = auth
@@ -427,6 +430,8 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
                     file(store, auth, ns, key, rec, *created);
                 }
             }
+            let served = store.remote_entries().into_iter().map(|e| e.created);
+            auth.refusals_only_for(&served.collect());
             auth.applied(revision);
             let _ = done.send(());
         }
@@ -448,7 +453,6 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
             ..
         }) => {
             removed(store, auth, &ns, &name, revision, created);
-            auth.removal_applied(created);
         }
         Change::Removed {
             ns,
@@ -536,7 +540,9 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
 /// Entry `ns/name` created at revision `created` was removed at `revision`: whichever
 /// entry of the name this host has goes if it is that one (this host's publication, or
 /// another host's entry it serves), not a newer one of the name. Held back while this host
-/// is changing the name.
+/// is changing the name; another host's entry leaves the index meanwhile, and stays refused
+/// to new readers until the removal applies (seed 906: held back after a rejoin, it was
+/// served from its extent, carved again while the host was cut off).
 fn removed(store: &Store, auth: &EtcdAuthority, ns: &str, name: &str, revision: i64, created: i64) {
     let mut change = Change::Removed {
         ns: ns.to_owned(),
@@ -547,7 +553,10 @@ fn removed(store: &Store, auth: &EtcdAuthority, ns: &str, name: &str, revision: 
     loop {
         match auth.changing.hold_back(ns, name, change) {
             Some(c) => change = c,
-            None => return,
+            None => {
+                store.unindex_removed(ns, name, created);
+                return;
+            }
         }
         // An entry of this host's that another host removed: its extent stays until every
         // live host acknowledged the removal and none holds it.
@@ -567,6 +576,7 @@ fn removed(store: &Store, auth: &EtcdAuthority, ns: &str, name: &str, revision: 
             None => Gone::Remote(created),
         };
         if store.forget_remote(ns, name, gone) {
+            auth.removal_applied(created);
             return;
         }
         // The store began withdrawing the name meanwhile: held back in turn.

@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
 use maru::{Error, Result};
-use maru_cluster::{EntryAt, EntryRecord, Member, NodeInfo, Published};
+use maru_cluster::{EntryAt, Member, NodeInfo, Published};
 use parking_lot::Mutex;
 use tokio::sync::RwLock;
 
@@ -255,24 +255,29 @@ impl EtcdAuthority {
         }
     }
 
-    /// A removal of entry `created` (`rec`) reached this host, from etcd's watch: new readers
-    /// here are refused it, and if clients here map it this host holds its extent. Both
+    /// A removal of entry `created` (its extent `[offset, offset + len)`) reached this host,
+    /// from etcd's watch or a read of every entry: new readers here are refused it until the
+    /// store has applied it, and if clients here map it this host holds its extent. Both
     /// before the removal is acknowledged, and before the store applies it (which may wait
-    /// for the store's lock: an acknowledgement never does).
-    fn on_removal(&self, created: i64, rec: &EntryRecord) {
+    /// for the store's lock, or for a change of the name here to settle: an acknowledgement
+    /// never does).
+    fn on_removal(&self, created: i64, offset: u64, len: u64) {
         let tag = self.next_tag.fetch_add(1, Ordering::Relaxed);
-        if self
-            .readers
-            .lock()
-            .removal(created, rec.offset, rec.len, tag)
-        {
+        if self.readers.lock().removal(created, offset, len, tag) {
             self.ack_kick.notify_one();
         }
     }
 
-    /// The store applied the removal of entry `created`.
+    /// The store applied the removal of entry `created` (it serves the entry no more).
     fn removal_applied(&self, created: i64) {
         self.readers.lock().removed.remove(&created);
+    }
+
+    /// Of the removals still refused to new readers, keeps those of entries the store still
+    /// has (`served`, by creation): a removal passed by for a later read of every entry, whose
+    /// entry went another way meanwhile, leaves no refusal behind.
+    fn refusals_only_for(&self, served: &HashSet<i64>) {
+        self.readers.lock().removed.retain(|c| served.contains(c));
     }
 
     /// Deletes hold `h`'s record in etcd, in the background, and again every half second while

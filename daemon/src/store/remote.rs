@@ -15,6 +15,18 @@ use super::state::{Invalidation, State};
 use crate::alloc::align_up;
 use crate::pool::ENTRY_ALIGN;
 
+/// Another host's entry this host serves ([`Store::remote_entries`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteEntry {
+    pub ns: String,
+    pub key: String,
+    /// The authority's revision that created it.
+    pub created: i64,
+    /// Its extent in the shared raw pool: offset and size.
+    pub offset: u64,
+    pub size: u64,
+}
+
 impl Store {
     /// Files `ns/key`, which another host published at `offset` (`size` bytes) of the raw
     /// pool whose device header says `pool_uuid`: this host serves it from then on (index,
@@ -166,14 +178,37 @@ impl Store {
         }
     }
 
-    /// The entries other hosts published that this host serves: name, and the etcd revision
-    /// that created each.
-    pub fn remote_names(&self) -> Vec<(String, String, i64)> {
+    /// The entries other hosts published that this host serves.
+    pub fn remote_entries(&self) -> Vec<RemoteEntry> {
         let st = self.st.lock();
         st.entries
             .values()
-            .filter_map(|e| Some((e.ns().to_owned(), e.key().to_owned(), e.remote()?)))
+            .filter_map(|e| {
+                Some(RemoteEntry {
+                    ns: e.ns().to_owned(),
+                    key: e.key().to_owned(),
+                    created: e.remote()?,
+                    offset: st.placed(e).offset(),
+                    size: e.size(),
+                })
+            })
             .collect()
+    }
+
+    /// Another host removed its entry `ns/key` (created at revision `created`), and the
+    /// removal waits here for a change of the name to settle: the entry leaves the index at
+    /// once, so that no client serves itself a mapping of it it kept (the extent may be
+    /// carved again already: removed while this host was cut off, the entry's publisher
+    /// waited for no acknowledgement of this host's). marud refuses it to new readers
+    /// meanwhile ([`Authority::use_remote`]); it goes for good once the removal applies.
+    pub fn unindex_removed(&self, ns: &str, key: &str, created: i64) {
+        let mut st = self.st.lock();
+        let Some(ino) = st.ns.get(ns).ok().and_then(|n| n.entries.get(key).copied()) else {
+            return;
+        };
+        if st.entries[&ino].remote() == Some(created) {
+            st.unindex(ino);
+        }
     }
 }
 

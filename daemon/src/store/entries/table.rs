@@ -53,6 +53,17 @@ impl State {
         Some(e)
     }
 
+    /// Takes entry `ino`'s slot out of its namespace's index, the entry staying (another
+    /// host's, whose removal waits here: `Store::unindex_removed`): clients find it there no
+    /// more, nor serve themselves a mapping of it they kept.
+    pub fn unindex(&mut self, ino: u64) {
+        if let Some(e) = self.entries.get(&ino) {
+            if let Ok(n) = self.ns.get_mut(&e.ns) {
+                n.index.remove(&e.key);
+            }
+        }
+    }
+
     /// Where sealed entry `e` is, as the authority knows it.
     pub fn placed<'a>(&'a self, e: &Entry) -> Placed<'a> {
         Placed {
