@@ -10,10 +10,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use maru_cluster::UNIT;
+use maru_cluster::etcd::Range;
 use maru_cluster::testing::Etcd;
 use maru_daemon::cluster::applier::start_applier;
 use maru_daemon::cluster::{ClusterSettings, EtcdAuthority};
 use maru_daemon::pool::PoolSpec;
+use maru_daemon::store::authority::Authority;
 use maru_daemon::store::{Eviction, Store, StoreConfig};
 use maru_fsd::Caller;
 
@@ -21,6 +24,16 @@ const POOL: u64 = 64 << 20;
 
 /// One host: its store, on the shared pool `pool` (its device UUID `uuid`).
 fn host(etcd: &Etcd, dir: &Path, node: &str, uuid: &str) -> Arc<Store> {
+    host_and_authority(etcd, dir, node, uuid).0
+}
+
+/// [`host`], and its authority.
+fn host_and_authority(
+    etcd: &Etcd,
+    dir: &Path,
+    node: &str,
+    uuid: &str,
+) -> (Arc<Store>, Arc<EtcdAuthority>) {
     let settings = ClusterSettings {
         endpoints: etcd.endpoints(),
         node: node.to_owned(),
@@ -36,7 +49,7 @@ fn host(etcd: &Etcd, dir: &Path, node: &str, uuid: &str) -> Arc<Store> {
     let spec =
         PoolSpec::parse(&format!("file:{}/cxl.img,size={POOL}", dir.display())).expect("pool spec");
     let store = Store::open_with(cfg, &[spec], auth.clone()).expect("opening the store");
-    start_applier(store.clone(), auth).expect("the applier");
+    start_applier(store.clone(), auth.clone()).expect("the applier");
     store
         .mkdir(&Caller::root(), "ns", 0o755)
         .or_else(|e| match e {
@@ -44,7 +57,7 @@ fn host(etcd: &Etcd, dir: &Path, node: &str, uuid: &str) -> Arc<Store> {
             e => Err(e),
         })
         .expect("mkdir ns");
-    store
+    (store, auth)
 }
 
 /// Stores `data` as `ns/key` through `store`'s socket verbs.
@@ -95,16 +108,21 @@ fn eventually(what: &str, mut f: impl FnMut() -> bool) {
     }
 }
 
+/// A fresh pool file in `dir`, its device header written; its UUID.
+fn pool_file(dir: &Path) -> String {
+    let f = std::fs::File::create(dir.join("cxl.img")).expect("pool file");
+    f.set_len(POOL).expect("pool size");
+    maru::format::init_header(&f)
+        .expect("device header")
+        .uuid_string()
+}
+
 /// A private etcd and a fresh pool file, with hosts `h0` and `h1` on them (the etcd and the
 /// directory live as long as the first two).
 fn two_hosts() -> Option<(Etcd, tempfile::TempDir, Arc<Store>, Arc<Store>)> {
     let etcd = Etcd::start()?;
     let dir = tempfile::tempdir().expect("tempdir");
-    let f = std::fs::File::create(dir.path().join("cxl.img")).expect("pool file");
-    f.set_len(POOL).expect("pool size");
-    let uuid = maru::format::init_header(&f)
-        .expect("device header")
-        .uuid_string();
+    let uuid = pool_file(dir.path());
     let h0 = host(&etcd, dir.path(), "h0", &uuid);
     let h1 = host(&etcd, dir.path(), "h1", &uuid);
     Some((etcd, dir, h0, h1))
@@ -250,4 +268,97 @@ fn a_removal_held_back_for_a_delete_here_is_served_to_no_one_meanwhile() {
         get(&h1, "k").is_some_and(|b| b == [2u8; 3000])
     });
     assert!(indexed(&h1, "k"));
+}
+
+/// A claim of a fresh region that reaches etcd after a rejoin — the host's lease gone while
+/// the region was already the store's, and claimed again for it by the rejoin under the new
+/// lease — comes back refused (taken: by this host). The region leaves the host, and its
+/// claim in etcd goes too (CI's seed 5 of the partitions: etcd kept the region for the host
+/// as long as it lived, and no host could carve it).
+#[test]
+fn a_claim_refused_after_a_rejoin_claimed_its_region_leaves_no_claim_in_etcd() {
+    let Some(etcd) = Etcd::start() else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let uuid = pool_file(dir.path());
+    let (h0, auth) = host_and_authority(&etcd, dir.path(), "h0", &uuid);
+    let rt = Arc::new(tokio::runtime::Runtime::new().expect("a runtime"));
+    let etcd_client = {
+        let _in = rt.enter();
+        maru_cluster::etcd::Client::connect(&etcd.endpoints(), Default::default())
+            .expect("an etcd client")
+    };
+    // The lease of h0's node record, and the holders of the claimed units (by offset).
+    let node_key = format!("/maru/{uuid}/nodes/h0");
+    let lease = {
+        let (c, key) = (etcd_client.clone(), node_key.clone());
+        move |rt: &tokio::runtime::Runtime| {
+            let r = rt
+                .block_on(c.get(key.clone(), Range::KEY))
+                .expect("the node record");
+            r.kvs.first().map(|kv| kv.lease)
+        }
+    };
+    let claims = {
+        let (c, prefix) = (etcd_client.clone(), format!("/maru/{uuid}/regions/"));
+        move |rt: &tokio::runtime::Runtime| -> Vec<(u64, String)> {
+            let r = rt
+                .block_on(c.get(prefix.clone(), Range::PREFIX))
+                .expect("the claims");
+            r.kvs
+                .iter()
+                .map(|kv| {
+                    let hex = String::from_utf8_lossy(&kv.key[prefix.len()..]).into_owned();
+                    let unit = u64::from_str_radix(&hex, 16).expect("a unit index");
+                    (unit * UNIT, String::from_utf8_lossy(&kv.value).into_owned())
+                })
+                .collect()
+        }
+    };
+    let gated = Arc::new(std::sync::Mutex::new(None));
+    let (seen, me, rt_g) = (gated.clone(), Arc::downgrade(&auth), rt.clone());
+    let (lease_g, claims_g) = (lease.clone(), claims.clone());
+    auth.set_claim_gate(Some(Box::new(move |offset| {
+        let mut seen = seen.lock().expect("lock");
+        if seen.is_some() {
+            return;
+        }
+        *seen = Some(offset);
+        // The lease goes (as when the host is cut off past its TTL), and the host rejoins:
+        // the region is the store's already, so the rejoin claims it again.
+        let rt = &rt_g;
+        let old = lease_g(rt).expect("h0 has a lease");
+        rt.block_on(etcd_client.lease_revoke(old))
+            .expect("revoking h0's lease");
+        eventually("h0 rejoins and claims its region again", || {
+            lease_g(rt).is_some_and(|l| l != old)
+                && claims_g(rt).contains(&(offset, "h0".to_owned()))
+                && me.upgrade().is_some_and(|a| !a.fenced())
+        });
+    })));
+    // The store's first allocation claims a region; the claim is refused, and the store
+    // places the entry in another region, or fails.
+    let stored = put(&h0, "k", &[1u8; 5000]);
+    auth.set_claim_gate(None);
+    let offset = gated.lock().expect("lock").expect("the seam ran");
+    assert!(
+        !auth.regions(&uuid).iter().any(|&(o, _)| o == offset),
+        "the refused region stays the store's"
+    );
+    eventually("etcd lets go of the refused region", || {
+        !claims(&rt).iter().any(|(o, _)| *o == offset)
+    });
+    // Nothing else is lost: what the store holds is what etcd says it holds.
+    if stored.is_ok() {
+        h0.delete(&Caller::root(), "ns", &["k".to_owned()])
+            .expect("delete");
+    }
+    eventually("etcd's claims are the store's", || {
+        let mut here: Vec<u64> = auth.regions(&uuid).iter().map(|&(o, _)| o).collect();
+        let mut there: Vec<u64> = claims(&rt).into_iter().map(|(o, _)| o).collect();
+        here.sort_unstable();
+        there.sort_unstable();
+        here == there
+    });
 }

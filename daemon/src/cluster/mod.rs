@@ -137,6 +137,9 @@ pub struct EtcdAuthority {
     /// Regions given back here whose claims etcd has not deleted yet (offset -> length):
     /// tried in the background until it does; a claim over one of them finishes it first.
     releasing: Arc<tokio::sync::Mutex<HashMap<u64, Release>>>,
+    /// The seam before a claim of a fresh region goes to etcd (tests; feature `seams`).
+    #[cfg(feature = "seams")]
+    claim_gate: parking_lot::RwLock<Option<regions::ClaimGate>>,
 }
 
 impl EtcdAuthority {
@@ -219,6 +222,8 @@ impl EtcdAuthority {
             caught_up: AtomicU64::new(0),
             rejoining: AtomicBool::new(false),
             releasing: Arc::default(),
+            #[cfg(feature = "seams")]
+            claim_gate: Default::default(),
         });
         me.start_membership();
         me.rt.spawn(acknowledge(Arc::downgrade(&me)));

@@ -8,6 +8,11 @@ use maru::{Error, Result};
 use super::{EtcdAuthority, Release, unavailable};
 use crate::store::authority::Authority;
 
+/// The seam before a claim of a fresh region goes to etcd: called with the region's offset
+/// (tests; feature `seams`).
+#[cfg(feature = "seams")]
+pub type ClaimGate = Box<dyn Fn(u64) + Send + Sync>;
+
 impl EtcdAuthority {
     /// [`Authority::claim_region`](crate::store::authority::Authority::claim_region) on the
     /// shared pool: claimed in etcd (after the releases of this host's pending over it).
@@ -16,6 +21,7 @@ impl EtcdAuthority {
         if pool != self.pool {
             return Ok(());
         }
+        self.claim_gate(offset);
         let (m, releasing) = (self.member(), self.releasing.clone());
         let r = self.run(async move {
             let mut releasing = releasing.lock().await;
@@ -75,6 +81,25 @@ impl EtcdAuthority {
         lost.remove(&offset);
         self.local.release_region(pool, offset);
     }
+
+    /// Installs the seam run before a claim of a fresh region (its offset) goes to etcd, the
+    /// region already this host's here (tests).
+    #[cfg(feature = "seams")]
+    pub fn set_claim_gate(&self, gate: Option<ClaimGate>) {
+        *self.claim_gate.write() = gate;
+    }
+
+    /// Passes a claim of the region at `offset` through the seam (tests).
+    #[cfg(feature = "seams")]
+    fn claim_gate(&self, offset: u64) {
+        if let Some(g) = self.claim_gate.read().as_ref() {
+            g(offset);
+        }
+    }
+
+    /// No seam: built with feature `seams` only.
+    #[cfg(not(feature = "seams"))]
+    fn claim_gate(&self, _offset: u64) {}
 
     /// [`Authority::claim_again`](crate::store::authority::Authority::claim_again) on the
     /// shared pool.

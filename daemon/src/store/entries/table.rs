@@ -57,10 +57,10 @@ impl State {
     /// host's, whose removal waits here: `Store::unindex_removed`): clients find it there no
     /// more, nor serve themselves a mapping of it they kept.
     pub fn unindex(&mut self, ino: u64) {
-        if let Some(e) = self.entries.get(&ino) {
-            if let Ok(n) = self.ns.get_mut(&e.ns) {
-                n.index.remove(&e.key);
-            }
+        if let Some(e) = self.entries.get(&ino)
+            && let Ok(n) = self.ns.get_mut(&e.ns)
+        {
+            n.index.remove(&e.key);
         }
     }
 
