@@ -270,6 +270,111 @@ fn a_removal_held_back_for_a_delete_here_is_served_to_no_one_meanwhile() {
     assert!(indexed(&h1, "k"));
 }
 
+/// What a test reads and writes in etcd directly: a host's lease, the regions' claims.
+struct EtcdView {
+    rt: tokio::runtime::Runtime,
+    client: maru_cluster::etcd::Client,
+    root: String,
+}
+
+impl EtcdView {
+    fn new(etcd: &Etcd, uuid: &str) -> EtcdView {
+        let rt = tokio::runtime::Runtime::new().expect("a runtime");
+        let client = {
+            let _in = rt.enter();
+            maru_cluster::etcd::Client::connect(&etcd.endpoints(), Default::default())
+                .expect("an etcd client")
+        };
+        EtcdView {
+            rt,
+            client,
+            root: format!("/maru/{uuid}/"),
+        }
+    }
+
+    /// The lease of `node`'s record, if it has one.
+    fn lease(&self, node: &str) -> Option<i64> {
+        let key = format!("{}nodes/{node}", self.root);
+        let r = self.rt.block_on(self.client.get(key, Range::KEY));
+        r.expect("the node record").kvs.first().map(|kv| kv.lease)
+    }
+
+    /// Revokes `lease` (as etcd does once a host cut off outlives its TTL).
+    fn revoke(&self, lease: i64) {
+        let r = self.rt.block_on(self.client.lease_revoke(lease));
+        r.expect("revoking a lease");
+    }
+
+    /// The claimed regions: offset of each unit, and its holder.
+    fn claims(&self) -> Vec<(u64, String)> {
+        let prefix = format!("{}regions/", self.root);
+        let r = self
+            .rt
+            .block_on(self.client.get(prefix.clone(), Range::PREFIX));
+        r.expect("the claims")
+            .kvs
+            .iter()
+            .map(|kv| {
+                let hex = String::from_utf8_lossy(&kv.key[prefix.len()..]).into_owned();
+                let unit = u64::from_str_radix(&hex, 16).expect("a unit index");
+                (unit * UNIT, String::from_utf8_lossy(&kv.value).into_owned())
+            })
+            .collect()
+    }
+
+    /// Claims the unit at `offset` for `node` behind the hosts' backs (or takes the claim
+    /// back): another host's claim, made while this one was cut off.
+    fn set_claim(&self, offset: u64, node: Option<&str>) {
+        let key = format!("{}regions/{:016x}", self.root, offset / UNIT);
+        let r = match node {
+            Some(n) => self.rt.block_on(self.client.put(key, n, 0)).map(drop),
+            None => self.rt.block_on(self.client.delete(key)).map(drop),
+        };
+        r.expect("writing a claim");
+    }
+
+    /// Revokes `node`'s lease, and waits until it has rejoined, claimed `offset` again (for
+    /// itself, or found it taken) and read every entry afresh (`auth` is no longer fenced).
+    fn cut_and_rejoin(&self, node: &str, auth: &EtcdAuthority, offset: u64, holder: &str) {
+        let old = self.lease(node).expect("the host has a lease");
+        self.revoke(old);
+        eventually("the host rejoins", || {
+            self.lease(node).is_some_and(|l| l != old)
+                && self.claims().contains(&(offset, holder.to_owned()))
+                && !auth.fenced()
+        });
+    }
+
+    /// Waits until etcd's claims are exactly the regions `auth`'s store holds.
+    fn claims_match(&self, auth: &EtcdAuthority, pool: &str) {
+        eventually("etcd's claims are the store's regions", || {
+            let mut here: Vec<u64> = auth.regions(pool).iter().map(|&(o, _)| o).collect();
+            let mut there: Vec<u64> = self.claims().into_iter().map(|(o, _)| o).collect();
+            here.sort_unstable();
+            there.sort_unstable();
+            here == there
+        });
+    }
+}
+
+/// Installs on `auth` a seam that runs `f` once, before the first claim of a fresh region
+/// goes to etcd; the region's offset, once it ran.
+fn before_first_claim(
+    auth: &EtcdAuthority,
+    f: impl Fn(u64) + Send + Sync + 'static,
+) -> Arc<std::sync::Mutex<Option<u64>>> {
+    let gated = Arc::new(std::sync::Mutex::new(None));
+    let seen = gated.clone();
+    auth.set_claim_gate(Some(Box::new(move |offset| {
+        let mut seen = seen.lock().expect("lock");
+        if seen.is_none() {
+            *seen = Some(offset);
+            f(offset);
+        }
+    })));
+    gated
+}
+
 /// A claim of a fresh region that reaches etcd after a rejoin — the host's lease gone while
 /// the region was already the store's, and claimed again for it by the rejoin under the new
 /// lease — comes back refused (taken: by this host). The region leaves the host, and its
@@ -283,60 +388,12 @@ fn a_claim_refused_after_a_rejoin_claimed_its_region_leaves_no_claim_in_etcd() {
     let dir = tempfile::tempdir().expect("tempdir");
     let uuid = pool_file(dir.path());
     let (h0, auth) = host_and_authority(&etcd, dir.path(), "h0", &uuid);
-    let rt = Arc::new(tokio::runtime::Runtime::new().expect("a runtime"));
-    let etcd_client = {
-        let _in = rt.enter();
-        maru_cluster::etcd::Client::connect(&etcd.endpoints(), Default::default())
-            .expect("an etcd client")
-    };
-    // The lease of h0's node record, and the holders of the claimed units (by offset).
-    let node_key = format!("/maru/{uuid}/nodes/h0");
-    let lease = {
-        let (c, key) = (etcd_client.clone(), node_key.clone());
-        move |rt: &tokio::runtime::Runtime| {
-            let r = rt
-                .block_on(c.get(key.clone(), Range::KEY))
-                .expect("the node record");
-            r.kvs.first().map(|kv| kv.lease)
-        }
-    };
-    let claims = {
-        let (c, prefix) = (etcd_client.clone(), format!("/maru/{uuid}/regions/"));
-        move |rt: &tokio::runtime::Runtime| -> Vec<(u64, String)> {
-            let r = rt
-                .block_on(c.get(prefix.clone(), Range::PREFIX))
-                .expect("the claims");
-            r.kvs
-                .iter()
-                .map(|kv| {
-                    let hex = String::from_utf8_lossy(&kv.key[prefix.len()..]).into_owned();
-                    let unit = u64::from_str_radix(&hex, 16).expect("a unit index");
-                    (unit * UNIT, String::from_utf8_lossy(&kv.value).into_owned())
-                })
-                .collect()
-        }
-    };
-    let gated = Arc::new(std::sync::Mutex::new(None));
-    let (seen, me, rt_g) = (gated.clone(), Arc::downgrade(&auth), rt.clone());
-    let (lease_g, claims_g) = (lease.clone(), claims.clone());
-    auth.set_claim_gate(Some(Box::new(move |offset| {
-        let mut seen = seen.lock().expect("lock");
-        if seen.is_some() {
-            return;
-        }
-        *seen = Some(offset);
-        // The lease goes (as when the host is cut off past its TTL), and the host rejoins:
-        // the region is the store's already, so the rejoin claims it again.
-        let rt = &rt_g;
-        let old = lease_g(rt).expect("h0 has a lease");
-        rt.block_on(etcd_client.lease_revoke(old))
-            .expect("revoking h0's lease");
-        eventually("h0 rejoins and claims its region again", || {
-            lease_g(rt).is_some_and(|l| l != old)
-                && claims_g(rt).contains(&(offset, "h0".to_owned()))
-                && me.upgrade().is_some_and(|a| !a.fenced())
-        });
-    })));
+    let view = Arc::new(EtcdView::new(&etcd, &uuid));
+    let (v, a) = (view.clone(), Arc::downgrade(&auth));
+    let gated = before_first_claim(&auth, move |offset| {
+        let a = a.upgrade().expect("the host");
+        v.cut_and_rejoin("h0", &a, offset, "h0");
+    });
     // The store's first allocation claims a region; the claim is refused, and the store
     // places the entry in another region, or fails.
     let stored = put(&h0, "k", &[1u8; 5000]);
@@ -347,18 +404,57 @@ fn a_claim_refused_after_a_rejoin_claimed_its_region_leaves_no_claim_in_etcd() {
         "the refused region stays the store's"
     );
     eventually("etcd lets go of the refused region", || {
-        !claims(&rt).iter().any(|(o, _)| *o == offset)
+        !view.claims().iter().any(|(o, _)| *o == offset)
     });
     // Nothing else is lost: what the store holds is what etcd says it holds.
     if stored.is_ok() {
         h0.delete(&Caller::root(), "ns", &["k".to_owned()])
             .expect("delete");
     }
-    eventually("etcd's claims are the store's", || {
-        let mut here: Vec<u64> = auth.regions(&uuid).iter().map(|&(o, _)| o).collect();
-        let mut there: Vec<u64> = claims(&rt).into_iter().map(|(o, _)| o).collect();
-        here.sort_unstable();
-        there.sort_unstable();
-        here == there
+    view.claims_match(&auth, &uuid);
+}
+
+/// A claim of a fresh region on its way across a rejoin that found the region taken by
+/// another host (so it marked it lost: nothing more is placed there) comes back refused: the
+/// region leaves with its mark. Claimed afresh later, used and emptied, it is given back to
+/// etcd (seed 901: the mark stayed, the release was skipped as another host's, and etcd kept
+/// the region for this host as long as it lived).
+#[test]
+fn a_region_marked_lost_by_a_rejoin_and_refused_is_given_back_when_claimed_again() {
+    let Some(etcd) = Etcd::start() else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let uuid = pool_file(dir.path());
+    let (h0, auth) = host_and_authority(&etcd, dir.path(), "h0", &uuid);
+    let view = Arc::new(EtcdView::new(&etcd, &uuid));
+    let (v, a) = (view.clone(), Arc::downgrade(&auth));
+    let gated = before_first_claim(&auth, move |offset| {
+        // Another host claims the region while h0 is cut off.
+        v.set_claim(offset, Some("h9"));
+        let a = a.upgrade().expect("the host");
+        v.cut_and_rejoin("h0", &a, offset, "h9");
     });
+    let _ = put(&h0, "k", &[1u8; 5000]);
+    auth.set_claim_gate(None);
+    let offset = gated.lock().expect("lock").expect("the seam ran");
+    assert!(!auth.regions(&uuid).iter().any(|&(o, _)| o == offset));
+    // The other host lets go of it; h0 fills the pool until it claims the region afresh.
+    view.set_claim(offset, None);
+    let mut names = vec!["k".to_owned()];
+    for i in 0.. {
+        if auth.regions(&uuid).iter().any(|&(o, _)| o == offset) {
+            break;
+        }
+        assert!(i < 64, "h0 never claimed the region again");
+        let name = format!("f{i}");
+        put(&h0, &name, &vec![2u8; 1 << 20]).expect("a store");
+        names.push(name);
+    }
+    // Emptied, every region goes back: etcd holds none of them for h0.
+    let _ = h0.delete(&Caller::root(), "ns", &names).expect("delete");
+    eventually("h0 gives every region back", || {
+        auth.regions(&uuid).is_empty()
+    });
+    view.claims_match(&auth, &uuid);
 }
