@@ -65,6 +65,8 @@ pub struct WriteBack {
     map: memmap2::Mmap,
     /// Bytes written back so far.
     flushed: std::sync::atomic::AtomicU64,
+    /// Bytes readers invalidated so far.
+    invalidated: std::sync::atomic::AtomicU64,
 }
 
 impl WriteBack {
@@ -72,21 +74,32 @@ impl WriteBack {
         Self {
             map,
             flushed: std::sync::atomic::AtomicU64::new(0),
+            invalidated: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
     /// Writes back (and invalidates) the lines of `[offset, offset + len)` of the device (the
     /// part of it inside the device); returns the bytes.
     pub fn flush(&self, offset: u64, len: u64) -> u64 {
-        let done = self.invalidate(offset, len);
+        let done = self.drop_lines(offset, len);
         self.flushed
             .fetch_add(done, std::sync::atomic::Ordering::Relaxed);
         done
     }
 
-    /// Drops this host's cached lines of `[offset, offset + len)` (a reader's invalidation,
-    /// by the writer's instructions: not counted as written back); returns the bytes.
+    /// Drops this host's cached lines of `[offset, offset + len)` before a reader's first read
+    /// of another host's entry (by the writer's instructions, counted apart); returns the
+    /// bytes. Run without the store's lock.
     pub fn invalidate(&self, offset: u64, len: u64) -> u64 {
+        let done = self.drop_lines(offset, len);
+        self.invalidated
+            .fetch_add(done, std::sync::atomic::Ordering::Relaxed);
+        done
+    }
+
+    /// Writes back and drops the lines of `[offset, offset + len)` (the part inside the
+    /// device); returns the bytes.
+    fn drop_lines(&self, offset: u64, len: u64) -> u64 {
         let n = self.map.len() as u64;
         let (s, e) = (
             offset.min(n) as usize,
@@ -99,6 +112,11 @@ impl WriteBack {
     /// Bytes written back so far.
     pub fn flushed(&self) -> u64 {
         self.flushed.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Bytes readers invalidated so far.
+    pub fn invalidated(&self) -> u64 {
+        self.invalidated.load(std::sync::atomic::Ordering::Relaxed)
     }
 }
 

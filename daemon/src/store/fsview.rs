@@ -290,17 +290,21 @@ impl Backend for StoreFs {
             if st.fenced_off(self.0.authority.fenced(), ino) {
                 return Err(super::authority::fenced_error());
             }
-            if !st.ready_remote(&*self.0.authority, ino) {
+            let Some(stale) = st.ready_remote(&*self.0.authority, ino) else {
                 return Err(Error::NotFound(format!("{ns}: removed on another host")));
-            }
+            };
             let e = &st.entries[&ino];
             let p = &st.pools[pool].pool;
-            if p.passes_through(&e.loc()) {
-                return Ok(OpenedFile::Passthrough(Arc::new(p.open_entry(&e.loc())?)));
-            }
-            st.entries.get_mut(&ino).expect("present").lease();
-            *st.fuse_leases.entry(ino).or_insert(0) += 1;
-            return Ok(OpenedFile::Copy);
+            let opened = if p.passes_through(&e.loc()) {
+                OpenedFile::Passthrough(Arc::new(p.open_entry(&e.loc())?))
+            } else {
+                st.entries.get_mut(&ino).expect("present").lease();
+                *st.fuse_leases.entry(ino).or_insert(0) += 1;
+                OpenedFile::Copy
+            };
+            drop(st);
+            self.0.drop_stale(stale);
+            return Ok(opened);
         }
         if let Some(a) = st.allocs.get(&ino) {
             return match (a.mount(), &a.backing) {
@@ -603,11 +607,13 @@ impl Backend for StoreFs {
             if st.fenced_off(self.0.authority.fenced(), ino) {
                 return Err(super::authority::fenced_error());
             }
-            if sealed && !st.ready_remote(&*self.0.authority, ino) {
-                return Err(Error::NotFound(format!(
-                    "inode {ino}: removed on another host"
-                )));
-            }
+            let stale = if sealed {
+                st.ready_remote(&*self.0.authority, ino).ok_or_else(|| {
+                    Error::NotFound(format!("inode {ino}: removed on another host"))
+                })?
+            } else {
+                None
+            };
             let e = if sealed {
                 st.entries.get_mut(&ino)
             } else {
@@ -625,6 +631,7 @@ impl Backend for StoreFs {
                 e.lease();
             }
             drop(guard);
+            self.0.drop_stale(stale);
             let mut buf = vec![0u8; n];
             let r = reader.read(offset, &mut buf);
             if leased {

@@ -42,9 +42,9 @@
 //! the pool at a writer's close and before its publication with the writer marked as copying
 //! ([`pools::buffer`], `Store::copy_in`), and on a pool without coherence across hosts the
 //! write-back of a published entry's lines (before its publication is asked for,
-//! [`crate::coherence::WriteBack`]). Not yet: a raw pool's log synced at each record
-//! (`--wal-sync`), and a reader's invalidation of another host's entry before its first read
-//! here.
+//! [`crate::coherence::WriteBack`]) and a reader's invalidation of another host's entry
+//! before its first read here (`Store::drop_stale`). Not yet: a raw pool's log synced at
+//! each record (`--wal-sync`).
 
 pub mod authority;
 mod deletion;

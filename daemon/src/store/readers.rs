@@ -52,16 +52,23 @@ impl Store {
         let mut out = Vec::with_capacity(keys.len());
         let mut packs_sent = std::collections::HashSet::new();
         let fenced = self.authority.fenced();
+        let mut stale = Vec::new();
         for ino in inos {
             let Some(ino) = ino else {
                 out.push(None);
                 continue;
             };
             // Another host's, removed there a moment ago; or fenced off: either is a miss.
-            if st.fenced_off(fenced, ino) || !st.ready_remote(&*self.authority, ino) {
+            let ready = if st.fenced_off(fenced, ino) {
+                None
+            } else {
+                st.ready_remote(&*self.authority, ino)
+            };
+            let Some(lines) = ready else {
                 out.push(None);
                 continue;
-            }
+            };
+            stale.extend(lines);
             let State {
                 entries,
                 lru,
@@ -85,6 +92,10 @@ impl Store {
                 let s = sessions.get_mut(&session).expect("live");
                 *s.leases.entry(ino).or_insert(0) += 1;
             }
+        }
+        drop(st);
+        for lines in stale {
+            self.drop_stale(Some(lines));
         }
         Ok(out)
     }

@@ -2,6 +2,8 @@
 //! like any entry, never carved, freed or evicted here; and removed here when another host
 //! removes them.
 
+use std::sync::Arc;
+
 use maru::name::{check_component, split_ns};
 use maru::{Error, Result};
 
@@ -13,7 +15,17 @@ use super::ids::Place;
 use super::policy::Perm;
 use super::state::{Invalidation, State};
 use crate::alloc::align_up;
+use crate::coherence::WriteBack;
 use crate::pool::ENTRY_ALIGN;
+
+/// Lines of another host's entry this host's caches may hold stale (a pool without coherence
+/// across hosts), to drop before the entry's first read here ([`State::ready_remote`]).
+pub struct Stale {
+    ino: u64,
+    lines: Arc<WriteBack>,
+    offset: u64,
+    size: u64,
+}
 
 /// Another host's entry this host serves ([`Store::remote_entries`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -114,6 +126,20 @@ impl Store {
         drop(st);
         self.notify(inv.into_iter().collect());
         true
+    }
+
+    /// Drops the stale lines `ready_remote` gave, without the store's lock (an entry of a GiB
+    /// is 16 million lines), then marks the entry read here: readers from then on skip it.
+    /// Readers that found it cold meanwhile drop them too, each before it answers (twice
+    /// is harmless).
+    pub(super) fn drop_stale(&self, stale: Option<Stale>) {
+        let Some(s) = stale else {
+            return;
+        };
+        s.lines.invalidate(s.offset, s.size);
+        if let Some(e) = self.st.lock().entries.get_mut(&s.ino) {
+            e.set_warm();
+        }
     }
 
     /// Frees this host's removed entry at `offset` of raw pool `pool`, which no other host
@@ -271,26 +297,38 @@ impl State {
 
     /// Readies entry `ino` for a client of this host to map or read (the caller then counts a
     /// lease on it), if another host published it: tells the authority, which answers false
-    /// when the entry's removal has arrived (the caller answers as if it were absent) and
-    /// otherwise makes this host hold the extent should the removal arrive while clients
+    /// when the entry's removal has arrived (None: the caller answers as if it were absent)
+    /// and otherwise makes this host hold the extent should the removal arrive while clients
     /// here map it ([`Authority::use_remote`]); notes the use for its publisher's LRU order;
-    /// and before the first read here drops this host's stale cache lines of it (pools
-    /// without coherence across hosts). No round trip. This host's own entries need nothing.
-    pub fn ready_remote(&mut self, auth: &dyn Authority, ino: u64) -> bool {
+    /// and before the first read here, on a pool without coherence across hosts, gives the
+    /// stale cache lines of it the caller drops without the lock, before it answers
+    /// ([`Store::drop_stale`]). No round trip. This host's own entries need nothing.
+    pub fn ready_remote(&mut self, auth: &dyn Authority, ino: u64) -> Option<Option<Stale>> {
         let Some(e) = self.entries.get_mut(&ino) else {
-            return true;
+            return Some(None);
         };
         let Some(created) = e.remote() else {
-            return true;
+            return Some(None);
         };
         if !auth.use_remote(created) {
-            return false;
+            return None;
         }
         auth.accessed(e.ns(), e.key());
-        if e.take_cold() {
-            let (pool, offset, size) = (e.pool(), e.place().wire(), e.size());
-            self.pools[pool].pool.invalidate(offset, size);
+        if !e.cold() {
+            return Some(None);
         }
-        true
+        let (pool, offset, size) = (e.pool(), e.place().wire(), e.size());
+        match self.pools[pool].pool.write_back() {
+            Some(lines) => Some(Some(Stale {
+                ino,
+                lines,
+                offset,
+                size,
+            })),
+            None => {
+                e.set_warm(); // coherent: nothing stale
+                Some(None)
+            }
+        }
     }
 }

@@ -251,10 +251,15 @@ impl Entry {
         self.perm = perm;
     }
 
-    /// Whether this is its first read here since another host published it (then no
-    /// longer).
-    pub fn take_cold(&mut self) -> bool {
-        std::mem::take(&mut self.cold)
+    /// Whether it was not read here yet since another host published it (its stale lines
+    /// not dropped yet).
+    pub fn cold(&self) -> bool {
+        self.cold
+    }
+
+    /// Its stale lines were dropped: readers from now on read it as it is.
+    pub fn set_warm(&mut self) {
+        self.cold = false;
     }
 
     /// What its pool needs to know of it.

@@ -219,16 +219,14 @@ pub trait Pool: Send {
     }
     /// An entry another host published, at `[offset, offset + len)`, is gone.
     fn drop_remote(&mut self, _offset: u64, _len: u64) {}
-    /// Drops this host's cached copies of `[offset, offset + len)`, another host's entry,
-    /// before its first read here (pools without hardware coherence across hosts).
-    fn invalidate(&mut self, _offset: u64, _len: u64) {}
     /// Cache maintenance so far (pools without hardware coherence across hosts).
     fn coherence(&self) -> Option<maru::proto::Coherence> {
         None
     }
     /// Without hardware coherence across hosts: the device, for a writer's lines to be
     /// written back before its entry is published (by the caller, without the store's lock,
-    /// before any other host can learn of the entry).
+    /// before any other host can learn of the entry), and a reader's stale lines of another
+    /// host's entry dropped before its first read here (likewise: `Store::drop_stale`).
     fn write_back(&self) -> Option<Arc<crate::coherence::WriteBack>> {
         None
     }

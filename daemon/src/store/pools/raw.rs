@@ -79,10 +79,8 @@ pub struct Raw {
     unclaimed: HashMap<u64, u64>,
     /// Without hardware coherence across hosts (`coherent=false`): the daemon's read-only
     /// mapping of the whole device, through which it writes back and invalidates entries'
-    /// cache lines, and what it did so far.
-    /// Without hardware coherence across hosts: the device mapped for cache maintenance, and
-    /// the bytes invalidated so far.
-    noncoherent: Option<(Arc<WriteBack>, u64)>,
+    /// cache lines (without the store's lock), and what it did so far.
+    noncoherent: Option<Arc<WriteBack>>,
 }
 
 fn reopen(f: &File, write: bool) -> std::io::Result<File> {
@@ -117,7 +115,7 @@ impl Raw {
             // SAFETY: a shared read-only mapping of the device; the daemon only flushes cache
             // lines through it (never reads a byte another host may be writing).
             let m = unsafe { memmap2::MmapOptions::new().len(size as usize).map(&ro)? };
-            Some((Arc::new(WriteBack::new(m)), 0))
+            Some(Arc::new(WriteBack::new(m)))
         };
         let log_path = state_dir.join(format!("pool-{}.wal", header.uuid_string()));
         Ok(Raw {
@@ -361,21 +359,15 @@ impl Pool for Raw {
         Ok(())
     }
 
-    fn invalidate(&mut self, offset: u64, len: u64) {
-        if let Some((w, invalidated)) = &mut self.noncoherent {
-            *invalidated += w.invalidate(offset, len);
-        }
-    }
-
     fn coherence(&self) -> Option<Coherence> {
-        self.noncoherent.as_ref().map(|(w, invalidated)| Coherence {
+        self.noncoherent.as_ref().map(|w| Coherence {
             flushed: w.flushed(),
-            invalidated: *invalidated,
+            invalidated: w.invalidated(),
         })
     }
 
     fn write_back(&self) -> Option<Arc<WriteBack>> {
-        self.noncoherent.as_ref().map(|(w, _)| w.clone())
+        self.noncoherent.clone()
     }
 
     fn drop_remote(&mut self, offset: u64, len: u64) {
