@@ -375,27 +375,37 @@ fn before_first_claim(
     gated
 }
 
-/// A claim of a fresh region that reaches etcd after a rejoin — the host's lease gone while
-/// the region was already the store's, and claimed again for it by the rejoin under the new
-/// lease — comes back refused (taken: by this host). The region leaves the host, and its
-/// claim in etcd goes too (CI's seed 5 of the partitions: etcd kept the region for the host
-/// as long as it lived, and no host could carve it).
-#[test]
-fn a_claim_refused_after_a_rejoin_claimed_its_region_leaves_no_claim_in_etcd() {
-    let Some(etcd) = Etcd::start() else {
-        return;
-    };
+/// One host whose first claim of a fresh region reached etcd after a rejoin: the seam before
+/// it revoked the host's lease (after `taker`, if any, claimed the region behind its back)
+/// and waited for the host to rejoin, which claimed the region again for itself (or found it
+/// the taker's and marked it lost); the claim itself was then refused.
+struct ClaimedAcrossARejoin {
+    h0: Arc<Store>,
+    auth: Arc<EtcdAuthority>,
+    view: Arc<EtcdView>,
+    uuid: String,
+    /// The region's offset.
+    offset: u64,
+    /// The store that claimed it (placed elsewhere after the refusal, or failed).
+    stored: maru::Result<()>,
+    _dir: tempfile::TempDir,
+    _etcd: Etcd,
+}
+
+fn claimed_across_a_rejoin(taker: Option<&'static str>) -> Option<ClaimedAcrossARejoin> {
+    let etcd = Etcd::start()?;
     let dir = tempfile::tempdir().expect("tempdir");
     let uuid = pool_file(dir.path());
     let (h0, auth) = host_and_authority(&etcd, dir.path(), "h0", &uuid);
     let view = Arc::new(EtcdView::new(&etcd, &uuid));
     let (v, a) = (view.clone(), Arc::downgrade(&auth));
     let gated = before_first_claim(&auth, move |offset| {
+        if let Some(t) = taker {
+            v.set_claim(offset, Some(t));
+        }
         let a = a.upgrade().expect("the host");
-        v.cut_and_rejoin("h0", &a, offset, "h0");
+        v.cut_and_rejoin("h0", &a, offset, taker.unwrap_or("h0"));
     });
-    // The store's first allocation claims a region; the claim is refused, and the store
-    // places the entry in another region, or fails.
     let stored = put(&h0, "k", &[1u8; 5000]);
     auth.set_claim_gate(None);
     let offset = gated.lock().expect("lock").expect("the seam ran");
@@ -403,15 +413,37 @@ fn a_claim_refused_after_a_rejoin_claimed_its_region_leaves_no_claim_in_etcd() {
         !auth.regions(&uuid).iter().any(|&(o, _)| o == offset),
         "the refused region stays the store's"
     );
+    Some(ClaimedAcrossARejoin {
+        h0,
+        auth,
+        view,
+        uuid,
+        offset,
+        stored,
+        _dir: dir,
+        _etcd: etcd,
+    })
+}
+
+/// A claim of a fresh region that reaches etcd after a rejoin — the host's lease gone while
+/// the region was already the store's, and claimed again for it by the rejoin under the new
+/// lease — comes back refused (taken: by this host). The region leaves the host, and its
+/// claim in etcd goes too (CI's seed 5 of the partitions: etcd kept the region for the host
+/// as long as it lived, and no host could carve it).
+#[test]
+fn a_claim_refused_after_a_rejoin_claimed_its_region_leaves_no_claim_in_etcd() {
+    let Some(c) = claimed_across_a_rejoin(None) else {
+        return;
+    };
     eventually("etcd lets go of the refused region", || {
-        !view.claims().iter().any(|(o, _)| *o == offset)
+        !c.view.claims().iter().any(|(o, _)| *o == c.offset)
     });
     // Nothing else is lost: what the store holds is what etcd says it holds.
-    if stored.is_ok() {
-        h0.delete(&Caller::root(), "ns", &["k".to_owned()])
+    if c.stored.is_ok() {
+        c.h0.delete(&Caller::root(), "ns", &["k".to_owned()])
             .expect("delete");
     }
-    view.claims_match(&auth, &uuid);
+    c.view.claims_match(&c.auth, &c.uuid);
 }
 
 /// A claim of a fresh region on its way across a rejoin that found the region taken by
@@ -421,40 +453,26 @@ fn a_claim_refused_after_a_rejoin_claimed_its_region_leaves_no_claim_in_etcd() {
 /// the region for this host as long as it lived).
 #[test]
 fn a_region_marked_lost_by_a_rejoin_and_refused_is_given_back_when_claimed_again() {
-    let Some(etcd) = Etcd::start() else {
+    let Some(c) = claimed_across_a_rejoin(Some("h9")) else {
         return;
     };
-    let dir = tempfile::tempdir().expect("tempdir");
-    let uuid = pool_file(dir.path());
-    let (h0, auth) = host_and_authority(&etcd, dir.path(), "h0", &uuid);
-    let view = Arc::new(EtcdView::new(&etcd, &uuid));
-    let (v, a) = (view.clone(), Arc::downgrade(&auth));
-    let gated = before_first_claim(&auth, move |offset| {
-        // Another host claims the region while h0 is cut off.
-        v.set_claim(offset, Some("h9"));
-        let a = a.upgrade().expect("the host");
-        v.cut_and_rejoin("h0", &a, offset, "h9");
-    });
-    let _ = put(&h0, "k", &[1u8; 5000]);
-    auth.set_claim_gate(None);
-    let offset = gated.lock().expect("lock").expect("the seam ran");
-    assert!(!auth.regions(&uuid).iter().any(|&(o, _)| o == offset));
+    let (h0, auth, uuid, offset) = (&c.h0, &c.auth, &c.uuid, c.offset);
     // The other host lets go of it; h0 fills the pool until it claims the region afresh.
-    view.set_claim(offset, None);
+    c.view.set_claim(offset, None);
     let mut names = vec!["k".to_owned()];
     for i in 0.. {
-        if auth.regions(&uuid).iter().any(|&(o, _)| o == offset) {
+        if auth.regions(uuid).iter().any(|&(o, _)| o == offset) {
             break;
         }
         assert!(i < 64, "h0 never claimed the region again");
         let name = format!("f{i}");
-        put(&h0, &name, &vec![2u8; 1 << 20]).expect("a store");
+        put(h0, &name, &vec![2u8; 1 << 20]).expect("a store");
         names.push(name);
     }
     // Emptied, every region goes back: etcd holds none of them for h0.
     let _ = h0.delete(&Caller::root(), "ns", &names).expect("delete");
     eventually("h0 gives every region back", || {
-        auth.regions(&uuid).is_empty()
+        auth.regions(uuid).is_empty()
     });
-    view.claims_match(&auth, &uuid);
+    c.view.claims_match(auth, uuid);
 }
