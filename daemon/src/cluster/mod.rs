@@ -61,6 +61,11 @@ fn unavailable(cause: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Er
     Error::Io(std::io::Error::other(Unavailable(cause.into())))
 }
 
+/// The seam before a claim of a fresh region goes to etcd: called with the region's offset
+/// (tests; feature `seams`).
+#[cfg(feature = "seams")]
+pub type ClaimGate = Box<dyn Fn(u64) + Send + Sync>;
+
 /// The metadata authority shared by the hosts of a cluster.
 pub struct EtcdAuthority {
     local: LocalAuthority,
@@ -139,7 +144,7 @@ pub struct EtcdAuthority {
     releasing: Arc<tokio::sync::Mutex<HashMap<u64, Release>>>,
     /// The seam before a claim of a fresh region goes to etcd (tests; feature `seams`).
     #[cfg(feature = "seams")]
-    claim_gate: parking_lot::RwLock<Option<regions::ClaimGate>>,
+    claim_gate: parking_lot::RwLock<Option<ClaimGate>>,
 }
 
 impl EtcdAuthority {

@@ -5,13 +5,10 @@ use std::time::Duration;
 
 use maru::{Error, Result};
 
+#[cfg(feature = "seams")]
+use super::ClaimGate;
 use super::{EtcdAuthority, Release, unavailable};
 use crate::store::authority::Authority;
-
-/// The seam before a claim of a fresh region goes to etcd: called with the region's offset
-/// (tests; feature `seams`).
-#[cfg(feature = "seams")]
-pub type ClaimGate = Box<dyn Fn(u64) + Send + Sync>;
 
 impl EtcdAuthority {
     /// [`Authority::claim_region`](crate::store::authority::Authority::claim_region) on the

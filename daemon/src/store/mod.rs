@@ -85,7 +85,6 @@ pub use ids::{PoolIdx, SessionId};
 use namespaces::{join, parent};
 use policy::{Access, Perm};
 use pools::{Backing, Requester};
-pub use remote::RemoteEntry;
 pub use settings::{Eviction, StoreConfig};
 pub use state::Invalidation;
 use state::{Alloc, Origin, State};
