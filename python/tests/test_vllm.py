@@ -143,10 +143,15 @@ def test_asynchronous_saves_and_loads_share_what_synchronous_ones_do(
     assert c["shared"]["tokens"] == a["shared"]["tokens"]
     assert c["new"]["cached"] == 0
     assert len(os.listdir(marud.mount / namespace)) == len(stored) + 4096 // 256
-    # What C saved asynchronously loads as well: its output again, from its chunks.
-    d = run_instance(base | {"role": "kv_consumer", "prompts": [{"name": "new", "parts": [[4096, 6]]}]})
+    # What C saved asynchronously loads as well: vLLM's own output for the prompt, from its
+    # chunks. (Not compared with C's own: the blocks C keeps for its saves put its next run
+    # of the prompt in other blocks, and on some CPUs (AMD EPYC, 2 vCPUs) vLLM's CPU kernels
+    # then part from the same tokens at a near tie, the saves copying nothing or not.)
+    new = [{"name": "new", "parts": [[4096, 6]]}]
+    d = run_instance(base | {"role": "kv_consumer", "prompts": new})
     assert d["new"]["cached"] == (4096 - 1) // 128 * 128
-    assert d["new"]["tokens"] == c["new"]["tokens"]
+    plain = run_instance({"model": model_dir, "cache_root": cache_root, "connector": "none", "prompts": new})
+    assert d["new"]["tokens"] == plain["new"]["tokens"]
 
 
 def test_a_marud_killed_during_an_asynchronous_load_makes_the_consumer_recompute(
