@@ -131,6 +131,12 @@ impl Keys {
     pub(crate) fn tombstone(&self, unit: u64, offset: u64, node: &str) -> String {
         format!("{}{offset:016x}/{node}", self.tombstones_from(unit))
     }
+    /// The offset of the removed extent a tombstone's key names.
+    pub(crate) fn tombstone_offset(&self, key: &[u8]) -> Option<u64> {
+        let rest = key.strip_prefix(self.tombstones().as_bytes())?;
+        let offset = rest.split(|&b| b == b'/').nth(1)?;
+        u64::from_str_radix(std::str::from_utf8(offset).ok()?, 16).ok()
+    }
     /// The tombstones of the extent `[offset, offset + len)` that `node` removes.
     pub(crate) fn tombstones_of(&self, offset: u64, len: u64, node: &str) -> Vec<String> {
         let (first, last) = (offset / UNIT, (offset + len.max(1) - 1) / UNIT);

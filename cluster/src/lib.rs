@@ -63,6 +63,6 @@ pub use keys::UNIT;
 pub use lease::boottime_ns;
 pub use member::{Member, Rejoined};
 pub use records::{
-    EntryAt, EntryEvent, EntryRecord, Listed, NodeInfo, Published, Removed, Removing,
+    EntryAt, EntryEvent, EntryRecord, Listed, NodeInfo, Published, Removed, Removing, Snapshot,
 };
 pub use watch::{AccessWatch, AckWatch, ClientPinWatch, EntryWatch, PinWatch, QuotaWatch};

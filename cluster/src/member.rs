@@ -683,21 +683,41 @@ impl Member {
         Ok(out)
     }
 
-    /// Every entry, read at one revision (returned): watch from the next one to miss nothing.
-    pub async fn snapshot(&self) -> Result<(Vec<Listed>, i64)> {
-        let r = self.client.get(self.keys.entries(), Range::PREFIX).await?;
-        let revision = r.header.map_or(0, |h| h.revision);
-        let mut out = Vec::with_capacity(r.kvs.len());
-        for kv in r.kvs {
+    /// Every entry, and the removals not yet acknowledged by every live host, read at one
+    /// revision.
+    pub async fn snapshot(&self) -> Result<Snapshot> {
+        let read = Txn::new().and_then([
+            Op::get(self.keys.entries(), Range::PREFIX),
+            Op::get(self.keys.tombstones(), Range::KEYS_UNDER),
+        ]);
+        let r = self.client.txn(read).await?;
+        let (Some(entries), Some(stones)) = (r.range(0), r.range(1)) else {
+            return Err(bad(
+                self.keys.entries().as_bytes(),
+                "an unexpected reply".into(),
+            ));
+        };
+        let mut snap = Snapshot {
+            entries: Vec::with_capacity(entries.kvs.len()),
+            revision: r.revision(),
+            removals: Default::default(),
+        };
+        for kv in &entries.kvs {
             let (ns, name) = self.keys.split_entry(kv.key.as_slice())?;
-            out.push(Listed {
+            snap.entries.push(Listed {
                 ns,
                 name,
                 record: decode(kv.key.as_slice(), kv.value.as_slice())?,
                 revision: kv.create_revision,
             });
         }
-        Ok((out, revision))
+        for kv in &stones.kvs {
+            if let Some(offset) = self.keys.tombstone_offset(kv.key.as_slice()) {
+                let newest = snap.removals.entry(offset).or_default();
+                *newest = (*newest).max(kv.mod_revision);
+            }
+        }
+        Ok(snap)
     }
 
     /// Pins entry `ns/name` for every host (its publisher never evicts it), or unpins it.

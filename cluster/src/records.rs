@@ -46,6 +46,33 @@ pub struct Listed {
     pub revision: i64,
 }
 
+/// Every entry at one revision, as [`crate::Member::snapshot`] read it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Snapshot {
+    pub entries: Vec<Listed>,
+    /// The revision read at: watch from the next one to miss nothing.
+    pub revision: i64,
+    /// The removals not yet acknowledged by every live host (their tombstones): the revision
+    /// of the newest removal of the extent at each offset. A removal of an extent not here
+    /// was acknowledged by every host live when its tombstone went.
+    pub removals: std::collections::HashMap<u64, i64>,
+}
+
+impl Snapshot {
+    /// The revision at which the entry created at `created`, whose extent is at `offset`
+    /// and which this snapshot no longer has, was removed, or a revision every live host
+    /// has acknowledged if that removal's tombstone is gone: what the entry's publisher waits
+    /// for every live host to acknowledge before it frees the extent. Never the snapshot's
+    /// own revision, which hosts acknowledge only once the entries change after it.
+    pub fn removed_at(&self, offset: u64, created: i64) -> i64 {
+        self.removals
+            .get(&offset)
+            .copied()
+            .filter(|&r| r > created)
+            .unwrap_or(created + 1)
+    }
+}
+
 /// What [`crate::Member::remove`] found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Removed {

@@ -73,7 +73,7 @@ async fn two_hosts_publishing_one_key_at_once_one_wins() {
             other => panic!("round {round}: not exactly one winner: {other:?}"),
         }
     }
-    let (all, _) = a.snapshot().await.expect("snapshot");
+    let all = a.snapshot().await.expect("snapshot").entries;
     assert_eq!(all.len(), 40);
 }
 
@@ -158,7 +158,7 @@ async fn a_group_of_publications_commits_together_and_each_has_its_own_outcome()
     let out = a.publish_many(&[far, near]).await;
     assert!(matches!(out[0], Err(Error::NotClaimed { .. })), "{out:?}");
     assert!(matches!(out[1], Ok(Published::New { .. })), "{out:?}");
-    let (all, _) = b.snapshot().await.expect("snapshot");
+    let all = b.snapshot().await.expect("snapshot").entries;
     assert_eq!(all.len(), n as usize, "every free name, b's k7 and near");
     assert!(all.iter().any(|l| l.name == "k11" && l.record.node == "a"));
     let k11 = all.iter().find(|l| l.name == "k11").expect("k11").revision;
@@ -190,7 +190,10 @@ async fn a_group_of_publications_commits_together_and_each_has_its_own_outcome()
     for r in a.publish_many(&items).await {
         assert!(matches!(r, Err(Error::LeaseLost(_))), "{r:?}");
     }
-    assert_eq!(b.snapshot().await.expect("snapshot").0.len(), n as usize);
+    assert_eq!(
+        b.snapshot().await.expect("snapshot").entries.len(),
+        n as usize
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -246,7 +249,7 @@ async fn a_removal_naming_an_entry_takes_only_that_one() {
         .map(|r| r.as_ref().expect("removed").existed)
         .collect();
     assert_eq!(existed, [false, true, true]);
-    let (all, _) = a.snapshot().await.expect("snapshot");
+    let all = a.snapshot().await.expect("snapshot").entries;
     let left: Vec<(&str, i64)> = all.iter().map(|l| (l.name.as_str(), l.revision)).collect();
     assert_eq!(left, [("x", new)]);
     // Named as it is, it goes.
@@ -448,7 +451,7 @@ async fn a_host_that_lost_its_lease_publishes_nothing_until_it_rejoins() {
     ));
     assert!(!a.is_live());
     // Nothing it published before is lost; nothing after was published.
-    let (all, _) = b.snapshot().await.expect("snapshot");
+    let all = b.snapshot().await.expect("snapshot").entries;
     let names: Vec<_> = all.iter().map(|l| l.name.as_str()).collect();
     assert_eq!(names, ["before"]);
     a.rejoin().await.expect("rejoin");
@@ -471,7 +474,8 @@ async fn a_snapshot_and_its_watch_miss_nothing() {
             .await
             .expect("publish");
     }
-    let (seen, revision) = b.snapshot().await.expect("snapshot");
+    let snap = b.snapshot().await.expect("snapshot");
+    let (seen, revision) = (snap.entries, snap.revision);
     assert_eq!(seen.len(), 50);
     assert!(
         seen.iter()
@@ -553,7 +557,7 @@ async fn a_removed_extent_is_free_once_every_host_acknowledged_and_none_holds_it
     a.publish("ns", "small", &small).await.expect("publish");
     // b is live and has acknowledged nothing: a waits for it.
     assert_eq!(a.acknowledged().await.expect("acks"), Some(0));
-    let (_, seen) = b.snapshot().await.expect("snapshot");
+    let seen = b.snapshot().await.expect("snapshot").revision;
     b.acknowledge(seen, &[]).await.expect("acknowledge");
     assert_eq!(a.acknowledged().await.expect("acks"), Some(seen));
     let gone = a.remove("ns", "big").await.expect("remove");
@@ -563,6 +567,11 @@ async fn a_removed_extent_is_free_once_every_host_acknowledged_and_none_holds_it
     assert!(!a.remove("ns", "small").await.expect("remove").existed);
     // Not yet seen by b.
     assert!(a.acknowledged().await.expect("acks") < Some(gone.revision));
+    // A host that missed both removals finds, with the entries, the revision of each.
+    let snap = b.snapshot().await.expect("snapshot");
+    assert!(snap.entries.is_empty() && snap.revision >= gone_too.revision);
+    assert_eq!(snap.removed_at(big.offset, 1), gone.revision);
+    assert_eq!(snap.removed_at(small.offset, 1), gone_too.revision);
     // b applies both removals while clients of b map both extents: it holds them, and only
     // then acknowledges.
     b.acknowledge(
@@ -600,6 +609,10 @@ async fn a_removed_extent_is_free_once_every_host_acknowledged_and_none_holds_it
         .await
         .expect("acknowledge");
     assert_eq!(a.sweep().await.expect("sweep"), 0);
+    // Swept: every live host acknowledged it, so any revision after the entry's creation will do.
+    let snap = b.snapshot().await.expect("snapshot");
+    assert!(snap.removals.is_empty());
+    assert_eq!(snap.removed_at(big.offset, 9), 10);
     assert!(b.claim(2 * UNIT, 3 * UNIT).await.expect("claim"));
     // A host's holds and acknowledgement go with its lease.
     drop(b);
@@ -655,7 +668,7 @@ async fn a_removed_extent_is_not_claimed_afresh_while_a_live_host_has_not_applie
         created(a.publish("ns", "f", &f).await.expect("publish")),
         created(a.publish("ns", "g", &g).await.expect("publish")),
     );
-    let (_, seen) = b.snapshot().await.expect("snapshot");
+    let seen = b.snapshot().await.expect("snapshot").revision;
     for m in [&a, &b, &c] {
         m.acknowledge(seen, &[]).await.expect("acknowledge");
     }

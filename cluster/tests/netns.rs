@@ -130,7 +130,7 @@ fn a_host_cut_off_loses_its_claims_and_owns_nothing_twice_after() {
     // Nothing sealed was lost; each region has one holder.
     let c2 = c.clone();
     let (names, regions) = on(&rts[2], async move {
-        let (all, _) = c2.snapshot().await.expect("snapshot");
+        let all = c2.snapshot().await.expect("snapshot").entries;
         let mut names: Vec<String> = all.into_iter().map(|l| l.name).collect();
         names.sort();
         (names, c2.regions().await.expect("regions"))

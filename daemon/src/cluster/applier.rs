@@ -33,7 +33,7 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
             // applied: it may have missed removals while cut off.
             let epoch = *rejoins.borrow_and_update();
             let snap = m.read().await.snapshot().await;
-            let (all, rev) = match snap {
+            let snap = match snap {
                 Ok(s) => s,
                 Err(e) => {
                     tracing::warn!("cluster: reading the entries: {e}");
@@ -44,7 +44,8 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
             // Applied before anything later is acknowledged: what the snapshot no longer has
             // was removed while the watch was down, and only the store knows who maps it.
             let (done, applied) = tokio::sync::oneshot::channel();
-            if tx.send(Change::All(all, rev, done)).is_err() || applied.await.is_err() {
+            let rev = snap.revision;
+            if tx.send(Change::All(snap, done)).is_err() || applied.await.is_err() {
                 return;
             }
             match me.upgrade() {
@@ -383,9 +384,10 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
                 apply(store, auth, *c);
             }
         }
-        Change::All(all, revision, done) => {
+        Change::All(mut all, done) => {
             auth.changing.read_begins();
-            let snap: HashMap<Name, (i64, EntryRecord)> = all
+            let revision = all.revision;
+            let snap: HashMap<Name, (i64, EntryRecord)> = std::mem::take(&mut all.entries)
                 .into_iter()
                 .map(|l| ((l.ns, l.name), (l.revision, l.record)))
                 .collect();
@@ -408,22 +410,25 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
                     removed(store, auth, &name.0, &name.1, revision, e.created);
                 }
             }
-            let gone: Vec<(Name, i64)> = auth
+            // This host's own wait for every live host's acknowledgement of the removal
+            // itself, not of this read (which none gives until the entries change again).
+            let gone: Vec<(Name, i64, i64)> = auth
                 .published
                 .lock()
                 .iter()
                 .filter(|(name, e)| {
                     e.created <= revision && snap.get(*name).is_none_or(|(c, _)| *c != e.created)
                 })
-                .map(|(name, e)| (name.clone(), e.created))
+                .map(|(name, e)| (name.clone(), e.created, all.removed_at(e.offset, e.created)))
                 .collect();
-            for ((ns, key), created) in gone {
+            for ((ns, key), created, at) in gone {
                 tracing::info!(
                     ns,
                     key,
+                    at,
                     "cluster: removed elsewhere while the watch was down"
                 );
-                removed(store, auth, &ns, &key, revision, created);
+                removed(store, auth, &ns, &key, at, created);
             }
             for ((ns, key), (created, rec)) in &snap {
                 if rec.node != auth.node {

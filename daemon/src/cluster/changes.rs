@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use maru_cluster::{EntryEvent, Listed};
+use maru_cluster::{EntryEvent, Snapshot};
 use parking_lot::Mutex;
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -13,7 +13,7 @@ use tokio::sync::mpsc::UnboundedSender;
 pub(super) enum Change {
     /// Every entry at a revision (after a (re)start of the watch); `done` once applied (and
     /// acknowledged).
-    All(Vec<Listed>, i64, tokio::sync::oneshot::Sender<()>),
+    All(Snapshot, tokio::sync::oneshot::Sender<()>),
     Event(EntryEvent),
     /// No host maps this removed extent of this host's any more.
     Unheld(u64),
@@ -203,7 +203,7 @@ mod tests {
                 }
                 Change::All(all, ..) => {
                     changing.read_begins();
-                    for l in all {
+                    for l in all.entries {
                         one(changing, put(l.revision), filed);
                     }
                 }
@@ -282,8 +282,11 @@ mod tests {
         changing.begin("ns", "k");
         assert!(changing.hold_back("ns", "k", put(11695)).is_none());
         let (done, _) = tokio::sync::oneshot::channel();
-        tx.send(Change::All(Vec::new(), 12140, done))
-            .expect("queue");
+        let all = Snapshot {
+            revision: 12140,
+            ..Snapshot::default()
+        };
+        tx.send(Change::All(all, done)).expect("queue");
         changing.settle("ns", "k");
         drain(&changing, &mut rx, &mut filed);
         assert_eq!(filed, None);
