@@ -16,6 +16,14 @@
 //! crash before the rename leaves the whole log. At recovery the log is rewritten at once as
 //! the entries kept ([`Wal::checkpoint`]).
 //!
+//! With `--wal-sync` ([`Durability::EachRecord`]) a record is written under the store's
+//! lock and synced after it, by the [`Syncer`]: the store takes what its critical section
+//! appended ([`Wal::take_unsynced`]) as it lets go of the lock and waits for it
+//! ([`Unsynced::wait`]) before it answers. Records waiting at the same moment share one
+//! `fdatasync` (a group commit). Only a rewrite's swap syncs under the lock: the records
+//! appended while the rewrite ran go into the new file, which must hold them before it
+//! replaces the log (once per [`REWRITE_AFTER`] records).
+//!
 //! Writes go through [`LogSink`] so tests can stop the log after the Nth write
 //! and check recovery from every such point.
 
@@ -23,7 +31,11 @@ use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
+
+use parking_lot::{Condvar, Mutex};
 
 use maru::format;
 
@@ -46,6 +58,133 @@ pub trait LogSink: Send {
     /// Replaces the log with the rewrite at `tmp` (of the log's first `upto` bytes), after
     /// appending to it the log's bytes from `upto` on.
     fn swap(&mut self, tmp: &Path, upto: u64) -> io::Result<()>;
+    /// What is appended and not yet known to be synced, if the log syncs each record after
+    /// the store's lock ([`Durability::EachRecord`]).
+    fn unsynced(&self) -> Option<Unsynced> {
+        None
+    }
+}
+
+/// Syncs a log's records after the store's lock (`--wal-sync`): whoever waits first syncs
+/// everything written so far; those who come meanwhile wait for that sync, or the next.
+pub struct Syncer {
+    state: Mutex<SyncState>,
+    done: Condvar,
+    /// Bytes ever appended to the log that are synced (counted across rewrites).
+    durable: AtomicU64,
+}
+
+struct SyncState {
+    /// The log's file now (a rewrite's swap replaces it).
+    file: Arc<File>,
+    /// Bytes ever appended to the log (across rewrites).
+    written: u64,
+    /// Bumped when the file is replaced: a sync of the old one then proves nothing.
+    generation: u64,
+    syncing: bool,
+    /// A sync failed: the log's durability is unknown from then on, and nothing is appended.
+    failed: Option<String>,
+}
+
+impl Syncer {
+    fn new(file: Arc<File>, written: u64) -> Syncer {
+        Syncer {
+            state: Mutex::new(SyncState {
+                file,
+                written,
+                generation: 0,
+                syncing: false,
+                failed: None,
+            }),
+            done: Condvar::new(),
+            durable: AtomicU64::new(written),
+        }
+    }
+
+    /// Bytes ever appended that are synced.
+    pub fn durable(&self) -> u64 {
+        self.durable.load(Ordering::Acquire)
+    }
+
+    /// Refuses an append once a sync failed.
+    fn check(&self) -> io::Result<()> {
+        match &self.state.lock().failed {
+            Some(e) => Err(io::Error::other(format!(
+                "the log could not be synced earlier ({e}): nothing more is written to it"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Bytes up to `written` are appended (not yet synced).
+    fn wrote(&self, written: u64) {
+        self.state.lock().written = written;
+    }
+
+    /// The file was replaced by `file`, holding every byte appended so far, synced.
+    fn replaced(&self, file: Arc<File>, written: u64) {
+        let mut st = self.state.lock();
+        st.file = file;
+        st.written = written;
+        st.generation += 1;
+        self.durable.fetch_max(written, Ordering::AcqRel);
+        self.done.notify_all();
+    }
+
+    /// Returns once the bytes up to `upto` are synced (syncing them, and whatever else is
+    /// written by then, if no sync under way will).
+    pub fn sync_to(&self, upto: u64) -> io::Result<()> {
+        let mut st = self.state.lock();
+        loop {
+            if let Some(e) = &st.failed {
+                return Err(io::Error::other(e.clone()));
+            }
+            if self.durable() >= upto {
+                return Ok(());
+            }
+            if st.syncing {
+                self.done.wait(&mut st);
+                continue;
+            }
+            st.syncing = true;
+            let (file, target, generation) = (st.file.clone(), st.written, st.generation);
+            let r = parking_lot::MutexGuard::unlocked(&mut st, || file.sync_data());
+            st.syncing = false;
+            match r {
+                Ok(()) if st.generation == generation => {
+                    self.durable.fetch_max(target, Ordering::AcqRel);
+                }
+                Ok(()) => {} // the file was replaced meanwhile, synced: see the loop's top
+                Err(e) => st.failed = Some(e.to_string()),
+            }
+            self.done.notify_all();
+        }
+    }
+}
+
+/// What a critical section of the store appended to a log that syncs each record, to be
+/// synced before its verb answers.
+#[derive(Clone)]
+pub struct Unsynced {
+    syncer: Arc<Syncer>,
+    upto: u64,
+}
+
+impl Unsynced {
+    /// Waits until those records are synced.
+    pub fn wait(&self) -> io::Result<()> {
+        self.syncer.sync_to(self.upto)
+    }
+
+    /// Whether they are synced already.
+    pub fn synced(&self) -> bool {
+        self.syncer.durable() >= self.upto
+    }
+
+    /// Bytes ever appended up to the end of these records.
+    pub fn upto(&self) -> u64 {
+        self.upto
+    }
 }
 
 /// What a log's writes wait for.
@@ -66,11 +205,15 @@ pub enum Durability {
 /// The log file in the state directory.
 pub struct FileSink {
     path: PathBuf,
-    file: File,
+    file: Arc<File>,
     durability: Durability,
     len: u64,
+    /// Bytes ever appended (across rewrites).
+    appended: u64,
     /// The log was renamed since the directory was last synced.
     dir_dirty: bool,
+    /// Syncs each record after the store's lock ([`Durability::EachRecord`]).
+    syncer: Option<Arc<Syncer>>,
 }
 
 impl FileSink {
@@ -81,13 +224,25 @@ impl FileSink {
             .append(true)
             .read(true)
             .open(path)?;
+        let file = Arc::new(file);
+        let len = file.metadata()?.len();
         Ok(FileSink {
             path: path.to_owned(),
-            len: file.metadata()?.len(),
+            len,
+            appended: len,
+            syncer: (durability == Durability::EachRecord)
+                .then(|| Arc::new(Syncer::new(file.clone(), len))),
             file,
             durability,
             dir_dirty: false,
         })
+    }
+
+    /// The log's file was replaced and synced whole (with its directory).
+    fn all_synced(&self) {
+        if let Some(s) = &self.syncer {
+            s.replaced(self.file.clone(), self.appended);
+        }
     }
 
     /// Syncs the log's directory if the log was renamed since: a sync of the log then holds
@@ -108,10 +263,12 @@ impl FileSink {
         self.dir_dirty = true;
         let old = std::mem::replace(
             &mut self.file,
-            OpenOptions::new()
-                .append(true)
-                .read(true)
-                .open(&self.path)?,
+            Arc::new(
+                OpenOptions::new()
+                    .append(true)
+                    .read(true)
+                    .open(&self.path)?,
+            ),
         );
         // The log renamed over goes with its last descriptor, and freeing its pages took
         // 7 ms at 98,304 records: on a thread, not under the store's lock.
@@ -125,18 +282,24 @@ impl FileSink {
 
 impl LogSink for FileSink {
     fn append(&mut self, bytes: &[u8]) -> io::Result<()> {
-        self.file.write_all(bytes)?;
+        if let Some(s) = &self.syncer {
+            s.check()?;
+        }
+        (&*self.file).write_all(bytes)?;
         self.len += bytes.len() as u64;
-        if self.durability == Durability::EachRecord {
-            self.file.sync_data()?;
-            self.sync_dir()?;
+        self.appended += bytes.len() as u64;
+        if let Some(s) = &self.syncer {
+            // Synced after the store's lock (`Unsynced`).
+            s.wrote(self.appended);
         }
         Ok(())
     }
 
     fn sync(&mut self) -> io::Result<()> {
         self.file.sync_data()?;
-        self.sync_dir()
+        self.sync_dir()?;
+        self.all_synced();
+        Ok(())
     }
 
     fn replace(&mut self, bytes: &[u8]) -> io::Result<()> {
@@ -152,6 +315,7 @@ impl LogSink for FileSink {
         if self.durability != Durability::Process {
             self.sync_dir()?;
         }
+        self.all_synced();
         Ok(())
     }
 
@@ -176,7 +340,16 @@ impl LogSink for FileSink {
         if self.durability == Durability::EachRecord {
             self.sync_dir()?;
         }
+        self.all_synced();
         Ok(())
+    }
+
+    fn unsynced(&self) -> Option<Unsynced> {
+        let syncer = self.syncer.clone()?;
+        (syncer.durable() < self.appended).then_some(Unsynced {
+            syncer,
+            upto: self.appended,
+        })
     }
 }
 
@@ -278,6 +451,8 @@ pub struct Wal {
     kept: u64,
     /// A rewrite on its thread.
     rewriting: Option<Rewriting>,
+    /// Records were appended since [`Wal::take_unsynced`] last ran.
+    untaken: bool,
 }
 
 /// A rewrite under way.
@@ -298,12 +473,27 @@ impl Wal {
             since: 0,
             kept: 0,
             rewriting: None,
+            untaken: false,
         }
+    }
+
+    /// What was appended since this was last asked and is not yet synced (`--wal-sync`):
+    /// the store asks as it lets go of its lock, and waits for it before answering.
+    pub fn take_unsynced(&mut self) -> Option<Unsynced> {
+        std::mem::take(&mut self.untaken)
+            .then(|| self.sink.unsynced())
+            .flatten()
+    }
+
+    /// The end of what was appended, while it is not yet synced.
+    pub fn unsynced(&self) -> Option<Unsynced> {
+        self.sink.unsynced()
     }
 
     /// Appends one record; takes a finished rewrite in, or starts one when it is due.
     pub fn append(&mut self, r: &format::Record) -> io::Result<()> {
         self.sink.append(&format::encode_record(r))?;
+        self.untaken = true;
         self.since += 1;
         if self
             .rewriting
@@ -433,6 +623,56 @@ mod tests {
             read_log(&path).unwrap(),
             [Record::Pin { off: 5, pin: false }, Record::Del { off: 5 }]
         );
+    }
+
+    /// With `--wal-sync` an append syncs nothing: what a critical section appended is taken
+    /// once, and synced by whoever waits for it first (with what others appended by then);
+    /// a rewrite's swap leaves everything synced.
+    #[test]
+    fn each_record_is_synced_after_the_append_by_its_first_waiter() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("pool.wal");
+        let mut w = Wal::new(Box::new(
+            FileSink::open(&path, Durability::EachRecord).unwrap(),
+        ));
+        assert!(w.take_unsynced().is_none(), "nothing appended");
+        w.append(&seal(1)).unwrap();
+        let first = w.take_unsynced().expect("appended, not synced");
+        assert!(!first.synced());
+        assert!(w.take_unsynced().is_none(), "taken once");
+        w.append(&seal(2)).unwrap();
+        let second = w.take_unsynced().expect("appended, not synced");
+        assert!(second.upto() > first.upto());
+        // The second's waiter syncs both; the first's finds its records synced.
+        second.wait().unwrap();
+        assert!(first.synced() && second.synced());
+        first.wait().unwrap();
+        assert!(w.unsynced().is_none());
+        // Many waiters at once: each returns once its records are synced.
+        let waits: Vec<Unsynced> = (3..11)
+            .map(|i| {
+                w.append(&seal(i)).unwrap();
+                w.take_unsynced().unwrap()
+            })
+            .collect();
+        std::thread::scope(|s| {
+            for u in &waits {
+                s.spawn(|| {
+                    u.wait().unwrap();
+                    assert!(u.synced());
+                });
+            }
+        });
+        // A rewrite's swap (here a checkpoint) syncs the new log whole.
+        w.append(&seal(11)).unwrap();
+        w.checkpoint(&[seal(11)]).unwrap();
+        assert!(w.take_unsynced().is_none_or(|u| u.synced()));
+        // Without `--wal-sync` nothing is ever waited for.
+        let mut w = Wal::new(Box::new(
+            FileSink::open(&dir.path().join("other.wal"), Durability::Checkpoints).unwrap(),
+        ));
+        w.append(&seal(1)).unwrap();
+        assert!(w.take_unsynced().is_none());
     }
 
     fn seal(off: u64) -> Record {

@@ -20,22 +20,35 @@ struct Fixture {
 
 impl Fixture {
     fn new(size_mib: u64, eviction: Eviction, max_copy_entry: u64) -> Self {
+        Self::with_log(size_mib, eviction, max_copy_entry, false)
+    }
+
+    /// [`Fixture::new`], the pool's log synced at each record if `wal_sync`.
+    fn with_log(size_mib: u64, eviction: Eviction, max_copy_entry: u64, wal_sync: bool) -> Self {
         let dir = tempfile::tempdir().unwrap();
+        let store = Self::open(dir.path(), size_mib, eviction, max_copy_entry, wal_sync);
+        Fixture { store, _dir: dir }
+    }
+
+    fn open(
+        dir: &std::path::Path,
+        size_mib: u64,
+        eviction: Eviction,
+        max_copy_entry: u64,
+        wal_sync: bool,
+    ) -> Arc<Store> {
         let cfg = StoreConfig {
             eviction,
-            state_dir: dir.path().join("state"),
-            wal_sync: false,
+            state_dir: dir.join("state"),
+            wal_sync,
             max_copy_entry,
         };
         let spec = PoolSpec::parse(&format!(
             "file:{}/dev.img,size={size_mib}M,name=emu",
-            dir.path().display()
+            dir.display()
         ))
         .unwrap();
-        Fixture {
-            store: Store::open(cfg, &[spec]).unwrap(),
-            _dir: dir,
-        }
+        Store::open(cfg, &[spec]).unwrap()
     }
 
     fn fs(&self) -> StoreFs {
@@ -450,19 +463,30 @@ fn bytes(seed: u64, len: usize) -> Vec<u8> {
 /// step.
 #[test]
 fn both_doors_agree_with_a_model() {
+    agree_with_a_model(false);
+}
+
+/// [`both_doors_agree_with_a_model`] with each record of the pool's log synced (after the
+/// store's lock; a removed extent is freed once its record is).
+#[test]
+fn both_doors_agree_with_a_model_with_the_log_synced_at_each_record() {
+    agree_with_a_model(true);
+}
+
+fn agree_with_a_model(wal_sync: bool) {
     let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
         cases: 24,
         ..ProptestConfig::default()
     });
     let ops = proptest::collection::vec(op(), 1..60);
-    if let Err(e) = runner.run(&ops, |ops| run_model(&ops)) {
+    if let Err(e) = runner.run(&ops, |ops| run_model(&ops, wal_sync)) {
         panic!("{e}");
     }
 }
 
-fn run_model(ops: &[Op]) -> Result<(), TestCaseError> {
+fn run_model(ops: &[Op], wal_sync: bool) -> Result<(), TestCaseError> {
     {
-        let f = Fixture::new(64, Eviction::Off, 1 << 20);
+        let f = Fixture::with_log(64, Eviction::Off, 1 << 20, wal_sync);
         let root = me(0, 0);
         let fs = f.fs();
         let mut model: BTreeMap<(String, String), Vec<u8>> = BTreeMap::new();
@@ -570,6 +594,27 @@ fn run_model(ops: &[Op]) -> Result<(), TestCaseError> {
         for ((n, key), v) in &model {
             prop_assert_eq!(f.get(n, key), Some(v.clone()));
         }
+        // Started again on its pool and log, the store has what the model has.
+        drop(fs);
+        let Fixture { store, _dir } = f;
+        drop(store);
+        let store = Fixture::open(_dir.path(), 64, Eviction::Off, 1 << 20, wal_sync);
+        let f = Fixture { store, _dir };
+        for ((n, key), v) in &model {
+            prop_assert_eq!(f.get(n, key), Some(v.clone()));
+        }
+        // Emptied, it uses nothing: every removed extent was freed.
+        let all: BTreeMap<&String, Vec<String>> =
+            model.keys().fold(BTreeMap::new(), |mut m, (n, k)| {
+                m.entry(n).or_insert_with(Vec::new).push(k.clone());
+                m
+            });
+        for (n, keys) in all {
+            for r in f.store.delete(&root, n, &keys).unwrap() {
+                prop_assert!(r.is_ok());
+            }
+        }
+        prop_assert_eq!(f.store.pools()[0].used, 0);
     }
     Ok(())
 }

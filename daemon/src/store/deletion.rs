@@ -11,10 +11,10 @@
 //! Pins take the same three steps, one pin verb at a time (`Store::pins`), so that an
 //! entry's pin here ends as the authority last recorded it.
 
+use super::locked::Locked;
 use maru::name::split_ns;
 use maru::{Error, Result};
 use maru_fsd::Caller;
-use parking_lot::MutexGuard;
 
 use super::authority::{Placed, Publishing, Withdrawn};
 use super::entries::Entry;
@@ -70,7 +70,7 @@ impl Store {
     /// Deletes entries; one outcome per key.
     pub fn delete(&self, c: &Caller, ns: &str, keys: &[String]) -> Result<Vec<Result<()>>> {
         split_ns(ns)?;
-        let mut st = self.st.lock();
+        let mut st = self.lock();
         self.wait_imminent(&mut st, ns, keys);
         let mut found: Vec<Found> = Vec::new();
         let mut out = Self::each_entry(
@@ -99,7 +99,7 @@ impl Store {
     /// [`Store::delete`] does, while the authority records the removal.
     pub(super) fn delete_entry(
         &self,
-        st: &mut MutexGuard<'_, State>,
+        st: &mut Locked<'_>,
         ns: &str,
         ino: u64,
     ) -> Result<Option<Invalidation>> {
@@ -115,7 +115,7 @@ impl Store {
     /// and the names to forget.
     pub(super) fn remove_found(
         &self,
-        st: &mut MutexGuard<'_, State>,
+        st: &mut Locked<'_>,
         found: &[Found],
         evicted: bool,
     ) -> (Vec<Result<()>>, Vec<Invalidation>) {
@@ -129,7 +129,7 @@ impl Store {
                 self.authority.withdrawing(&f.ns, &f.key);
             }
             let asks = asks(found);
-            let w = MutexGuard::unlocked(st, || {
+            let w = st.unlocked(|| {
                 let w = self.authority.withdraw(&asks);
                 for (a, _) in asks.iter().zip(&w).filter(|(_, w)| w.is_ok()) {
                     self.ask_gate("withdrawn", a.ns, a.key);
@@ -175,7 +175,7 @@ impl Store {
     ) -> Result<Vec<Result<()>>> {
         split_ns(ns)?;
         let _one_at_a_time = self.pins.lock();
-        let mut st = self.st.lock();
+        let mut st = self.lock();
         self.wait_imminent(&mut st, ns, keys);
         let mut found: Vec<Option<Found>> = Vec::new();
         let mut out = Self::each_entry(
@@ -191,7 +191,7 @@ impl Store {
                 Ok(())
             },
         )?;
-        let asked: Vec<Result<()>> = MutexGuard::unlocked(&mut st, || {
+        let asked: Vec<Result<()>> = st.unlocked(|| {
             found
                 .iter()
                 .map(|f| match f {

@@ -67,7 +67,7 @@ impl Store {
             errno,
             "a write through the mount failed: the entry will not be published"
         );
-        let mut st = self.st.lock();
+        let mut st = self.lock();
         self.abandon(&mut st, ino, Some(errno));
         Err(e)
     }
@@ -104,7 +104,7 @@ impl Store {
         let r = match fallocate() {
             Ok(()) => Ok(()),
             Err(nix::errno::Errno::ENOSPC)
-                if self.ensure_free(&mut self.st.lock(), pool, end - offset) =>
+                if self.ensure_free(&mut self.lock(), pool, end - offset) =>
             {
                 fallocate()
             }
@@ -122,7 +122,7 @@ impl Store {
 
     /// The buffer of `ino` (an entry being written through the mount into a raw pool).
     fn buffer(&self, ino: u64) -> Result<Option<super::pools::buffer::Shared>> {
-        let mut st = self.st.lock();
+        let mut st = self.lock();
         Ok(match &Store::writing(&mut st, ino)?.backing {
             Backing::Buffer { buf, .. } => Some(buf.clone()),
             _ => None,
@@ -131,7 +131,7 @@ impl Store {
 
     /// The guard of `ino`'s size changes (an entry being written through the mount).
     fn resizing(&self, ino: u64) -> Result<std::sync::Arc<parking_lot::Mutex<()>>> {
-        let mut st = self.st.lock();
+        let mut st = self.lock();
         let a = Store::writing(&mut st, ino)?;
         Ok(a.mount().expect("a mount write").resizing.clone())
     }
@@ -141,7 +141,7 @@ impl Backend for StoreFs {
     /// Looks `name` up in namespace `parent`. Entries being written are visible only to the
     /// process writing them; a committed one makes others wait (up to 1 s) for its release.
     fn lookup(&self, c: &Caller, parent: u64, name: &str) -> Result<Attr> {
-        let mut st = self.0.st.lock();
+        let mut st = self.0.lock();
         let deadline = Instant::now() + Duration::from_secs(1);
         let mut tgid = None;
         loop {
@@ -166,14 +166,14 @@ impl Backend for StoreFs {
             if m.tgid == me {
                 return Ok(a.attr(id));
             }
-            if !m.committed() || self.0.sealed.wait_until(&mut st, deadline).timed_out() {
+            if !m.committed() || st.wait_until(&self.0.sealed, deadline).timed_out() {
                 return Err(Error::NotFound(join(&p, name)));
             }
         }
     }
 
     fn getattr(&self, ino: u64) -> Result<Attr> {
-        let st = self.0.st.lock();
+        let st = self.0.lock();
         if let Some(e) = st.entries.get(&ino) {
             return Ok(e.attr());
         }
@@ -193,7 +193,7 @@ impl Backend for StoreFs {
     }
 
     fn readdir(&self, c: &Caller, ino: u64) -> Result<Vec<DirEntry>> {
-        let st = self.0.st.lock();
+        let st = self.0.lock();
         let p = st.ns.path_of(ino)?;
         Store::allow(&st, c, p, Access::List)?;
         let n = st.ns.get(p)?;
@@ -213,14 +213,14 @@ impl Backend for StoreFs {
     }
 
     fn mkdir(&self, c: &Caller, parent: u64, name: &str, mode: u32) -> Result<Attr> {
-        let p = self.0.st.lock().ns.path_of(parent)?.to_owned();
+        let p = self.0.lock().ns.path_of(parent)?.to_owned();
         let ino = self.0.mkdir(c, &join(&p, name), mode)?;
         self.getattr(ino)
     }
 
     fn rmdir(&self, c: &Caller, parent: u64, name: &str) -> Result<()> {
         let full = {
-            let st = self.0.st.lock();
+            let st = self.0.lock();
             let p = st.ns.path_of(parent)?;
             if st.ns.get(p)?.entries.contains_key(name) {
                 return Err(Error::from_errno(libc::ENOTDIR));
@@ -231,7 +231,7 @@ impl Backend for StoreFs {
     }
 
     fn create(&self, c: &Caller, parent: u64, name: &str, mode: u32) -> Result<(Attr, OpenedFile)> {
-        let mut st = self.0.st.lock();
+        let mut st = self.0.lock();
         let p = st.ns.path_of(parent)?.to_owned();
         if p.is_empty() {
             return Err(Error::PermissionDenied(
@@ -279,7 +279,7 @@ impl Backend for StoreFs {
     }
 
     fn open(&self, c: &Caller, ino: u64, write: bool) -> Result<OpenedFile> {
-        let mut st = self.0.st.lock();
+        let mut st = self.0.lock();
         if let Some(e) = st.entries.get(&ino) {
             if write {
                 return Err(Error::ReadOnly("sealed entries are immutable".into()));
@@ -331,7 +331,7 @@ impl Backend for StoreFs {
     fn reopen(&self, _c: &Caller, ino: u64) -> Result<()> {
         // The hot path of a retrieval: the kernel checked the caller's permissions
         // (default_permissions) before asking; only the use is recorded.
-        if self.0.st.lock().touch(ino) {
+        if self.0.lock().touch(ino) {
             Ok(())
         } else {
             Err(Error::NotFound(format!("inode {ino}")))
@@ -339,7 +339,7 @@ impl Backend for StoreFs {
     }
 
     fn close(&self, ino: u64) {
-        let mut st = self.0.st.lock();
+        let mut st = self.0.lock();
         let held = match st.fuse_leases.get_mut(&ino) {
             Some(n) => {
                 *n -= 1;
@@ -356,7 +356,7 @@ impl Backend for StoreFs {
     }
 
     fn commit(&self, _c: &Caller, ino: u64, abandoned: bool) -> Result<()> {
-        let mut st = self.0.st.lock();
+        let mut st = self.0.lock();
         if st.allocs.get(&ino).and_then(Alloc::mount).is_none() {
             return Ok(());
         }
@@ -382,7 +382,7 @@ impl Backend for StoreFs {
         let resizing = self.0.resizing(ino)?;
         let _one = resizing.lock();
         let (file, pool) = {
-            let mut st = self.0.st.lock();
+            let mut st = self.0.lock();
             let max = self.0.cfg.max_copy_entry;
             let pool = Store::writing(&mut st, ino)?.pool;
             let cap = st.pools[pool].pool.capacity();
@@ -411,7 +411,7 @@ impl Backend for StoreFs {
         if let Some(b) = &mut grown {
             b.grow(end as usize);
         }
-        let mut st = self.0.st.lock();
+        let mut st = self.0.lock();
         let a = Store::writing(&mut st, ino)?;
         if let Backing::File { span, .. } = &mut a.backing {
             *span = (*span).max(end);
@@ -423,7 +423,7 @@ impl Backend for StoreFs {
 
     /// Publishes the entry being written `ino` at its writer's last release.
     fn seal(&self, ino: u64) -> Result<()> {
-        let mut st = self.0.st.lock();
+        let mut st = self.0.lock();
         let Some(m) = st.allocs.get(&ino).and_then(Alloc::mount) else {
             return Ok(());
         };
@@ -455,7 +455,7 @@ impl Backend for StoreFs {
     }
 
     fn abort(&self, ino: u64) {
-        let mut st = self.0.st.lock();
+        let mut st = self.0.lock();
         self.0.copied(&mut st, ino);
         self.0.abandon(&mut st, ino, None);
         self.0.drop_alloc(&mut st, ino);
@@ -465,7 +465,7 @@ impl Backend for StoreFs {
 
     fn truncate(&self, ino: u64, size: u64) -> Result<Attr> {
         {
-            let st = self.0.st.lock();
+            let st = self.0.lock();
             if let Some(e) = st.entries.get(&ino) {
                 if e.size() == size {
                     return Ok(e.attr());
@@ -476,7 +476,7 @@ impl Backend for StoreFs {
         // One size change of this entry at a time; its pages are reserved without the lock.
         let resizing = self.0.resizing(ino)?;
         let _one = resizing.lock();
-        let mut st = self.0.st.lock();
+        let mut st = self.0.lock();
         let max = self.0.cfg.max_copy_entry;
         let a = Store::writing(&mut st, ino)?;
         let pool = a.pool;
@@ -498,7 +498,7 @@ impl Backend for StoreFs {
                     self.0.reserve(pool, &file, old, size)?;
                 }
                 file.set_len(size)?;
-                let mut st = self.0.st.lock();
+                let mut st = self.0.lock();
                 let a = Store::writing(&mut st, ino)?;
                 if let Backing::File { span, .. } = &mut a.backing {
                     *span = size;
@@ -516,7 +516,7 @@ impl Backend for StoreFs {
                 drop(st);
                 let mut b = buf.lock();
                 b.resize(size as usize);
-                let mut st = self.0.st.lock();
+                let mut st = self.0.lock();
                 let a = Store::writing(&mut st, ino)?;
                 a.mtime = SystemTime::now();
                 a.mount_mut().expect("a mount write").len = size;
@@ -537,7 +537,7 @@ impl Backend for StoreFs {
         uid: Option<u32>,
         gid: Option<u32>,
     ) -> Result<Attr> {
-        let mut guard = self.0.st.lock();
+        let mut guard = self.0.lock();
         let st = &mut *guard;
         let apply = |p: &mut Perm, mask: u32| {
             if let Some(m) = mode {
@@ -600,7 +600,7 @@ impl Backend for StoreFs {
     /// are read without the store's lock: a raw pool's extent is leased meanwhile (it is not
     /// reused, the entry is not evicted), and a pack never reuses its bytes.
     fn read(&self, ino: u64, offset: u64, len: u32) -> Result<Vec<u8>> {
-        let mut guard = self.0.st.lock();
+        let mut guard = self.0.lock();
         let st = &mut *guard;
         let sealed = st.entries.contains_key(&ino);
         if sealed || st.zombies.contains_key(&ino) {
@@ -635,7 +635,7 @@ impl Backend for StoreFs {
             let mut buf = vec![0u8; n];
             let r = reader.read(offset, &mut buf);
             if leased {
-                self.0.st.lock().unlease(&*self.0.authority, ino, 1);
+                self.0.lock().unlease(&*self.0.authority, ino, 1);
             }
             return r.map(|()| buf);
         }
@@ -677,7 +677,7 @@ impl Backend for StoreFs {
         // The fault-injection seam (tests, feature `seams`): this write fails with that errno.
         let fault = self.0.data_fault(ino);
         let (file, pool) = {
-            let mut st = self.0.st.lock();
+            let mut st = self.0.lock();
             let max = self.0.cfg.max_copy_entry;
             let a = Store::writing(&mut st, ino)?;
             let pool = a.pool;
@@ -701,7 +701,7 @@ impl Backend for StoreFs {
                     drop(st);
                     let mut b = buf.lock();
                     b.write(offset as usize, data);
-                    let mut st = self.0.st.lock();
+                    let mut st = self.0.lock();
                     if let Some(m) = st.allocs.get_mut(&ino).and_then(Alloc::mount_mut) {
                         m.len = m.len.max(end);
                     }
@@ -748,14 +748,14 @@ impl Backend for StoreFs {
                     // The pool is full: make room as a store would (with eviction on), once.
                     evicted = true;
                     let want = (data.len() as u64).saturating_add(GROW);
-                    if !self.0.ensure_free(&mut self.0.st.lock(), pool, want) {
+                    if !self.0.ensure_free(&mut self.0.lock(), pool, want) {
                         return self.0.fail(ino, e.into());
                     }
                 }
                 Err(e) => return self.0.fail(ino, e.into()),
             }
         }
-        let mut st = self.0.st.lock();
+        let mut st = self.0.lock();
         if let Some(m) = st.allocs.get_mut(&ino).and_then(Alloc::mount_mut) {
             m.len = m.len.max(end);
         }
@@ -763,7 +763,7 @@ impl Backend for StoreFs {
     }
 
     fn unlink(&self, c: &Caller, parent: u64, name: &str) -> Result<()> {
-        let mut st = self.0.st.lock();
+        let mut st = self.0.lock();
         let p = st.ns.path_of(parent)?.to_owned();
         // A writer whose publication is at the authority: its answer first.
         self.0
@@ -806,7 +806,7 @@ impl Backend for StoreFs {
         newparent: u64,
         newname: &str,
     ) -> Result<()> {
-        let mut st = self.0.st.lock();
+        let mut st = self.0.lock();
         let p = st.ns.path_of(parent)?.to_owned();
         let np = st.ns.path_of(newparent)?.to_owned();
         self.0
@@ -864,7 +864,7 @@ impl Backend for StoreFs {
     }
 
     fn statfs(&self) -> (u64, u64, u64) {
-        let st = self.0.st.lock();
+        let st = self.0.lock();
         let (total, free) = st.pools.iter().fold((0, 0), |(t, f), p| {
             (t + p.pool.capacity(), f + p.pool.free_space())
         });
@@ -874,7 +874,7 @@ impl Backend for StoreFs {
     /// An entry whose writer's close committed it is reported once sealed (the kernel's
     /// release follows the close asynchronously; it is waited for up to a second).
     fn xattrs(&self, ino: u64) -> Result<Vec<Xattr>> {
-        let mut st = self.0.st.lock();
+        let mut st = self.0.lock();
         let deadline = Instant::now() + Duration::from_secs(1);
         while st
             .allocs
@@ -882,7 +882,7 @@ impl Backend for StoreFs {
             .and_then(Alloc::mount)
             .is_some_and(|m| m.committed())
         {
-            if self.0.sealed.wait_until(&mut st, deadline).timed_out() {
+            if st.wait_until(&self.0.sealed, deadline).timed_out() {
                 break;
             }
         }
@@ -942,7 +942,7 @@ impl Backend for StoreFs {
 
     fn set_pinned(&self, c: &Caller, ino: u64, pinned: bool) -> Result<()> {
         let (ns, key) = {
-            let st = self.0.st.lock();
+            let st = self.0.lock();
             let e = st
                 .entries
                 .get(&ino)

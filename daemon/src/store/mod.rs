@@ -43,8 +43,13 @@
 //! ([`pools::buffer`], `Store::copy_in`), and on a pool without coherence across hosts the
 //! write-back of a published entry's lines (before its publication is asked for,
 //! [`crate::coherence::WriteBack`]) and a reader's invalidation of another host's entry
-//! before its first read here (`Store::drop_stale`). Not yet: a raw pool's log synced at
-//! each record (`--wal-sync`).
+//! before its first read here (`Store::drop_stale`), and with `--wal-sync` the sync of each
+//! record of a pool's log: written under the lock, synced once the lock is let go, before
+//! the verb answers, with the records of other clients waiting then ([`locked`],
+//! [`crate::wal::Syncer`]); a removed extent is freed once its removal's record is synced.
+//! The one exception: a log's rewrite, made off the lock, is swapped in under it, and the
+//! records appended while it ran are synced in the new file first (once per
+//! [`crate::wal::REWRITE_AFTER`] records).
 
 pub mod authority;
 mod deletion;
@@ -52,6 +57,7 @@ mod entries;
 pub mod fsview;
 mod hashmap;
 pub mod ids;
+mod locked;
 mod lru;
 mod namespaces;
 mod placement;
@@ -72,11 +78,12 @@ use std::fs::File;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant, SystemTime};
 
+use locked::Locked;
 use maru::name::split_ns;
 use maru::proto::{ClientInfo, Grant, Located, NsInfo, PoolInfo, PoolKind, Stats};
 use maru::{Error, Result};
 use maru_fsd::Caller;
-use parking_lot::{Condvar, Mutex, MutexGuard};
+use parking_lot::{Condvar, Mutex};
 
 use crate::alloc::align_up;
 use crate::pool::{ENTRY_ALIGN, PoolSpec};
@@ -218,7 +225,7 @@ impl Store {
     /// Creates namespace `ns`.
     pub fn mkdir(&self, c: &Caller, ns: &str, mode: u32) -> Result<u64> {
         split_ns(ns)?;
-        let mut st = self.st.lock();
+        let mut st = self.lock();
         if st.ns.contains(ns) {
             return Err(Error::Exists(format!("namespace `{ns}`")));
         }
@@ -246,7 +253,7 @@ impl Store {
     /// Removes the empty namespace `ns`.
     pub fn rmdir(&self, c: &Caller, ns: &str) -> Result<()> {
         split_ns(ns)?;
-        let mut st = self.st.lock();
+        let mut st = self.lock();
         let n = st.ns.get(ns)?;
         let perm = n.perm;
         let empty = n.is_empty();
@@ -268,12 +275,12 @@ impl Store {
     pub fn set_quota(&self, c: &Caller, ns: &str, bytes: Option<u64>) -> Result<()> {
         split_ns(ns)?;
         {
-            let st = self.st.lock();
+            let st = self.lock();
             Self::allow(&st, c, ns, Access::SetQuota)?;
             st.ns.get(ns)?;
         }
         self.authority.set_quota(ns, bytes)?;
-        let mut st = self.st.lock();
+        let mut st = self.lock();
         // Removed meanwhile: the quota holds for the namespace of that name made again.
         st.ensure_ns_here(ns)?;
         st.ns.get_mut(ns)?.quota = self.authority.quota(ns).unwrap_or(bytes);
@@ -308,7 +315,7 @@ impl Store {
         if self.authority.fenced() {
             return Err(authority::fenced_error());
         }
-        let mut st = self.st.lock();
+        let mut st = self.lock();
         let hint = match pool {
             Some(name) => Some(
                 st.pools
@@ -415,12 +422,12 @@ impl Store {
     /// Sets until when clients may trust the namespaces' indexes (cluster mode: the
     /// authority's fence, as it stood a moment ago, so never later than it).
     pub fn set_fence(&self, until: u64) {
-        self.st.lock().ns.set_fence(until);
+        self.lock().ns.set_fence(until);
     }
 
     /// Gives allocations back.
     pub fn free(&self, session: SessionId, ids: &[u64]) -> Result<()> {
-        let mut st = self.st.lock();
+        let mut st = self.lock();
         for id in ids {
             if st.allocs.get(id).and_then(Alloc::session) != Some(session) {
                 return Err(Error::InvalidArgument(format!(
@@ -452,7 +459,7 @@ impl Store {
 
     /// A descriptor of raw pool `pool` for a session's grants (`write`) or retrievals.
     pub fn raw_pool_fd(&self, pool: u32, write: bool) -> Result<File> {
-        let st = self.st.lock();
+        let st = self.lock();
         let p = st
             .pools
             .get(pool as usize)
@@ -463,7 +470,7 @@ impl Store {
     /// Which keys exist.
     pub fn exists(&self, c: &Caller, ns: &str, keys: &[String]) -> Result<Vec<bool>> {
         split_ns(ns)?;
-        let mut st = self.st.lock();
+        let mut st = self.lock();
         self.wait_imminent(&mut st, ns, keys);
         Self::allow(&st, c, ns, Access::Lookup)?;
         let n = st.ns.get(ns)?;
@@ -480,17 +487,17 @@ impl Store {
 
     /// Waits (at most a second) while any of `keys` is about to be published through the
     /// mount (its writer's close committed it; the kernel's release is on its way).
-    fn wait_imminent(&self, st: &mut MutexGuard<'_, State>, ns: &str, keys: &[String]) {
+    fn wait_imminent(&self, st: &mut Locked<'_>, ns: &str, keys: &[String]) {
         self.wait_while(st, |st| {
             keys.iter().any(|k| publication_imminent(st, ns, k))
         });
     }
 
     /// Waits (at most a second) while `pending` holds, woken at each publication.
-    fn wait_while(&self, st: &mut MutexGuard<'_, State>, pending: impl Fn(&State) -> bool) {
+    fn wait_while(&self, st: &mut Locked<'_>, pending: impl Fn(&State) -> bool) {
         let deadline = Instant::now() + Duration::from_secs(1);
         while pending(st) {
-            if self.sealed.wait_until(st, deadline).timed_out() {
+            if st.wait_until(&self.sealed, deadline).timed_out() {
                 break;
             }
         }
@@ -536,7 +543,7 @@ impl Store {
         hold: bool,
     ) -> Result<Vec<Result<()>>> {
         split_ns(ns)?;
-        let mut st = self.st.lock();
+        let mut st = self.lock();
         let c = st.caller(session)?;
         if hold {
             self.wait_imminent(&mut st, ns, keys);
@@ -597,7 +604,7 @@ impl Store {
         if !ns.is_empty() {
             split_ns(ns)?;
         }
-        let mut st = self.st.lock();
+        let mut st = self.lock();
         Self::allow(&st, c, ns, Access::List)?;
         // Names whose writers closed them are listed, as a lookup finds them.
         self.wait_while(&mut st, |st| {
@@ -658,13 +665,13 @@ impl Store {
     /// Pool descriptions.
     pub fn pools(&self) -> Vec<PoolInfo> {
         let huge = shmem_huge_bytes();
-        Self::pool_infos(&self.st.lock(), huge)
+        Self::pool_infos(&self.lock(), huge)
     }
 
     /// Store-wide statistics.
     pub fn stats(&self) -> Stats {
         let huge = shmem_huge_bytes();
-        let st = self.st.lock();
+        let st = self.lock();
         let mut namespaces: Vec<NsInfo> = st.ns.iter().filter_map(|(k, _)| st.ns.info(k)).collect();
         namespaces.sort_by(|a, b| a.ns.cmp(&b.ns));
         let mut clients: Vec<ClientInfo> = st
@@ -724,7 +731,7 @@ impl Store {
     /// Evicts LRU entries until `bytes` are free in every pool (or nothing is left to
     /// evict); root only. Returns (entries, bytes) evicted.
     pub fn evict(&self, c: &Caller, bytes: u64) -> Result<(u64, u64)> {
-        let mut st = self.st.lock();
+        let mut st = self.lock();
         Self::allow(&st, c, "", Access::Evict)?;
         let mut total = (0, 0);
         for p in (0..st.pools.len()).map(PoolIdx::at) {
@@ -740,7 +747,7 @@ impl Store {
 
     /// Checks every invariant the tests rely on; returns a description of the first violation.
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
-        let st = self.st.lock();
+        let st = self.lock();
         for p in &st.pools {
             let sealed: u64 = st
                 .entries
@@ -825,14 +832,19 @@ impl Store {
 
     /// Unmounts the memfs pools this daemon mounted (clean shutdown with `--unmount-pools`).
     pub fn unmount_pools(&self) {
-        for p in &self.st.lock().pools {
+        for p in &self.lock().pools {
             p.pool.unmount();
         }
     }
 
+    /// Takes the store's lock (see the rule above; [`locked`]).
+    fn lock(&self) -> Locked<'_> {
+        Locked::new(&self.st)
+    }
+
     /// Makes raw pool logs durable.
     pub fn sync(&self) {
-        for p in &mut self.st.lock().pools {
+        for p in &mut self.lock().pools {
             p.pool.sync();
         }
     }

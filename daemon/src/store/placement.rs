@@ -10,11 +10,10 @@ use super::Store;
 use super::deletion::Found;
 use super::entries::Removal;
 use super::ids::PoolIdx;
+use super::locked::Locked;
 use super::pools::{Backing, Requester};
 use super::settings::Eviction;
-use super::state::State;
 use crate::pool::ENTRY_ALIGN;
-use parking_lot::MutexGuard;
 
 impl Store {
     /// Evicts LRU entries of `pool` (any pool when `None`) until `want` bytes were freed;
@@ -26,7 +25,7 @@ impl Store {
     /// go without the lock, and the wait for the other hosts' acknowledgements without it too.
     pub(super) fn evict_lru(
         &self,
-        st: &mut MutexGuard<'_, State>,
+        st: &mut Locked<'_>,
         pool: Option<PoolIdx>,
         want: u64,
     ) -> (u64, u64) {
@@ -73,12 +72,7 @@ impl Store {
     }
 
     /// [`Store::evict_lru`] of `candidates` (oldest first) in a pool shared with other hosts.
-    fn evict_shared(
-        &self,
-        st: &mut MutexGuard<'_, State>,
-        candidates: Vec<u64>,
-        want: u64,
-    ) -> (u64, u64) {
+    fn evict_shared(&self, st: &mut Locked<'_>, candidates: Vec<u64>, want: u64) -> (u64, u64) {
         let (mut chosen, mut sizes) = (Vec::new(), Vec::new());
         let mut planned = 0;
         for ino in candidates {
@@ -105,7 +99,7 @@ impl Store {
         if count > 0 {
             // Hosts sharing the pool may map what was evicted: the space comes back once each
             // acknowledged the removals (one wait for the whole batch, without the lock).
-            let free = MutexGuard::unlocked(st, || self.authority.settle());
+            let free = st.unlocked(|| self.authority.settle());
             for (pool, offset) in free {
                 st.free_unheld(&pool, offset);
             }
@@ -115,12 +109,7 @@ impl Store {
 
     /// Evicts least recently used entries of `pool` until `want` bytes are free (with eviction
     /// on; nothing otherwise). Returns whether that much is free.
-    pub(super) fn ensure_free(
-        &self,
-        st: &mut MutexGuard<'_, State>,
-        pool: PoolIdx,
-        want: u64,
-    ) -> bool {
+    pub(super) fn ensure_free(&self, st: &mut Locked<'_>, pool: PoolIdx, want: u64) -> bool {
         let want = want.min(st.pools[pool].pool.capacity());
         for _round in 0..32 {
             let free = st.pools[pool].pool.free_space();
@@ -145,7 +134,7 @@ impl Store {
     /// allocation does not stall the others; everything else it does under the lock.
     pub(super) fn place(
         &self,
-        st: &mut MutexGuard<'_, State>,
+        st: &mut Locked<'_>,
         who: &Requester<'_>,
         id: u64,
         size: u64,
@@ -209,7 +198,7 @@ impl Store {
     /// claimed that one first.
     fn grant(
         &self,
-        st: &mut MutexGuard<'_, State>,
+        st: &mut Locked<'_>,
         q: PoolIdx,
         who: &Requester<'_>,
         id: u64,
@@ -218,7 +207,7 @@ impl Store {
         let mut refused = Refused::default();
         loop {
             let b = match &self.preparers[q.slot()] {
-                Some(p) if p.prepares(size, who) => MutexGuard::unlocked(st, || p.prepare(size))?,
+                Some(p) if p.prepares(size, who) => st.unlocked(|| p.prepare(size))?,
                 _ => st.pools[q].pool.grant(id, size, who)?,
             };
             let Some(region) = st.pools[q].pool.unclaimed(id) else {
@@ -239,7 +228,7 @@ impl Store {
     /// placed in the region meanwhile).
     pub(super) fn claim(
         &self,
-        st: &mut MutexGuard<'_, State>,
+        st: &mut Locked<'_>,
         q: PoolIdx,
         (offset, len): (u64, u64),
     ) -> Result<()> {
@@ -250,7 +239,7 @@ impl Store {
             .to_owned();
         let claim = || self.authority.claim_region(&uuid, offset, len);
         let r = if self.authority.shared() {
-            MutexGuard::unlocked(st, claim)
+            st.unlocked(claim)
         } else {
             claim()
         };

@@ -20,9 +20,9 @@
 
 use std::sync::Arc;
 
+use super::locked::Locked;
 use maru::name::{check_component, split_ns};
 use maru::{Error, Result};
-use parking_lot::MutexGuard;
 
 use super::authority::{Placed, Publishing};
 use super::entries::Entry;
@@ -87,7 +87,7 @@ impl Store {
     /// allocation's id, or why it was refused: a refused allocation is freed). The
     /// authority is asked for all of them at once (see the module's documentation).
     pub fn publish_many(&self, session: SessionId, items: &[Publish<'_>]) -> Vec<Result<u64>> {
-        let mut st = self.st.lock();
+        let mut st = self.lock();
         let mut placed: Vec<Result<Placing>> = items
             .iter()
             .map(|p| self.place_publication(&mut st, session, p))
@@ -119,11 +119,7 @@ impl Store {
             }
             verdicts
         };
-        let verdicts = if unlocked {
-            MutexGuard::unlocked(&mut st, ask)
-        } else {
-            ask()
-        };
+        let verdicts = if unlocked { st.unlocked(ask) } else { ask() };
         let mut verdicts = verdicts.into_iter();
         for (p, r) in items.iter().zip(&mut placed).filter(|(_, r)| r.is_ok()) {
             if let Err(e) = verdicts.next().expect("one verdict per publication") {
@@ -256,7 +252,7 @@ impl Store {
     /// authority reserves the name when it and the pool are shared (the writer marked as
     /// asking), and while the bytes are copied; what may have changed meanwhile is checked
     /// again after.
-    pub(super) fn try_commit(&self, st: &mut MutexGuard<'_, State>, ino: u64) -> Result<()> {
+    pub(super) fn try_commit(&self, st: &mut Locked<'_>, ino: u64) -> Result<()> {
         let Some((ns, key, _)) = Self::commit_checks(st, ino)? else {
             return Ok(()); // unlinked: nothing to publish, nothing to report
         };
@@ -265,7 +261,7 @@ impl Store {
         let asked = self.authority.shared() && uuid.is_some();
         if asked {
             st.writer_asking(ino, true);
-            let reserved = MutexGuard::unlocked(st, || {
+            let reserved = st.unlocked(|| {
                 self.authority
                     .reserve_everywhere(&ns, &key, ino, uuid.as_deref())
             });
@@ -310,12 +306,7 @@ impl Store {
     /// waits; its drop too, `Store::copied`), after the claim of a region carved for them
     /// (`Pool::unclaimed`), made in the same unlocked window. Returns whether the lock was
     /// let go of.
-    pub(super) fn copy_in(
-        &self,
-        st: &mut MutexGuard<'_, State>,
-        ino: u64,
-        len: u64,
-    ) -> Result<bool> {
+    pub(super) fn copy_in(&self, st: &mut Locked<'_>, ino: u64, len: u64) -> Result<bool> {
         let waited = self.copied(st, ino);
         let mut refused = Refused::default();
         loop {
@@ -333,7 +324,7 @@ impl Store {
                 return Ok(waited);
             }
             st.writer_copying(ino, true);
-            let (claim, copied) = MutexGuard::unlocked(st, || {
+            let (claim, copied) = st.unlocked(|| {
                 let claim = region.map(|(offset, rlen)| {
                     let uuid = uuid.as_deref().expect("only raw pools carve regions");
                     self.authority.claim_region(uuid, offset, rlen)
@@ -367,7 +358,7 @@ impl Store {
     }
 
     /// Waits until no copy of writer `ino`'s bytes is under way; returns whether it waited.
-    pub(super) fn copied(&self, st: &mut MutexGuard<'_, State>, ino: u64) -> bool {
+    pub(super) fn copied(&self, st: &mut Locked<'_>, ino: u64) -> bool {
         let mut waited = false;
         while st
             .allocs
@@ -375,7 +366,7 @@ impl Store {
             .and_then(Alloc::mount)
             .is_some_and(|m| m.copying())
         {
-            self.sealed.wait(st);
+            st.wait(&self.sealed);
             waited = true;
         }
         waited
@@ -385,7 +376,7 @@ impl Store {
     /// committed again if its length changed since its last close (or it had no close), its
     /// bytes copied, then sealed under its target as it is then. Nothing when it was unlinked
     /// or failed meanwhile (the caller drops it).
-    pub(super) fn seal_written(&self, st: &mut MutexGuard<'_, State>, ino: u64) -> Result<()> {
+    pub(super) fn seal_written(&self, st: &mut Locked<'_>, ino: u64) -> Result<()> {
         let m = st.allocs[&ino].mount().expect("a mount write");
         let len = m.len;
         // Normally committed by its writer's last close; a size that changed since (or no
@@ -436,7 +427,7 @@ impl Store {
     /// again meanwhile).
     pub(super) fn rename_sealed(
         &self,
-        st: &mut MutexGuard<'_, State>,
+        st: &mut Locked<'_>,
         ino: u64,
         ns: &str,
         key: &str,
@@ -466,7 +457,7 @@ impl Store {
             place,
             size,
         };
-        let granted = MutexGuard::unlocked(st, || {
+        let granted = st.unlocked(|| {
             self.authority.publish(ns, key, ino, &placed)?;
             self.authority
                 .unpublish(&from_ns, &from_key, ino, &placed, None)
@@ -500,7 +491,7 @@ impl Store {
     /// anyway has its publication taken back.
     pub(super) fn seal(
         &self,
-        st: &mut MutexGuard<'_, State>,
+        st: &mut Locked<'_>,
         id: u64,
         ns: &str,
         key: &str,
@@ -514,7 +505,7 @@ impl Store {
         };
         if self.authority.shared() && at.pool.is_some() {
             st.writer_asking(id, true);
-            let granted = MutexGuard::unlocked(st, || {
+            let granted = st.unlocked(|| {
                 placing.write_back();
                 self.authority.publish(ns, key, id, &at)
             });

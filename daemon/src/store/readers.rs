@@ -39,7 +39,7 @@ impl Store {
         mut pool_fd_sent: impl FnMut(u32) -> bool,
     ) -> Result<Retrieved> {
         split_ns(ns)?;
-        let mut st = self.st.lock();
+        let mut st = self.lock();
         let c = st.caller(session)?;
         self.wait_imminent(&mut st, ns, keys);
         let chain = st.ns.chain(ns);
@@ -104,7 +104,7 @@ impl Store {
     /// and the directories in which its memfs entries are files.
     pub fn index_fd(&self, c: &Caller, ns: &str) -> Result<IndexGrant> {
         split_ns(ns)?;
-        let st = self.st.lock();
+        let st = self.lock();
         Self::allow(&st, c, ns, Access::List)?;
         let n = st.ns.get(ns)?;
         // The memfs pools' directories of the namespace, for a caller that may open the
@@ -147,7 +147,7 @@ impl Store {
     /// retrieved and become the most recently used. Generations of entries gone, or that `c`
     /// may not read, are ignored.
     pub fn accessed(&self, c: &Caller, gens: &[u64]) {
-        let mut st = self.st.lock();
+        let mut st = self.lock();
         // The permissions along the last namespace seen (a report is mostly of one).
         let mut chain: Option<(String, Vec<Perm>)> = None;
         for g in gens {

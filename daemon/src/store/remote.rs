@@ -57,7 +57,7 @@ impl Store {
     ) -> Result<bool> {
         split_ns(ns)?;
         check_component(key.as_bytes())?;
-        let mut st = self.st.lock();
+        let mut st = self.lock();
         let pool = st
             .pools
             .iter()
@@ -103,7 +103,7 @@ impl Store {
     /// authority holds the change back until the store has settled the name, and the caller
     /// asks it to).
     pub fn forget_remote(&self, ns: &str, key: &str, gone: Gone) -> bool {
-        let mut st = self.st.lock();
+        let mut st = self.lock();
         let Some(ino) = st.ns.get(ns).ok().and_then(|n| n.entries.get(key).copied()) else {
             return true;
         };
@@ -137,7 +137,7 @@ impl Store {
             return;
         };
         s.lines.invalidate(s.offset, s.size);
-        if let Some(e) = self.st.lock().entries.get_mut(&s.ino) {
+        if let Some(e) = self.lock().entries.get_mut(&s.ino) {
             e.set_warm();
         }
     }
@@ -145,13 +145,13 @@ impl Store {
     /// Frees this host's removed entry at `offset` of raw pool `pool`, which no other host
     /// maps any more (unless clients here still do: then their last release frees it).
     pub fn free_unheld(&self, pool: &str, offset: u64) {
-        self.st.lock().free_unheld(pool, offset);
+        self.lock().free_unheld(pool, offset);
     }
 
     /// Sets (or clears) namespace `ns`'s quota here because a host sharing the authority did
     /// (nothing is asked); the namespace is created if this host has none of that name.
     pub fn quota_elsewhere(&self, ns: &str, bytes: Option<u64>) {
-        let mut st = self.st.lock();
+        let mut st = self.lock();
         let set = split_ns(ns)
             .and_then(|_| st.ensure_ns_here(ns))
             .and_then(|()| {
@@ -167,7 +167,7 @@ impl Store {
     /// Pins or unpins `ns/key` here because a host sharing the authority did (nothing is
     /// asked); an entry not here is left alone.
     pub fn pin_elsewhere(&self, ns: &str, key: &str, pinned: bool) {
-        let mut st = self.st.lock();
+        let mut st = self.lock();
         let Some(ino) = st.ns.get(ns).ok().and_then(|n| n.entries.get(key).copied()) else {
             return;
         };
@@ -180,7 +180,7 @@ impl Store {
     /// Marks this host's entry `ns/key` as pinned (or no longer) by clients of other hosts:
     /// it is not evicted while it is.
     pub fn client_pin_elsewhere(&self, ns: &str, key: &str, pinned: bool) {
-        let mut st = self.st.lock();
+        let mut st = self.lock();
         let Some(ino) = st.ns.get(ns).ok().and_then(|n| n.entries.get(key).copied()) else {
             return;
         };
@@ -193,7 +193,7 @@ impl Store {
     /// Makes this host's entries that other hosts used (their batched reports, oldest use
     /// first) the most recently used here, where they are evicted.
     pub fn used_elsewhere(&self, used: &[(String, String)]) {
-        let mut st = self.st.lock();
+        let mut st = self.lock();
         for (ns, key) in used {
             let ino = st.ns.get(ns).ok().and_then(|n| n.entries.get(key).copied());
             if let Some(ino) =
@@ -206,7 +206,7 @@ impl Store {
 
     /// The entries other hosts published that this host serves.
     pub fn remote_entries(&self) -> Vec<RemoteEntry> {
-        let st = self.st.lock();
+        let st = self.lock();
         st.entries
             .values()
             .filter_map(|e| {
@@ -228,7 +228,7 @@ impl Store {
     /// waited for no acknowledgement of this host's). marud refuses it to new readers
     /// meanwhile ([`Authority::use_remote`]); it goes for good once the removal applies.
     pub fn unindex_removed(&self, ns: &str, key: &str, created: i64) {
-        let mut st = self.st.lock();
+        let mut st = self.lock();
         let Some(ino) = st.ns.get(ns).ok().and_then(|n| n.entries.get(key).copied()) else {
             return;
         };

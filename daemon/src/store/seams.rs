@@ -12,7 +12,7 @@ impl Store {
     /// Replaces the log sink of raw pool `pool` (crash-injection tests).
     #[cfg(feature = "seams")]
     pub fn set_log_sink(&self, pool: u32, sink: Box<dyn crate::wal::LogSink>) {
-        if let Seams::Raw(w) = self.st.lock().pools[pool as usize].pool.seams() {
+        if let Seams::Raw(w) = self.lock().pools[pool as usize].pool.seams() {
             *w = Some(crate::wal::Wal::new(sink));
         }
     }
@@ -20,7 +20,7 @@ impl Store {
     /// Installs the crash-injection seam of a memfs pool's metadata steps (tests).
     #[cfg(feature = "seams")]
     pub fn set_memfs_gate(&self, pool: u32, gate: Option<crate::pool::memfs::MetaGate>) {
-        if let Seams::Memfs(m) = self.st.lock().pools[pool as usize].pool.seams() {
+        if let Seams::Memfs(m) = self.lock().pools[pool as usize].pool.seams() {
             m.set_gate(gate);
         }
     }

@@ -10,7 +10,7 @@ use super::state::{Session, State};
 impl Store {
     /// Registers a client connection.
     pub fn open_session(&self, name: &str, caller: Caller) -> SessionId {
-        let mut st = self.st.lock();
+        let mut st = self.lock();
         let id = st.next_session.max(SessionId::MOUNT.next());
         st.next_session = id.next();
         st.sessions.insert(
@@ -30,7 +30,7 @@ impl Store {
         if id == SessionId::MOUNT {
             return;
         }
-        let mut st = self.st.lock();
+        let mut st = self.lock();
         let Some(s) = st.sessions.remove(&id) else {
             return;
         };
@@ -58,7 +58,7 @@ impl Store {
 
     /// Drops leases of a session.
     pub fn release(&self, session: SessionId, gens: &[u64]) {
-        let mut st = self.st.lock();
+        let mut st = self.lock();
         for g in gens {
             let held = st.sessions.get_mut(&session).is_some_and(|s| {
                 let Some(n) = s.leases.get_mut(g) else {

@@ -171,6 +171,20 @@ pub struct State {
 }
 
 impl State {
+    /// What the critical section appended to the pools' logs and did not sync yet
+    /// (`--wal-sync`; [`super::locked::Locked`] waits for it once the lock is let go).
+    pub(super) fn take_unsynced(&mut self) -> Vec<crate::wal::Unsynced> {
+        self.pools
+            .iter_mut()
+            .filter_map(|p| p.pool.take_unsynced())
+            .collect()
+    }
+
+    /// Some pool's extents wait for their removal's sync.
+    pub(super) fn frees_waiting(&self) -> bool {
+        self.pools.iter().any(|p| p.pool.frees_waiting())
+    }
+
     /// A fresh inode number.
     pub fn alloc_ino(&mut self) -> u64 {
         let i = self.next_ino;

@@ -6,6 +6,7 @@
 //!     sudo ./target/release/maru-cluster-bench [--rounds 200] [--chunks 64] [--pages 2m|4k]
 //!         [--out-json F]
 //!     sudo ./target/release/maru-cluster-bench --stores-only [--runs 3] [--before OLD/marud]
+//!         [--wal-sync]
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -45,6 +46,10 @@ struct Cli {
     /// With --stores-only: another build's marud, measured alongside this one's.
     #[arg(long, value_name = "MARUD")]
     before: Option<PathBuf>,
+    /// With --stores-only: marud syncs its pool's log at each record (`--wal-sync`; the log
+    /// in the benchmark's scratch directory, on disk).
+    #[arg(long)]
+    wal_sync: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -62,7 +67,7 @@ fn main() -> anyhow::Result<()> {
     if cli.stores_only {
         print!(
             "{}",
-            stores::stores(cli.rounds, cli.runs, cli.before.as_deref())?
+            stores::stores(cli.rounds, cli.runs, cli.before.as_deref(), cli.wal_sync)?
         );
         return Ok(());
     }

@@ -1,10 +1,10 @@
 //! `--stores-only`: the rate of small stores in cluster mode (issue 35's targets). One host,
 //! a marud in cluster mode on a `file:` pool in /dev/shm with etcd on loopback, its clients
 //! storing 4 KiB entries: one client in a loop, `batch_store` of 64, eight clients at once;
-//! one client of the same marud without `--cluster`, for reference; then the same entries
-//! deleted the same three ways. With `--before
-//! MARUD`, another build's marud runs the same rounds, alternated with this one's, and the
-//! rows are printed side by side.
+//! then the same entries deleted the same three ways; one client and eight of the same marud without `--cluster`,
+//! for reference. With `--before MARUD`, another build's marud runs the same rounds,
+//! alternated with this one's, and the rows are printed side by side. With `--wal-sync`,
+//! every marud syncs its pool's log at each record.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -29,12 +29,18 @@ struct Rates {
     batch: f64,
     eight: f64,
     single_host: f64,
+    single_host_eight: f64,
     del_one: f64,
     del_batch: f64,
     del_eight: f64,
 }
 
-pub(super) fn stores(rounds: usize, runs: usize, before: Option<&Path>) -> anyhow::Result<String> {
+pub(super) fn stores(
+    rounds: usize,
+    runs: usize,
+    before: Option<&Path>,
+    wal_sync: bool,
+) -> anyhow::Result<String> {
     anyhow::ensure!(rounds >= 8 && runs >= 1, "--rounds >= 8 and --runs >= 1");
     let etcd = maru_cluster::testing::Etcd::start()
         .ok_or_else(|| anyhow::anyhow!("cluster mode needs etcd: apt-get install etcd-server"))?;
@@ -53,7 +59,7 @@ pub(super) fn stores(rounds: usize, runs: usize, before: Option<&Path>) -> anyho
         }
         for b in order {
             let node = format!("s{run}{}", builds[b].0);
-            all[b].push(measure(builds[b].1, &etcd, &node, rounds)?);
+            all[b].push(measure(builds[b].1, &etcd, &node, rounds, wal_sync)?);
         }
     }
     let mut rows: Vec<Row> = Vec::new();
@@ -77,6 +83,10 @@ pub(super) fn stores(rounds: usize, runs: usize, before: Option<&Path>) -> anyho
                 r.eight,
             ));
             rows.push(at("single host: one client, 4 KiB stores", r.single_host));
+            rows.push(at(
+                &format!("single host: {CLIENTS} clients at once, 4 KiB stores (all)"),
+                r.single_host_eight,
+            ));
             rows.push(at("cluster: one client, deletes", r.del_one));
             rows.push(at(
                 &format!("cluster: batch_delete of {BATCH} (entries)"),
@@ -92,7 +102,12 @@ pub(super) fn stores(rounds: usize, runs: usize, before: Option<&Path>) -> anyho
     let mut out = String::from("# maru-cluster-bench --stores-only\n");
     out.push_str(&format!(
         "\nOne marud in cluster mode on a `file:` pool in /dev/shm, etcd on loopback; \
-         {rounds} rounds; {runs} run(s); this machine ({cpus} CPUs).\n"
+         {rounds} rounds; {runs} run(s); this machine ({cpus} CPUs).{}\n",
+        if wal_sync {
+            " Every marud with `--wal-sync` (its log on disk, synced at each record)."
+        } else {
+            ""
+        }
     ));
     out.push_str(&fmt_table("Measured", &rows));
     let median = |f: fn(&Rates) -> f64, b: usize| {
@@ -135,7 +150,9 @@ fn measure(
     etcd: &maru_cluster::testing::Etcd,
     node: &str,
     rounds: usize,
+    wal_sync: bool,
 ) -> anyhow::Result<Rates> {
+    let sync: &[&str] = if wal_sync { &["--wal-sync"] } else { &[] };
     let tmp = scratch()?;
     let size: u64 = 1 << 30;
     let shm = PoolDir::new(false, size)?;
@@ -147,7 +164,11 @@ fn measure(
         node,
         &[spec.as_str()],
         false,
-        &["--cluster", &eps, "--node", node, "--eviction", "off"],
+        &[
+            &["--cluster", &eps, "--node", node, "--eviction", "off"],
+            sync,
+        ]
+        .concat(),
     )?;
     let mut r = Rates::default();
     let h = d.handler("kv")?;
@@ -168,11 +189,12 @@ fn measure(
         "alone",
         &[spec.as_str()],
         false,
-        &["--eviction", "off"],
+        &[&["--eviction", "off"], sync].concat(),
     )?;
     let h = d.handler("kv")?;
     h.mkdir("kv", 0o777)?;
     r.single_host = one_client(&h, "one", rounds * 5)?;
+    r.single_host_eight = clients(&d, rounds * 2, one_client)?;
     Ok(r)
 }
 

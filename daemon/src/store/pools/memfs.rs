@@ -433,6 +433,11 @@ impl Pool for Memfs {
 
     fn sync(&mut self) {}
 
+    fn take_unsynced(&mut self) -> Option<crate::wal::Unsynced> {
+        // The packs' bytes are memory, gone with the host: a pack's room is reused at once.
+        self.packs.take_unsynced()
+    }
+
     fn unmount(&self) {
         if self.fs.mounted_here {
             self.fs.unmount();

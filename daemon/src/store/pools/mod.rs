@@ -337,6 +337,16 @@ pub trait Pool: Send {
     fn slack(&self, session: SessionId) -> u64;
     /// Makes logged metadata durable.
     fn sync(&mut self);
+    /// What the store's critical section appended to the pool's log and did not sync yet
+    /// (`--wal-sync`: synced after the lock, [`crate::wal::Unsynced`]); frees first the
+    /// extents whose removal waited for an earlier sync.
+    fn take_unsynced(&mut self) -> Option<crate::wal::Unsynced> {
+        None
+    }
+    /// Extents wait for their removal's sync (`--wal-sync`) before they are freed.
+    fn frees_waiting(&self) -> bool {
+        false
+    }
     /// Unmounts what this daemon mounted for the pool (clean shutdown).
     fn unmount(&self);
     /// Checks the pool's own accounting.

@@ -123,6 +123,11 @@ impl Packs {
         })
     }
 
+    /// What was appended to the log and is not yet synced (`--wal-sync`).
+    pub fn take_unsynced(&mut self) -> Option<crate::wal::Unsynced> {
+        self.wal.take_unsynced()
+    }
+
     /// The packs' directory, open (for root clients, which open packs themselves).
     pub fn dir(&self) -> Result<File> {
         Ok(OpenOptions::new()

@@ -61,6 +61,10 @@ pub struct Raw {
     log_path: PathBuf,
     wal_sync: bool,
     wal: Option<Wal>,
+    /// Extents removed whose removal's record is not yet synced (`--wal-sync`), oldest
+    /// first: freed once it is, never before (carved again and written, an extent whose
+    /// removal a crash of the host lost would come back with another entry's bytes).
+    unsynced_frees: std::collections::VecDeque<(crate::wal::Unsynced, u64)>,
     extents: ExtentAlloc,
     regions: BTreeMap<u64, Region>,
     /// Each client session's open region.
@@ -129,6 +133,7 @@ impl Raw {
             log_path,
             wal_sync,
             wal: None,
+            unsynced_frees: Default::default(),
             extents: ExtentAlloc::new(REGION_ALIGN, size),
             regions: BTreeMap::new(),
             open: HashMap::new(),
@@ -181,7 +186,26 @@ impl Raw {
     }
 
     /// One entry or allocation inside a region went away.
+    /// Frees the extent at `offset` once its removal's record is synced.
     fn release(&mut self, offset: u64) {
+        match self.wal.as_ref().and_then(Wal::unsynced) {
+            Some(u) => self.unsynced_frees.push_back((u, offset)),
+            None => self.release_now(offset),
+        }
+    }
+
+    /// Frees the extents whose removal's record is synced by now.
+    fn release_synced(&mut self) {
+        while let Some((u, offset)) = self.unsynced_frees.front()
+            && u.synced()
+        {
+            let offset = *offset;
+            self.unsynced_frees.pop_front();
+            self.release_now(offset);
+        }
+    }
+
+    fn release_now(&mut self, offset: u64) {
         let Some((&roff, r)) = self.regions.range_mut(..=offset).next_back() else {
             return;
         };
@@ -694,6 +718,16 @@ impl Pool for Raw {
         {
             tracing::error!(pool = %self.name, "syncing the pool log: {e}");
         }
+        self.release_synced();
+    }
+
+    fn take_unsynced(&mut self) -> Option<crate::wal::Unsynced> {
+        self.release_synced();
+        self.wal.as_mut().and_then(Wal::take_unsynced)
+    }
+
+    fn frees_waiting(&self) -> bool {
+        !self.unsynced_frees.is_empty()
     }
 
     fn unmount(&self) {}
