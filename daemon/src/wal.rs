@@ -134,6 +134,7 @@ impl Syncer {
     /// Returns once the bytes up to `upto` are synced (syncing them, and whatever else is
     /// written by then, if no sync under way will).
     pub fn sync_to(&self, upto: u64) -> io::Result<()> {
+        crate::store::assert_unlocked("a wait for the log's sync");
         let mut st = self.state.lock();
         loop {
             if let Some(e) = &st.failed {

@@ -89,6 +89,7 @@ impl GroupCommit {
         rx: std::sync::mpsc::Receiver<Vec<maru_cluster::Result<T>>>,
         n: usize,
     ) -> Vec<maru_cluster::Result<T>> {
+        crate::store::assert_unlocked("a wait for etcd's commit");
         if self.tx.send(job).is_ok()
             && let Ok(out) = rx.recv()
         {

@@ -648,6 +648,7 @@ impl Authority for EtcdAuthority {
         let Some(newest) = pending.iter().map(|(_, r)| *r).max() else {
             return Vec::new();
         };
+        crate::store::assert_unlocked("an eviction's wait for the other hosts");
         if self.settle_stalled.load(Ordering::Acquire) {
             return Vec::new();
         }

@@ -18,6 +18,7 @@ impl EtcdAuthority {
         if pool != self.pool {
             return Ok(());
         }
+        crate::store::assert_unlocked("a region's claim at etcd");
         self.claim_gate(offset);
         let (m, releasing) = (self.member(), self.releasing.clone());
         let r = self.run(async move {

@@ -4,6 +4,7 @@
 //! the verb goes on (the lock's rule: no `fsync` under it). Records of many clients waiting
 //! at the same moment share one sync ([`crate::wal::Syncer`]).
 
+use std::cell::Cell;
 use std::ops::{Deref, DerefMut};
 use std::time::Instant;
 
@@ -11,6 +12,35 @@ use parking_lot::{Condvar, Mutex, MutexGuard, WaitTimeoutResult};
 
 use super::state::State;
 use crate::wal::Unsynced;
+
+thread_local! {
+    /// How many of the store's locks this thread holds (one store, or several in tests).
+    static HELD: Cell<u32> = const { Cell::new(0) };
+}
+
+fn held(by: i32) {
+    HELD.with(|h| h.set(h.get().wrapping_add_signed(by)));
+}
+
+/// Whether this thread holds a store's lock.
+pub fn held_here() -> bool {
+    HELD.with(|h| h.get() > 0)
+}
+
+/// Checks (in debug builds, every test's) that what follows — a sync, an `fallocate`, a
+/// network round trip: `what` — does not run under the store's lock (the lock's rule).
+#[track_caller]
+pub fn assert_unlocked(what: &str) {
+    debug_assert!(!held_here(), "{what} under the store's lock");
+}
+
+/// Runs `f` with the lock's count let go (the guard's own release or wait does the rest).
+fn released<R>(f: impl FnOnce() -> R) -> R {
+    held(-1);
+    let r = f();
+    held(1);
+    r
+}
 
 /// The store's lock, held.
 pub(super) struct Locked<'a> {
@@ -23,9 +53,11 @@ pub(super) struct Locked<'a> {
 
 impl<'a> Locked<'a> {
     pub(super) fn new(lock: &'a Mutex<State>) -> Self {
+        let guard = lock.lock();
+        held(1);
         Locked {
             lock,
-            guard: Some(lock.lock()),
+            guard: Some(guard),
             unsynced: Vec::new(),
         }
     }
@@ -43,19 +75,22 @@ impl<'a> Locked<'a> {
     /// Runs `f` without the lock, and takes it again.
     pub(super) fn unlocked<R>(&mut self, f: impl FnOnce() -> R) -> R {
         self.take_unsynced();
-        MutexGuard::unlocked(self.guard(), f)
+        let g = self.guard();
+        released(|| MutexGuard::unlocked(g, f))
     }
 
     /// Waits on `c`, without the lock meanwhile.
     pub(super) fn wait(&mut self, c: &Condvar) {
         self.take_unsynced();
-        c.wait(self.guard());
+        let g = self.guard();
+        released(|| c.wait(g));
     }
 
     /// Waits on `c` until `deadline` at the latest, without the lock meanwhile.
     pub(super) fn wait_until(&mut self, c: &Condvar, deadline: Instant) -> WaitTimeoutResult {
         self.take_unsynced();
-        c.wait_until(self.guard(), deadline)
+        let g = self.guard();
+        released(|| c.wait_until(g, deadline))
     }
 }
 
@@ -77,6 +112,7 @@ impl Drop for Locked<'_> {
         self.take_unsynced();
         let frees = self.guard().frees_waiting();
         drop(self.guard.take());
+        held(-1);
         if self.unsynced.is_empty() {
             return;
         }
@@ -90,5 +126,41 @@ impl Drop for Locked<'_> {
             // The extents whose removals are synced now are freed (as the lock is taken).
             drop(Locked::new(self.lock));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The count follows the lock: held, let go around work and waits, given back at the end.
+    #[test]
+    fn the_lock_is_known_held_exactly_while_it_is() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = Mutex::new(State::empty(dir.path()));
+        assert!(!held_here());
+        let mut l = Locked::new(&m);
+        assert!(held_here());
+        l.unlocked(|| {
+            assert!(!held_here());
+            assert!(m.try_lock().is_some(), "let go meanwhile");
+        });
+        assert!(held_here());
+        let c = Condvar::new();
+        let _ = l.wait_until(&c, Instant::now() + std::time::Duration::from_millis(1));
+        assert!(held_here());
+        drop(l);
+        assert!(!held_here());
+        assert!(m.try_lock().is_some());
+    }
+
+    #[test]
+    #[cfg(debug_assertions)]
+    #[should_panic(expected = "a sync under the store's lock")]
+    fn a_slow_call_under_the_lock_is_caught() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = Mutex::new(State::empty(dir.path()));
+        let _l = Locked::new(&m);
+        assert_unlocked("a sync");
     }
 }

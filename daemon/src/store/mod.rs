@@ -49,7 +49,10 @@
 //! [`crate::wal::Syncer`]); a removed extent is freed once its removal's record is synced.
 //! The one exception: a log's rewrite, made off the lock, is swapped in under it, and the
 //! records appended while it ran are synced in the new file first (once per
-//! [`crate::wal::REWRITE_AFTER`] records).
+//! [`crate::wal::REWRITE_AFTER`] records). The lock is taken only through [`Locked`], which
+//! knows whether this thread holds it: the waits for a log's sync, a memfs allocation's
+//! `fallocate`, a wait for etcd's commit, a region's claim and an eviction's wait for the
+//! other hosts check that it does not ([`assert_unlocked`], in debug builds: every test).
 
 pub mod authority;
 mod deletion;
@@ -89,6 +92,7 @@ use crate::alloc::align_up;
 use crate::pool::{ENTRY_ALIGN, PoolSpec};
 use authority::{Authority, LocalAuthority};
 pub use ids::{PoolIdx, SessionId};
+pub use locked::{assert_unlocked, held_here};
 use namespaces::{join, parent};
 use policy::{Access, Perm};
 use pools::{Backing, Requester};

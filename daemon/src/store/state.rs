@@ -171,6 +171,25 @@ pub struct State {
 }
 
 impl State {
+    /// A store's state with no pool, no namespace and no session (the lock's own tests).
+    #[cfg(test)]
+    pub(super) fn empty(dir: &std::path::Path) -> State {
+        State {
+            next_ino: maru_fsd::backend::ROOT_INO + 1,
+            ns: super::namespaces::Namespaces::new(dir.join("namespaces.json"))
+                .expect("namespaces"),
+            entries: Default::default(),
+            zombies: Default::default(),
+            allocs: Default::default(),
+            lru: Default::default(),
+            sessions: Default::default(),
+            next_session: super::ids::SessionId::MOUNT.next(),
+            pools: Vec::new(),
+            gone: Default::default(),
+            fuse_leases: Default::default(),
+        }
+    }
+
     /// What the critical section appended to the pools' logs and did not sync yet
     /// (`--wal-sync`; [`super::locked::Locked`] waits for it once the lock is let go).
     pub(super) fn take_unsynced(&mut self) -> Vec<crate::wal::Unsynced> {

@@ -52,6 +52,7 @@ impl Prepare for FileGrants {
     }
 
     fn prepare(&self, size: u64) -> Result<Backing> {
+        crate::store::assert_unlocked("a memfs allocation's fallocate");
         file_grant(&self.writing, size)
     }
 }
