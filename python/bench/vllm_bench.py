@@ -17,6 +17,14 @@ time is the median of --repeat runs of a one-token generate. Targets (issue 17):
 tokens B via MaruKVConnector <= 0.1x A, and no slower than the ExampleConnector on a local disk
 (issue 17); B via the asynchronous load <= B via the synchronous one, and the 1P1D consumer
 <= 0.1x A (issue 36).
+
+With ``--concurrent``, only what a long prompt arriving costs a request already decoding
+(issue 36: what the asynchronous load buys the other requests): a consumer instance B
+decodes a short prompt and, after 16 tokens, gets a 7K-token prompt that instance A stored;
+B computes it (no connector), loads it synchronously, or loads it asynchronously
+(``maru_async_load``); the decoding request's longest gap between tokens meanwhile and its
+time without a token beyond its usual gap, and the long request's time to first token,
+medians of --repeat rounds.
 """
 
 from __future__ import annotations
@@ -56,9 +64,17 @@ def main() -> int:
     ap.add_argument("--python", default=os.environ.get("VLLM_PYTHON", sys.executable),
                     help="the Python that has vLLM")
     ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--concurrent", action="store_true",
+                    help="only a long prompt's cost to a request already decoding (see above)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="maru-vllm-bench-"))
     model = str(vllm_util.make_model(work / "model"))
+    if args.concurrent:
+        try:
+            report_concurrent(measure_concurrent(args, work, model))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return 0
     prompts = [{"name": str(n), "parts": [[n, 100 + i]]} for i, n in enumerate(SIZES)]
     rows = {}
     try:
@@ -105,6 +121,49 @@ def measure(args: argparse.Namespace, work: Path, model: str, prompts: list, row
                 rows[n][f"equal via {name}"] = common_prefix(b[n]["tokens"], compute[n]["tokens"])
                 rows[n][f"B via {name}"] = b[n]["ttft"]
                 rows[n][f"cached via {name}"] = b[n]["cached"]
+
+
+CONCURRENT_WAYS = ["computed (no connector)", "MaruKVConnector consumer, synchronous load",
+                   "MaruKVConnector consumer, asynchronous load"]
+
+
+def measure_concurrent(args: argparse.Namespace, work: Path, model: str) -> dict:
+    long = [SIZES[-1], 200]
+    spec = {"decode": [64, 201], "load": long, "after": 16, "tokens": 160, "rounds": args.repeat}
+    common = {"model": model, "cache_root": str(work / "cache")}
+    out = {}
+    with PrivateMarud(args.marud, pool_size="2G") as d:
+        maru = {"connector": "maru", "socket": str(d.socket), "namespace": "bench-vllm-concurrent"}
+        # A stores the long prompt's KV once.
+        instance(args.python, common | maru | {"role": "kv_producer",
+                                               "prompts": [{"name": "long", "parts": [long]}]})
+        ways = {
+            CONCURRENT_WAYS[0]: {"connector": "none"},
+            CONCURRENT_WAYS[1]: maru | {"role": "kv_consumer"},
+            CONCURRENT_WAYS[2]: maru | {"role": "kv_consumer", "async_load": True},
+        }
+        for name, way in ways.items():
+            out[name] = instance(args.python, common | way | {"prompts": [], "concurrent": spec})["concurrent"]
+    return out
+
+
+def report_concurrent(rows: dict) -> None:
+    def med(v: list) -> float:
+        return sorted(v)[len(v) // 2]
+
+    print("| B's long request | its time to first token | tokens loaded | decoding request: usual gap "
+          "| longest gap | time without a token beyond the usual gap |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for w in CONCURRENT_WAYS:
+        r = rows[w]
+        print(f"| {w} | {med(r['ttft']) * 1e3:.1f} ms | {med(r['cached'])} | {med(r['gap_before']) * 1e3:.1f} ms "
+              f"| {med(r['gap_max']) * 1e3:.1f} ms | {med(r['stalled']) * 1e3:.1f} ms |")
+    print("per round (ms): " + "; ".join(
+        f"{w}: longest gap " + ", ".join(f"{g * 1e3:.1f}" for g in rows[w]["gap_max"]) for w in CONCURRENT_WAYS))
+    sync, asyn = rows[CONCURRENT_WAYS[1]], rows[CONCURRENT_WAYS[2]]
+    print(f"asynchronous / synchronous load: decoding request's longest gap "
+          f"{med(asyn['gap_max']) / med(sync['gap_max']):.2f}x, the long request's first token "
+          f"{med(asyn['ttft']) / med(sync['ttft']):.2f}x")
 
 
 def common_prefix(a: list, b: list) -> int:

@@ -15,6 +15,16 @@ prompt, in order, it measures the time to first token (a generate of one token, 
 prefix cache off; the median of ``repeat`` runs, default 1) and then generates 8 tokens
 greedily; it prints one line
 ``RESULT {name: {ttft, tokens, cached}}``.
+
+With ``concurrent`` ({``decode``: [tokens, seed], ``load``: [tokens, seed], ``after``,
+``tokens``, ``rounds``}) it measures instead what a request arriving with a long prompt costs
+a request already decoding: each round, a decoding request (``tokens`` tokens greedily, its
+end ignored) runs alone for ``after`` tokens, then the long one comes (one token); the engine
+is stepped by hand and every token's arrival timed. ``RESULT {"concurrent": {ttft, cached,
+gap_before, gap_max, stalled}}`` with per-round lists: the long request's time to first token,
+the tokens it loaded, the decoding request's median gap between tokens before the long one
+came, its longest gap from then until one token after the long one's first, and the time
+it went without a token over that window beyond its usual gap.
 """
 
 from __future__ import annotations
@@ -79,14 +89,16 @@ def main() -> int:
         max_num_batched_tokens=vllm_util.MAX_LEN,
     )
     out = {}
-    if spec.get("together"):
+    if spec.get("concurrent"):
+        out["concurrent"] = concurrent(llm, spec["concurrent"], vllm_util, SamplingParams)
+    elif spec.get("together"):
         texts = [" ".join(vllm_util.prompt(n, seed) for n, seed in p["parts"]) for p in spec["prompts"]]
         first = llm.generate(texts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
         full = llm.generate(texts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
         for p, f, g in zip(spec["prompts"], first, full):
             out[p["name"]] = {"ttft": None, "tokens": list(g.outputs[0].token_ids), "cached": f.num_cached_tokens,
                               "prompt_tokens": len(f.prompt_token_ids)}
-    for p in [] if spec.get("together") else spec["prompts"]:
+    for p in [] if spec.get("together") or spec.get("concurrent") else spec["prompts"]:
         text = " ".join(vllm_util.prompt(n, seed) for n, seed in p["parts"])
         if p.get("wait"):
             vllm_util.barrier(p["wait"])
@@ -111,6 +123,45 @@ def main() -> int:
             json.dump(out, f)
     print("RESULT", json.dumps(out), flush=True)
     return 0
+
+
+def concurrent(llm, c: dict, vllm_util, SamplingParams) -> dict:
+    """See the module's documentation: rounds of a decoding request met by a long one."""
+    eng = llm.llm_engine
+    decode = vllm_util.prompt(*c["decode"])
+    long = vllm_util.prompt(*c["load"])
+    llm.generate([decode], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm
+    res = {"ttft": [], "cached": [], "gap_before": [], "gap_max": [], "stalled": []}
+    for r in range(int(c.get("rounds", 1))):
+        eng.add_request(f"decode-{r}", decode,
+                        SamplingParams(temperature=0, max_tokens=int(c["tokens"]), ignore_eos=True))
+        ticks, came, first, cached = [], None, None, 0
+        while eng.has_unfinished_requests():
+            outs = eng.step()
+            now = time.perf_counter()
+            for o in outs:
+                n = len(o.outputs[0].token_ids)
+                if o.request_id.startswith("decode") and n > len(ticks):
+                    ticks.extend([now] * (n - len(ticks)))
+                elif o.request_id.startswith("long") and n and first is None:
+                    first, cached = now, o.num_cached_tokens or 0
+            if came is None and len(ticks) >= int(c["after"]):
+                eng.add_request(f"long-{r}", long, SamplingParams(temperature=0, max_tokens=1))
+                came = time.perf_counter()
+        assert came is not None and first is not None, "the long request never answered"
+        before = [b - a for a, b in zip(ticks, ticks[1:]) if b <= came]
+        usual = sorted(before)[len(before) // 2]
+        # From the last token before the long request came to the first after its answer.
+        last = max(t for t in ticks if t <= came)
+        after = min((t for t in ticks if t > first), default=ticks[-1])
+        window = [t for t in ticks if last <= t <= after]
+        gaps = [b - a for a, b in zip(window, window[1:])]
+        res["ttft"].append(first - came)
+        res["cached"].append(cached)
+        res["gap_before"].append(usual)
+        res["gap_max"].append(max(gaps))
+        res["stalled"].append(sum(max(0.0, g - usual) for g in gaps))
+    return res
 
 
 if __name__ == "__main__":

@@ -34,12 +34,18 @@ pub fn assert_unlocked(what: &str) {
     debug_assert!(!held_here(), "{what} under the store's lock");
 }
 
-/// Runs `f` with the lock's count let go (the guard's own release or wait does the rest).
+/// Runs `f` with the lock's count let go (the guard's own release or wait does the rest),
+/// counted again however `f` ends.
 fn released<R>(f: impl FnOnce() -> R) -> R {
+    struct Again;
+    impl Drop for Again {
+        fn drop(&mut self) {
+            held(1);
+        }
+    }
     held(-1);
-    let r = f();
-    held(1);
-    r
+    let _again = Again;
+    f()
 }
 
 /// The store's lock, held.
