@@ -579,3 +579,48 @@ fn an_own_entry_found_removed_by_a_read_of_every_entry_is_freed_once_the_removal
     );
     EtcdView::new(&etcd, &uuid).claims_match(&a1, &uuid);
 }
+
+/// A writer through the mount reads back what it committed (closed) in the shared pool only
+/// once it is published: until then its publication may yet fail (the name's reservation
+/// goes with a lost lease, and another host may take the name), so its writer, like any
+/// other reader, waits for it and is told it is not there if it does not come (seed 963: a
+/// writer cut off read back its own bytes, never published, then another host's entry of the
+/// name). Before its close, the writer sees its file.
+#[test]
+fn a_writer_reads_back_an_entry_of_the_shared_pool_once_it_is_published() {
+    use maru_fsd::Backend;
+    let Some((_etcd, _dir, h0, _h1)) = two_hosts() else {
+        return;
+    };
+    let fs = maru_daemon::store::fsview::StoreFs(h0.clone());
+    let me = Caller::new(0, 0, std::process::id() as i32);
+    let ns = fs
+        .lookup(&me, maru_fsd::backend::ROOT_INO, "ns")
+        .expect("ns")
+        .ino;
+    let (a, _) = fs.create(&me, ns, "k", 0o644).expect("create");
+    fs.write(a.ino, 0, b"the bytes of k").expect("write");
+    assert_eq!(
+        fs.lookup(&me, ns, "k").expect("its writer sees it").ino,
+        a.ino
+    );
+    fs.commit(&me, a.ino, false).expect("close");
+    assert!(
+        matches!(fs.lookup(&me, ns, "k"), Err(maru::Error::NotFound(_))),
+        "committed, not published: not there, for its writer too"
+    );
+    assert!(matches!(
+        fs.open(&me, a.ino, false),
+        Err(maru::Error::NotFound(_))
+    ));
+    // Published while its writer waits: it reads the entry.
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(100));
+            fs.seal(a.ino).expect("published");
+        });
+        assert_eq!(fs.lookup(&me, ns, "k").expect("published").ino, a.ino);
+    });
+    assert!(fs.open(&me, a.ino, false).is_ok());
+    assert_eq!(get(&h0, "k").as_deref(), Some(&b"the bytes of k"[..]));
+}

@@ -137,9 +137,26 @@ impl Store {
     }
 }
 
+impl StoreFs {
+    /// Whether `ino` is an entry written through the mount whose close committed it and whose
+    /// publication may yet fail: in a pool shared with other hosts, where the name's
+    /// reservation goes with a lost lease (seed 963: a writer cut off read back its own
+    /// bytes, which were never published, and then another host's entry of the name). Its
+    /// writer then waits for the publication as others do; elsewhere a commit is final, and
+    /// the writer reads back at once.
+    fn publication_pending(&self, st: &State, ino: u64) -> bool {
+        st.allocs.get(&ino).is_some_and(|a| {
+            a.mount().is_some_and(|m| m.committed())
+                && self.0.authority.shared()
+                && st.pools[a.pool].pool.leases()
+        })
+    }
+}
+
 impl Backend for StoreFs {
     /// Looks `name` up in namespace `parent`. Entries being written are visible only to the
-    /// process writing them; a committed one makes others wait (up to 1 s) for its release.
+    /// process writing them; a committed one makes others wait (up to 1 s) for its release,
+    /// and its writer too in a pool shared with other hosts (`publication_pending`).
     fn lookup(&self, c: &Caller, parent: u64, name: &str) -> Result<Attr> {
         let mut st = self.0.lock();
         let deadline = Instant::now() + Duration::from_secs(1);
@@ -163,7 +180,7 @@ impl Backend for StoreFs {
             };
             let m = a.mount().expect("a mount write");
             let me = *tgid.get_or_insert_with(|| c.tgid());
-            if m.tgid == me {
+            if m.tgid == me && !self.publication_pending(&st, id) {
                 return Ok(a.attr(id));
             }
             if !m.committed() || st.wait_until(&self.0.sealed, deadline).timed_out() {
@@ -280,6 +297,14 @@ impl Backend for StoreFs {
 
     fn open(&self, c: &Caller, ino: u64, write: bool) -> Result<OpenedFile> {
         let mut st = self.0.lock();
+        // Its writer reading back what it committed waits for the publication where that may
+        // yet fail, as any other reader does (see `lookup`).
+        let deadline = Instant::now() + Duration::from_secs(1);
+        while !write && self.publication_pending(&st, ino) {
+            if st.wait_until(&self.0.sealed, deadline).timed_out() {
+                return Err(Error::NotFound(format!("inode {ino} is being published")));
+            }
+        }
         if let Some(e) = st.entries.get(&ino) {
             if write {
                 return Err(Error::ReadOnly("sealed entries are immutable".into()));
