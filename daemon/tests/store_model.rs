@@ -886,3 +886,26 @@ fn the_copy_into_a_raw_pool_at_close_keeps_no_other_client_waiting_and_a_failed_
     assert!(f.get("ns", "again") == Some(again));
     f.store.check_invariants().unwrap();
 }
+
+/// With the pool's log synced at each record, an entry deleted while a client maps it is
+/// freed when the last lease ends (its removal's record synced by then), and nothing is left
+/// used.
+#[test]
+fn with_the_log_synced_a_removed_extent_leased_meanwhile_comes_back_at_its_last_lease() {
+    let f = Fixture::with_log(16, Eviction::Off, 1 << 20, true);
+    let root = me(0, 0);
+    f.store.mkdir(&root, "ns", 0o755).unwrap();
+    f.put(&root, "ns", "k", &[1u8; 5000]).unwrap();
+    let s = f.store.open_session("t", root.clone());
+    let got = f
+        .store
+        .retrieve(s, "ns", &["k".to_owned()], |_| false)
+        .unwrap();
+    assert!(got[0].is_some(), "retrieved, leased");
+    let r = f.store.delete(&root, "ns", &["k".to_owned()]).unwrap();
+    assert!(r[0].is_ok());
+    assert!(f.store.pools()[0].used > 0, "leased: not freed yet");
+    f.store.close_session(s);
+    assert_eq!(f.store.pools()[0].used, 0);
+    f.store.check_invariants().unwrap();
+}

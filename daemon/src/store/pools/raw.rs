@@ -65,6 +65,9 @@ pub struct Raw {
     /// first: freed once it is, never before (carved again and written, an extent whose
     /// removal a crash of the host lost would come back with another entry's bytes).
     unsynced_frees: std::collections::VecDeque<(crate::wal::Unsynced, u64)>,
+    /// Extents removed while leased whose removal's record was not yet synced then
+    /// (`--wal-sync`): freed at their last lease's end once it is.
+    unsynced_dels: HashMap<u64, crate::wal::Unsynced>,
     extents: ExtentAlloc,
     regions: BTreeMap<u64, Region>,
     /// Each client session's open region.
@@ -134,6 +137,7 @@ impl Raw {
             wal_sync,
             wal: None,
             unsynced_frees: Default::default(),
+            unsynced_dels: HashMap::new(),
             extents: ExtentAlloc::new(REGION_ALIGN, size),
             regions: BTreeMap::new(),
             open: HashMap::new(),
@@ -186,11 +190,12 @@ impl Raw {
     }
 
     /// One entry or allocation inside a region went away.
-    /// Frees the extent at `offset` once its removal's record is synced.
-    fn release(&mut self, offset: u64) {
-        match self.wal.as_ref().and_then(Wal::unsynced) {
+    /// Frees the extent at `offset` once `removal` (its removal's record, if not yet synced)
+    /// is.
+    fn release_after(&mut self, offset: u64, removal: Option<crate::wal::Unsynced>) {
+        match removal.filter(|u| !u.synced()) {
             Some(u) => self.unsynced_frees.push_back((u, offset)),
-            None => self.release_now(offset),
+            None => self.release(offset),
         }
     }
 
@@ -201,11 +206,13 @@ impl Raw {
         {
             let offset = *offset;
             self.unsynced_frees.pop_front();
-            self.release_now(offset);
+            self.release(offset);
         }
     }
 
-    fn release_now(&mut self, offset: u64) {
+    /// Frees the extent at `offset` now (nothing in the log names it, or its removal's
+    /// record is synced).
+    fn release(&mut self, offset: u64) {
         let Some((&roff, r)) = self.regions.range_mut(..=offset).next_back() else {
             return;
         };
@@ -534,16 +541,21 @@ impl Pool for Raw {
         if let Err(err) = self.log(&Record::Del { off: extent(e) }) {
             tracing::error!("pool log: {err}");
         }
+        let removal = self.wal.as_ref().and_then(Wal::unsynced);
         if leased {
+            if let Some(u) = removal {
+                self.unsynced_dels.insert(extent(e), u);
+            }
             return false;
         }
-        self.release(extent(e));
+        self.release_after(extent(e), removal);
         true
     }
 
     fn free_extent(&mut self, place: Place) {
         if let Some(offset) = place.extent() {
-            self.release(offset);
+            let removal = self.unsynced_dels.remove(&offset);
+            self.release_after(offset, removal);
         }
     }
 
