@@ -189,7 +189,6 @@ impl Raw {
         }
     }
 
-    /// One entry or allocation inside a region went away.
     /// Frees the extent at `offset` once `removal` (its removal's record, if not yet synced)
     /// is.
     fn release_after(&mut self, offset: u64, removal: Option<crate::wal::Unsynced>) {
@@ -210,8 +209,8 @@ impl Raw {
         }
     }
 
-    /// Frees the extent at `offset` now (nothing in the log names it, or its removal's
-    /// record is synced).
+    /// One entry or allocation inside a region went away: frees its extent at `offset` now
+    /// (nothing in the log names it, or its removal's record is synced).
     fn release(&mut self, offset: u64) {
         let Some((&roff, r)) = self.regions.range_mut(..=offset).next_back() else {
             return;
