@@ -116,7 +116,8 @@ impl DerefMut for Locked<'_> {
 impl Drop for Locked<'_> {
     fn drop(&mut self) {
         self.take_unsynced();
-        let frees = self.guard().frees_waiting();
+        // Asked only when there is a sync to wait for: the common unlock scans nothing more.
+        let frees = !self.unsynced.is_empty() && self.guard().frees_waiting();
         drop(self.guard.take());
         held(-1);
         if self.unsynced.is_empty() {
