@@ -626,7 +626,8 @@ impl Agent {
         let mut t = Transfer {
             agent: self,
             req,
-            done: false,
+            posted: Instant::now(),
+            ended: None,
         };
         // SAFETY: a request of this agent's.
         let status = unsafe {
@@ -634,7 +635,7 @@ impl Agent {
                 .nixl_capi_post_xfer_req(self.raw, req, ptr::null_mut())
         };
         match status {
-            SUCCESS => t.done = true,
+            SUCCESS => t.ended = Some(Instant::now()),
             IN_PROG => {}
             s => {
                 return Err(Error::Call {
@@ -716,13 +717,16 @@ impl Drop for DescLists<'_> {
 pub struct Transfer<'a> {
     agent: &'a Agent,
     req: nixl_capi_xfer_req_t,
-    done: bool,
+    /// When it was posted: [`Transfer::wait`]'s timeout counts from here.
+    posted: Instant,
+    /// When a poll (or the post) first saw it finished.
+    ended: Option<Instant>,
 }
 
 impl Transfer<'_> {
     /// True once every byte moved; an error when the transfer failed.
     pub fn poll(&mut self) -> Result<bool> {
-        if self.done {
+        if self.ended.is_some() {
             return Ok(true);
         }
         // SAFETY: a live request of this agent's.
@@ -733,7 +737,7 @@ impl Transfer<'_> {
         };
         match status {
             SUCCESS => {
-                self.done = true;
+                self.ended = Some(Instant::now());
                 Ok(true)
             }
             IN_PROG => Ok(false),
@@ -744,13 +748,23 @@ impl Transfer<'_> {
         }
     }
 
-    /// Waits until the transfer ends, at most `timeout`: polls at once, then yields, then
-    /// sleeps a little longer each round (up to 200 µs), so a short transfer costs no sleep.
+    /// Waits until the transfer ends, at most `timeout` counted from its posting: polls at
+    /// once, then yields, then sleeps a little longer each round (up to 200 µs), so a short
+    /// transfer costs no sleep. The deadline is strict: a transfer first seen finished after
+    /// it (by the post itself included) has timed out, so a timeout shorter than any transfer
+    /// times every transfer out, whatever the transport.
     pub fn wait(&mut self, timeout: Duration) -> Result<()> {
-        let start = Instant::now();
+        let deadline = self.posted.checked_add(timeout);
+        let late = |at: Instant| deadline.is_some_and(|d| at > d);
         let mut round = 0u32;
-        while !self.poll()? {
-            if start.elapsed() >= timeout {
+        loop {
+            if self.poll()? {
+                return match self.ended {
+                    Some(at) if late(at) => Err(Error::TimedOut(timeout)),
+                    _ => Ok(()),
+                };
+            }
+            if late(Instant::now()) {
                 return Err(Error::TimedOut(timeout));
             }
             round += 1;
@@ -760,12 +774,11 @@ impl Transfer<'_> {
                 std::thread::sleep(Duration::from_micros(u64::from(round.min(200))));
             }
         }
-        Ok(())
     }
 
     /// Whether it has finished (as last polled).
     pub fn is_done(&self) -> bool {
-        self.done
+        self.ended.is_some()
     }
 }
 

@@ -1,5 +1,5 @@
 //! Two NIXL agents in one process move bytes over UCX's TCP transport on loopback: WRITE and
-//! READ of 32 MiB, a list of 64 pieces of 4 KiB, and the errors of a transfer to a peer whose
+//! READ of 32 MiB, a list of 64 pieces of 4 KiB, a transfer that times out, and the errors of a transfer to a peer whose
 //! metadata was never loaded or was forgotten. Real NIXL: the test skips where NIXL is not
 //! installed, except where `MARU_REQUIRE_NIXL` is set (CI), where it fails.
 //!
@@ -114,6 +114,26 @@ fn two_agents_write_and_read_over_ucx_tcp() {
             local[lo..lo + 4096] == remote[ro..ro + 4096],
             "piece {i} differs"
         );
+    }
+
+    // A zero timeout times out every transfer, even one that ended before it was waited for
+    // (the deadline counts from the posting and is strict: a transport may finish a transfer
+    // inside the post or by the first poll); each still ends.
+    for i in 0..16 {
+        let mut w = initiator
+            .transfer(Op::Write, Mem::Dram, &l[..1], Mem::Dram, &rm[..1], &peer)
+            .expect("post one piece");
+        if i % 2 == 1 {
+            // Time for UCX to finish it, so the first poll finds it done.
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let hasty = w.wait(Duration::ZERO);
+        assert!(
+            matches!(hasty, Err(maru_nixl::Error::TimedOut(_))),
+            "transfer {i}: {hasty:?}"
+        );
+        w.wait(Duration::from_secs(60)).expect("the piece ends");
+        assert!(w.is_done());
     }
 
     // Lists of different shapes, a peer never loaded, a peer forgotten: clear errors.

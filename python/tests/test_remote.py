@@ -354,7 +354,8 @@ def test_another_process_retrieves_what_one_stored(node: MemoryNode, remote: mar
 
 def test_timed_out_transfers_keep_their_pieces_until_they_end(node: MemoryNode, remote: maru.MaruHandler, ns: str) -> None:
     assert remote.put("big", pattern("big", 8 * MiB))
-    # A transfer timeout no 8 MiB transfer meets: each WRITE or READ times out.
+    # A transfer timeout no transfer meets (the deadline counts from the posting and is
+    # strict): each WRITE or READ times out, even one UCX finishes by the first poll.
     hasty = maru.MaruHandler(node.config(ns, remote_transfer_timeout_s=1e-9, chunk_size_bytes=8 * MiB))
     assert hasty.connect()
     try:

@@ -79,7 +79,8 @@ pub struct RemoteConfig {
     /// instead: UCX knows no `eth0:1`, so `connect` refuses a name this host knows as a
     /// network interface only. Unset: UCX's own choice (`UCX_NET_DEVICES`, or every device).
     pub ucx_device: Option<String>,
-    /// How long one NIXL transfer may take (default 5 s).
+    /// How long one NIXL transfer may take, from its posting to its end as first seen (default
+    /// 5 s); one seen ended later has timed out.
     pub transfer_timeout: Duration,
     /// How long the pool is left alone after a failure (default 10 s).
     pub retry: Duration,
