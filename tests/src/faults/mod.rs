@@ -77,6 +77,8 @@ pub struct Report {
     pub slowest: Vec<String>,
     /// Pool bytes a fill of 8 MiB entries could not use after everything was deleted.
     pub unusable: Option<u64>,
+    /// How long after everything was deleted the fill found the whole pool usable.
+    pub space_back: Option<Duration>,
     /// Each partition's recovery.
     pub recoveries: Vec<check::Recovery>,
     pub violations: Vec<String>,
@@ -122,8 +124,8 @@ impl std::fmt::Display for Report {
         writeln!(
             f,
             "  converged after healing in {:?} (the clients stopped after {:?}); pool bytes \
-             unusable after the run: {:?}",
-            self.converged, self.clients_stopped, self.unusable
+             unusable after the run: {:?}, the whole pool usable {:?} after the deletes",
+            self.converged, self.clients_stopped, self.unusable, self.space_back
         )?;
         if !self.slowest.is_empty() {
             writeln!(f, "  slowest operations: {}", self.slowest.join("; "))?;
@@ -453,60 +455,34 @@ fn after(env: &env::Env, cfg: &Config, history: &History, healed: Instant, r: &m
             return;
         }
     }
-    // The extents come back in the background once every host acknowledged the removals.
-    let held = |h: &maru::Handler| {
-        h.stats().ok().and_then(|s| {
-            s.pools
-                .first()
-                .map(|p| (p.capacity, p.used, p.writing_bytes))
-        })
-    };
-    let t = Instant::now();
-    let mut capacity = env::POOL_SIZE;
-    loop {
-        let hold: Vec<_> = hs.iter().map(held).collect();
-        if let Some(Some((c, ..))) = hold.first() {
-            capacity = *c;
-        }
-        if hold.iter().all(|h| matches!(h, Some((_, 0, 0)))) {
-            break;
-        }
-        if t.elapsed() > Duration::from_secs(15) {
-            // Not a finding by itself (a host may keep an empty region claimed): the fill
-            // below says whether the space can be used.
-            eprintln!(
-                "seed {}: 15 s after deleting everything the hosts still count (capacity, used, \
-                 writing) {hold:?}",
-                cfg.seed
-            );
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    // The fill: entries of 8 MiB, then of one claim unit (2 MiB) in what is left between
-    // them (holes smaller than 8 MiB that the order of the frees left are not lost space).
+    // The extents come back in the background once every host acknowledged the removals:
+    // host 0 fills the pool at once, with entries of 8 MiB and then of one claim unit (2 MiB:
+    // holes smaller than 8 MiB that the order of the frees left are not lost space), and
+    // again every 250 ms while it falls short, for three TTLs and 5 s at most. How long the
+    // whole pool took to come back is reported; what is left then is lost.
+    let deleted = Instant::now();
     let unit = maru_cluster::UNIT;
     let filler = env.connect(0, Duration::from_secs(5)).expect("host 0");
+    let capacity = filler
+        .stats()
+        .ok()
+        .and_then(|s| s.pools.first().map(|p| p.capacity))
+        .unwrap_or(env::POOL_SIZE);
     let mut filled = workload::Filled::default();
-    // Twice: if the first fill falls short, once more after a wait of three TTLs and 5 s
-    // (what comes back in the background has come back by then).
-    for round in 0..2 {
-        if round == 1 {
-            if capacity.saturating_sub(filled.bytes) < unit {
-                break;
-            }
-            eprintln!(
-                "seed {}: the fill stopped at {} entries ({} bytes); trying again after a wait",
-                cfg.seed,
-                filled.keys.len(),
-                filled.bytes
-            );
-            std::thread::sleep(3 * cfg.ttl + Duration::from_secs(5));
-        }
+    loop {
         filled.more(&filler, "fill");
         if let Some(e) = filled.failed.take() {
             r.violations.push(format!("filling the pool: {e}"));
+            break;
         }
+        if capacity.saturating_sub(filled.bytes) < unit {
+            r.space_back = Some(deleted.elapsed());
+            break;
+        }
+        if deleted.elapsed() > 3 * cfg.ttl + Duration::from_secs(5) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(250));
     }
     let unusable = capacity.saturating_sub(filled.bytes);
     r.unusable = Some(unusable);
