@@ -206,6 +206,39 @@ mod tests {
             1
         );
     }
+
+    #[test]
+    fn a_release_bound_is_missed_only_when_a_read_begun_after_it_found_the_lease() {
+        let ttl = Duration::from_secs(2);
+        let cut = |released: Option<u64>, alive_at: Option<u64>, elected: Option<u64>| Fault {
+            kind: "partition".into(),
+            target: "h1".into(),
+            start: 1_000_000,
+            end: 6_000_000,
+            released,
+            alive_at,
+            elected,
+        };
+        let missed = |f: Fault| recoveries(&[], &[f], ttl).1.len();
+        // Within TTL + 1 s.
+        assert_eq!(missed(cut(Some(2_500_000), Some(2_400_000), None)), 0);
+        // Seen gone after the bound by a read that began before it: not shown late.
+        assert_eq!(missed(cut(Some(3_300_000), Some(2_900_000), None)), 0);
+        // Still found by a read begun after the bound: late.
+        assert_eq!(missed(cut(Some(3_300_000), Some(3_100_000), None)), 1);
+        // Never released while cut.
+        assert_eq!(missed(cut(None, Some(4_000_000), None)), 1);
+        // An election renews every lease: the bound runs from it, plus etcd's election timeout.
+        assert_eq!(
+            missed(cut(Some(5_200_000), Some(5_100_000), Some(1_500_000))),
+            0
+        );
+        // A store the cut host acknowledged past its TTL.
+        let late_store = op(1, Kind::Store, 1, (3_000_000, 3_100_000), Outcome::Ok);
+        let (r, bad) = recoveries(&[late_store], &[cut(Some(2_500_000), None, None)], ttl);
+        assert_eq!(bad.len(), 1, "{bad:?}");
+        assert_eq!(r[0].published_for, Some(Duration::from_micros(2_100_000)));
+    }
 }
 
 /// etcd's election timeout (its default, which the harness's members run with): a new
@@ -218,15 +251,22 @@ pub struct Recovery {
     pub host: String,
     /// The last store the cut host acknowledged, after the cut (None: none).
     pub published_for: Option<Duration>,
-    /// When etcd dropped the cut host's lease, after the cut (None: not while it was cut).
+    /// When etcd dropped the cut host's lease, after the cut (None: not while it was cut):
+    /// the end of the first read that found it gone.
     pub released: Option<Duration>,
+    /// When the last read that still found the lease began, after the cut: etcd dropped it
+    /// after that.
+    pub alive_at: Option<Duration>,
     /// When etcd's majority elected a new leader, after the cut, if the host's member led.
     pub elected: Option<Duration>,
 }
 
 /// The recovery of each partition in `faults`: a host cut off stops publishing within the
 /// TTL, and its claims are released (the other hosts may take its regions) within TTL + 1 s.
-/// Returns them with the violations of those bounds.
+/// Returns them with the violations of those bounds. The release is known to lie between
+/// the beginning of the last read of etcd that found the lease and the end of the first that
+/// did not; the bound is missed when a read that began after it still found the lease (a
+/// slow read that ended after the bound proves nothing).
 pub fn recoveries(ops: &[Op], faults: &[Fault], ttl: Duration) -> (Vec<Recovery>, Vec<String>) {
     let mut out = Vec::new();
     let mut bad = Vec::new();
@@ -249,6 +289,7 @@ pub fn recoveries(ops: &[Op], faults: &[Fault], ttl: Duration) -> (Vec<Recovery>
             .map(|o| Duration::from_micros(o.end - f.start))
             .max();
         let released = f.released.map(Duration::from_micros);
+        let alive_at = f.alive_at.map(Duration::from_micros);
         if let Some(p) = published_for.filter(|p| *p > ttl) {
             bad.push(format!(
                 "{host} cut off at {} µs acknowledged a store {p:?} later (bound: the TTL, {ttl:?})",
@@ -263,10 +304,12 @@ pub fn recoveries(ops: &[Op], faults: &[Fault], ttl: Duration) -> (Vec<Recovery>
         });
         let bound = ttl + Duration::from_secs(1) + renewed;
         match released {
-            Some(r) if r <= bound => {}
+            Some(_) if alive_at.is_none_or(|a| a <= bound) => {}
             Some(r) => bad.push(format!(
-                "{host} cut off at {} µs: etcd dropped its claims {r:?} later (bound {bound:?})",
-                f.start
+                "{host} cut off at {} µs: etcd still held its claims {:?} later, dropped them \
+                 by {r:?} (bound {bound:?})",
+                f.start,
+                alive_at.unwrap_or_default()
             )),
             None => bad.push(format!(
                 "{host} cut off at {} µs: etcd still held its claims when the link returned",
@@ -277,6 +320,7 @@ pub fn recoveries(ops: &[Op], faults: &[Fault], ttl: Duration) -> (Vec<Recovery>
             host: host.to_owned(),
             published_for,
             released,
+            alive_at,
             elected: f.elected.map(Duration::from_micros),
         });
     }

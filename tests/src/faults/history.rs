@@ -59,6 +59,9 @@ pub struct Fault {
     /// and its claims with it: the other hosts may claim its regions); None when it did not
     /// before the link returned.
     pub released: Option<u64>,
+    /// A partition: when the last read that still found the host's node record began, after
+    /// the cut (µs): etcd dropped the lease after that, and before `released`.
+    pub alive_at: Option<u64>,
     /// A host cut from etcd's majority: how long after the cut the majority last elected a
     /// leader of its own, if it did (etcd renews every lease then, so the host's lease runs
     /// its TTL again from there).

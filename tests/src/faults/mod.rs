@@ -139,9 +139,12 @@ impl std::fmt::Display for Report {
                         Some(d) => format!("stores acknowledged up to {d:?} after the cut"),
                         None => "no store acknowledged after the cut".into(),
                     };
-                    let mut released = match r.released {
-                        Some(d) => format!("claims released {d:?} after it"),
-                        None => "claims not released while cut".into(),
+                    let mut released = match (r.released, r.alive_at) {
+                        (Some(d), Some(a)) => {
+                            format!("claims released between {a:?} and {d:?} after it")
+                        }
+                        (Some(d), None) => format!("claims released by {d:?} after it"),
+                        (None, _) => "claims not released while cut".into(),
                     };
                     if let Some(e) = r.elected {
                         released.push_str(&format!(" (etcd's new leader elected {e:?} after it)"));
@@ -343,8 +346,8 @@ fn keep(dir: &Path, env: &env::Env, r: &Report, ops: &[Op], faults: &[history::F
     for f in faults {
         let _ = writeln!(
             out,
-            "fault {} {} {}..{} µs released {:?} elected {:?}",
-            f.kind, f.target, f.start, f.end, f.released, f.elected
+            "fault {} {} {}..{} µs released {:?} (still held at {:?}) elected {:?}",
+            f.kind, f.target, f.start, f.end, f.released, f.alive_at, f.elected
         );
     }
     let keys = r.keys();

@@ -78,7 +78,7 @@ pub fn run(env: &Env, history: &Arc<History>, kinds: &[Kind], seed: u64, until: 
         let kind = kinds[rng.gen_range(0..kinds.len())];
         let host = rng.gen_range(0..env.hosts.len());
         let start = history.now();
-        let (mut released, mut elected) = (None, None);
+        let mut cut = CutOff::default();
         let target = match kind {
             Kind::Kill => {
                 let mut d = env.hosts[host].lock().expect("host");
@@ -102,7 +102,7 @@ pub fn run(env: &Env, history: &Arc<History>, kinds: &[Kind], seed: u64, until: 
             Kind::Partition => {
                 env.net.link(host, false);
                 let planned = ttl + ms(&mut rng, 500, 2500);
-                (released, _) = cut_off(env, host, None, planned);
+                cut = cut_off(env, host, None, planned);
                 env.net.link(host, true);
                 format!("h{host}")
             }
@@ -130,7 +130,7 @@ pub fn run(env: &Env, history: &Arc<History>, kinds: &[Kind], seed: u64, until: 
                 });
                 split(true);
                 if with_host {
-                    (released, elected) = cut_off(env, host, minority, planned);
+                    cut = cut_off(env, host, minority, planned);
                 } else {
                     std::thread::sleep(planned);
                 }
@@ -170,8 +170,9 @@ pub fn run(env: &Env, history: &Arc<History>, kinds: &[Kind], seed: u64, until: 
             target,
             start,
             end: history.now(),
-            released,
-            elected,
+            released: cut.released,
+            alive_at: cut.alive_at,
+            elected: cut.elected,
         });
     }
 }
@@ -184,19 +185,25 @@ struct Minority {
     leader: u64,
 }
 
+/// How a cut went, in µs after it.
+#[derive(Default)]
+struct CutOff {
+    /// When a read of etcd found the host's lease dropped (the read's end).
+    released: Option<u64>,
+    /// When the last read that still found the lease began.
+    alive_at: Option<u64>,
+    /// When etcd last elected a leader meanwhile.
+    elected: Option<u64>,
+}
+
 /// Holds host `host` cut off etcd (its lease kept alive by nothing) for `planned`, and at
-/// least until etcd dropped its lease (a second past the bound, TTL + 1 s, at most); how
-/// long after the cut etcd dropped it (µs), if it did, and when etcd last elected a leader
-/// meanwhile. `minority`: the member the host still reaches, cut from the others (not asked
-/// whether the lease lives, nor who leads). etcd renews every lease when a new leader takes
-/// over, so the lease's TTL runs again from there: the cut lasts until TTL + 2 s after the
-/// last election too (15 s at most).
-fn cut_off(
-    env: &Env,
-    host: usize,
-    minority: Option<Minority>,
-    planned: Duration,
-) -> (Option<u64>, Option<u64>) {
+/// least until etcd dropped its lease (a second past the bound, TTL + 1 s, at most); when
+/// etcd dropped it, between the last read that found it and the first that did not, and
+/// when etcd last elected a leader meanwhile. `minority`: the member the host still reaches,
+/// cut from the others (not asked whether the lease lives, nor who leads). etcd renews every
+/// lease when a new leader takes over, so the lease's TTL runs again from there: the cut
+/// lasts until TTL + 2 s after the last election too (15 s at most).
+fn cut_off(env: &Env, host: usize, minority: Option<Minority>, planned: Duration) -> CutOff {
     let cut = Instant::now();
     let planned = cut + planned;
     let margin = env.ttl + Duration::from_secs(2);
@@ -215,6 +222,7 @@ fn cut_off(
     let (now_leads, mut term) = leads();
     let mut leader = minority.map(|m| m.leader).or(now_leads);
     let mut released = None;
+    let mut alive_at = None;
     let mut elected: Option<Instant> = None;
     loop {
         let now = Instant::now();
@@ -233,8 +241,15 @@ fn cut_off(
         if now >= planned.max(from + margin) {
             break;
         }
-        if released.is_none() && !env.node_alive(host, minority.map(|m| m.member)) {
-            released = Some(cut.elapsed().as_micros() as u64);
+        if released.is_none() {
+            // A read may take long (a member catching up): the lease went between the
+            // beginning of the last read that found it and the end of the first that did not.
+            let began = cut.elapsed().as_micros() as u64;
+            if env.node_alive(host, minority.map(|m| m.member)) {
+                alive_at = Some(began);
+            } else {
+                released = Some(cut.elapsed().as_micros() as u64);
+            }
         }
         if released.is_some() && now >= planned && !waits_election {
             break;
@@ -242,7 +257,11 @@ fn cut_off(
         std::thread::sleep(Duration::from_millis(20));
     }
     let since = |t: Instant| t.duration_since(cut).as_micros() as u64;
-    (released, elected.map(since))
+    CutOff {
+        released,
+        alive_at,
+        elected: elected.map(since),
+    }
 }
 
 /// Fills the pool from host `host` ([`super::workload::fill`]), holds it full for `hold`,
