@@ -478,8 +478,17 @@ impl Dispatcher {
         self.store.count(name);
         let mut fds: Vec<File> = Vec::new();
         let t = std::time::Instant::now();
+        crate::store::take_sync_failure();
         let r = self.dispatch(req.op, &mut fds);
         self.store.record_latency(name, t.elapsed());
+        // A record of the verb's that could not be synced: not a success.
+        let r = match crate::store::take_sync_failure() {
+            Some(e) if r.is_ok() => {
+                fds.clear();
+                Err(e)
+            }
+            _ => r,
+        };
         // The client maps what a retrieval names while the next request is handled.
         self.urgent |= matches!(r, Ok(Body::Retrieved { .. }));
         match r {

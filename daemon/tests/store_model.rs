@@ -909,3 +909,29 @@ fn with_the_log_synced_a_removed_extent_leased_meanwhile_comes_back_at_its_last_
     assert_eq!(f.store.pools()[0].used, 0);
     f.store.check_invariants().unwrap();
 }
+
+/// With the pool's log synced at each record, a full pool with eviction makes room for each
+/// new entry as it does without: the extents an eviction removed are free for the grant it
+/// made room for once their records are synced, so no store fails and no more is evicted
+/// than without the sync.
+#[test]
+fn with_the_log_synced_eviction_makes_room_as_without() {
+    let live = |wal_sync: bool| {
+        let f = Fixture::with_log(16, Eviction::Lru, 1 << 20, wal_sync);
+        let root = me(0, 0);
+        f.store.mkdir(&root, "ns", 0o755).unwrap();
+        for i in 0..48 {
+            let r = f.put(&root, "ns", &format!("k{i}"), &[i as u8; 1 << 20]);
+            assert!(r.is_ok(), "wal_sync {wal_sync}: store {i}: {r:?}");
+        }
+        f.store.check_invariants().unwrap();
+        f.store.pools()[0].entries
+    };
+    let (without, with) = (live(false), live(true));
+    // Each store's own session carves a region of 2 MiB for its entry of 1 MiB.
+    assert!(without >= 5, "{without} entries of 1 MiB left in 16 MiB");
+    assert_eq!(
+        with, without,
+        "entries left with the log synced, and without"
+    );
+}

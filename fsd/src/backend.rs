@@ -349,6 +349,12 @@ pub trait Backend: Send + Sync + 'static {
     fn xattrs(&self, ino: u64) -> Result<Vec<Xattr>>;
     /// Sets `user.maru.pinned`.
     fn set_pinned(&self, c: &Caller, ino: u64, pinned: bool) -> Result<()>;
+    /// Whether what the request just served changed is durable: an error when a record it
+    /// wrote could not be synced (taken once; asked before and after each request that
+    /// changes the store, which then fails with it).
+    fn settled(&self) -> Result<()> {
+        Ok(())
+    }
     /// Counts one FUSE upcall (metrics).
     fn count_upcall(&self, _op: Upcall) {}
 }

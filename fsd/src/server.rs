@@ -413,11 +413,38 @@ impl<B: Backend> Server<B> {
 
     /// Serves one request from `ids`; `reg` registers passthrough backing files (OPEN and
     /// CREATE). Counts the upcall and enters its span (`fuse{op, pid}`, at debug level).
+    /// A request that changes the store fails, whatever it did, when the backend says that
+    /// what it changed is not durable ([`Backend::settled`]).
     pub fn dispatch(&self, req: &Request<'_>, ids: Ids, reg: Registrar<'_>) -> Reply {
         let _span = req.upcall().map(|op| {
             self.fs.backend().count_upcall(op);
             tracing::debug_span!("fuse", op = op.name(), pid = ids.pid).entered()
         });
+        let changes = matches!(
+            req,
+            Request::Mkdir { .. }
+                | Request::Unlink { .. }
+                | Request::Rmdir { .. }
+                | Request::Rename { .. }
+                | Request::Flush { .. }
+                | Request::Setxattr { .. }
+                | Request::Removexattr { .. }
+        );
+        if !changes {
+            return self.serve(req, ids, reg);
+        }
+        let b = self.fs.backend();
+        let _ = b.settled(); // nothing of an earlier request's
+        match self.serve(req, ids, reg) {
+            Reply::Err(e) => Reply::Err(e),
+            r => match b.settled() {
+                Ok(()) => r,
+                Err(e) => Reply::Err(errno(&e)),
+            },
+        }
+    }
+
+    fn serve(&self, req: &Request<'_>, ids: Ids, reg: Registrar<'_>) -> Reply {
         let f = &*self.fs;
         match *req {
             Request::Lookup { parent, name } => {

@@ -264,7 +264,13 @@ impl Conn {
                     w
                 })
             } else {
-                self.handle(req.op).map_err(|e| e.to_wire())
+                crate::store::take_sync_failure();
+                let r = self.handle(req.op);
+                // A record of the verb's that could not be synced: not a success.
+                match crate::store::take_sync_failure() {
+                    Some(e) if r.is_ok() => Err(e.to_wire()),
+                    _ => r.map_err(|e| e.to_wire()),
+                }
             };
             let outcome = match outcome {
                 Ok(reply) => Outcome::Ok(reply),

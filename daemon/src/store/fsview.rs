@@ -978,6 +978,10 @@ impl Backend for StoreFs {
         out.pop().expect("one outcome")
     }
 
+    fn settled(&self) -> Result<()> {
+        super::take_sync_failure().map_or(Ok(()), Err)
+    }
+
     fn count_upcall(&self, op: Upcall) {
         self.0.counters.count_upcall(op);
     }

@@ -4,7 +4,7 @@
 //! the verb goes on (the lock's rule: no `fsync` under it). Records of many clients waiting
 //! at the same moment share one sync ([`crate::wal::Syncer`]).
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::ops::{Deref, DerefMut};
 use std::time::Instant;
 
@@ -16,6 +16,32 @@ use crate::wal::Unsynced;
 thread_local! {
     /// How many of the store's locks this thread holds (one store, or several in tests).
     static HELD: Cell<u32> = const { Cell::new(0) };
+    /// Why a sync this thread's verb waited for failed, for the verb's answer.
+    static SYNC_FAILED: RefCell<Option<String>> = const { RefCell::new(None) };
+}
+
+/// Takes the failure of a sync that the verb this thread served last waited for
+/// (`--wal-sync`): a verb whose record is not durable answers with it, not with a success.
+/// The servers take it after each verb (and before, so that none inherits another's).
+pub fn take_sync_failure() -> Option<maru::Error> {
+    SYNC_FAILED.with(|f| f.borrow_mut().take()).map(|e| {
+        maru::Error::Io(std::io::Error::other(format!(
+            "a pool's log could not be synced ({e}): what this changed may not survive a \
+             crash, and the pool takes no more writes"
+        )))
+    })
+}
+
+/// Waits until every record of `pending` is synced; a failure is logged and kept for the
+/// verb's answer ([`take_sync_failure`]).
+fn wait_synced(pending: impl IntoIterator<Item = Unsynced>) {
+    for u in pending {
+        if let Err(e) = u.wait() {
+            // Appends are refused from here on (`Syncer`): the pool takes no more writes.
+            tracing::error!("syncing a pool's log: {e}");
+            SYNC_FAILED.with(|f| *f.borrow_mut() = Some(e.to_string()));
+        }
+    }
 }
 
 fn held(by: i32) {
@@ -85,6 +111,20 @@ impl<'a> Locked<'a> {
         released(|| MutexGuard::unlocked(g, f))
     }
 
+    /// Syncs what the verb appended so far, without the lock meanwhile, and takes it again:
+    /// the extents whose removals that synced are free then (an eviction's, before the
+    /// grant it made room for).
+    pub(super) fn sync(&mut self) {
+        self.take_unsynced();
+        if self.unsynced.is_empty() {
+            return;
+        }
+        let pending = std::mem::take(&mut self.unsynced);
+        let g = self.guard();
+        released(|| MutexGuard::unlocked(g, || wait_synced(pending)));
+        self.take_unsynced();
+    }
+
     /// Waits on `c`, without the lock meanwhile.
     pub(super) fn wait(&mut self, c: &Condvar) {
         self.take_unsynced();
@@ -116,23 +156,16 @@ impl DerefMut for Locked<'_> {
 impl Drop for Locked<'_> {
     fn drop(&mut self) {
         self.take_unsynced();
-        // Asked only when there is a sync to wait for: the common unlock scans nothing more.
-        let frees = !self.unsynced.is_empty() && self.guard().frees_waiting();
         drop(self.guard.take());
         held(-1);
         if self.unsynced.is_empty() {
             return;
         }
-        for u in self.unsynced.drain(..) {
-            if let Err(e) = u.wait() {
-                // Appends are refused from here on (`Syncer`): the pool takes no more writes.
-                tracing::error!("syncing a pool's log: {e}");
-            }
-        }
-        if frees {
-            // The extents whose removals are synced now are freed (as the lock is taken).
-            drop(Locked::new(self.lock));
-        }
+        wait_synced(self.unsynced.drain(..));
+        // The extents whose removals are synced now are freed as the lock is taken: this
+        // verb's, and those another verb queued on this one's records while they synced
+        // (it appended nothing, so it waited for nothing).
+        drop(Locked::new(self.lock));
     }
 }
 

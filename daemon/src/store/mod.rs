@@ -92,7 +92,7 @@ use crate::alloc::align_up;
 use crate::pool::{ENTRY_ALIGN, PoolSpec};
 use authority::{Authority, LocalAuthority};
 pub use ids::{PoolIdx, SessionId};
-pub use locked::{assert_unlocked, held_here};
+pub use locked::{assert_unlocked, held_here, take_sync_failure};
 use namespaces::{join, parent};
 use policy::{Access, Perm};
 use pools::{Backing, Requester};

@@ -66,9 +66,22 @@ impl Store {
             }
         }
         if count > 0 {
-            st.free_settled(&*self.authority);
+            // Removals of this host's that other hosts acknowledged meanwhile (a wait for
+            // etcd, without the lock); and the log's sync of these (`--wal-sync`), so that
+            // their extents are free for the grant they make room for.
+            self.free_acknowledged(st);
+            st.sync();
         }
         (count, freed)
+    }
+
+    /// Frees the removed extents every host sharing their pool acknowledged
+    /// ([`super::authority::Authority::settle`], made without the lock).
+    fn free_acknowledged(&self, st: &mut Locked<'_>) {
+        let free = st.unlocked(|| self.authority.settle());
+        for (pool, offset) in free {
+            st.free_unheld(&pool, offset);
+        }
     }
 
     /// [`Store::evict_lru`] of `candidates` (oldest first) in a pool shared with other hosts.
@@ -98,11 +111,10 @@ impl Store {
         self.notify(inv);
         if count > 0 {
             // Hosts sharing the pool may map what was evicted: the space comes back once each
-            // acknowledged the removals (one wait for the whole batch, without the lock).
-            let free = st.unlocked(|| self.authority.settle());
-            for (pool, offset) in free {
-                st.free_unheld(&pool, offset);
-            }
+            // acknowledged the removals (one wait for the whole batch, without the lock), and
+            // once their records are synced (`--wal-sync`).
+            self.free_acknowledged(st);
+            st.sync();
         }
         (count, freed)
     }

@@ -199,11 +199,6 @@ impl State {
             .collect()
     }
 
-    /// Some pool's extents wait for their removal's sync.
-    pub(super) fn frees_waiting(&self) -> bool {
-        self.pools.iter().any(|p| p.pool.frees_waiting())
-    }
-
     /// A fresh inode number.
     pub fn alloc_ino(&mut self) -> u64 {
         let i = self.next_ino;

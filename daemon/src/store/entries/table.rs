@@ -257,14 +257,6 @@ impl State {
         self.pools[z.pool].pool.free_extent(z.place);
     }
 
-    /// Frees the removed entries of this host that no other host may map any more, waiting a
-    /// moment for the others to acknowledge the removals ([`Authority::settle`]).
-    pub fn free_settled(&mut self, auth: &dyn Authority) {
-        for (pool, offset) in auth.settle() {
-            self.free_unheld(&pool, offset);
-        }
-    }
-
     /// Frees the removed entry of this host at `offset` of raw pool `pool` that no host maps
     /// any more (the authority said so), unless clients here still do.
     pub fn free_unheld(&mut self, pool: &str, offset: u64) {

@@ -343,10 +343,6 @@ pub trait Pool: Send {
     fn take_unsynced(&mut self) -> Option<crate::wal::Unsynced> {
         None
     }
-    /// Extents wait for their removal's sync (`--wal-sync`) before they are freed.
-    fn frees_waiting(&self) -> bool {
-        false
-    }
     /// Unmounts what this daemon mounted for the pool (clean shutdown).
     fn unmount(&self);
     /// Checks the pool's own accounting.

@@ -737,10 +737,6 @@ impl Pool for Raw {
         self.wal.as_mut().and_then(Wal::take_unsynced)
     }
 
-    fn frees_waiting(&self) -> bool {
-        !self.unsynced_frees.is_empty()
-    }
-
     fn unmount(&self) {}
 
     fn check(&self) -> std::result::Result<(), String> {
