@@ -288,6 +288,15 @@ impl FileSink {
         Ok(())
     }
 
+    /// Fails every wait for this log's sync from now on, as a failed `fdatasync` does (the
+    /// daemon's tests).
+    #[cfg(feature = "seams")]
+    pub fn fail_syncs(&self, why: &str) {
+        if let Some(s) = &self.syncer {
+            s.fail(why.to_owned());
+        }
+    }
+
     /// `r`, which failed after a rewrite was renamed over the log, if it did: what the log's
     /// descriptor or the last sync say no longer holds, so appends are refused from then on
     /// (and with `--wal-sync`, every wait for a sync fails).

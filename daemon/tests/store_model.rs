@@ -9,6 +9,7 @@ use maru::Error;
 use maru_daemon::pool::PoolSpec;
 use maru_daemon::store::fsview::StoreFs;
 use maru_daemon::store::{Eviction, SessionId, Store, StoreConfig};
+use maru_daemon::wal::LogSink;
 use maru_fsd::backend::ROOT_INO;
 use maru_fsd::{Backend, Caller};
 use proptest::prelude::*;
@@ -934,4 +935,76 @@ fn with_the_log_synced_eviction_makes_room_as_without() {
         with, without,
         "entries left with the log synced, and without"
     );
+}
+
+/// A sink of the pool's log (`--wal-sync`) whose syncs fail from the first append after it
+/// is armed on, as a failed `fdatasync` does.
+struct FailingSyncs {
+    inner: maru_daemon::wal::FileSink,
+    armed: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl LogSink for FailingSyncs {
+    fn append(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        self.inner.append(bytes)?;
+        if self.armed.load(std::sync::atomic::Ordering::SeqCst) {
+            self.inner.fail_syncs("injected EIO");
+        }
+        Ok(())
+    }
+    fn sync(&mut self) -> std::io::Result<()> {
+        self.inner.sync()
+    }
+    fn replace(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        self.inner.replace(bytes)
+    }
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn file(&self) -> (&std::path::Path, maru_daemon::wal::Durability) {
+        self.inner.file()
+    }
+    fn swap(&mut self, tmp: &std::path::Path, upto: u64) -> std::io::Result<()> {
+        self.inner.swap(tmp, upto)
+    }
+    fn unsynced(&self) -> Option<maru_daemon::wal::Unsynced> {
+        self.inner.unsynced()
+    }
+}
+
+/// With the pool's log synced at each record, a store whose record could not be synced is
+/// reported to the thread that served it (its server answers with the failure, not with
+/// success), and the pool takes no more writes; a verb before the failure reports none.
+#[test]
+fn with_the_log_synced_a_failed_sync_is_the_verbs_answer() {
+    use maru_daemon::store::take_sync_failure;
+    use maru_daemon::wal::{Durability, FileSink};
+    let dir = tempfile::tempdir().unwrap();
+    let store = Fixture::open(dir.path(), 16, Eviction::Off, 1 << 20, true);
+    let uuid = maru::format::read_header(&std::fs::File::open(dir.path().join("dev.img")).unwrap())
+        .unwrap()
+        .unwrap()
+        .uuid_string();
+    let log = dir.path().join("state").join(format!("pool-{uuid}.wal"));
+    let armed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    store.set_log_sink(
+        0,
+        Box::new(FailingSyncs {
+            inner: FileSink::open(&log, Durability::EachRecord).unwrap(),
+            armed: armed.clone(),
+        }),
+    );
+    let f = Fixture { store, _dir: dir };
+    let root = me(0, 0);
+    f.store.mkdir(&root, "ns", 0o755).unwrap();
+    f.put(&root, "ns", "before", b"synced").unwrap();
+    assert!(take_sync_failure().is_none(), "nothing failed yet");
+    armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    // The publication's record is appended, its sync fails: the verb's thread is told.
+    let _ = f.put(&root, "ns", "after", b"not durable");
+    let e = take_sync_failure().expect("the failed sync is the verb's answer");
+    assert!(e.to_string().contains("injected EIO"), "{e}");
+    assert!(take_sync_failure().is_none(), "taken once");
+    // The pool takes no more writes.
+    assert!(f.put(&root, "ns", "later", b"refused").is_err());
 }
