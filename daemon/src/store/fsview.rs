@@ -155,8 +155,8 @@ impl StoreFs {
 
 impl Backend for StoreFs {
     /// Looks `name` up in namespace `parent`. Entries being written are visible only to the
-    /// process writing them; a committed one makes others wait (up to 1 s) for its release,
-    /// and its writer too in a pool shared with other hosts (`publication_pending`).
+    /// process writing them (its path operations: stat, rename, unlink); a committed one
+    /// makes others wait (up to 1 s) for its release. (Its writer's reads wait in `open`.)
     fn lookup(&self, c: &Caller, parent: u64, name: &str) -> Result<Attr> {
         let mut st = self.0.lock();
         let deadline = Instant::now() + Duration::from_secs(1);
@@ -180,7 +180,7 @@ impl Backend for StoreFs {
             };
             let m = a.mount().expect("a mount write");
             let me = *tgid.get_or_insert_with(|| c.tgid());
-            if m.tgid == me && !self.publication_pending(&st, id) {
+            if m.tgid == me {
                 return Ok(a.attr(id));
             }
             if !m.committed() || st.wait_until(&self.0.sealed, deadline).timed_out() {
