@@ -209,7 +209,10 @@ impl Member {
     /// A removal whose tombstones do not fit in its transaction: they go first, while the
     /// entry is still the one named (left behind by a failure, they only keep units from a
     /// fresh claim while the entry is there anyway, and are swept after its removal), then
-    /// the removal; those put are taken back when the entry was not the one named.
+    /// the removal, which puts one of them again: a host that learns of the removal from a
+    /// read of every entry waits for the acknowledgement of its revision, the newest of its
+    /// tombstones' ([`crate::Snapshot::removed_at`]), not of a tombstone put before it. Those
+    /// put are taken back when the entry was not the one named.
     async fn remove_big(&self, t: &Removal) -> Result<Removed> {
         let node = self.info.node.clone();
         let mut put: Vec<String> = Vec::new();
@@ -228,9 +231,15 @@ impl Member {
         let r = match removal {
             Some(r) => r,
             None => {
+                let mut ops = vec![Op::delete(t.key.clone()), Op::delete(t.pin.clone())];
+                ops.extend(
+                    t.tombstones
+                        .last()
+                        .map(|k| Op::put(k.clone(), node.clone(), 0)),
+                );
                 let txn = Txn::new()
                     .when([Compare::created(t.key.clone(), t.created)])
-                    .and_then([Op::delete(t.key.clone()), Op::delete(t.pin.clone())]);
+                    .and_then(ops);
                 self.client.txn(txn).await?
             }
         };

@@ -903,3 +903,27 @@ async fn a_running_member_keeps_its_lease_for_many_ttls() {
     assert!(a.is_live(), "the keep-alive let a 1 s lease run out");
     assert!(a.claim(0, UNIT).await.expect("claim"));
 }
+
+/// An entry whose tombstones do not fit in one transaction (its removal puts them first, in
+/// transactions of their own): a host that learns of its removal from a read of every entry
+/// waits for the acknowledgement of the removal's own revision, not of its first tombstones'.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_huge_entry_read_removed_is_removed_at_its_removals_revision() {
+    let Some(etcd) = Etcd::start() else { return };
+    let a = member(&etcd, "a", 10).await;
+    let b = member(&etcd, "b", 10).await;
+    // 300 units of 2 MiB: more tombstones than a transaction takes.
+    let huge = EntryRecord {
+        offset: 4 * UNIT,
+        len: 300 * UNIT,
+        node: "a".into(),
+        alloc: 1,
+    };
+    assert!(a.claim(huge.offset, huge.len).await.expect("claim"));
+    a.publish("ns", "huge", &huge).await.expect("publish");
+    let gone = a.remove("ns", "huge").await.expect("remove");
+    assert!(gone.existed);
+    let snap = b.snapshot().await.expect("snapshot");
+    assert!(snap.entries.is_empty());
+    assert_eq!(snap.removed_at(huge.offset, 1), gone.revision);
+}
