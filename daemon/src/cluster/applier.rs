@@ -349,12 +349,10 @@ async fn tend(me: std::sync::Weak<EtcdAuthority>, tx: tokio::sync::mpsc::Unbound
                 if pending.iter().all(|(_, r)| acked.is_none_or(|x| x >= *r)) {
                     a.settle_stalled.store(false, Ordering::Release);
                 }
-                for o in super::free_of(&m, &pending, acked)
-                    .await
-                    .unwrap_or_default()
-                {
-                    let mine = a.held.lock().remove(&o).is_some(); // not freed by a `settle`
-                    if mine && tx.send(Change::Unheld(o)).is_err() {
+                let free = super::free_of(&m, &pending, acked).await;
+                // Not freed by a `settle` meanwhile (nor freed and removed again since).
+                for o in super::unhold(&a.held, free.unwrap_or_default()) {
+                    if tx.send(Change::Unheld(o)).is_err() {
                         return;
                     }
                 }

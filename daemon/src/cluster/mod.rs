@@ -336,14 +336,30 @@ async fn free_of(
     m: &Member,
     pending: &[(u64, i64)],
     acked: Option<i64>,
-) -> maru_cluster::Result<Vec<u64>> {
-    let seen: Vec<u64> = pending
+) -> maru_cluster::Result<Vec<(u64, i64)>> {
+    let seen: Vec<(u64, i64)> = pending
         .iter()
         .filter(|(_, r)| acked.is_none_or(|a| a >= *r))
-        .map(|(o, _)| *o)
+        .copied()
         .collect();
-    let held = m.held(&seen).await?;
-    Ok(seen.into_iter().filter(|o| !held.contains(o)).collect())
+    let offsets: Vec<u64> = seen.iter().map(|(o, _)| *o).collect();
+    let held = m.held(&offsets).await?;
+    Ok(seen
+        .into_iter()
+        .filter(|(o, _)| !held.contains(o))
+        .collect())
+}
+
+/// Takes out of `held` the extents of `free` (offset, removal's revision) still waiting for
+/// that same removal, and returns their offsets: one freed meanwhile (by a `settle`, or the
+/// round that raced it), and maybe carved, published and removed again since, waits for its
+/// new removal's acknowledgements.
+fn unhold(held: &Mutex<HashMap<u64, i64>>, free: Vec<(u64, i64)>) -> Vec<u64> {
+    let mut held = held.lock();
+    free.into_iter()
+        .filter(|(o, r)| held.get(o) == Some(r) && held.remove(o).is_some())
+        .map(|(o, _)| o)
+        .collect()
 }
 
 /// Other hosts' entries, by the revision that created each, as clients of this host use them.
@@ -675,9 +691,8 @@ impl Authority for EtcdAuthority {
             );
             self.settle_stalled.store(true, Ordering::Release);
         }
-        let mut held = self.held.lock();
-        free.into_iter()
-            .filter(|o| held.remove(o).is_some())
+        unhold(&self.held, free)
+            .into_iter()
             .map(|o| (self.pool.clone(), o))
             .collect()
     }
@@ -955,5 +970,17 @@ mod tests {
         assert!(r.hold(40, 0, 4096, 5));
         assert!(!r.removal(40, 0, 4096, 6), "held already");
         assert_eq!(r.stop(40).map(|h| h.tag), Some(5));
+    }
+
+    /// An extent found free for a removal is taken out of the held only while it still
+    /// waits for that removal: freed meanwhile and removed again, it waits for the new one.
+    #[test]
+    fn an_extent_is_unheld_only_for_the_removal_it_waits_for() {
+        let held = parking_lot::Mutex::new(std::collections::HashMap::from([(4096, 7), (8192, 9)]));
+        assert_eq!(super::unhold(&held, vec![(4096, 5), (8192, 9)]), vec![8192]);
+        assert_eq!(*held.lock(), std::collections::HashMap::from([(4096, 7)]));
+        assert_eq!(super::unhold(&held, vec![(4096, 7)]), vec![4096]);
+        assert!(held.lock().is_empty());
+        assert!(super::unhold(&held, vec![(4096, 7)]).is_empty(), "once");
     }
 }
