@@ -927,3 +927,39 @@ async fn a_huge_entry_read_removed_is_removed_at_its_removals_revision() {
     assert!(snap.entries.is_empty());
     assert_eq!(snap.removed_at(huge.offset, 1), gone.revision);
 }
+
+/// A read of every entry larger than gRPC's usual limit on a message (4 MiB): 20,000 entries
+/// with long names, read whole by another host, as a host joining a busy pool does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_of_every_entry_larger_than_four_mib_comes_whole() {
+    let Some(etcd) = Etcd::start() else { return };
+    let a = member(&etcd, "a", 10).await;
+    let b = member(&etcd, "b", 10).await;
+    let n = 20_000u64;
+    assert!(
+        a.claim(0, (n * 4096).div_ceil(UNIT) * UNIT)
+            .await
+            .expect("claim")
+    );
+    let names: Vec<String> = (0..n)
+        .map(|i| format!("llama-3-8b.tp-0.layer-group-{i:06}-{}", "k".repeat(120)))
+        .collect();
+    let recs: Vec<EntryRecord> = (0..n).map(|i| record("a", i * 4096)).collect();
+    for (names, recs) in names.chunks(1000).zip(recs.chunks(1000)) {
+        let items: Vec<Publication<'_>> = names
+            .iter()
+            .zip(recs)
+            .map(|(name, record)| Publication {
+                ns: "ns",
+                name,
+                record,
+                reserved: false,
+            })
+            .collect();
+        for r in a.publish_many(&items).await {
+            assert!(matches!(r, Ok(Published::New { .. })), "{r:?}");
+        }
+    }
+    let all = b.snapshot().await.expect("a read of every entry").entries;
+    assert_eq!(all.len(), n as usize);
+}

@@ -127,6 +127,9 @@ macro_rules! again {
     };
 }
 
+/// The largest reply taken from etcd (gRPC's own limit on a message).
+const MAX_REPLY: usize = i32::MAX as usize;
+
 /// A connection to an etcd cluster. Cheap to clone: clones share the channel.
 #[derive(Clone)]
 pub struct Client {
@@ -186,8 +189,11 @@ impl Client {
         let channel = Channel::balance_list(list.into_iter());
         let service = InterceptedService::new(channel, RequireLeader(options.require_leader));
         Ok(Client {
-            kv: KvClient::new(service.clone()),
-            watch: WatchClient::new(service.clone()),
+            // A read of every entry of a busy pool is one reply of many MiB (20,000 entries
+            // with long names: 5.6 MiB), past tonic's default limit of 4 MiB; etcd sends
+            // replies of up to 2 GiB, its size limit being its keyspace's.
+            kv: KvClient::new(service.clone()).max_decoding_message_size(MAX_REPLY),
+            watch: WatchClient::new(service.clone()).max_decoding_message_size(MAX_REPLY),
             lease: LeaseClient::new(service.clone()),
             maintenance: MaintenanceClient::new(service),
             patience: options.patience,
