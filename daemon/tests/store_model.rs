@@ -937,17 +937,47 @@ fn with_the_log_synced_eviction_makes_room_as_without() {
     );
 }
 
-/// A sink of the pool's log (`--wal-sync`) whose syncs fail from the first append after it
-/// is armed on, as a failed `fdatasync` does.
-struct FailingSyncs {
+/// A sink of a pool's log that fails, while armed: its syncs (`--wal-sync`), from the
+/// first append on, as a failed `fdatasync` does; or its appends, as a full disk does.
+struct Faulty {
     inner: maru_daemon::wal::FileSink,
-    armed: Arc<std::sync::atomic::AtomicBool>,
+    syncs: Arc<std::sync::atomic::AtomicBool>,
+    appends: Arc<std::sync::atomic::AtomicBool>,
 }
 
-impl LogSink for FailingSyncs {
+impl Faulty {
+    /// Puts a faulty sink on the log of the raw pool of the fixture in `dir`; the switches
+    /// that arm its syncs' and its appends' failures.
+    fn install(
+        store: &Store,
+        dir: &std::path::Path,
+        durability: maru_daemon::wal::Durability,
+    ) -> [Arc<std::sync::atomic::AtomicBool>; 2] {
+        let uuid = maru::format::read_header(&std::fs::File::open(dir.join("dev.img")).unwrap())
+            .unwrap()
+            .unwrap()
+            .uuid_string();
+        let log = dir.join("state").join(format!("pool-{uuid}.wal"));
+        let switches = [(); 2].map(|()| Arc::new(std::sync::atomic::AtomicBool::new(false)));
+        store.set_log_sink(
+            0,
+            Box::new(Faulty {
+                inner: maru_daemon::wal::FileSink::open(&log, durability).unwrap(),
+                syncs: switches[0].clone(),
+                appends: switches[1].clone(),
+            }),
+        );
+        switches
+    }
+}
+
+impl LogSink for Faulty {
     fn append(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        if self.appends.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(std::io::Error::other("injected ENOSPC"));
+        }
         self.inner.append(bytes)?;
-        if self.armed.load(std::sync::atomic::Ordering::SeqCst) {
+        if self.syncs.load(std::sync::atomic::Ordering::SeqCst) {
             self.inner.fail_syncs("injected EIO");
         }
         Ok(())
@@ -978,22 +1008,9 @@ impl LogSink for FailingSyncs {
 #[test]
 fn with_the_log_synced_a_failed_sync_is_the_verbs_answer() {
     use maru_daemon::store::take_sync_failure;
-    use maru_daemon::wal::{Durability, FileSink};
     let dir = tempfile::tempdir().unwrap();
     let store = Fixture::open(dir.path(), 16, Eviction::Off, 1 << 20, true);
-    let uuid = maru::format::read_header(&std::fs::File::open(dir.path().join("dev.img")).unwrap())
-        .unwrap()
-        .unwrap()
-        .uuid_string();
-    let log = dir.path().join("state").join(format!("pool-{uuid}.wal"));
-    let armed = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    store.set_log_sink(
-        0,
-        Box::new(FailingSyncs {
-            inner: FileSink::open(&log, Durability::EachRecord).unwrap(),
-            armed: armed.clone(),
-        }),
-    );
+    let [armed, _] = Faulty::install(&store, dir.path(), maru_daemon::wal::Durability::EachRecord);
     let f = Fixture { store, _dir: dir };
     let root = me(0, 0);
     f.store.mkdir(&root, "ns", 0o755).unwrap();
@@ -1007,4 +1024,42 @@ fn with_the_log_synced_a_failed_sync_is_the_verbs_answer() {
     assert!(take_sync_failure().is_none(), "taken once");
     // The pool takes no more writes.
     assert!(f.put(&root, "ns", "later", b"refused").is_err());
+}
+
+/// A removal the pool's log cannot take (a full disk under the state directory): the entry
+/// goes for now, but its seal stays the log's last word on it, so its extent is not carved
+/// again in this run, and at the next start the entry comes back whole, beside the entries
+/// stored since.
+#[test]
+fn a_removal_the_log_cannot_take_keeps_its_extent_and_the_entry_comes_back_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Fixture::open(dir.path(), 16, Eviction::Off, 1 << 20, false);
+    let [_, appends] = Faulty::install(
+        &store,
+        dir.path(),
+        maru_daemon::wal::Durability::Checkpoints,
+    );
+    let f = Fixture { store, _dir: dir };
+    let root = me(0, 0);
+    f.store.mkdir(&root, "ns", 0o755).unwrap();
+    f.put(&root, "ns", "kept", &[1u8; 5000]).unwrap();
+    appends.store(true, std::sync::atomic::Ordering::SeqCst);
+    let _ = f.store.delete(&root, "ns", &["kept".to_owned()]);
+    appends.store(false, std::sync::atomic::Ordering::SeqCst);
+    for i in 0..4 {
+        f.put(&root, "ns", &format!("new{i}"), &[2u8; 5000])
+            .unwrap();
+    }
+    f.store.check_invariants().unwrap();
+    let Fixture { store, _dir } = f;
+    drop(store);
+    let f = Fixture {
+        store: Fixture::open(_dir.path(), 16, Eviction::Off, 1 << 20, false),
+        _dir,
+    };
+    assert_eq!(f.get("ns", "kept"), Some(vec![1u8; 5000]), "back, whole");
+    for i in 0..4 {
+        assert_eq!(f.get("ns", &format!("new{i}")), Some(vec![2u8; 5000]));
+    }
+    f.store.check_invariants().unwrap();
 }

@@ -68,6 +68,9 @@ pub struct Raw {
     /// Extents removed while leased whose removal's record was not yet synced then
     /// (`--wal-sync`): freed at their last lease's end once it is.
     unsynced_dels: HashMap<u64, crate::wal::Unsynced>,
+    /// Extents of entries removed whose removal the log could not take: the entry comes back
+    /// at the next start, so its extent is not carved again in this run.
+    unrecorded: std::collections::HashSet<u64>,
     extents: ExtentAlloc,
     regions: BTreeMap<u64, Region>,
     /// Each client session's open region.
@@ -138,6 +141,7 @@ impl Raw {
             wal: None,
             unsynced_frees: Default::default(),
             unsynced_dels: HashMap::new(),
+            unrecorded: Default::default(),
             extents: ExtentAlloc::new(REGION_ALIGN, size),
             regions: BTreeMap::new(),
             open: HashMap::new(),
@@ -538,7 +542,16 @@ impl Pool for Raw {
 
     fn delete(&mut self, e: &Loc<'_>, leased: bool) -> bool {
         if let Err(err) = self.log(&Record::Del { off: extent(e) }) {
-            tracing::error!("pool log: {err}");
+            // Its seal stays the log's last word on it: reused now, its extent would come
+            // back at the next start as this entry, over another's bytes.
+            tracing::error!(
+                ns = %e.ns,
+                key = %e.key,
+                "pool log: {err}: the removal is not recorded; its extent stays taken until \
+                 marud restarts, and the entry comes back then"
+            );
+            self.unrecorded.insert(extent(e));
+            return false;
         }
         let removal = self.wal.as_ref().and_then(Wal::unsynced);
         if leased {
@@ -553,6 +566,9 @@ impl Pool for Raw {
 
     fn free_extent(&mut self, place: Place) {
         if let Some(offset) = place.extent() {
+            if self.unrecorded.contains(&offset) {
+                return;
+            }
             let removal = self.unsynced_dels.remove(&offset);
             self.release_after(offset, removal);
         }
