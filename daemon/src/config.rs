@@ -220,6 +220,11 @@ impl Settings {
         };
         let remote = match cli.remote_bind.or(file.remote_bind) {
             None => None,
+            Some(_) if cluster.is_some() => anyhow::bail!(
+                "the remote door serves a pool of this host's alone: it is not offered in \
+                 cluster mode (a remote WRITE would not be fenced when this host loses its \
+                 etcd lease); give --remote-bind or --cluster, not both"
+            ),
             Some(bind) => {
                 let mut r = crate::remote::RemoteSettings::new(bind);
                 r.pool = cli.remote_pool.or(file.remote_pool);
@@ -300,6 +305,19 @@ impl Settings {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_remote_door_is_refused_in_cluster_mode() {
+        let cli = Cli {
+            pools: vec!["file:/tmp/maru-pool.img,size=64M".into()],
+            cluster: Some("http://127.0.0.1:2379".into()),
+            node: Some("h0".into()),
+            remote_bind: Some("127.0.0.1:7860".parse().unwrap()),
+            ..Default::default()
+        };
+        let e = Settings::resolve(cli).unwrap_err().to_string();
+        assert!(e.contains("not offered in cluster mode"), "{e}");
+    }
 
     #[test]
     fn flags_win_over_file() {

@@ -523,6 +523,10 @@ struct Conn {
     registration: u64,
     regions: Vec<(u64, u64)>,
     max_items: usize,
+    /// Each transfer's timeout: the configured one, kept under half the door's TTLs.
+    transfer_timeout: Duration,
+    /// How long the door keeps a read protection ([`Welcome::read_ttl_ms`]).
+    read_ttl: Duration,
 }
 
 /// Everything one request at a time uses.
@@ -1135,6 +1139,21 @@ impl RemoteClient {
             Outcome::Err(w) => return Err(server_error(w)),
         };
         inner.serial += 1;
+        let read_ttl = Duration::from_millis(welcome.read_ttl_ms);
+        // A transfer that outlives its reservation or read protection may write pages the
+        // door gave to another, or read an entry removed meanwhile: kept well inside both.
+        let most = read_ttl.min(Duration::from_millis(welcome.reserve_ttl_ms)) / 2;
+        let transfer_timeout = if self.cfg.transfer_timeout > most {
+            tracing::warn!(
+                addr = %self.addr,
+                configured = ?self.cfg.transfer_timeout,
+                used = ?most,
+                "the transfer timeout is lowered to half the door's shortest TTL"
+            );
+            most
+        } else {
+            self.cfg.transfer_timeout
+        };
         inner.conn = Some(Conn {
             stream,
             serial: inner.serial,
@@ -1142,6 +1161,8 @@ impl RemoteClient {
             registration: 0,
             regions: Vec::new(),
             max_items: welcome.max_items.clamp(1, proto::MAX_ITEMS),
+            transfer_timeout,
+            read_ttl,
         });
         if let Err(e) = self.load_registration(inner, &welcome.registration) {
             inner.conn = None;
@@ -1335,7 +1356,11 @@ impl RemoteClient {
         let mut t = self
             .agent
             .transfer(op, local_mem, local, Mem::Dram, remote, peer)?;
-        let waited = t.wait(self.cfg.transfer_timeout);
+        let timeout = inner
+            .conn
+            .as_ref()
+            .map_or(self.cfg.transfer_timeout, |c| c.transfer_timeout);
+        let waited = t.wait(timeout);
         add_time(&self.counters.transfer_ns, posted);
         match waited {
             Ok(()) => {
@@ -1569,13 +1594,16 @@ impl RemoteClient {
             ns: ns.into(),
             keys: keys.iter().map(|k| (*k).to_owned()).collect(),
         };
+        // The protections live the door's read TTL from the lookup's arrival, later than this.
+        let asked = Instant::now();
         let pages = match self.call(inner, op)? {
             Reply::Found(v) if v.len() == keys.len() => v,
             Reply::Found(v) => return Err(count_mismatch("lookup", keys.len(), v.len())),
             other => return Err(unexpected("lookup", &other)),
         };
+        let protected = asked + inner.conn.as_ref().map_or(Duration::ZERO, |c| c.read_ttl);
         let tickets: Vec<u64> = pages.iter().flatten().map(|p| p.ticket).collect();
-        let read = self.read_pages(inner, &pages, max_len, found);
+        let read = self.read_pages(inner, &pages, max_len, protected, found);
         if !tickets.is_empty() && inner.conn.is_some() {
             // The bytes are read (or given up): the protections can end.
             self.give_back(inner, Op::Release { tickets });
@@ -1583,11 +1611,15 @@ impl RemoteClient {
         read
     }
 
+    /// READs `pages` into the staging buffer, round by round, each piece handed to `found`;
+    /// pieces of a round that ends at `protected` or after are not (misses): their read
+    /// protections may have ended, and the entries' pages been reused meanwhile.
     fn read_pages(
         &self,
         inner: &mut Inner,
         pages: &[Option<Page>],
         max_len: Option<usize>,
+        protected: Instant,
         found: &mut dyn FnMut(usize, &[u8]),
     ) -> Result<()> {
         let (staging_addr, staging_len) = self.ensure_staging(inner)?;
@@ -1629,7 +1661,7 @@ impl RemoteClient {
             }
             let mut off = align_up(used);
             if off + len > staging_len {
-                self.read_round(inner, &mut round, &mut local, &mut remote, found)?;
+                self.read_round(inner, &mut round, &mut local, &mut remote, protected, found)?;
                 off = 0;
             }
             round.push((i, off, len));
@@ -1638,7 +1670,7 @@ impl RemoteClient {
             used = off + len;
         }
         if !round.is_empty() {
-            self.read_round(inner, &mut round, &mut local, &mut remote, found)?;
+            self.read_round(inner, &mut round, &mut local, &mut remote, protected, found)?;
         }
         Ok(())
     }
@@ -1650,11 +1682,18 @@ impl RemoteClient {
         round: &mut Vec<(usize, usize, usize)>,
         local: &mut Vec<Desc>,
         remote: &mut Vec<Desc>,
+        protected: Instant,
         found: &mut dyn FnMut(usize, &[u8]),
     ) -> Result<()> {
         self.transfer(inner, maru_nixl::Op::Read, local, remote, Vec::new())
             .map_err(nixl_err("reading from the pool"))?;
-        if let Some(staging) = inner.staging.as_ref() {
+        if Instant::now() >= protected {
+            tracing::warn!(
+                addr = %self.addr,
+                pieces = round.len(),
+                "a READ ended after its read protections may have: its pieces are misses"
+            );
+        } else if let Some(staging) = inner.staging.as_ref() {
             let buf = staging.bytes();
             for &(i, off, len) in round.iter() {
                 found(i, &buf[off..off + len]);

@@ -290,17 +290,22 @@ pub fn write_frame<T: Serialize>(w: &mut impl Write, msg: &T) -> std::io::Result
     w.write_all(&out)
 }
 
+/// How long a frame begun may take to arrive whole: read timeouts inside a frame (a lost
+/// segment's retransmission, say) are waited through, so that the bytes read so far are
+/// not lost; a timeout before its first byte is returned (the reader is where it was).
+const FRAME_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Reads one frame's body; `Ok(None)` at a clean end of the stream between frames.
 pub fn read_frame(r: &mut impl Read, buf: &mut Vec<u8>) -> Result<Option<()>, FrameError> {
     let mut len = [0u8; 4];
     let mut got = 0;
+    let mut begun = None;
     while got < 4 {
-        match r.read(&mut len[got..]) {
-            Ok(0) if got == 0 => return Ok(None),
-            Ok(0) => return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into()),
-            Ok(n) => got += n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e.into()),
+        match read_some(r, &mut len[got..], &mut begun)? {
+            Some(0) if got == 0 => return Ok(None),
+            Some(0) => return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into()),
+            Some(n) => got += n,
+            None => {}
         }
     }
     let len = u32::from_le_bytes(len) as usize;
@@ -309,8 +314,42 @@ pub fn read_frame(r: &mut impl Read, buf: &mut Vec<u8>) -> Result<Option<()>, Fr
     }
     buf.clear();
     buf.resize(len, 0);
-    r.read_exact(buf)?;
+    let mut filled = 0;
+    while filled < len {
+        match read_some(r, &mut buf[filled..], &mut begun)? {
+            Some(0) => return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into()),
+            Some(n) => filled += n,
+            None => {}
+        }
+    }
     Ok(Some(()))
+}
+
+/// One read of a frame: how many bytes came (`begun` set at the frame's first), or None to
+/// read again (interrupted, or a timeout inside a frame begun less than [`FRAME_WITHIN`] ago).
+fn read_some(
+    r: &mut impl Read,
+    into: &mut [u8],
+    begun: &mut Option<std::time::Instant>,
+) -> std::io::Result<Option<usize>> {
+    match r.read(into) {
+        Ok(n) => {
+            if n > 0 {
+                begun.get_or_insert_with(std::time::Instant::now);
+            }
+            Ok(Some(n))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => Ok(None),
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) && begun.is_some_and(|t| t.elapsed() < FRAME_WITHIN) =>
+        {
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// Decodes a request and checks its shape: the item limit, and no empty batch.
@@ -334,6 +373,51 @@ pub fn decode_response(body: &[u8]) -> Result<Response, FrameError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A reader that hands out its bytes in the pieces given, with a read timeout between
+    /// each (as a socket with a read timeout does when a segment is late).
+    struct Late(std::collections::VecDeque<Vec<u8>>, bool);
+
+    impl Read for Late {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            self.1 = !self.1;
+            if self.1 {
+                return Err(std::io::ErrorKind::WouldBlock.into());
+            }
+            let Some(mut piece) = self.0.pop_front() else {
+                return Ok(0);
+            };
+            let n = piece.len().min(buf.len());
+            buf[..n].copy_from_slice(&piece[..n]);
+            if n < piece.len() {
+                self.0.push_front(piece.split_off(n));
+            }
+            Ok(n)
+        }
+    }
+
+    #[test]
+    fn a_timeout_inside_a_frame_loses_nothing() {
+        let mut frame = Vec::new();
+        write_frame(&mut frame, &"a frame that arrives in pieces").unwrap();
+        let pieces = vec![
+            frame[..2].to_vec(),
+            frame[2..9].to_vec(),
+            frame[9..].to_vec(),
+        ];
+        let mut r = Late(pieces.into(), false);
+        let mut body = Vec::new();
+        // Before the frame's first byte, the timeout is returned (the connection is idle).
+        assert!(matches!(
+            read_frame(&mut r, &mut body),
+            Err(FrameError::Io(_))
+        ));
+        assert!(matches!(read_frame(&mut r, &mut body), Ok(Some(()))));
+        assert_eq!(
+            serde_json::from_slice::<String>(&body).unwrap(),
+            "a frame that arrives in pieces"
+        );
+    }
 
     fn round_trip(op: Op) {
         let req = Request {

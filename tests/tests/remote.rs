@@ -314,7 +314,14 @@ fn wait_until(what: &str, within: Duration, mut f: impl FnMut() -> bool) -> Dura
 #[test]
 fn a_worker_killed_or_silent_leaks_no_reservation_and_no_read_protection() {
     // Short TTLs, so that a silent worker's tickets end within the test.
-    let Some(s) = Site::new(&["--remote-reserve-ttl", "2", "--remote-read-ttl", "2"]) else {
+    let Some(s) = Site::new(&[
+        "--remote-reserve-ttl",
+        "2",
+        "--remote-read-ttl",
+        "2",
+        "--remote-quarantine-ttl",
+        "2",
+    ]) else {
         return;
     };
     let url = s.url.as_str();
@@ -324,7 +331,8 @@ fn a_worker_killed_or_silent_leaks_no_reservation_and_no_read_protection() {
     );
     let before = s.local().pools()[0].writing_bytes;
 
-    // kill -9 of a worker holding a reservation and a read protection: all back at once.
+    // kill -9 of a worker holding a reservation and a read protection: its lease back at
+    // once, its reservation after a quarantine (a WRITE into it might still land).
     let (mut w, line) = s.holder(1, "kv", "held");
     assert!(
         line.contains("\"held\":true") && line.contains("\"found\":1"),
@@ -334,9 +342,14 @@ fn a_worker_killed_or_silent_leaks_no_reservation_and_no_read_protection() {
     assert!(reserved >= 4 << 20 && leases == 1, "{reserved} {leases}");
     w.0.kill().expect("kill -9");
     let _ = w.0.wait();
+    wait_until(
+        "a dead worker's lease given back",
+        Duration::from_secs(2),
+        || remote_sessions(&s).1 == 0,
+    );
     let took = wait_until(
         "a dead worker's tickets reclaimed",
-        Duration::from_secs(5),
+        Duration::from_secs(6),
         || remote_sessions(&s) == (0, 0),
     );
     eprintln!("a killed worker's tickets were reclaimed after {took:?}");
@@ -347,10 +360,10 @@ fn a_worker_killed_or_silent_leaks_no_reservation_and_no_read_protection() {
     assert!(line.contains("\"held\":true"), "{line}");
     let took = wait_until(
         "a silent worker's tickets expired",
-        Duration::from_secs(6),
+        Duration::from_secs(9),
         || remote_sessions(&s) == (0, 0),
     );
-    eprintln!("a silent worker's tickets expired after {took:?} (TTL 2 s)");
+    eprintln!("a silent worker's tickets expired after {took:?} (TTL 2 s, then 2 s of quarantine)");
     assert_eq!(s.local().pools()[0].writing_bytes, before);
     // Nothing sealed was lost.
     assert_eq!(

@@ -28,6 +28,8 @@ use super::state::{Shared, WorkerInfo};
 const HELLO_WITHIN: Duration = Duration::from_secs(10);
 /// How often an idle connection checks its tickets' TTLs.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
+/// How long an answer may wait for the worker to read it.
+const ANSWER_WITHIN: Duration = Duration::from_secs(10);
 
 struct WriteTicket {
     size: u64,
@@ -151,12 +153,15 @@ fn hello(
         gid: who.gid,
         registration: shared.registration.clone(),
     };
-    answer(
+    if let Err(e) = answer(
         &mut writer,
         shared,
         req.id,
         Outcome::Ok(Reply::Hello(welcome)),
-    )?;
+    ) {
+        shared.store.close_session(session);
+        return Err(e.into());
+    }
     tracing::info!(
         worker = id,
         %peer,
@@ -209,6 +214,9 @@ fn answer_err(w: &mut impl Write, shared: &Shared, id: u64, e: &Error) -> std::i
 impl Conn {
     fn run(&mut self, stream: &TcpStream) -> std::result::Result<(), FrameError> {
         stream.set_read_timeout(Some(SWEEP_EVERY))?;
+        // A worker that stops reading its answers (paused, frozen) does not keep this thread
+        // from its sweeps for ever: the connection ends, its tickets with it.
+        stream.set_write_timeout(Some(ANSWER_WITHIN))?;
         let mut reader = BufReader::new(stream);
         let mut writer = BufWriter::new(stream);
         let mut body = Vec::new();
@@ -523,9 +531,26 @@ impl Conn {
         Ok(out)
     }
 
-    /// Ends the tickets whose TTL ran out.
+    /// Ends the tickets whose TTL ran out. A reservation neither published nor given back
+    /// is quarantined first (a WRITE into it may still be landing: the NIC's path is not
+    /// this connection), and freed when its quarantine ends.
     fn sweep(&mut self) {
         let now = Instant::now();
+        let quarantine = now + self.shared.settings.quarantine_ttl;
+        let mut quarantined = 0;
+        for w in self.writes.values_mut() {
+            if w.deadline <= now && !w.quarantined {
+                w.quarantined = true;
+                w.deadline = quarantine;
+                quarantined += 1;
+            }
+        }
+        if quarantined > 0 {
+            self.shared
+                .stats
+                .quarantined
+                .fetch_add(quarantined, Ordering::Relaxed);
+        }
         let expired: Vec<u64> = self
             .writes
             .iter()
@@ -571,18 +596,28 @@ impl Conn {
         }
     }
 
-    /// The connection ended: reservations freed, leases dropped, the session closed, except
-    /// that quarantined pages stay allocated until their TTL (then the session closes).
+    /// The connection ended: leases dropped, the session closed, except that reservations
+    /// neither published nor given back stay allocated until a quarantine's end (a WRITE into
+    /// them may still be landing: the NIC's path outlives this connection), then the session
+    /// closes and frees them.
     fn close(mut self) {
         self.shared.stats.workers.lock().retain(|w| w.id != self.id);
         let store = self.shared.store.clone();
         let gens: Vec<u64> = self.reads.drain().map(|(_, r)| r.generation).collect();
         store.release(self.session, &gens);
-        let (quarantined, free): (Vec<_>, Vec<_>) =
-            self.writes.drain().partition(|(_, w)| w.quarantined);
-        let free: Vec<u64> = free.into_iter().map(|(t, _)| t).collect();
-        let _ = store.free(self.session, &free);
-        let Some(until) = quarantined.iter().map(|(_, w)| w.deadline).max() else {
+        let quarantine = Instant::now() + self.shared.settings.quarantine_ttl;
+        let until = self
+            .writes
+            .drain()
+            .map(|(_, w)| {
+                if w.quarantined {
+                    w.deadline
+                } else {
+                    quarantine
+                }
+            })
+            .max();
+        let Some(until) = until else {
             store.close_session(self.session);
             return;
         };
