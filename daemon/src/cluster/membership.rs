@@ -97,6 +97,7 @@ async fn keep_membership(me: std::sync::Weak<EtcdAuthority>) {
                     key,
                     "a name reserved before the cut is taken: its writer's entry will not be published"
                 );
+                a.changing.settle(&ns, &key);
                 a.reserved.lock().remove(&(ns, key));
             }
         }

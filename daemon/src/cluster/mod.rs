@@ -564,9 +564,17 @@ impl Authority for EtcdAuthority {
     fn reserve_everywhere(&self, ns: &str, key: &str, id: u64, pool: Option<&str>) -> Result<()> {
         self.local.reserve(ns, key, id)?;
         let name = (ns.to_owned(), key.to_owned());
-        if pool != Some(self.pool.as_str()) || self.reserved.lock().contains(&name) {
+        if pool != Some(self.pool.as_str()) {
             return Ok(());
         }
+        if self.reserved.lock().contains(&name) {
+            self.changing.begin(ns, key);
+            return Ok(());
+        }
+        // From now on the other hosts' changes of the name wait for the store to settle it:
+        // one the watch brings late (a put before this reservation) would otherwise be filed
+        // over the name this host's writer holds, and refuse its publication (seed 1149).
+        self.changing.begin(ns, key);
         let (m, n, k) = (self.member(), ns.to_owned(), key.to_owned());
         let e = match self.run(async move { m.read().await.reserve(&n, &k).await }) {
             Ok(None) => {
@@ -577,6 +585,7 @@ impl Authority for EtcdAuthority {
             Err(e) => cluster_error(e),
         };
         self.local.release(ns, key, id);
+        self.changing.settle(ns, key);
         Err(e)
     }
 
@@ -597,7 +606,8 @@ impl Authority for EtcdAuthority {
     }
 
     fn release(&self, ns: &str, key: &str, id: u64) {
-        if self.local.holder(ns, key) == Some(Claim::Reserved(id)) {
+        let reserved = self.local.holder(ns, key) == Some(Claim::Reserved(id));
+        if reserved {
             self.drop_reservation(ns, key);
         }
         let published = self.local.holder(ns, key) == Some(Claim::Published(id));
@@ -609,7 +619,7 @@ impl Authority for EtcdAuthority {
             self.published.lock().remove(&name);
         }
         self.local.release(ns, key, id);
-        if published {
+        if published || reserved {
             self.changing.settle(ns, key);
         }
     }
