@@ -43,6 +43,20 @@ async fn member(etcd: &Etcd, node: &str, ttl_s: u64) -> Member {
     .expect("join")
 }
 
+/// Publications of `names` in namespace `ns`, one record each, none reserved.
+fn publications<'a>(names: &'a [String], recs: &'a [EntryRecord]) -> Vec<Publication<'a>> {
+    names
+        .iter()
+        .zip(recs)
+        .map(|(name, record)| Publication {
+            ns: "ns",
+            name,
+            record,
+            reserved: false,
+        })
+        .collect()
+}
+
 fn record(node: &str, offset: u64) -> EntryRecord {
     EntryRecord {
         offset,
@@ -177,16 +191,7 @@ async fn a_group_of_publications_commits_together_and_each_has_its_own_outcome()
         .await
         .expect("revoke");
     let late: Vec<String> = (0..3).map(|i| format!("late{i}")).collect();
-    let items: Vec<Publication<'_>> = late
-        .iter()
-        .zip(&recs[140..])
-        .map(|(name, record)| Publication {
-            ns: "ns",
-            name,
-            record,
-            reserved: false,
-        })
-        .collect();
+    let items = publications(&late, &recs[140..]);
     for r in a.publish_many(&items).await {
         assert!(matches!(r, Err(Error::LeaseLost(_))), "{r:?}");
     }
@@ -946,17 +951,7 @@ async fn a_read_of_every_entry_larger_than_four_mib_comes_whole() {
         .collect();
     let recs: Vec<EntryRecord> = (0..n).map(|i| record("a", i * 4096)).collect();
     for (names, recs) in names.chunks(1000).zip(recs.chunks(1000)) {
-        let items: Vec<Publication<'_>> = names
-            .iter()
-            .zip(recs)
-            .map(|(name, record)| Publication {
-                ns: "ns",
-                name,
-                record,
-                reserved: false,
-            })
-            .collect();
-        for r in a.publish_many(&items).await {
+        for r in a.publish_many(&publications(names, recs)).await {
             assert!(matches!(r, Ok(Published::New { .. })), "{r:?}");
         }
     }
