@@ -179,7 +179,9 @@ impl Inner {
                         continue;
                     };
                     match self.cache.get(&cache_key(ns, k)) {
-                        Some(c) if c.generation == v.generation && c.is(ns, k) => {
+                        // The same entry where it was mapped: one moved out of its pack (a
+                        // change of its readers) keeps its generation, not its place.
+                        Some(c) if c.matches(&v) && c.is(ns, k) => {
                             out[i] = Some(c.map.clone());
                         }
                         // A packed entry of a pack this client maps: a slice of it (marud
@@ -460,9 +462,7 @@ impl Inner {
             .cache
             .iter()
             .filter(|(_, c)| {
-                &*c.ns == ns
-                    && t.lookup(c.key.as_bytes())
-                        .is_none_or(|v| v.generation != c.generation)
+                &*c.ns == ns && t.lookup(c.key.as_bytes()).is_none_or(|v| !c.matches(&v))
             })
             .map(|(k, _)| *k)
             .collect();

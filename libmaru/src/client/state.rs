@@ -161,6 +161,15 @@ impl Cached {
     pub(super) fn is(&self, ns: &str, key: &str) -> bool {
         &*self.key == key && &*self.ns == ns
     }
+
+    /// True if the index names this entry where it was mapped: its generation, in its pool,
+    /// at its place (a raw pool's offset, a pack's piece; a file of its own is known by its
+    /// generation alone). An entry moved out of its pack (its readers changed) keeps its
+    /// generation, and its piece of the pack reads zeros.
+    pub(super) fn matches(&self, v: &crate::index::SlotView) -> bool {
+        let at = self.map.offset();
+        self.generation == v.generation && self.map.pool() == v.pool && (at == 0 || at == v.offset)
+    }
 }
 
 /// The mapping cache's hasher: its keys are hashes already ([`super::lookup::cache_key`]).
@@ -461,17 +470,31 @@ impl Inner {
     /// mappings gave back, and the entries it opened itself. Both go with the next request,
     /// or on their own when [`Inner::report_if_due`] says so: a message of its own to an idle
     /// marud costs the sender a wakeup of marud's thread.
+    /// Each goes in messages of [`crate::proto::MAX_BATCH`] at most: marud refuses a larger
+    /// one whole (and a release refused is a lease held until the connection ends).
     pub(super) fn flush_releases(&mut self) -> Result<()> {
         let gens = std::mem::take(&mut *self.releases.lock());
-        if !gens.is_empty() {
-            let id = self.send(Op::Release { gens }, &[])?;
+        for gens in gens.chunks(crate::proto::MAX_BATCH) {
+            let id = self.send(
+                Op::Release {
+                    gens: gens.to_vec(),
+                },
+                &[],
+            )?;
             self.pending.insert(id, Pending::Release);
         }
         if !self.accessed.is_empty() {
             let gens = std::mem::take(&mut self.accessed);
             self.accessed_since = None;
-            let id = self.send(Op::Accessed { gens }, &[])?;
-            self.pending.insert(id, Pending::Accessed);
+            for gens in gens.chunks(crate::proto::MAX_BATCH) {
+                let id = self.send(
+                    Op::Accessed {
+                        gens: gens.to_vec(),
+                    },
+                    &[],
+                )?;
+                self.pending.insert(id, Pending::Accessed);
+            }
         }
         Ok(())
     }
