@@ -473,28 +473,23 @@ impl Inner {
     /// Each goes in messages of [`crate::proto::MAX_BATCH`] at most: marud refuses a larger
     /// one whole (and a release refused is a lease held until the connection ends).
     pub(super) fn flush_releases(&mut self) -> Result<()> {
-        let gens = std::mem::take(&mut *self.releases.lock());
-        for gens in gens.chunks(crate::proto::MAX_BATCH) {
-            let id = self.send(
-                Op::Release {
-                    gens: gens.to_vec(),
-                },
-                &[],
-            )?;
-            self.pending.insert(id, Pending::Release);
-        }
+        let released = std::mem::take(&mut *self.releases.lock());
+        self.send_gens(&released, |gens| (Op::Release { gens }, Pending::Release))?;
         if !self.accessed.is_empty() {
-            let gens = std::mem::take(&mut self.accessed);
+            let accessed = std::mem::take(&mut self.accessed);
             self.accessed_since = None;
-            for gens in gens.chunks(crate::proto::MAX_BATCH) {
-                let id = self.send(
-                    Op::Accessed {
-                        gens: gens.to_vec(),
-                    },
-                    &[],
-                )?;
-                self.pending.insert(id, Pending::Accessed);
-            }
+            self.send_gens(&accessed, |gens| (Op::Accessed { gens }, Pending::Accessed))?;
+        }
+        Ok(())
+    }
+
+    /// Sends `gens` in messages `op` makes, of [`crate::proto::MAX_BATCH`] at most, without
+    /// waiting for their answers.
+    fn send_gens(&mut self, gens: &[u64], op: impl Fn(Vec<u64>) -> (Op, Pending)) -> Result<()> {
+        for piece in gens.chunks(crate::proto::MAX_BATCH) {
+            let (op, pending) = op(piece.to_vec());
+            let id = self.send(op, &[])?;
+            self.pending.insert(id, pending);
         }
         Ok(())
     }
