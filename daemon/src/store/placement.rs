@@ -78,6 +78,9 @@ impl Store {
     /// Frees the removed extents every host sharing their pool acknowledged
     /// ([`super::authority::Authority::settle`], made without the lock).
     fn free_acknowledged(&self, st: &mut Locked<'_>) {
+        if !self.authority.shared() {
+            return; // a host alone: nothing to wait for, the lock is kept
+        }
         let free = st.unlocked(|| self.authority.settle());
         for (pool, offset) in free {
             st.free_unheld(&pool, offset);
