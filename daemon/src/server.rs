@@ -611,11 +611,15 @@ impl Dispatcher {
                     )));
                 }
                 let sent = &mut self.sent_ro;
-                let items = store.retrieve(session()?, &ns, &keys, |p| !sent.insert(p))?;
+                let items = store.retrieve(session()?, &ns, &keys, |p| sent.contains(&p))?;
                 let mut out = Vec::with_capacity(items.len());
                 for it in items {
                     out.push(it.map(|(loc, f)| {
                         if let Some(f) = f {
+                            // A raw pool's descriptor: the connection holds it from now on.
+                            if maru::index::packed(loc.offset).is_none() {
+                                sent.insert(loc.pool);
+                            }
                             fds.push(f);
                         }
                         loc

@@ -1063,3 +1063,78 @@ fn a_removal_the_log_cannot_take_keeps_its_extent_and_the_entry_comes_back_whole
     }
     f.store.check_invariants().unwrap();
 }
+
+/// A retrieve of several keys that fails at one of them changes nothing for the others: the
+/// entry of a raw pool before the failing one is not leased (deleted, its extent is free at
+/// once), and the next retrieve carries the pool's descriptor the failed one never sent.
+#[test]
+fn a_retrieve_that_fails_part_way_leases_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = StoreConfig {
+        eviction: Eviction::Off,
+        state_dir: dir.path().join("state"),
+        wal_sync: false,
+        max_copy_entry: 1 << 20,
+    };
+    let specs = [
+        format!("file:{}/dev.img,size=16M,name=emu", dir.path().display()),
+        format!("memfs:{}/mem,size=64M,name=mem", dir.path().display()),
+    ]
+    .map(|s| PoolSpec::parse(&s).unwrap());
+    let store = Store::open(cfg, &specs).unwrap();
+    let f = Fixture {
+        store: store.clone(),
+        _dir: dir,
+    };
+    let root = me(0, 0);
+    store.mkdir(&root, "ns", 0o755).unwrap();
+    f.put(&root, "ns", "a", &[1u8; 5000]).unwrap();
+    // `b`, an entry with a file of its own in the memfs pool, whose file then goes.
+    let w = store.open_session("w", root.clone());
+    let (g, file) = store
+        .alloc(w, 4 << 20, 1, Some("mem"), None)
+        .unwrap()
+        .pop()
+        .unwrap();
+    file.expect("a memfs allocation comes with its file")
+        .write_all_at(&[2u8; 4 << 20], 0)
+        .unwrap();
+    store.publish(w, g.alloc, "ns", "b", None).unwrap();
+    store.close_session(w);
+    let path = walkdir(&f._dir.path().join("mem"), "b").expect("b's file in the pool");
+    std::fs::remove_file(path).unwrap();
+
+    let s = store.open_session("t", root.clone());
+    let keys = ["a".to_owned(), "b".to_owned()];
+    assert!(store.retrieve(s, "ns", &keys, |_| false).is_err());
+    let got = store.retrieve(s, "ns", &keys[..1], |_| false).unwrap();
+    let (_, fd) = got[0].as_ref().expect("a is there");
+    assert!(
+        fd.is_some(),
+        "the raw pool's descriptor goes with the next retrieve"
+    );
+    store.release(s, &[got[0].as_ref().unwrap().0.generation]);
+    assert!(store.delete(&root, "ns", &keys[..1]).unwrap()[0].is_ok());
+    assert_eq!(
+        store.pools()[0].used,
+        0,
+        "a leased by the failed retrieve: its extent is not free"
+    );
+    store.close_session(s);
+    store.check_invariants().unwrap();
+}
+
+/// The path of the file named `name` somewhere under `dir`.
+fn walkdir(dir: &std::path::Path, name: &str) -> Option<std::path::PathBuf> {
+    for e in std::fs::read_dir(dir).ok()?.flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            if let Some(found) = walkdir(&p, name) {
+                return Some(found);
+            }
+        } else if e.file_name() == name {
+            return Some(p);
+        }
+    }
+    None
+}

@@ -719,3 +719,62 @@ fn a_report_of_entries_opened_by_a_client_goes_without_another_request() {
     }
     assert_eq!(writer.stats().unwrap().bytes["retrieved"], 5);
 }
+
+/// A batch retrieve that marud fails part way (one entry's file went from its memfs pool
+/// behind marud's back) answers the error, reads every reply (the connection stays in step:
+/// the next call works) and gives back every lease taken for it (the raw pool's entries,
+/// deleted, leave the pool empty).
+#[test]
+fn a_batch_retrieve_failing_part_way_keeps_the_connection_and_leaks_no_lease() {
+    maru_tests::require_root!();
+    let d = Daemon::start(no_mount(&["memfs:{dir}/pool,size=64M,name=mem", FILE]));
+    let in_pool = |pool: &str| {
+        maru::Handler::connect(maru::Config {
+            pool: Some(pool.into()),
+            ..d.client_config()
+        })
+        .unwrap()
+    };
+    let (raw, mem) = (in_pool("emu"), in_pool("mem"));
+    raw.mkdir("f", 0o755).unwrap();
+    let keys: Vec<String> = (0..48).map(|i| format!("f/k{i}")).collect();
+    for (i, k) in keys.iter().enumerate() {
+        let h = if i == 20 { &mem } else { &raw };
+        h.put(k, &pattern(i as u64, 8192)).unwrap();
+    }
+    std::fs::remove_file(d.pool_dir().join("n/f/k20")).unwrap();
+
+    let h = d.handler();
+    let paths: Vec<&str> = keys.iter().map(String::as_str).collect();
+    assert!(h.batch_retrieve(&paths).is_err(), "k20's file is gone");
+    let m = h.retrieve("f/k40").unwrap().expect("k40 is there");
+    assert_eq!(
+        m.as_slice(),
+        &pattern(40, 8192)[..],
+        "the connection in step"
+    );
+    drop(m);
+    for (i, k) in keys.iter().enumerate() {
+        if i != 20 {
+            raw.delete(k).unwrap();
+        }
+    }
+    // The storing clients' regions go with them. The retrieve drops the mappings cached of
+    // the entries deleted; the next call carries the leases given back.
+    drop((raw, mem));
+    assert!(h.retrieve("f/k0").unwrap().is_none());
+    let used = || {
+        let st = h.stats().unwrap();
+        st.pools.iter().find(|p| p.name == "emu").unwrap().used
+    };
+    // marud closes the storing clients' sessions when it sees them go.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while used() != 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(
+        used(),
+        0,
+        "leases of the failed retrieve kept deleted entries"
+    );
+}

@@ -29,14 +29,17 @@ pub struct IndexGrant {
 
 impl Store {
     /// Looks entries up for a session; memfs items carry the entry's file, raw items take a
-    /// lease. `pool_fd_sent(pool)` says whether the session already holds the pool's
-    /// read-only descriptor.
+    /// lease. `holds_pool_fd(pool)` says whether the session already holds the pool's
+    /// read-only descriptor; the first item of a raw pool it does not hold carries it (the
+    /// caller notes as held the pools of the items that carry one, once the answer is sent).
+    /// All or nothing: an item whose descriptor cannot be had fails the call before any item
+    /// is leased, counted or touched.
     pub fn retrieve(
         &self,
         session: SessionId,
         ns: &str,
         keys: &[String],
-        mut pool_fd_sent: impl FnMut(u32) -> bool,
+        holds_pool_fd: impl Fn(u32) -> bool,
     ) -> Result<Retrieved> {
         split_ns(ns)?;
         let mut st = self.lock();
@@ -49,13 +52,16 @@ impl Store {
         for ino in inos.iter().flatten() {
             policy::check(&c, &chain, ns, Access::Read(&st.entries[ino].perm()))?;
         }
-        let mut out = Vec::with_capacity(keys.len());
-        let mut packs_sent = std::collections::HashSet::new();
         let fenced = self.authority.fenced();
         let mut stale = Vec::new();
+        // First every item's descriptor, which may fail; then what the answer changes.
+        let mut found: Vec<Option<(u64, Option<File>)>> = Vec::with_capacity(keys.len());
+        let mut packs_sent = std::collections::HashSet::new();
+        let mut pools_sent = std::collections::HashSet::new();
+        let mut failed = None;
         for ino in inos {
             let Some(ino) = ino else {
-                out.push(None);
+                found.push(None);
                 continue;
             };
             // Another host's, removed there a moment ago; or fenced off: either is a miss.
@@ -65,39 +71,59 @@ impl Store {
                 st.ready_remote(&*self.authority, ino)
             };
             let Some(lines) = ready else {
-                out.push(None);
+                found.push(None);
                 continue;
             };
             stale.extend(lines);
-            let State {
-                entries,
-                lru,
-                pools,
-                sessions,
-                ..
-            } = &mut *st;
-            let e = entries.get_mut(&ino).expect("present");
-            lru.touch(e.as_mut());
-            let pool = &pools[e.pool()].pool;
-            self.counters.add_bytes(Bytes::Retrieved, e.size());
+            let e = &st.entries[&ino];
+            let pool = e.pool();
             // A pack's descriptor goes once per reply; a raw pool's once per connection.
             let first = match e.place().packed() {
-                Some((pack, _)) => packs_sent.insert((e.pool(), pack)),
-                None => !pool_fd_sent(e.pool().get()),
+                Some((pack, _)) => packs_sent.insert((pool, pack)),
+                None => !holds_pool_fd(pool.get()) && pools_sent.insert(pool),
             };
-            let f = pool.retrieve_fd(&e.loc(), first)?;
-            out.push(Some((e.located(f.is_some()), f)));
-            if pool.leases() {
-                e.lease();
-                let s = sessions.get_mut(&session).expect("live");
-                *s.leases.entry(ino).or_insert(0) += 1;
+            match st.pools[pool].pool.retrieve_fd(&e.loc(), first) {
+                Ok(f) => found.push(Some((ino, f))),
+                Err(err) => {
+                    failed = Some(err);
+                    break;
+                }
             }
         }
+        let out = match failed {
+            Some(err) => Err(err),
+            None => {
+                let State {
+                    entries,
+                    lru,
+                    pools,
+                    sessions,
+                    ..
+                } = &mut *st;
+                let mut out = Vec::with_capacity(found.len());
+                for item in found {
+                    let Some((ino, f)) = item else {
+                        out.push(None);
+                        continue;
+                    };
+                    let e = entries.get_mut(&ino).expect("present");
+                    lru.touch(e.as_mut());
+                    self.counters.add_bytes(Bytes::Retrieved, e.size());
+                    out.push(Some((e.located(f.is_some()), f)));
+                    if pools[e.pool()].pool.leases() {
+                        e.lease();
+                        let s = sessions.get_mut(&session).expect("live");
+                        *s.leases.entry(ino).or_insert(0) += 1;
+                    }
+                }
+                Ok(out)
+            }
+        };
         drop(st);
         for lines in stale {
             self.drop_stale(Some(lines));
         }
-        Ok(out)
+        out
     }
 
     /// A read-only descriptor of a namespace's index (it reveals the names: listing rights),

@@ -247,8 +247,18 @@ impl Inner {
             };
             sent.push((self.send(op, &[])?, chunk));
         }
+        // Every reply is read, even after one failed, so that the connection stays in step
+        // and each lease marud gave is given back (by the mappings made, when they are
+        // dropped with `out`; by hand for the entries not mapped).
+        let mut failed = None;
         for (id, chunk) in sent {
-            let (items, fds) = self.wait_retrieved(id)?;
+            let (items, fds) = match self.wait_retrieved(id)? {
+                Ok(r) => r,
+                Err(e) => {
+                    failed.get_or_insert(e);
+                    continue;
+                }
+            };
             if items.len() != chunk.len() {
                 return Err(Error::Protocol("retrieve reply of the wrong length".into()));
             }
@@ -256,12 +266,34 @@ impl Inner {
             for (&i, item) in chunk.iter().zip(items) {
                 let Some(loc) = item else { continue };
                 let fd = if loc.fd { fds.next() } else { None };
-                let m = self.map_located(&loc, fd)?;
-                self.cache_insert(ns, keys[i], &m);
-                out[i] = Some(m);
+                if failed.is_some() {
+                    self.give_back(&loc);
+                    continue;
+                }
+                match self.map_located(&loc, fd) {
+                    Ok(m) => {
+                        self.cache_insert(ns, keys[i], &m);
+                        out[i] = Some(m);
+                    }
+                    Err(e) => {
+                        self.give_back(&loc);
+                        failed.get_or_insert(e);
+                    }
+                }
             }
         }
-        Ok(out)
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(out),
+        }
+    }
+
+    /// Gives back the lease marud took for `loc`, an entry retrieved and not mapped (only a
+    /// raw pool's entries are leased; a generation not leased is ignored by marud).
+    fn give_back(&mut self, loc: &Located) {
+        if packed(loc.offset).is_none() && self.pool_kind(loc.pool).ok() != Some(PoolKind::Memfs) {
+            self.releases.lock().push(loc.generation);
+        }
     }
 
     pub(super) fn map_located(&mut self, loc: &Located, fd: Option<OwnedFd>) -> Result<Mapping> {

@@ -250,6 +250,9 @@ impl Drop for Inner {
     }
 }
 
+/// The items of a retrieve's reply and the descriptors that came with them.
+pub(super) type RetrievedItems = (Vec<Option<Located>>, Vec<OwnedFd>);
+
 pub(super) fn unexpected(b: &Body) -> Error {
     Error::Protocol(format!("unexpected reply {b:?}"))
 }
@@ -415,47 +418,47 @@ impl Inner {
         r.map(|n| n > 0).map_err(io_err)
     }
 
-    /// [`wait`](Self::wait) for the reply to a `Retrieve`: its items and descriptors.
-    pub(super) fn wait_retrieved(
-        &mut self,
-        id: u64,
-    ) -> Result<(Vec<Option<Located>>, Vec<OwnedFd>)> {
+    /// [`wait`](Self::wait) for the reply to a `Retrieve`: its items and descriptors, or the
+    /// error marud answered (inside); outside, what went wrong with the connection.
+    pub(super) fn wait_retrieved(&mut self, id: u64) -> Result<Result<RetrievedItems>> {
         loop {
             let body = self.next_body()?;
             if let Some(r) = proto::decode_retrieved(&body).filter(|r| r.id == id) {
                 self.answered(id);
                 let fds = self.reader.take_fds(r.fds as usize)?;
-                return Ok((r.into_items(), fds));
+                return Ok(Ok((r.into_items(), fds)));
             }
             if let Some((resp, fds)) = self.settle(&body)? {
                 self.answered(resp.id);
-                return match Self::outcome(id, resp)? {
-                    Body::Retrieved { items } => Ok((items, fds)),
-                    other => Err(unexpected(&other)),
-                };
+                return Ok(match Self::outcome(id, resp)? {
+                    Ok(Body::Retrieved { items }) => Ok((items, fds)),
+                    Ok(other) => return Err(unexpected(&other)),
+                    Err(e) => Err(e),
+                });
             }
         }
     }
 
-    /// The body of `resp`, the reply to request `id`, or its error.
-    fn outcome(id: u64, resp: Response) -> Result<Body> {
+    /// The body of `resp`, the reply to request `id`, or the error marud answered (inside);
+    /// a protocol error if it is the reply to another request.
+    fn outcome(id: u64, resp: Response) -> Result<Result<Body>> {
         if resp.id != id {
             return Err(Error::Protocol(format!(
                 "reply to request {} while waiting for {id}",
                 resp.id
             )));
         }
-        match resp.result {
+        Ok(match resp.result {
             Outcome::Ok(b) => Ok(b),
             Outcome::Err(w) => Err(Error::from(w)),
-        }
+        })
     }
 
     pub(super) fn wait(&mut self, id: u64) -> Result<(Body, Vec<OwnedFd>)> {
         loop {
             if let Some((resp, fds)) = self.recv_one()? {
                 self.answered(resp.id);
-                return Ok((Self::outcome(id, resp)?, fds));
+                return Ok((Self::outcome(id, resp)??, fds));
             }
         }
     }
