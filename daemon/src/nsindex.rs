@@ -169,9 +169,12 @@ impl NsIndex {
             .open(format!("/proc/self/fd/{}", self.memfd.as_raw_fd()))
     }
 
-    /// Looks a key up (as a client would).
+    /// Looks a key up (as a client would), as its only writer: no slot is mid-update.
     pub fn lookup(&self, key: &str) -> Option<SlotView> {
-        self.writer().table().lookup(key.as_bytes())
+        self.writer()
+            .table()
+            .lookup(key.as_bytes())
+            .expect("the writer leaves no slot mid-update")
     }
 }
 

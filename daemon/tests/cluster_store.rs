@@ -230,7 +230,7 @@ fn indexed(store: &Store, key: &str) -> bool {
     let map = unsafe { memmap2::Mmap::map(&g.table) }.expect("mapping the index");
     // SAFETY: the mapping is page-aligned and lives while the table is read.
     let t = unsafe { maru::index::Table::from_raw(map.as_ptr(), map.len()) }.expect("a table");
-    t.lookup(key.as_bytes()).is_some()
+    t.lookup(key.as_bytes()).expect("no slot stuck").is_some()
 }
 
 /// A removal of another host's entry that reaches this host while it is deleting the entry

@@ -196,31 +196,44 @@ impl<'a> Table<'a> {
         (0..=mask).map(move |k| (h as usize).wrapping_add(k) & mask)
     }
 
-    /// Looks a key up. Lock-free; retries a slot while its writer is mid-update.
-    pub fn lookup(&self, key: &[u8]) -> Option<SlotView> {
+    /// Looks a key up. Lock-free; retries a slot while its writer is mid-update, up to
+    /// [`MAX_SPINS`] times: [`Stuck`] then (the writer stopped or died in the middle, and
+    /// marud, whose answer waits for the update, is to be asked).
+    pub fn lookup(&self, key: &[u8]) -> Result<Option<SlotView>, Stuck> {
         self.lookup_hashed(key, hash_key(key))
     }
 
     /// [`lookup`](Self::lookup) of a key whose [`hash_key`] the caller has computed already.
-    pub fn lookup_hashed(&self, key: &[u8], h: u64) -> Option<SlotView> {
+    pub fn lookup_hashed(&self, key: &[u8], h: u64) -> Result<Option<SlotView>, Stuck> {
         if key.len() > MAX_NAME_LEN {
-            return None;
+            return Ok(None);
         }
+        let mut spins = 0u32;
+        let mut retry = || {
+            spins += 1;
+            std::hint::spin_loop();
+            if spins < MAX_SPINS {
+                Ok(())
+            } else {
+                Err(Stuck)
+            }
+        };
         for i in self.probe(h) {
             let s = self.slot(i);
             loop {
                 let seq1 = s[0].load(Ordering::Acquire);
                 if seq1 & 1 == 1 {
-                    std::hint::spin_loop();
+                    retry()?;
                     continue;
                 }
                 let generation = s[1].load(Ordering::Relaxed);
                 if generation == 0 {
                     fence(Ordering::Acquire);
                     if s[0].load(Ordering::Relaxed) != seq1 {
+                        retry()?;
                         continue;
                     }
-                    return None;
+                    return Ok(None);
                 }
                 let mut hit = None;
                 if generation != TOMBSTONE
@@ -239,17 +252,27 @@ impl<'a> Table<'a> {
                 }
                 fence(Ordering::Acquire);
                 if s[0].load(Ordering::Relaxed) != seq1 {
+                    retry()?;
                     continue;
                 }
                 if hit.is_some() {
-                    return hit;
+                    return Ok(hit);
                 }
                 break;
             }
         }
-        None
+        Ok(None)
     }
 }
+
+/// How many times one lookup retries slots its writer is updating before it gives up: far
+/// more than an update takes (a few stores), so only a writer stopped in the middle (by the
+/// scheduler, for long, or dead) makes a reader ask marud instead.
+pub const MAX_SPINS: u32 = 1 << 16;
+
+/// A lookup found a slot mid-update for longer than [`MAX_SPINS`] retries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stuck;
 
 /// A hint to the CPU to load the cache line at `p` (no effect where there is no such hint).
 #[inline]
@@ -482,19 +505,22 @@ mod tests {
         for g in 1..=40u64 {
             assert_eq!(
                 w.table().lookup(format!("key-{g}").as_bytes()),
-                Some(view(g))
+                Ok(Some(view(g)))
             );
         }
-        assert_eq!(w.table().lookup(b"nope"), None);
+        assert_eq!(w.table().lookup(b"nope"), Ok(None));
         w.remove(slots[4]);
-        assert_eq!(w.table().lookup(b"key-5"), None);
-        assert_eq!(w.table().lookup(b"key-6"), Some(view(6)));
+        assert_eq!(w.table().lookup(b"key-5"), Ok(None));
+        assert_eq!(w.table().lookup(b"key-6"), Ok(Some(view(6))));
         w.set_flags(slots[5], FLAG_PINNED);
-        assert_eq!(w.table().lookup(b"key-6").unwrap().flags, FLAG_PINNED);
+        assert_eq!(
+            w.table().lookup(b"key-6").unwrap().unwrap().flags,
+            FLAG_PINNED
+        );
         assert_eq!(w.table().live(), 39);
         let long = [b'x'; 255];
         w.insert(&long, view(99)).unwrap();
-        assert_eq!(w.table().lookup(&long), Some(view(99)));
+        assert_eq!(w.table().lookup(&long), Ok(Some(view(99))));
     }
 
     #[test]
@@ -524,10 +550,13 @@ mod tests {
             if g == 8 {
                 v.flags = FLAG_HELD;
             }
-            assert_eq!(w2.table().lookup(format!("key-{g}").as_bytes()), Some(v));
+            assert_eq!(
+                w2.table().lookup(format!("key-{g}").as_bytes()),
+                Ok(Some(v))
+            );
             assert!(w2.find(format!("key-{g}").as_bytes()).is_some());
         }
-        assert_eq!(w2.table().lookup(b"key-7"), None);
+        assert_eq!(w2.table().lookup(b"key-7"), Ok(None));
         assert_ne!(w2.table().epoch(), 0, "readers see the copy as a change");
     }
 
@@ -556,6 +585,28 @@ mod tests {
         }
         assert!(w.insert(b"5", view(5)).is_none());
         // Lookup of a missing key in a full table terminates.
-        assert_eq!(w.table().lookup(b"6"), None);
+        assert_eq!(w.table().lookup(b"6"), Ok(None));
+    }
+
+    #[test]
+    fn a_slot_left_mid_update_stops_a_lookup_that_reaches_it() {
+        let n = 16;
+        let mut mem = vec![0u64; table_bytes(n) / 8];
+        // SAFETY: as above.
+        let w = unsafe { TableWriter::init(mem.as_mut_ptr().cast(), mem.len() * 8, n) };
+        let at = w.insert(b"k", view(1)).unwrap();
+        // Its writer gone between the sequence's two stores (a marud killed mid-update).
+        let seq = &w.t.slot(at)[0];
+        seq.store(seq.load(Ordering::Relaxed) + 1, Ordering::Release);
+        assert_eq!(w.table().lookup(b"k"), Err(Stuck));
+        // A key whose probe ends before that slot is still answered.
+        let other = (0u32..)
+            .map(|i| format!("o{i}"))
+            .find(|k| {
+                let h = hash_key(k.as_bytes()) as usize & (n - 1);
+                h != at && w.t.slot(h)[1].load(Ordering::Relaxed) == 0
+            })
+            .unwrap();
+        assert_eq!(w.table().lookup(other.as_bytes()), Ok(None));
     }
 }

@@ -778,3 +778,28 @@ fn a_batch_retrieve_failing_part_way_keeps_the_connection_and_leaks_no_lease() {
         "leases of the failed retrieve kept deleted entries"
     );
 }
+
+/// A handler whose keys are all in its cache and in the shared index stops answering from
+/// them once marud is gone: after `kill -9` and a restart, the raw pool's extents the dead
+/// marud's leases protected may be carved again, and what the old index says is no one's word.
+#[test]
+fn a_dead_marud_s_index_is_not_trusted() {
+    let mut d = Daemon::start(no_mount(&[FILE]));
+    let h = d.handler();
+    h.mkdir("d", 0o755).unwrap();
+    h.put("d/k", &pattern(1, 5000)).unwrap();
+    let m = h.retrieve("d/k").unwrap().expect("stored");
+    assert!(h.retrieve("d/k").unwrap().is_some(), "from the cache");
+    assert!(h.exists("d/k").unwrap(), "from the index");
+    d.kill9();
+    d.restart();
+    // The liveness of marud is looked at every 2 ms at most.
+    std::thread::sleep(Duration::from_millis(10));
+    assert!(matches!(h.retrieve("d/k"), Err(Error::Disconnected)));
+    assert!(matches!(h.exists("d/k"), Err(Error::Disconnected)));
+    assert!(matches!(h.exists("d/other"), Err(Error::Disconnected)));
+    drop(m);
+    let h = d.handler();
+    let m = h.retrieve("d/k").unwrap().expect("recovered");
+    assert_eq!(m.as_slice(), &pattern(1, 5000)[..]);
+}

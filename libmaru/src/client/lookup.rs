@@ -6,7 +6,7 @@ use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::index::{PACK_BYTES, SlotView, Table, hash_key, packed};
+use crate::index::{PACK_BYTES, SlotView, Stuck, Table, hash_key, packed};
 use crate::mapping::{MapInner, Mapping};
 use crate::proto::{Body, Located, MAX_FDS_PER_FRAME, Op, PoolKind};
 
@@ -46,6 +46,7 @@ impl Inner {
     /// The shared index of `ns`; `None` when marud refuses it (it reveals every name: it
     /// takes the right to list the namespace, while a lookup only takes the right to search it).
     pub(super) fn index(&mut self, ns: &str) -> Result<Option<&NsIndex>> {
+        self.check_alive()?;
         if self.unlisted.contains(ns) {
             return Ok(None);
         }
@@ -103,8 +104,9 @@ impl Inner {
         };
         let pending = t.pending();
         Ok(match t.lookup(key.as_bytes()) {
-            Some(v) => Lookup::Found(v),
-            None => on_miss(&t, pending),
+            Ok(Some(v)) => Lookup::Found(v),
+            Ok(None) => on_miss(&t, pending),
+            Err(Stuck) => Lookup::AskDaemon,
         })
     }
 
@@ -172,11 +174,18 @@ impl Inner {
                     t.prefetch(h);
                 }
                 for (i, (k, &h)) in keys.iter().zip(&hashes).enumerate() {
-                    let Some(v) = t.lookup_hashed(k.as_bytes(), h) else {
-                        if let Lookup::AskDaemon = on_miss(&t, pending) {
-                            miss.push(i);
+                    let v = match t.lookup_hashed(k.as_bytes(), h) {
+                        Ok(Some(v)) => v,
+                        Ok(None) => {
+                            if let Lookup::AskDaemon = on_miss(&t, pending) {
+                                miss.push(i);
+                            }
+                            continue;
                         }
-                        continue;
+                        Err(Stuck) => {
+                            miss.push(i);
+                            continue;
+                        }
                     };
                     match self.cache.get(&cache_key(ns, k)) {
                         // The same entry where it was mapped: one moved out of its pack (a
@@ -199,6 +208,8 @@ impl Inner {
                     miss.retain(|&i| {
                         let Some(v) = t
                             .lookup_hashed(keys[i].as_bytes(), hashes[i])
+                            .ok()
+                            .flatten()
                             .filter(|v| packed(v.offset).is_none())
                         else {
                             return true;
@@ -359,7 +370,7 @@ impl Inner {
         let Some(t) = ix.readable() else { return };
         let slots: Vec<(usize, SlotView)> = miss
             .iter()
-            .filter_map(|&i| Some((i, t.lookup(keys[i].as_bytes())?)))
+            .filter_map(|&i| Some((i, t.lookup(keys[i].as_bytes()).ok()??)))
             .filter(|(_, v)| packed(v.offset).is_some())
             .collect();
         let mut opened: Vec<((u32, u32), memmap2::Mmap)> = Vec::new();
@@ -494,7 +505,7 @@ impl Inner {
             .cache
             .iter()
             .filter(|(_, c)| {
-                &*c.ns == ns && t.lookup(c.key.as_bytes()).is_none_or(|v| !c.matches(&v))
+                &*c.ns == ns && !matches!(t.lookup(c.key.as_bytes()), Ok(Some(v)) if c.matches(&v))
             })
             .map(|(k, _)| *k)
             .collect();

@@ -289,6 +289,7 @@ impl Handler {
             accessed_since: None,
             lane: None,
             lane_wait: None,
+            alive_at: 0,
         };
         let name = inner.cfg.client_name.clone();
         let (body, _) = inner.call(Op::Hello {

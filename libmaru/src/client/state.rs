@@ -240,6 +240,21 @@ pub(super) struct Inner {
     pub(super) lane: Option<Lane>,
     /// The request in the lane whose reply has not been read yet.
     pub(super) lane_wait: Option<u64>,
+    /// When marud was last seen alive ([`Inner::check_alive`]; coarse monotonic ns).
+    pub(super) alive_at: u64,
+}
+
+/// How long answers from the shared index may rest on the last sight of marud alive: a
+/// marud killed is replaced (its pool's log replayed, its socket bound again) and an extent
+/// its leases protected is carved again only far later than this.
+const ALIVE_FOR_NS: u64 = 2_000_000;
+
+/// CLOCK_MONOTONIC_COARSE in ns: a read of the vDSO's page, no system call (its resolution is
+/// the kernel's tick, 1 to 4 ms).
+fn coarse_ns() -> u64 {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC_COARSE).map_or(0, |t| {
+        t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64
+    })
 }
 
 impl Drop for Inner {
@@ -494,6 +509,40 @@ impl Inner {
             let id = self.send(op, &[])?;
             self.pending.insert(id, pending);
         }
+        Ok(())
+    }
+
+    /// Fails with [`Error::Disconnected`] once marud has closed the connection (it was killed,
+    /// or it stopped). What a shared index says is the word of the marud that published it,
+    /// whose leases end with it; a handler whose keys are all in its cache would never call
+    /// marud and notice, and after a restart could map, for a key, an extent the new marud
+    /// gave another entry. Checked at each answer taken from an index, with one system call
+    /// per [`ALIVE_FOR_NS`] at most.
+    pub(super) fn check_alive(&mut self) -> Result<()> {
+        use std::os::fd::AsRawFd;
+        let now = coarse_ns();
+        if now.saturating_sub(self.alive_at) < ALIVE_FOR_NS {
+            return Ok(());
+        }
+        // (nix's poll flags lack POLLRDHUP: the peer's end closed.)
+        let mut p = libc::pollfd {
+            fd: self.sock.as_raw_fd(),
+            events: libc::POLLRDHUP,
+            revents: 0,
+        };
+        // SAFETY: one pollfd, valid for the call; no wait.
+        if unsafe { libc::poll(&mut p, 1, 0) } < 0 {
+            let e = std::io::Error::last_os_error();
+            return match e.kind() {
+                // A signal came first: looked at again next time.
+                std::io::ErrorKind::Interrupted => Ok(()),
+                _ => Err(Error::Io(e)),
+            };
+        }
+        if p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
+            return Err(Error::Disconnected);
+        }
+        self.alive_at = now;
         Ok(())
     }
 
