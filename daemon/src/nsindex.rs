@@ -41,16 +41,39 @@ impl std::fmt::Debug for NsIndex {
     }
 }
 
+/// Seals a table's memfd once marud maps it for writing: its size for ever, and writing
+/// to everyone else. A client's read-only descriptor can be opened again read-write through
+/// `/proc/self/fd` (the memfd's mode is 0777), and its writes or a truncation (a fault in
+/// marud's accesses) would stall or mislead every other client; sealed, it can write nothing,
+/// map nothing writable, and change no size. marud's own mapping, made before, stays writable.
+fn seal(memfd: &File) -> std::io::Result<()> {
+    use nix::fcntl::{FcntlArg, SealFlag, fcntl};
+    fcntl(
+        memfd,
+        FcntlArg::F_ADD_SEALS(
+            SealFlag::F_SEAL_SHRINK
+                | SealFlag::F_SEAL_GROW
+                | SealFlag::F_SEAL_FUTURE_WRITE
+                | SealFlag::F_SEAL_SEAL,
+        ),
+    )?;
+    Ok(())
+}
+
 impl NsIndex {
     /// A new empty table with room for `nslots` (rounded to a power of two).
     pub fn new(nslots: usize) -> std::io::Result<Self> {
         let nslots = nslots.max(MIN_SLOTS).next_power_of_two();
-        let memfd = File::from(memfd_create(c"maru-index", MFdFlags::MFD_CLOEXEC)?);
+        let memfd = File::from(memfd_create(
+            c"maru-index",
+            MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
+        )?);
         memfd.set_len(table_bytes(nslots) as u64)?;
         // SAFETY: a private-to-us memfd; clients only get read-only descriptors and all access
         // goes through atomics (maru::index). Its pages are all made at once (a rebuild fills
         // the table at once; faulting them in one by one costs more than the inserts).
         let mut map = unsafe { memmap2::MmapOptions::new().populate().map_mut(&memfd)? };
+        seal(&memfd)?;
         // SAFETY: freshly created zeroed memfd of table_bytes(nslots) bytes, written only here.
         unsafe { TableWriter::init(map.as_mut_ptr(), map.len(), nslots) };
         Ok(NsIndex {
@@ -214,5 +237,36 @@ mod tests {
         assert_eq!(grown.lookup("k1"), None);
         assert_eq!(grown.lookup("k2").unwrap().flags, maru::index::FLAG_PINNED);
         assert_eq!(grown.lookup(&format!("k{n}")), Some(view(n as u64)));
+    }
+
+    #[test]
+    fn a_client_can_change_nothing_of_a_table() {
+        use std::os::unix::fs::FileExt;
+        let mut ix = NsIndex::new(MIN_SLOTS).unwrap();
+        let ro = ix.ro_fd().unwrap();
+        // What a client may do with its descriptor: open it again for writing (even root).
+        let rw = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(format!("/proc/self/fd/{}", ro.as_raw_fd()));
+        if let Ok(rw) = rw {
+            assert!(rw.write_all_at(&[0xff; 8], 0).is_err(), "a write");
+            assert!(rw.set_len(0).is_err(), "a truncation");
+            assert!(rw.set_len(1 << 30).is_err(), "a growth");
+            // SAFETY: a mapping attempt on a file of ours, dropped at once if made.
+            assert!(
+                unsafe { memmap2::MmapOptions::new().map_mut(&rw) }.is_err(),
+                "a writable mapping"
+            );
+        }
+        // SAFETY: as above.
+        assert!(unsafe { memmap2::MmapOptions::new().map_mut(&ro) }.is_err());
+        // SAFETY: a read-only mapping of the table, read through atomics.
+        let map = unsafe { memmap2::Mmap::map(&ro) }.unwrap();
+        // marud's own mapping still writes.
+        assert!(ix.insert("k", view(7)));
+        // SAFETY: the mapping is page aligned and lives while the table is read.
+        let t = unsafe { Table::from_raw(map.as_ptr(), map.len()) }.unwrap();
+        assert_eq!(t.lookup(b"k"), Ok(Some(view(7))));
     }
 }
