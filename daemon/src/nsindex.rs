@@ -254,13 +254,12 @@ mod tests {
             assert!(rw.set_len(0).is_err(), "a truncation");
             assert!(rw.set_len(1 << 30).is_err(), "a growth");
             // SAFETY: a mapping attempt on a file of ours, dropped at once if made.
-            assert!(
-                unsafe { memmap2::MmapOptions::new().map_mut(&rw) }.is_err(),
-                "a writable mapping"
-            );
+            let map = unsafe { memmap2::MmapOptions::new().map_mut(&rw) };
+            assert!(map.is_err(), "a writable mapping");
         }
         // SAFETY: as above.
-        assert!(unsafe { memmap2::MmapOptions::new().map_mut(&ro) }.is_err());
+        let map = unsafe { memmap2::MmapOptions::new().map_mut(&ro) };
+        assert!(map.is_err());
         // SAFETY: a read-only mapping of the table, read through atomics.
         let map = unsafe { memmap2::Mmap::map(&ro) }.unwrap();
         // marud's own mapping still writes.
