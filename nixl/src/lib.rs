@@ -586,7 +586,10 @@ impl Agent {
 
     /// Starts a one-sided transfer between `local` (this agent's registered memory, of kind
     /// `local_mem`) and `remote` (memory `peer` registered, of kind `remote_mem`), pairwise:
-    /// the lists have equal lengths and each pair equal sizes.
+    /// the lists have equal lengths and each pair equal sizes. A request NIXL refuses to make
+    /// is an error here; one whose post fails is returned, failed (its first poll says so):
+    /// NIXL may have started some of its pieces, so it is held until NIXL can release it
+    /// ([`Transfer::release`]).
     pub fn transfer(
         &self,
         op: Op,
@@ -628,6 +631,8 @@ impl Agent {
             req,
             posted: Instant::now(),
             ended: None,
+            failed: None,
+            released: false,
         };
         // SAFETY: a request of this agent's.
         let status = unsafe {
@@ -637,12 +642,7 @@ impl Agent {
         match status {
             SUCCESS => t.ended = Some(Instant::now()),
             IN_PROG => {}
-            s => {
-                return Err(Error::Call {
-                    call: "post_xfer_req",
-                    status: s,
-                });
-            }
+            s => t.failed = Some(("post_xfer_req", s)),
         }
         Ok(t)
     }
@@ -713,7 +713,8 @@ impl Drop for DescLists<'_> {
 /// A transfer posted: poll it ([`Transfer::poll`]) or wait for it ([`Transfer::wait`]).
 /// Dropping it releases the request; one still in progress is abandoned as NIXL allows, and
 /// its memory must not be reused until the peer is known gone or the transfer ended (the
-/// caller quarantines it).
+/// caller quarantines it). A transfer that failed may still move bytes (some of its pieces
+/// may be on their way) until NIXL releases it: [`Transfer::release`] says when.
 pub struct Transfer<'a> {
     agent: &'a Agent,
     req: nixl_capi_xfer_req_t,
@@ -721,12 +722,22 @@ pub struct Transfer<'a> {
     posted: Instant,
     /// When a poll (or the post) first saw it finished.
     ended: Option<Instant>,
+    /// How it failed: the call (its post, or a poll) and NIXL's status.
+    failed: Option<(&'static str, i32)>,
+    /// NIXL released it: nothing of it moves any more, and its handle is gone.
+    released: bool,
 }
 
 impl Transfer<'_> {
-    /// True once every byte moved; an error when the transfer failed.
+    /// True once every byte moved; an error when the transfer failed (each poll after).
     pub fn poll(&mut self) -> Result<bool> {
         if self.ended.is_some() {
+            return Ok(true);
+        }
+        if let Some((call, status)) = self.failed {
+            return Err(Error::Call { call, status });
+        }
+        if self.released {
             return Ok(true);
         }
         // SAFETY: a live request of this agent's.
@@ -741,11 +752,31 @@ impl Transfer<'_> {
                 Ok(true)
             }
             IN_PROG => Ok(false),
-            s => Err(Error::Call {
-                call: "get_xfer_status",
-                status: s,
-            }),
+            s => {
+                self.failed = Some(("get_xfer_status", s));
+                Err(Error::Call {
+                    call: "get_xfer_status",
+                    status: s,
+                })
+            }
         }
+    }
+
+    /// Releases the request now if NIXL lets it go: true once it has (nothing of the transfer
+    /// moves any more: its memory may be used again), false while NIXL still holds it (a
+    /// transfer in progress that it cannot cancel; asked again later, or at the drop).
+    pub fn release(&mut self) -> bool {
+        if self.released {
+            return true;
+        }
+        let api = &self.agent.api;
+        // SAFETY: a request of this agent's, not released yet.
+        if unsafe { api.nixl_capi_release_xfer_req(self.agent.raw, self.req) } == SUCCESS {
+            // SAFETY: released above; destroyed once (`released` from now on).
+            unsafe { api.nixl_capi_destroy_xfer_req(self.req) };
+            self.released = true;
+        }
+        self.released
     }
 
     /// Waits until the transfer ends, at most `timeout` counted from its posting: polls at
@@ -784,18 +815,11 @@ impl Transfer<'_> {
 
 impl Drop for Transfer<'_> {
     fn drop(&mut self) {
-        let api = &self.agent.api;
-        // SAFETY: a request of this agent's, released and destroyed once.
-        let released = unsafe { api.nixl_capi_release_xfer_req(self.agent.raw, self.req) };
-        if released == SUCCESS {
-            // SAFETY: released above; destroyed once.
-            unsafe { api.nixl_capi_destroy_xfer_req(self.req) };
-        } else {
+        if !self.release() {
             // NIXL could not release it (still moving bytes): leave the handle to NIXL
             // rather than free what it may still use.
             tracing::warn!(
                 agent = self.agent.name,
-                status = status_name(released),
                 "a NIXL transfer could not be released; its handle is leaked"
             );
         }

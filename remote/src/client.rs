@@ -53,7 +53,7 @@ use crate::proto::{
 };
 
 mod leases;
-use crate::memory::{Keep, Lease, lock};
+use crate::memory::{Keep, Lease, Shared, lock};
 use crate::report::chain;
 
 /// Pieces in the staging buffer start at multiples of this (a cache line).
@@ -465,13 +465,16 @@ impl Drop for Staging {
     }
 }
 
-/// A transfer that timed out, with the staging buffer it may still use.
+/// A transfer that timed out, or failed while NIXL still holds it, with the memory it may
+/// still use.
 struct Lingering {
     // Declared first: dropped (released) before the staging buffer and the agent.
     transfer: Transfer<'static>,
     staging: Option<Staging>,
     /// The leases a READ into leased memory may still write into.
     leases: Vec<Lease>,
+    /// The arenas a WRITE from leased memory may still read.
+    sources: Vec<Arc<Shared>>,
     /// A WRITE's quarantined tickets, abandoned once the transfer is over.
     tickets: Vec<u64>,
     /// The connection that reserved them.
@@ -486,8 +489,13 @@ struct Lingering {
 unsafe impl Send for Lingering {}
 
 impl Lingering {
+    /// True once nothing of the transfer moves any more: it ended, or it failed and NIXL
+    /// released it.
     fn over(&mut self) -> bool {
-        !matches!(self.transfer.poll(), Ok(false))
+        match self.transfer.poll() {
+            Ok(done) => done,
+            Err(_) => self.transfer.release(),
+        }
     }
 }
 
@@ -510,6 +518,34 @@ impl Drop for Lingering {
             for l in self.leases.drain(..) {
                 std::mem::forget(l);
             }
+        }
+        if !self.sources.is_empty() && !self.over() {
+            tracing::warn!(
+                arenas = self.sources.len(),
+                "a timed-out NIXL write from leased memory never ended; its arenas are leaked"
+            );
+            for a in self.sources.drain(..) {
+                std::mem::forget(a);
+            }
+        }
+    }
+}
+
+/// A transfer that failed: why, and whether it lingers (a timeout, or a failure NIXL cannot
+/// release yet: it may still move bytes, so the memory it uses is kept, and a WRITE's pages
+/// are to be quarantined rather than given back).
+#[derive(Debug)]
+struct Failed {
+    error: maru_nixl::Error,
+    lingers: bool,
+}
+
+impl Failed {
+    /// The error, as the client reports it.
+    fn during(self, during: &'static str) -> Error {
+        Error::Nixl {
+            during,
+            source: self.error,
         }
     }
 }
@@ -1323,9 +1359,9 @@ impl RemoteClient {
         Ok((s.addr, s.len))
     }
 
-    /// One transfer between the staging buffer and the pool, waited for. One that times out
-    /// keeps the staging buffer (and a WRITE's `tickets`, quarantined by the caller) until
-    /// NIXL says it is over.
+    /// One transfer between the staging buffer and the pool, waited for. One that lingers
+    /// ([`Failed`]) keeps the staging buffer (and a WRITE's `tickets`, quarantined by the
+    /// caller) until NIXL says it is over.
     fn transfer(
         &self,
         inner: &mut Inner,
@@ -1333,13 +1369,13 @@ impl RemoteClient {
         local: &[Desc],
         remote: &[Desc],
         tickets: Vec<u64>,
-    ) -> std::result::Result<(), maru_nixl::Error> {
+    ) -> std::result::Result<(), Failed> {
         self.transfer_on(inner, op, Mem::Dram, local, remote, tickets, Keep::Staging)
     }
 
-    /// [`transfer`](Self::transfer) with local memory of kind `local_mem`; one that times out
-    /// keeps what `keep` names (the staging buffer, or the leases it reads into) until NIXL
-    /// says it is over.
+    /// [`transfer`](Self::transfer) with local memory of kind `local_mem`; one that lingers
+    /// keeps what `keep` names (the staging buffer, the leases it reads into, the arenas it
+    /// writes from) until NIXL says it is over.
     #[allow(clippy::too_many_arguments)]
     fn transfer_on(
         &self,
@@ -1350,12 +1386,16 @@ impl RemoteClient {
         remote: &[Desc],
         tickets: Vec<u64>,
         keep: Keep<'_>,
-    ) -> std::result::Result<(), maru_nixl::Error> {
+    ) -> std::result::Result<(), Failed> {
         let peer = inner.peer.as_deref().unwrap_or_default();
         let posted = Instant::now();
         let mut t = self
             .agent
-            .transfer(op, local_mem, local, Mem::Dram, remote, peer)?;
+            .transfer(op, local_mem, local, Mem::Dram, remote, peer)
+            .map_err(|error| Failed {
+                error,
+                lingers: false,
+            })?;
         let timeout = inner
             .conn
             .as_ref()
@@ -1373,27 +1413,39 @@ impl RemoteClient {
                 moved.fetch_add(bytes, Relaxed);
                 Ok(())
             }
-            Err(e @ maru_nixl::Error::TimedOut(_)) => {
+            // A transfer that failed, and that NIXL lets go: nothing of it moves any more.
+            Err(error) if !matches!(error, maru_nixl::Error::TimedOut(_)) && t.release() => {
+                Err(Failed {
+                    error,
+                    lingers: false,
+                })
+            }
+            // Timed out, or failed while NIXL still holds it: it may still move bytes.
+            Err(error) => {
                 // SAFETY: `t` borrows the agent inside `self.agent`, an `Arc` whose pointee never
                 // moves; the `Lingering` holds a clone of that `Arc` in a field dropped after
                 // `transfer`, so the agent outlives the borrow the lifetime no longer names.
                 let transfer = unsafe { std::mem::transmute::<Transfer<'_>, Transfer<'static>>(t) };
-                let (staging, leases) = match keep {
-                    Keep::Staging => (inner.staging.take(), Vec::new()),
-                    Keep::Leases(v) => (None, std::mem::take(v)),
+                let (staging, leases, sources) = match keep {
+                    Keep::Staging => (inner.staging.take(), Vec::new(), Vec::new()),
+                    Keep::Leases(v) => (None, std::mem::take(v), Vec::new()),
+                    Keep::Sources(a) => (None, Vec::new(), a),
                 };
                 inner.lingering.push(Lingering {
                     transfer,
                     staging,
                     leases,
+                    sources,
                     tickets,
                     conn: inner.conn.as_ref().map_or(0, |c| c.serial),
                     _agent: self.agent.clone(),
                 });
                 self.counters.lingering.fetch_add(1, Relaxed);
-                Err(e)
+                Err(Failed {
+                    error,
+                    lingers: true,
+                })
             }
-            Err(e) => Err(e),
         }
     }
 
@@ -1484,7 +1536,7 @@ impl RemoteClient {
     }
 
     /// Ends a store after its WRITE of `pages` (for items `todo` of the chunk, named and sized
-    /// by `names`): a WRITE that failed gives the pages back (quarantined when it timed out: it
+    /// by `names`): a WRITE that failed gives the pages back (quarantined when it lingers: it
     /// may still land, so they are kept from every use until it is known over); one that
     /// succeeded publishes them, each outcome in `out`.
     #[allow(clippy::too_many_arguments)]
@@ -1492,24 +1544,21 @@ impl RemoteClient {
         &self,
         inner: &mut Inner,
         ns: &str,
-        written: std::result::Result<(), maru_nixl::Error>,
+        written: std::result::Result<(), Failed>,
         tickets: Vec<u64>,
         todo: &[usize],
         pages: &[proto::Page],
         names: Vec<(String, u64)>,
         out: &mut [Result<Stored>],
     ) -> Result<()> {
-        if let Err(e) = written {
-            let op = if matches!(e, maru_nixl::Error::TimedOut(_)) {
+        if let Err(f) = written {
+            let op = if f.lingers {
                 Op::Quarantine { tickets }
             } else {
                 Op::Abandon { tickets }
             };
             self.give_back(inner, op);
-            return Err(Error::Nixl {
-                during: "writing into the pool",
-                source: e,
-            });
+            return Err(f.during("writing into the pool"));
         }
         let publish = pages
             .iter()
@@ -1686,7 +1735,7 @@ impl RemoteClient {
         found: &mut dyn FnMut(usize, &[u8]),
     ) -> Result<()> {
         self.transfer(inner, maru_nixl::Op::Read, local, remote, Vec::new())
-            .map_err(nixl_err("reading from the pool"))?;
+            .map_err(|f| f.during("reading from the pool"))?;
         if Instant::now() >= protected {
             tracing::warn!(
                 addr = %self.addr,

@@ -331,9 +331,12 @@ impl Drop for Lease {
 pub(crate) enum Keep<'a> {
     /// The client's staging buffer.
     Staging,
-    /// These leases (taken from the vector): a READ's targets. A WRITE from leases passes
-    /// none (its source is the caller's, and what it reads lands only in quarantined pages).
+    /// These leases (taken from the vector): a READ's targets.
     Leases(&'a mut Vec<Lease>),
+    /// The arenas a WRITE from leases reads: mapped and registered while it may still read
+    /// them, whatever the caller does with its leases and handles meanwhile (what it reads
+    /// lands only in quarantined pages).
+    Sources(Vec<Arc<Shared>>),
 }
 
 /// A mutex's guard, also after a panic of a holder (the data is counters and free lists, whole

@@ -183,9 +183,14 @@ impl RemoteClient {
             .map(|(p, &len)| Desc::host(p.addr, len))
             .collect();
         let mem = items[todo[0]].2.arena.mem;
-        // The source stays the caller's: a WRITE that outlives its timeout reads bytes that
-        // land only in quarantined pages, whatever the caller does with them meanwhile.
-        let mut keep = Vec::new();
+        // The leases stay the caller's; their arenas are kept while the WRITE may read them.
+        let mut sources: Vec<Arc<Shared>> = Vec::new();
+        for &i in &todo {
+            let a = &items[i].2.arena;
+            if !sources.iter().any(|s| Arc::ptr_eq(s, a)) {
+                sources.push(a.clone());
+            }
+        }
         let written = self.transfer_on(
             inner,
             maru_nixl::Op::Write,
@@ -193,7 +198,7 @@ impl RemoteClient {
             &local,
             &remote,
             tickets.clone(),
-            Keep::Leases(&mut keep),
+            Keep::Sources(sources),
         );
         let names: Vec<(String, u64)> = todo
             .iter()
@@ -284,7 +289,7 @@ impl RemoteClient {
             Vec::new(),
             Keep::Leases(&mut reading),
         )
-        .map_err(nixl_err("reading from the pool"))?;
+        .map_err(|f| f.during("reading from the pool"))?;
         for (i, lease) in items.into_iter().zip(reading) {
             out[i] = Some(lease);
         }
