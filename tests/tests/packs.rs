@@ -316,6 +316,9 @@ fn packed_entries_survive_kill9() {
     h.pin("r/k2").unwrap();
     h.delete("r/k4").unwrap();
     std::fs::rename(d.path("r/k6"), d.path("r/six")).unwrap();
+    // Pinned in its pack, then out of it (another mode): pinned in its own file too.
+    h.pin("r/k3").unwrap();
+    std::fs::set_permissions(d.path("r/k3"), std::fs::Permissions::from_mode(0o600)).unwrap();
     // A whole pack of deleted entries, and an allocation in flight: neither comes back.
     let g = packing(&d, "r");
     g.put("r/gone", &pattern(77, 100)).unwrap();
@@ -351,6 +354,10 @@ fn packed_entries_survive_kill9() {
     assert!(!h.exists("r/k6").unwrap());
     assert!(!h.exists("r/gone").unwrap());
     assert!(h.is_pinned("r/k2").unwrap());
+    assert!(
+        h.is_pinned("r/k3").unwrap(),
+        "the pin left the pack with the entry"
+    );
     assert_eq!(packs(&d), before[..1], "the empty pack is removed");
     // New stores go to a new pack, never over the recovered one.
     let h2 = packing(&d, "r");

@@ -557,6 +557,19 @@ fn set_pin_xattr(p: &Path, pinned: bool) -> io::Result<()> {
     Ok(())
 }
 
+/// Pins the entry file `f` (`user.maru.pinned=1`) before it is linked under its name, so
+/// that it is never found unpinned (an entry that leaves its pack pinned).
+pub fn pin_file(f: &File) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let name = CString::new(PIN_XATTR).expect("no NUL");
+    // SAFETY: a live descriptor, a valid C string and a buffer of 1 byte for the call.
+    let r = unsafe { libc::fsetxattr(f.as_raw_fd(), name.as_ptr(), b"1".as_ptr().cast(), 1, 0) };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Whether `p` has the xattr `name`; an error reading it counts as absent.
 fn has_xattr(p: &Path, name: &str) -> bool {
     let (Ok(p), Ok(n)) = (cpath(p), CString::new(name)) else {

@@ -21,7 +21,7 @@ use super::Seams;
 use super::packs::Packs;
 use super::{Backing, Found, Loc, Pool, Prepare, Reader, Requester};
 use crate::pool::PoolSpec;
-use crate::pool::memfs::{MemfsPool, MetaStep, WritingDir};
+use crate::pool::memfs::{MemfsPool, MetaStep, WritingDir, pin_file};
 
 /// The mode of the file of a client's allocation: that of the entries clients store.
 const GRANT_MODE: u32 = 0o644;
@@ -101,6 +101,10 @@ impl Memfs {
         if *mode != e.mode {
             fchmod(&**file, Mode::from_bits_truncate(e.mode)).map_err(errno)?;
             *mode = e.mode;
+        }
+        // An entry pinned in its pack keeps its pin in its own file (the pack log said it).
+        if e.pinned {
+            pin_file(file)?;
         }
         self.fs.publish(id, file, e.ns, e.key)?;
         // Its file's inode number, by which a client that opens the file itself
