@@ -435,10 +435,12 @@ class MaruKVConnector(KVConnectorBase_V1):
             start = c * self._chunk
             if (start + self._chunk - 1) // self._block_size >= len(st.block_ids):
                 break  # its blocks are not all known yet
+            st.next_save += 1
+            if any(s.key == st.keys[c] for s in meta.saves):
+                continue  # another request of this step saves the same chunk (a shared prefix)
             meta.saves.append(ChunkIO(
                 key=st.keys[c], index=c, blocks=self._blocks(st.block_ids, start, start + self._chunk), req_id=req_id,
             ))
-            st.next_save += 1
             st.saving = True
 
     def _unhold(self, keys: Optional[List[str]]) -> None:

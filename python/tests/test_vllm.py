@@ -118,6 +118,21 @@ def test_disaggregated_prefill_a_producer_saves_a_consumer_loads(
     assert sorted(os.listdir(marud.mount / namespace)) == stored, "the consumer saved"
 
 
+def test_a_chunk_two_requests_of_one_step_compute_is_stored(
+    marud: Marud, namespace: str, model_dir: str, cache_root: str
+) -> None:
+    """Two requests with one prompt in the same step (a burst sharing a system prompt): each
+    chunk is saved once, not by both (a save planned twice was counted twice and never
+    published, its pool memory held until the end)."""
+    base = {"model": model_dir, "cache_root": cache_root, "connector": "maru", "socket": str(marud.socket),
+            "namespace": namespace}
+    same = [[1024, 7]]
+    a = run_instance(base | {"together": True, "prompts": [
+        {"name": "one", "parts": same}, {"name": "two", "parts": same}]})
+    assert a["one"]["tokens"] == a["two"]["tokens"]
+    assert len(os.listdir(marud.mount / namespace)) == 1024 // 256, "every chunk stored once"
+
+
 def test_asynchronous_saves_and_loads_share_what_synchronous_ones_do(
     marud: Marud, namespace: str, model_dir: str, cache_root: str
 ) -> None:
