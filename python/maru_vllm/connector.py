@@ -267,10 +267,17 @@ class MaruKVConnector(KVConnectorBase_V1):
         )
         self._tag = hashlib.sha256(layout.encode()).hexdigest()[:16]
         self._prefix = f"{model.model}@{self._tag}"
-        # With tensor parallelism each rank holds its own heads and stores its own share
-        # (suffix @tpN); the scheduler looks up rank 0's.
+        # With tensor parallelism each rank holds its own heads and stores its own share under
+        # its own name (suffix @tpN, set in register_kv_caches); the scheduler looks up rank 0's
+        # (a rank that finds its share gone fails that load, and vLLM recomputes it).
         self._tp = parallel.tensor_parallel_size
         self._suffix = ""
+        self._lookup_suffix = "@tp0" if self._tp > 1 else ""
+        if parallel.pipeline_parallel_size > 1:
+            raise ValueError(
+                "MaruKVConnector: pipeline parallelism is not supported (each stage holds other "
+                f"layers and would need keys of its own); pipeline_parallel_size is {parallel.pipeline_parallel_size}"
+            )
         # Disaggregated prefill: a producer (prefill) saves and never loads, a consumer
         # (decode) loads and never saves, kv_both does both.
         transfer = self._kv_transfer_config
@@ -317,13 +324,18 @@ class MaruKVConnector(KVConnectorBase_V1):
     # -- shared --------------------------------------------------------------------------------
 
     def chunk_keys(self, tokens: List[int]) -> List[str]:
-        """The keys of the full chunks of ``tokens``: chunk i's names tokens[: (i+1)*chunk]."""
+        """The keys of the full chunks of ``tokens``: chunk i's names tokens[: (i+1)*chunk]. A
+        rank's entry is its key with the rank's suffix (:meth:`_mine`)."""
         keys, h = [], hashlib.sha256(self._prefix.encode()).digest()
         for start in range(0, len(tokens) - self._chunk + 1, self._chunk):
             piece = tokens[start : start + self._chunk]
             h = hashlib.sha256(h + struct.pack(f"<{len(piece)}q", *piece)).digest()
-            keys.append(f"{self._prefix}@{h.hex()[:32]}{self._suffix}")
+            keys.append(f"{self._prefix}@{h.hex()[:32]}")
         return keys
+
+    def _mine(self, key: str) -> str:
+        """This worker's entry of chunk ``key``: its tensor-parallel rank's share."""
+        return key + self._suffix
 
     def _blocks(self, block_ids: List[int], start: int, end: int) -> torch.Tensor:
         """The blocks of tokens [start, end) (both block aligned, or end the prompt's)."""
@@ -338,16 +350,17 @@ class MaruKVConnector(KVConnectorBase_V1):
         self._unhold(self._held.pop(request.request_id, None))
         h = self._store.get() if keys and self._loads else None
         if h is not None:
+            names = [k + self._lookup_suffix for k in keys]
             try:
-                found = h.batch_pin(keys)  # held: not evicted before the worker loads them
+                found = h.batch_pin(names)  # held: not evicted before the worker loads them
             except OSError as e:  # the store failed: a miss, vLLM computes
                 logger.warning("MaruKVConnector: lookup failed, computing: %s", e)
                 found = []
             while hits < len(found) and found[hits]:
                 hits += 1
             if hits:
-                self._held[request.request_id] = keys[:hits]
-            self._unhold([k for k, f in zip(keys[hits:], found[hits:]) if f])
+                self._held[request.request_id] = names[:hits]
+            self._unhold([k for k, f in zip(names[hits:], found[hits:]) if f])
         # Other requests this instance is serving: what an asynchronous load runs beside.
         others = any(r != request.request_id for r in self._reqs)
         st = self._reqs[request.request_id] = _ReqState(
@@ -515,7 +528,7 @@ class MaruKVConnector(KVConnectorBase_V1):
             infos: List[Any] = [None] * len(plan)
             if h is not None:
                 try:
-                    infos = self._retrieve(h, [c.key for c in plan])
+                    infos = self._retrieve(h, [self._mine(c.key) for c in plan])
                 except OSError as e:  # the store failed after the lookup: vLLM recomputes
                     logger.warning("MaruKVConnector: load of %s failed, recomputing: %s", req_id, e)
             for chunk, info in zip(plan, infos):
@@ -571,26 +584,27 @@ class MaruKVConnector(KVConnectorBase_V1):
         if h is None:
             return  # unreachable: nothing is saved this step
         for chunk in meta.saves:
-            if chunk.key in self._skip:
+            key = self._mine(chunk.key)
+            if key in self._skip:
                 continue
-            pending = self._pending.get(chunk.key)
+            pending = self._pending.get(key)
             if pending is None:
                 handle = self._allocate(h, chunk)
                 if handle is None:
-                    self._skip.add(chunk.key)
+                    self._skip.add(key)
                     continue
                 pending = (handle, self._chunk_tensor(handle.buf, kv_layer), 0)
             handle, dst, written = pending
             if kv_layer.device != dst.device:
                 self._save_device = kv_layer.device  # waited for in wait_for_save
             self._copy_blocks(kv_layer, chunk.blocks, dst[i])
-            self._pending[chunk.key] = (handle, dst, written + 1)
+            self._pending[key] = (handle, dst, written + 1)
 
     def _allocate(self, h: Any, chunk: ChunkIO) -> Optional[Any]:
         """Pool memory for a chunk to save, or None: stored already (by another instance
         meanwhile), or no memory."""
         try:
-            if h.exists(chunk.key):
+            if h.exists(self._mine(chunk.key)):
                 return None
             return h.tensors.take(self._entry_bytes)  # registered for DMA where CUDA is
         except OSError as e:  # full or failed: this chunk is not saved
@@ -671,7 +685,7 @@ class MaruKVConnector(KVConnectorBase_V1):
                     handle = self._allocate(h, chunk)
                     if handle is None:
                         continue
-                    ready_chunks.append((chunk.key, handle))
+                    ready_chunks.append((self._mine(chunk.key), handle))
                     dst = self._chunk_tensor(handle.buf, some)
                     for name, i in self._layer_index.items():
                         self._copy_blocks(self._kv_caches[name], chunk.blocks, dst[i])
