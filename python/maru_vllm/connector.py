@@ -323,13 +323,25 @@ class MaruKVConnector(KVConnectorBase_V1):
 
     # -- shared --------------------------------------------------------------------------------
 
-    def chunk_keys(self, tokens: List[int]) -> List[str]:
-        """The keys of the full chunks of ``tokens``: chunk i's names tokens[: (i+1)*chunk]. A
-        rank's entry is its key with the rank's suffix (:meth:`_mine`)."""
-        keys, h = [], hashlib.sha256(self._prefix.encode()).digest()
+    def chunk_keys(self, tokens: List[int], request: Any = None) -> List[str]:
+        """The keys of the full chunks of ``tokens``: chunk i's names tokens[: (i+1)*chunk],
+        and what else makes ``request``'s KV what it is, as vLLM's own prefix cache counts it:
+        its cache salt and LoRA adapter (every chunk), its multimodal inputs (from the chunk
+        where each one's placeholder starts: the tokens of two images' placeholders are the
+        same). A rank's entry is its key with the rank's suffix (:meth:`_mine`)."""
+        seed = self._prefix
+        salt = getattr(request, "cache_salt", None)
+        lora = getattr(request, "lora_request", None)
+        if salt:
+            seed += f"|salt={salt}"
+        if lora is not None:
+            seed += f"|lora={lora.lora_name}"
+        inputs = sorted((f.mm_position.offset, f.identifier) for f in getattr(request, "mm_features", None) or [])
+        keys, h = [], hashlib.sha256(seed.encode()).digest()
         for start in range(0, len(tokens) - self._chunk + 1, self._chunk):
             piece = tokens[start : start + self._chunk]
-            h = hashlib.sha256(h + struct.pack(f"<{len(piece)}q", *piece)).digest()
+            mixed = "".join(f"|mm={i}" for at, i in inputs if start <= at < start + self._chunk)
+            h = hashlib.sha256(h + struct.pack(f"<{len(piece)}q", *piece) + mixed.encode()).digest()
             keys.append(f"{self._prefix}@{h.hex()[:32]}")
         return keys
 
@@ -345,7 +357,7 @@ class MaruKVConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         tokens = list(request.prompt_token_ids or [])
-        keys = self.chunk_keys(tokens)
+        keys = self.chunk_keys(tokens, request)
         hits = 0
         self._unhold(self._held.pop(request.request_id, None))
         h = self._store.get() if keys and self._loads else None

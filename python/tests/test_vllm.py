@@ -133,6 +133,24 @@ def test_a_chunk_two_requests_of_one_step_compute_is_stored(
     assert len(os.listdir(marud.mount / namespace)) == 1024 // 256, "every chunk stored once"
 
 
+def test_a_cache_salt_keeps_tenants_apart(marud: Marud, namespace: str, model_dir: str, cache_root: str) -> None:
+    """A prompt salted for one tenant is loaded by that tenant only: another salt, or none,
+    computes it (vLLM's prefix cache keeps salts apart; the connector's keys do too)."""
+    base = {"model": model_dir, "cache_root": cache_root, "connector": "maru", "socket": str(marud.socket),
+            "namespace": namespace}
+    same = [[1024, 8]]
+    a = run_instance(base | {"prompts": [{"name": "a", "parts": same, "salt": "tenant-a"}]})
+    assert a["a"]["cached"] == 0
+    b = run_instance(base | {"prompts": [
+        {"name": "other", "parts": same, "salt": "tenant-b"},
+        {"name": "unsalted", "parts": same},
+        {"name": "same", "parts": same, "salt": "tenant-a"},
+    ]})
+    assert b["other"]["cached"] == 0 and b["unsalted"]["cached"] == 0
+    assert b["same"]["cached"] == (1024 - 1) // 128 * 128
+    assert b["same"]["tokens"] == a["a"]["tokens"]
+
+
 def test_asynchronous_saves_and_loads_share_what_synchronous_ones_do(
     marud: Marud, namespace: str, model_dir: str, cache_root: str
 ) -> None:

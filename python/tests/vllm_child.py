@@ -9,7 +9,7 @@ the connector's first retrieve waits at it as a prompt's ``wait`` does (vllm_gat
 ``remote``: {``url``, ``token``}, a memory node's pool instead of the socket's marud), and
 ``prompts``: a list of {``name``, ``parts``: [[tokens, seed], ...], ``wait`` (optional: a path; before this prompt the child creates ``<wait>.ready`` and waits
 until ``<wait>`` exists)} (a prompt is its parts' words concatenated, so two prompts can
-share a prefix); with ``together``, the prompts go to vLLM in one call (scheduled in the same
+share a prefix; ``salt``, optional: the prompt's ``cache_salt``); with ``together``, the prompts go to vLLM in one call (scheduled in the same
 steps, no times measured) instead of one after the other. For each
 prompt, in order, it measures the time to first token (a generate of one token, vLLM's own
 prefix cache off; the median of ``repeat`` runs, default 1) and then generates 8 tokens
@@ -100,6 +100,8 @@ def main() -> int:
                               "prompt_tokens": len(f.prompt_token_ids)}
     for p in [] if spec.get("together") or spec.get("concurrent") else spec["prompts"]:
         text = " ".join(vllm_util.prompt(n, seed) for n, seed in p["parts"])
+        if p.get("salt"):
+            text = {"prompt": text, "cache_salt": p["salt"]}
         if p.get("wait"):
             vllm_util.barrier(p["wait"])
         times = []
