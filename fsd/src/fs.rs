@@ -230,6 +230,18 @@ impl<B: Backend> Fs<B> {
         Some(h)
     }
 
+    /// A handle of a create whose reply the kernel never got (the caller's open failed):
+    /// released, and the entry it created dropped unpublished when no other handle writes it
+    /// (names are write-once: a published empty entry would refuse every retry). Returns
+    /// the handle.
+    pub fn abandon(&self, fh: u64) -> Option<Handle> {
+        let h = self.handles.lock().remove(&fh)?;
+        if h.writable && self.drop_writer(h.ino) {
+            self.backend.abort(h.ino);
+        }
+        Some(h)
+    }
+
     /// Reads through the daemon (entries served by copying, entries being written).
     pub fn read(&self, fh: u64, offset: u64, size: u32) -> Result<Vec<u8>> {
         let h = self.handle(fh)?;

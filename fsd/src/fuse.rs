@@ -104,11 +104,12 @@ fn reply_xattr(reply: ReplyXattr, r: Reply) {
 impl<B: Backend> Server<B> {
     /// The fuser-registered backing id to reply with for the passthrough handle `o` of `ino`.
     /// The handle's backing was registered through fuser ([`Registrar::Fuser`]); should it
-    /// not be, the handle is released: EIO.
+    /// not be, the handle is withdrawn (a create's entry abandoned): EIO.
     fn fuser_id(
         &self,
         ino: u64,
         o: &Opened,
+        created: bool,
     ) -> Result<parking_lot::MappedMutexGuard<'_, fuser::BackingId>, Errno> {
         let id = match o.backing {
             Some(BackingRef::Fuser) => self.fuser_backing(ino),
@@ -116,7 +117,7 @@ impl<B: Backend> Server<B> {
         };
         id.ok_or_else(|| {
             tracing::error!(ino, "no fuser backing id for a passthrough handle");
-            self.release(o.fh);
+            self.withdraw(o.fh, created);
             Errno::EIO
         })
     }
@@ -330,7 +331,7 @@ impl<B: Backend> Filesystem for Server<B> {
         let register = |file: &std::fs::File| reply.open_backing(file);
         match self.dispatch(&r, ids(req), Registrar::Fuser(&register)) {
             Reply::Open(o) if o.backing.is_none() => reply.opened(FileHandle(o.fh), o.flags),
-            Reply::Open(o) => match self.fuser_id(ino.0, &o) {
+            Reply::Open(o) => match self.fuser_id(ino.0, &o, false) {
                 Ok(id) => reply.opened_passthrough(FileHandle(o.fh), o.flags, &id),
                 Err(e) => reply.error(e),
             },
@@ -555,7 +556,7 @@ impl<B: Backend> Filesystem for Server<B> {
         if o.backing.is_none() {
             return reply.created(&ttl, &fa, Generation(0), fh, flags);
         }
-        match self.fuser_id(attr.ino, &o) {
+        match self.fuser_id(attr.ino, &o, true) {
             Ok(id) => reply.created_passthrough(&ttl, &fa, Generation(0), fh, flags, &id),
             Err(e) => reply.error(e),
         }

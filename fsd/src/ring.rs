@@ -378,8 +378,10 @@ fn serve_one<B: Backend>(
         Ok(n) => (0, n),
         Err(e) => {
             // A handle the kernel will never hear of.
-            if let Reply::Open(o) | Reply::Created { opened: o, .. } = &reply {
-                fs.release(o.fh);
+            match &reply {
+                Reply::Open(o) => fs.withdraw(o.fh, false),
+                Reply::Created { opened: o, .. } => fs.withdraw(o.fh, true),
+                _ => {}
             }
             (-e.code(), 0)
         }

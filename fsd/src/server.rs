@@ -617,7 +617,7 @@ impl<B: Backend> Server<B> {
         };
         // Only a sealed entry's backing is kept for the next open.
         let keep = !write && matches!(opened, OpenedFile::Passthrough(_));
-        let backing = or_reply!(self.attach(ino, fh, &opened, reg, keep));
+        let backing = or_reply!(self.attach(ino, fh, &opened, reg, keep, false));
         Reply::Open(Opened {
             fh,
             flags: open_flags(write, &opened),
@@ -631,7 +631,7 @@ impl<B: Backend> Server<B> {
             Ok(v) => v,
             Err(e) => return Reply::Err(errno(&e)),
         };
-        let backing = or_reply!(self.attach(attr.ino, fh, &opened, reg, false));
+        let backing = or_reply!(self.attach(attr.ino, fh, &opened, reg, false, true));
         Reply::Created {
             opened: Opened {
                 fh,
@@ -643,7 +643,8 @@ impl<B: Backend> Server<B> {
     }
 
     /// For a passthrough handle `fh` of `ino`, takes (or registers) the inode's backing id.
-    /// On failure the handle is released.
+    /// On failure the handle is released (abandoned if a create made it: see
+    /// [`Fs::abandon`]).
     fn attach(
         &self,
         ino: u64,
@@ -651,6 +652,7 @@ impl<B: Backend> Server<B> {
         opened: &OpenedFile,
         reg: &Registrar<'_>,
         keep: bool,
+        created: bool,
     ) -> Result<Option<BackingRef>, Errno> {
         let (OpenedFile::Passthrough(file) | OpenedFile::Writing(Some(file))) = opened else {
             return Ok(None);
@@ -662,7 +664,11 @@ impl<B: Backend> Server<B> {
             Ok(b) => Ok(Some(b)),
             Err(e) => {
                 // The handle never took a backing: release it without putting one back.
-                self.fs.release(fh);
+                if created {
+                    self.fs.abandon(fh);
+                } else {
+                    self.fs.release(fh);
+                }
                 Err(e)
             }
         }
@@ -670,7 +676,22 @@ impl<B: Backend> Server<B> {
 
     /// A handle is gone: releases it and puts its backing id back.
     pub(crate) fn release(&self, fh: u64) {
-        if let Some(h) = self.fs.release(fh)
+        self.put_back(self.fs.release(fh));
+    }
+
+    /// The handle of an open or create whose reply the kernel never got: released, its
+    /// backing id put back; a created entry is abandoned ([`Fs::abandon`]).
+    pub(crate) fn withdraw(&self, fh: u64, created: bool) {
+        if created {
+            self.put_back(self.fs.abandon(fh));
+        } else {
+            self.release(fh);
+        }
+    }
+
+    /// Puts back the backing id of handle `h`, gone.
+    fn put_back(&self, h: Option<crate::fs::Handle>) {
+        if let Some(h) = h
             && matches!(
                 h.opened,
                 OpenedFile::Passthrough(_) | OpenedFile::Writing(Some(_))
@@ -811,6 +832,33 @@ mod tests {
             panic!("open failed");
         };
         assert_eq!(o.backing, None);
+    }
+
+    #[test]
+    fn a_create_whose_registration_fails_publishes_nothing() {
+        let s = server(OpenedFile::Writing(Some(tmpfile())));
+        let refuse = |_: &File| -> std::io::Result<BackingId> {
+            Err(std::io::Error::from_raw_os_error(libc::EPERM))
+        };
+        let create = Request::Create {
+            parent: 1,
+            name: b"k",
+            mode: 0o644,
+            umask: 0o022,
+            flags: libc::O_WRONLY,
+        };
+        assert_eq!(
+            s.dispatch(&create, ROOT, Registrar::Fuser(&refuse)),
+            Reply::Err(Errno::EPERM)
+        );
+        assert_eq!(s.fs().open_handles(), 0);
+        assert_eq!(s.fs().backend().seals(), 0, "an empty entry published");
+        assert!(
+            s.fs()
+                .backend()
+                .calls()
+                .contains(&crate::testing::Call::Abort { ino: 7 })
+        );
     }
 
     #[test]

@@ -15,6 +15,7 @@ pub enum Call {
     Create { mode: u32 },
     Commit { ino: u64, abandoned: bool },
     Fallocate { ino: u64, offset: u64, len: u64 },
+    Abort { ino: u64 },
 }
 
 /// The recording backend.
@@ -128,7 +129,9 @@ impl Backend for Rec {
         self.seals.fetch_add(1, Ordering::SeqCst);
         Ok(())
     }
-    fn abort(&self, _: u64) {}
+    fn abort(&self, ino: u64) {
+        self.calls.lock().push(Call::Abort { ino });
+    }
     fn truncate(&self, ino: u64, _: u64) -> Result<Attr> {
         Ok(attr(ino, false))
     }
