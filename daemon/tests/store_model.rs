@@ -1138,3 +1138,39 @@ fn walkdir(dir: &std::path::Path, name: &str) -> Option<std::path::PathBuf> {
     }
     None
 }
+
+/// A raw pool's entry written through the mount is published at its release even while its
+/// writer reads it back through a read-only handle (the reads hold the entry's buffer: a
+/// close that succeeded must still find its entry published).
+#[test]
+fn a_raw_entry_read_back_while_released_is_published() {
+    let f = Fixture::new(64, Eviction::Off, 16 << 20);
+    let root = me(0, 0);
+    f.store.mkdir(&root, "ns", 0o755).unwrap();
+    let fs = f.fs();
+    let parent = f.ino(&root, "ns");
+    let data = vec![0x5au8; 4 << 20];
+    for i in 0..40 {
+        let key = format!("k{i}");
+        let ino = fs.create(&root, parent, &key, 0o644).unwrap().0.ino;
+        for (j, chunk) in data.chunks(1 << 20).enumerate() {
+            fs.write(ino, (j << 20) as u64, chunk).unwrap();
+        }
+        fs.commit(&root, ino, false).unwrap();
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let _ = fs.read(ino, 0, 4 << 20);
+                }
+            });
+            std::thread::sleep(std::time::Duration::from_millis(2));
+            let sealed = fs.seal(ino);
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            assert!(sealed.is_ok(), "{key}: {sealed:?}");
+        });
+        assert_eq!(f.get("ns", &key).as_deref(), Some(&data[..]), "{key}");
+        assert!(f.store.delete(&root, "ns", &[key]).unwrap()[0].is_ok());
+    }
+    f.store.check_invariants().unwrap();
+}

@@ -432,7 +432,7 @@ impl Backend for StoreFs {
         // A buffer grows under its own lock, held until its length is set under the store's:
         // a write or a copy of it waits meanwhile, the store does not.
         let buf = self.0.buffer(ino)?;
-        let mut grown = buf.as_ref().map(|b| b.lock());
+        let mut grown = buf.as_ref().map(|b| b.write());
         if let Some(b) = &mut grown {
             b.grow(end as usize);
         }
@@ -539,7 +539,7 @@ impl Backend for StoreFs {
                 // Resized under its own lock, held until its length is set under the store's.
                 let buf = buf.clone();
                 drop(st);
-                let mut b = buf.lock();
+                let mut b = buf.write();
                 b.resize(size as usize);
                 let mut st = self.0.lock();
                 let a = Store::writing(&mut st, ino)?;
@@ -687,7 +687,7 @@ impl Backend for StoreFs {
                 // Copied out under the buffer's own lock.
                 let buf = buf.clone();
                 drop(guard);
-                Ok(buf.lock().read(offset as usize, n))
+                Ok(buf.read().read(offset as usize, n))
             }
             Backing::Extent { .. } | Backing::Packed { .. } => Ok(Vec::new()),
         }
@@ -724,7 +724,7 @@ impl Backend for StoreFs {
                     // under the store's.
                     let buf = buf.clone();
                     drop(st);
-                    let mut b = buf.lock();
+                    let mut b = buf.write();
                     b.write(offset as usize, data);
                     let mut st = self.0.lock();
                     if let Some(m) = st.allocs.get_mut(&ino).and_then(Alloc::mount_mut) {

@@ -2,14 +2,15 @@
 //! the entry is written, copied into the extent reserved for it at its writer's close and
 //! again at publication if they changed. They have a lock of their own, never taken for long
 //! with the store's held: writes, reads and the copy into the pool (up to `max_copy_entry`,
-//! 1 GiB by default) run without the store's lock.
+//! 1 GiB by default) run without the store's lock. Reads share it, so that the store, which
+//! only looks under its own lock (never waits), finds it readable while the entry is read.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
 use maru::Result;
-use parking_lot::Mutex;
+use parking_lot::RwLock;
 
 use crate::store::authority::{Authority, fenced_error};
 
@@ -23,7 +24,7 @@ pub struct Buffered {
 }
 
 /// A buffer shared by the store's bookkeeping and the threads that write, read or copy it.
-pub type Shared = Arc<Mutex<Buffered>>;
+pub type Shared = Arc<RwLock<Buffered>>;
 
 impl Buffered {
     /// A new, empty buffer.
@@ -103,7 +104,7 @@ impl CopyIn {
     /// there already. Bytes the buffer does not have (a size set past what was written) are
     /// zeros.
     pub fn run(self) -> Result<()> {
-        let mut b = self.buf.lock();
+        let mut b = self.buf.write();
         if b.copied_to(self.offset, self.len) {
             return Ok(());
         }
@@ -139,9 +140,9 @@ mod tests {
         let file = Arc::new(tempfile::tempfile().unwrap());
         file.write_all_at(&[9; 64], 0).unwrap();
         let buf = Buffered::shared();
-        buf.lock().write(0, b"abcdef");
+        buf.write().write(0, b"abcdef");
         copy(&buf, &file, 8, 4).unwrap();
-        assert!(buf.lock().copied_to(8, 4));
+        assert!(buf.read().copied_to(8, 4));
         let mut got = [0; 16];
         file.read_exact_at(&mut got, 0).unwrap();
         assert_eq!(
@@ -153,11 +154,11 @@ mod tests {
         file.read_exact_at(&mut got, 0).unwrap();
         assert_eq!(&got[8..], b"abcdef\0\0");
         // A write after the copy makes it due again.
-        buf.lock().write(1, b"X");
-        assert!(!buf.lock().copied_to(8, 8));
+        buf.write().write(1, b"X");
+        assert!(!buf.read().copied_to(8, 8));
         copy(&buf, &file, 8, 8).unwrap();
         file.read_exact_at(&mut got, 0).unwrap();
         assert_eq!(&got[8..], b"aXcdef\0\0");
-        assert_eq!(buf.lock().read(4, 10), b"ef");
+        assert_eq!(buf.read().read(4, 10), b"ef");
     }
 }

@@ -503,9 +503,10 @@ impl Pool for Raw {
             }
         }
         let (offset, _) = placed.expect("placed above");
-        // Never waits for the buffer's lock here: one held is a copy or a write under way,
-        // after which the copy is due anyway (or finds its bytes there and does nothing).
-        if buf.try_lock().is_some_and(|b| b.copied_to(offset, size)) {
+        // Never waits for the buffer's lock here (its holders take the store's while they hold
+        // it): one held for writing is a copy or a write under way, after which the copy is
+        // due anyway (or finds its bytes there and does nothing); readers share it.
+        if buf.try_read().is_some_and(|b| b.copied_to(offset, size)) {
             return Ok(None);
         }
         Ok(Some(CopyIn::new(
@@ -523,7 +524,7 @@ impl Pool for Raw {
             Backing::Buffer {
                 buf,
                 placed: Some((o, _)),
-            } if buf.try_lock().is_some_and(|b| b.copied_to(*o, e.size)) => *o,
+            } if buf.try_read().is_some_and(|b| b.copied_to(*o, e.size)) => *o,
             Backing::Buffer { .. } => {
                 return Err(Error::Busy(format!(
                     "{}/{}: its bytes are not yet in the pool",
