@@ -1174,3 +1174,64 @@ fn a_raw_entry_read_back_while_released_is_published() {
     }
     f.store.check_invariants().unwrap();
 }
+
+/// On a memfs pool, a close of another descriptor of an entry being written (a commit) while
+/// a write is on its way cuts none of that write's bytes: the entry published holds every
+/// byte written.
+#[test]
+fn a_commit_during_a_write_cuts_none_of_its_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = StoreConfig {
+        eviction: Eviction::Off,
+        state_dir: dir.path().join("state"),
+        wal_sync: false,
+        max_copy_entry: 1 << 20,
+    };
+    let spec = PoolSpec::parse(&format!("memfs:{}/mem,size=256M", dir.path().display())).unwrap();
+    let f = Fixture {
+        store: Store::open(cfg, &[spec]).unwrap(),
+        _dir: dir,
+    };
+    let root = me(0, 0);
+    f.store.mkdir(&root, "ns", 0o755).unwrap();
+    let fs = f.fs();
+    let parent = f.ino(&root, "ns");
+    let piece = 256 << 10;
+    let data: Vec<u8> = (0..16 << 20).map(|i: u32| (i % 251) as u8 + 1).collect();
+    for round in 0..4 {
+        let key = format!("k{round}");
+        let ino = fs.create(&root, parent, &key, 0o644).unwrap().0.ino;
+        let done = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                    let _ = fs.commit(&root, ino, false);
+                }
+            });
+            for (j, chunk) in data.chunks(piece).enumerate() {
+                fs.write(ino, (j * piece) as u64, chunk).unwrap();
+            }
+            done.store(true, std::sync::atomic::Ordering::Relaxed);
+        });
+        fs.commit(&root, ino, false).unwrap();
+        fs.seal(ino).unwrap();
+        let s = f.store.open_session("r", root.clone());
+        let (loc, file) = f
+            .store
+            .retrieve(s, "ns", std::slice::from_ref(&key), |_| false)
+            .unwrap()
+            .pop()
+            .unwrap()
+            .expect("published");
+        let mut got = vec![0u8; loc.size as usize];
+        file.expect("its file").read_exact_at(&mut got, 0).unwrap();
+        f.store.close_session(s);
+        let first_bad = got.iter().zip(&data).position(|(a, b)| a != b);
+        assert!(
+            got.len() == data.len() && first_bad.is_none(),
+            "{key}: {} bytes, first difference at {first_bad:?}",
+            got.len()
+        );
+        assert!(f.store.delete(&root, "ns", &[key]).unwrap()[0].is_ok());
+    }
+}

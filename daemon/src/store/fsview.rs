@@ -713,7 +713,7 @@ impl Backend for StoreFs {
             let cap = st.pools[pool].pool.capacity();
             let a = st.allocs.get_mut(&ino).expect("present");
             a.mtime = SystemTime::now();
-            match &mut a.backing {
+            let out = match &mut a.backing {
                 Backing::Buffer { buf, .. } => {
                     if end > max || fault.is_some() {
                         drop(st);
@@ -758,7 +758,13 @@ impl Backend for StoreFs {
                 Backing::Extent { .. } | Backing::Packed { .. } => {
                     return Err(Error::ReadOnly("a client's allocation".into()));
                 }
+            };
+            // The entry's length covers this write before its bytes land: a commit meanwhile
+            // (another descriptor's close) sizes the file to it instead of cutting them off.
+            if let Some(m) = a.mount_mut() {
+                m.len = m.len.max(end);
             }
+            out
         };
         let mut evicted = false;
         loop {
