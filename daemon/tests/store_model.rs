@@ -1235,3 +1235,29 @@ fn a_commit_during_a_write_cuts_none_of_its_bytes() {
         assert!(f.store.delete(&root, "ns", &[key]).unwrap()[0].is_ok());
     }
 }
+
+/// A reader of a raw pool's entry through the mount (its bytes copied by the daemon, under a
+/// lease) keeps valid bytes until it closes, though the entry is deleted meanwhile and
+/// another read handle of it (its writer's read-back) is released first.
+#[test]
+fn a_mount_reader_s_lease_is_its_own() {
+    let f = Fixture::new(16, Eviction::Off, 1 << 20);
+    let root = me(0, 0);
+    f.store.mkdir(&root, "ns", 0o755).unwrap();
+    let fs = maru_fsd::fs::Fs::new(f.fs());
+    let parent = f.ino(&root, "ns");
+    let (attr, w, _) = fs.create(&root, parent, "k", 0o644).unwrap();
+    fs.write(w, 0, &[7u8; 8192]).unwrap();
+    // The writer's read-back handle, then its close and release: published.
+    let (back, _) = fs.open(&root, attr.ino, false, false).unwrap();
+    fs.flush(&root, w).unwrap();
+    fs.release(w);
+    // Another reader: its bytes are copied under a lease.
+    let (r, opened) = fs.open(&root, attr.ino, false, false).unwrap();
+    assert!(matches!(opened, maru_fsd::OpenedFile::Copy));
+    fs.release(back);
+    fs.unlink(&root, parent, "k").unwrap();
+    assert_eq!(fs.read(r, 0, 8192).unwrap(), vec![7u8; 8192]);
+    fs.release(r);
+    f.store.check_invariants().unwrap();
+}

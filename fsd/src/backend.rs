@@ -295,7 +295,9 @@ pub trait Backend: Send + Sync + 'static {
     fn reopen(&self, c: &Caller, ino: u64) -> Result<()> {
         self.open(c, ino, false).map(drop)
     }
-    /// A read handle of `ino` was released.
+    /// A read handle of `ino` that [`Backend::open`] served as [`OpenedFile::Copy`] was
+    /// released: what that open took (a lease on the entry) goes. Other handles' releases are
+    /// not told.
     fn close(&self, _ino: u64) {}
     /// A writable descriptor of an entry being written was closed (`close(2)`, the FLUSH
     /// request; every close of every descriptor sends one). The store checks that the entry

@@ -218,7 +218,9 @@ impl<B: Backend> Fs<B> {
     /// last writable handle of an entry being written publishes it. Returns the handle.
     pub fn release(&self, fh: u64) -> Option<Handle> {
         let h = self.handles.lock().remove(&fh)?;
-        if !h.writable {
+        // Only a copied read's open leased the entry: another read handle's release (a
+        // writer's read-back, a passthrough) must not end that lease.
+        if !h.writable && matches!(h.opened, OpenedFile::Copy) {
             self.backend.close(h.ino);
         }
         if h.writable
