@@ -1261,3 +1261,35 @@ fn a_mount_reader_s_lease_is_its_own() {
     fs.release(r);
     f.store.check_invariants().unwrap();
 }
+
+/// A rename of a sealed entry whose pool cannot take it (its log refuses the record) leaves
+/// the entry under its old name, held there at the authority (the store's invariants hold,
+/// and the old name is not taken by another store).
+#[test]
+fn a_rename_the_pool_refuses_keeps_the_old_name_at_the_authority() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Fixture::open(dir.path(), 16, Eviction::Off, 1 << 20, false);
+    let [_, appends] = Faulty::install(
+        &store,
+        dir.path(),
+        maru_daemon::wal::Durability::Checkpoints,
+    );
+    let f = Fixture { store, _dir: dir };
+    let root = me(0, 0);
+    for ns in ["a", "b"] {
+        f.store.mkdir(&root, ns, 0o755).unwrap();
+    }
+    f.put(&root, "a", "k", &[3u8; 5000]).unwrap();
+    let fs = f.fs();
+    let (a, b) = (f.ino(&root, "a"), f.ino(&root, "b"));
+    appends.store(true, std::sync::atomic::Ordering::SeqCst);
+    assert!(fs.rename(&root, a, "k", b, "k").is_err());
+    appends.store(false, std::sync::atomic::Ordering::SeqCst);
+    f.store.check_invariants().unwrap();
+    assert_eq!(f.get("a", "k"), Some(vec![3u8; 5000]));
+    assert!(
+        f.put(&root, "a", "k", &[4u8; 10]).is_err(),
+        "the name is taken"
+    );
+    assert_eq!(f.get("b", "k"), None);
+}

@@ -470,11 +470,17 @@ impl Store {
             _ => false, // removed meanwhile (by another host, through the watch)
         };
         let moved = granted.and_then(|_| {
-            if here {
-                st.move_entry(ino, ns, key)
-            } else {
-                Err(Error::NotFound(format!("{from_ns}/{from_key}")))
+            if !here {
+                return Err(Error::NotFound(format!("{from_ns}/{from_key}")));
             }
+            st.move_entry(ino, ns, key).inspect_err(|_| {
+                // Still under its old name here: the authority has it back.
+                let back =
+                    st.unlocked(|| self.authority.publish(&from_ns, &from_key, ino, &placed));
+                if let Err(e) = back {
+                    tracing::warn!(ns = %from_ns, key = %from_key, "a rename undone: {e}");
+                }
+            })
         });
         if moved.is_err() {
             self.authority.release(ns, key, ino);

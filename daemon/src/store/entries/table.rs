@@ -178,9 +178,20 @@ impl State {
         }
         auth.publish(ns, key, ino, &self.placed(&e))?;
         // The old name goes at the authority (its extent stays: the entry keeps it).
-        let moved = auth
-            .unpublish(&e.ns, &e.key, ino, &self.placed(&e), None)
-            .and_then(|_| self.move_entry(ino, ns, key));
+        let moved = match auth.unpublish(&e.ns, &e.key, ino, &self.placed(&e), None) {
+            Err(err) => Err(err),
+            Ok(_) => match self.move_entry(ino, ns, key) {
+                Ok(()) => Ok(()),
+                Err(err) => {
+                    // Still under its old name here: the authority has it back.
+                    if let Err(e2) = auth.publish(&e.ns, &e.key, ino, &self.placed(&e)) {
+                        tracing::warn!(ns = %e.ns, key = %e.key, "a rename undone: {e2}");
+                    }
+                    auth.settled(&e.ns, &e.key);
+                    Err(err)
+                }
+            },
+        };
         if moved.is_err() {
             auth.release(ns, key, ino);
         }
