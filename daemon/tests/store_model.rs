@@ -1293,3 +1293,44 @@ fn a_rename_the_pool_refuses_keeps_the_old_name_at_the_authority() {
     );
     assert_eq!(f.get("b", "k"), None);
 }
+
+/// A namespace's quota holds for a batch of publications (each counts the ones sealed before
+/// it) and for a rename into it.
+#[test]
+fn a_quota_holds_for_a_batch_and_for_a_rename_into_it() {
+    use maru_daemon::store::publishing::Publish;
+    let f = Fixture::new(16, Eviction::Off, 1 << 20);
+    let root = me(0, 0);
+    for ns in ["q", "r"] {
+        f.store.mkdir(&root, ns, 0o755).unwrap();
+    }
+    f.store.set_quota(&root, "q", Some(8192)).unwrap();
+    let s = f.store.open_session("t", root.clone());
+    let grants = f.store.alloc(s, 8192, 3, None, None).unwrap();
+    let keys = ["a", "b", "c"];
+    let items: Vec<Publish<'_>> = grants
+        .iter()
+        .zip(keys)
+        .map(|((g, _), key)| Publish {
+            id: g.alloc,
+            ns: "q",
+            key,
+            len: None,
+        })
+        .collect();
+    let out = f.store.publish_many(s, &items);
+    assert_eq!(out.iter().filter(|r| r.is_ok()).count(), 1, "{out:?}");
+    assert!(
+        out.iter().any(|r| matches!(r, Err(Error::Quota(_)))),
+        "{out:?}"
+    );
+    f.store.close_session(s);
+    // A rename into the full namespace: refused, the entry where it was.
+    f.put(&root, "r", "big", &[1u8; 4096]).unwrap();
+    let fs = f.fs();
+    let (q, r) = (f.ino(&root, "q"), f.ino(&root, "r"));
+    let moved = fs.rename(&root, r, "big", q, "big");
+    assert!(matches!(moved, Err(Error::Quota(_))), "{moved:?}");
+    assert_eq!(f.get("r", "big"), Some(vec![1u8; 4096]));
+    f.store.check_invariants().unwrap();
+}

@@ -877,6 +877,10 @@ impl Backend for StoreFs {
             )));
         }
         if let Some(ino) = sealed {
+            // Into another namespace: its bytes count against that one's quota from now on.
+            if np != p {
+                st.ns.check_quota(&np, st.entries[&ino].size())?;
+            }
             return self.0.rename_sealed(&mut st, ino, &np, newname);
         }
         let id = writing.expect("checked");

@@ -192,8 +192,9 @@ impl Store {
     }
 
     /// The last step of a client's publication the authority granted, under the lock: the
-    /// entry sealed. With the lock let go of in between (`unlocked`), what could change
-    /// meanwhile is checked again: the allocation, the namespace, its quota.
+    /// entry sealed. The name and the quota are checked again (the publications of one batch
+    /// sealed before this one count against its namespace's quota); with the lock let go of
+    /// in between (`unlocked`), the allocation too.
     fn seal_placed(
         &self,
         st: &mut State,
@@ -204,8 +205,8 @@ impl Store {
     ) -> Result<u64> {
         if unlocked {
             Self::own_alloc(st, session, p.id)?;
-            self.check_publishable(st, p.ns, p.key, placing.size)?;
         }
+        self.check_publishable(st, p.ns, p.key, placing.size)?;
         self.seal_granted(st, p.id, p.ns, p.key, placing.size)
     }
 
