@@ -333,22 +333,31 @@ class MaruHandler:
     # -- locations (for allocator adapters) ------------------------------------------------
 
     def remember_locations(self, count: int) -> None:
-        """Keep the :class:`MemoryInfo` of the last ``count`` entries retrieved, by location,
-        for :meth:`retrieved_at`; 0 forgets them. Allocator adapters that are handed only a
-        ``(region_id, page_index)`` after a retrieve (LMCache's MaruBackend) find the entry's
-        memory, and the hold on it the view keeps, again."""
+        """Keep the :class:`MemoryInfo` of each entry retrieved, by location, until
+        :meth:`retrieved_at` takes it (at most the last ``count`` retrieved; 0 forgets them).
+        Allocator adapters that are handed only a ``(region_id, page_index)`` after a retrieve
+        (LMCache's MaruBackend) find the entry's memory, and the hold on it the view keeps,
+        again; nothing is kept past that (a view kept keeps a deleted entry's memory)."""
         with self._lock:
             self._located_max = max(0, int(count))
             self._located = collections.OrderedDict() if self._located_max else None
 
     def retrieved_at(self, region_id: int, page_index: int) -> Optional[Tuple[Key, MemoryInfo]]:
         """The key it was retrieved by and the remembered :class:`MemoryInfo` at
-        ``(region_id, page_index)``, or None."""
+        ``(region_id, page_index)``, or None; taken: each retrieve of the entry is found once."""
         located = self._located
         if located is None:
             return None
         with self._lock:
-            return located.get((region_id, page_index))
+            found = located.get((region_id, page_index))
+            if found is None:
+                return None
+            key, info, count = found
+            if count > 1:
+                located[(region_id, page_index)] = (key, info, count - 1)
+            else:
+                del located[(region_id, page_index)]
+            return key, info
 
     def _remember(self, keys: Iterable[Key], infos: Iterable[Optional[MemoryInfo]]) -> None:
         with self._lock:
@@ -359,7 +368,8 @@ class MaruHandler:
                 if info is None:
                     continue
                 where = (info.region_id, info.page_index)
-                located[where] = (key, info)
+                count = located[where][2] if where in located else 0
+                located[where] = (key, info, count + 1)
                 located.move_to_end(where)
             while len(located) > self._located_max:
                 located.popitem(last=False)

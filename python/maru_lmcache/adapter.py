@@ -57,7 +57,9 @@ from maru.tensors import frombuffer
 
 logger = init_logger(__name__)
 
-#: How many retrieved entries the handler remembers by location for get_by_location.
+#: How many retrieved entries the handler remembers by location for get_by_location at most
+#: (each is taken by the get_by_location that follows its retrieve: only retrieves never
+#: followed by one stay, the oldest forgotten first).
 REMEMBERED_LOCATIONS = 8192
 
 
@@ -145,6 +147,7 @@ class CxlMemoryAdapter(MemoryAllocatorInterface):
         dtypes: List[torch.dtype],
         fmt: MemoryFormat,
         on_first_pin: Optional[Callable[[], None]] = None,
+        allocated: bool = False,
     ) -> TensorMemoryObj:
         dtype = dtypes[0]
         raw = frombuffer(buf, dtype=dtype, count=size // dtype.itemsize)
@@ -160,7 +163,10 @@ class CxlMemoryAdapter(MemoryAllocatorInterface):
         )
         if on_first_pin is not None:
             return RetrievedMemoryObj(raw, metadata, on_first_pin)
-        return TensorMemoryObj(raw, metadata, parent_allocator=None)
+        # An allocation's object is freed here when LMCache drops its last reference without
+        # storing it (a backend that skips the put); once stored its handle is gone and the
+        # free does nothing. A retrieved entry's object holds no allocation.
+        return TensorMemoryObj(raw, metadata, parent_allocator=self if allocated else None)
 
     def allocate(
         self,
@@ -186,7 +192,7 @@ class CxlMemoryAdapter(MemoryAllocatorInterface):
             self._allocs[address] = handle
         if fmt == MemoryFormat.UNDEFINED:
             fmt = self._fmt
-        return self._memory_obj(handle.buf, address, size, shapes_list, dtypes_list, fmt)
+        return self._memory_obj(handle.buf, address, size, shapes_list, dtypes_list, fmt, allocated=True)
 
     def batched_allocate(
         self,
@@ -209,8 +215,10 @@ class CxlMemoryAdapter(MemoryAllocatorInterface):
     def free(self, memory_obj: MemoryObj, allocator_type: Optional[str] = None) -> None:
         """Give back an allocated object that was not stored (stored or retrieved objects
         hold nothing to give back: their memory is the entry's)."""
+        # `meta`, not `metadata`: LMCache frees from ref_count_down holding the object's lock,
+        # which `metadata` takes.
         with self._lock:
-            handle = self._allocs.pop(memory_obj.metadata.address, None)
+            handle = self._allocs.pop(memory_obj.meta.address, None)
         if handle is None:
             return
         try:

@@ -127,11 +127,13 @@ def handler_config(extra: Dict[str, Any], entry_bytes: int):
         stray = [k for k in REMOTE_KEYS if k in extra]
         if stray:
             raise ValueError(f"MaruKVConnector: {', '.join(stray)} only apply to maru_storage_backend 'remote'")
-        return MaruConfig(
+        config = MaruConfig(
             server_url=extra.get("maru_server_url", "maru://localhost:5555"),
             pool_size=max(parse_size(extra.get("maru_pool_size", "1G")), entry_bytes),
             **common,
         )
+        config.socket  # raises ValueError for a server_url naming another host (at start, not per call)
+        return config
     url = extra.get("maru_remote_url")
     if not url:
         raise ValueError("MaruKVConnector: maru_storage_backend 'remote' needs maru_remote_url (tcp://HOST:PORT)")

@@ -88,6 +88,31 @@ def test_chunks_are_written_in_pool_memory_and_read_back_from_it(manager, marud:
     lu.release([got])
 
 
+def test_an_allocation_lmcache_drops_unstored_is_freed(manager, marud: Marud, namespace: str) -> None:
+    """LMCache lets go of an object it allocated and never stored (a put its backend skipped):
+    the allocation goes back to marud then, not at the end of the connection."""
+    adapter = backend_of(manager).get_memory_allocator()
+    before = len(adapter._allocs)
+    obj = manager.allocate(lu.CHUNK_SHAPE, lu.DTYPE, fmt=MemoryFormat.KV_2LTD)
+    assert obj is not None and len(adapter._allocs) == before + 1
+    obj.ref_count_down()
+    assert len(adapter._allocs) == before
+    # A stored one frees nothing more when LMCache lets go of it.
+    keys = stored(manager, [31])
+    assert manager.contains(keys[0]) is not None and len(adapter._allocs) == before
+
+
+def test_a_retrieved_entry_is_remembered_until_lmcache_takes_it(manager) -> None:
+    """The handler keeps a retrieved entry's view by location only until LMCache's backend
+    takes it (get_by_location): none is left to keep a deleted entry's memory."""
+    keys = stored(manager, range(40, 44))
+    handler = backend_of(manager)._handler
+    objs = manager.batched_get(keys, location="MaruBackend")
+    assert all(o is not None for o in objs)
+    assert len(handler._located) == 0
+    lu.release(objs)
+
+
 def test_batched_get_and_prefix_lookup(manager) -> None:
     keys = stored(manager, range(5))
     hits, _ = manager.batched_contains(keys + [lu.key(99)])

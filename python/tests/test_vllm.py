@@ -262,6 +262,7 @@ def test_connector_configuration_is_checked(model_dir: str) -> None:
          "maru_server_url"),
         ({"maru_remote_url": "tcp://m:1"}, "only apply to maru_storage_backend 'remote'"),
         ({"maru_namespace": "a", "maru_cache_namespace": "b"}, "two namespaces"),
+        ({"maru_server_url": "maru://otherhost.invalid:5555"}, "names another host"),
     ]:
         with pytest.raises(ValueError, match=message):
             handler_config(extra, entry)
