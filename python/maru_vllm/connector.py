@@ -377,8 +377,12 @@ class MaruKVConnector(KVConnectorBase_V1):
             self._unhold([k for k, f in zip(names[hits:], found[hits:]) if f])
         # Other requests this instance is serving: what an asynchronous load runs beside.
         others = any(r != request.request_id for r in self._reqs)
+        before = self._reqs.get(request.request_id)  # a request preempted and scheduled again
         st = self._reqs[request.request_id] = _ReqState(
             tokens=tokens, keys=keys, block_ids=[], hits=hits, next_save=hits, local=num_computed_tokens,
+            # Its workers report it when it finishes if it ever had a save (they track the
+            # request, not this lookup): vLLM must be told to wait for that report.
+            saving=before is not None and before.saving,
         )
         # vLLM computes at least the last prompt token itself, and loads whole blocks: the
         # last stored chunk may be loaded in part.
