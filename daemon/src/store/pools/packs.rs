@@ -39,6 +39,9 @@ use crate::pool::ENTRY_ALIGN;
 use crate::wal::{Durability, FileSink, Wal};
 
 pub use maru::index::PACK_BYTES;
+
+/// The first pack id a location cannot hold (`maru::index::pack_location`: 31 bits).
+const LAST_PACK: u32 = 1 << 31;
 /// Bytes a pack reserves at a time ahead of its allocations (one `fallocate` for many).
 const RESERVE_STEP: u64 = 256 << 10;
 
@@ -136,9 +139,11 @@ impl Packs {
             .open(&self.dir)?)
     }
 
-    /// Whether an allocation of `size` bytes is packed.
+    /// Whether an allocation of `size` bytes is packed: small enough, and while pack ids
+    /// remain (a location holds 31 bits of one; past them, small entries get files of their
+    /// own until the next start numbers packs again from the ones left).
     pub fn takes(&self, size: u64) -> bool {
-        size <= self.max
+        size <= self.max && self.next < LAST_PACK
     }
 
     /// The largest allocation a pack takes.
@@ -222,6 +227,9 @@ impl Packs {
     }
 
     fn create(&mut self, class: &Class) -> Result<u32> {
+        if self.next >= LAST_PACK {
+            return Err(Error::NoSpace("no pack id left in this run".into()));
+        }
         let id = self.next;
         self.next += 1;
         let path = self.path(id);
@@ -505,5 +513,37 @@ impl Packs {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_pack_is_made_past_the_ids_a_location_holds() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut packs = Packs::open(
+            &dir.path().join("p"),
+            &dir.path().join("packs.wal"),
+            64 << 10,
+            false,
+        )
+        .unwrap();
+        assert!(packs.takes(4096));
+        packs.next = LAST_PACK - 1;
+        let perm = Perm {
+            uid: 0,
+            gid: 0,
+            mode: 0o644,
+        };
+        let g = packs.grant(SessionId::MOUNT, "ns", &perm, 4096).unwrap();
+        assert_eq!(g.pack, LAST_PACK - 1);
+        let at = Place::Packed {
+            pack: g.pack,
+            offset: g.offset,
+        };
+        assert_eq!(packed(at.wire()), Some((g.pack, g.offset)), "its location");
+        assert!(!packs.takes(4096), "no id left for another pack");
     }
 }
