@@ -481,9 +481,34 @@ impl Packs {
                     open: false,
                 },
             );
+            self.punch_between(id, kept, md.len());
         }
         self.checkpoint(kept);
         Ok(())
+    }
+
+    /// Frees the bytes of pack `id` (of `len` bytes) that no kept entry holds: those of
+    /// entries removed, allocations in flight, and copies of entries that left the pack
+    /// (another mode, another namespace) whose punch a crash came before. The pack's readers
+    /// need not be theirs.
+    fn punch_between(&self, id: u32, kept: &[Loc<'_>], len: u64) {
+        let mut held: Vec<(u64, u64)> = kept
+            .iter()
+            .filter_map(|e| match e.place.packed() {
+                Some((p, off)) if p == id => Some((off, e.asize.max(e.size))),
+                _ => None,
+            })
+            .collect();
+        held.sort_unstable();
+        let mut at: u64 = 0;
+        for (off, n) in held.into_iter().chain(std::iter::once((len, 0))) {
+            // Whole aligned pieces only (a punch is rounded up to one): pieces start aligned.
+            let from = at.div_ceil(ENTRY_ALIGN) * ENTRY_ALIGN;
+            if off > from {
+                self.punch(id, from, off - from);
+            }
+            at = at.max(off + n);
+        }
     }
 
     /// Rewrites the log as the packed entries among `live` (at recovery).
@@ -545,5 +570,57 @@ mod tests {
         };
         assert_eq!(packed(at.wire()), Some((g.pack, g.offset)), "its location");
         assert!(!packs.takes(4096), "no id left for another pack");
+    }
+
+    #[test]
+    fn recovery_frees_the_bytes_of_a_pack_no_kept_entry_holds() {
+        use std::os::unix::fs::FileExt;
+        let dir = tempfile::tempdir().unwrap();
+        let open = || {
+            Packs::open(
+                &dir.path().join("p"),
+                &dir.path().join("packs.wal"),
+                64 << 10,
+                false,
+            )
+            .unwrap()
+        };
+        let mut packs = open();
+        let perm = Perm {
+            uid: 0,
+            gid: 0,
+            mode: 0o644,
+        };
+        let grants: Vec<PackGrant> = (0..3)
+            .map(|_| packs.grant(SessionId::MOUNT, "ns", &perm, 5000).unwrap())
+            .collect();
+        for (i, g) in grants.iter().enumerate() {
+            g.file.write_all_at(&[i as u8 + 1; 5000], g.offset).unwrap();
+        }
+        drop(packs);
+        // Only the middle one is kept (the others: removed, or copied out before a crash).
+        let g = &grants[1];
+        let kept = [Loc {
+            ns: "ns",
+            key: "k",
+            place: Place::Packed {
+                pack: g.pack,
+                offset: g.offset,
+            },
+            size: 5000,
+            asize: g.len,
+            pinned: false,
+            uid: 0,
+            gid: 0,
+            mode: 0o644,
+        }];
+        let mut packs = open();
+        packs.recovered(&kept).unwrap();
+        let mut b = vec![0u8; 5000];
+        for (i, g) in grants.iter().enumerate() {
+            g.file.read_exact_at(&mut b, g.offset).unwrap();
+            let want = if i == 1 { i as u8 + 1 } else { 0 };
+            assert!(b.iter().all(|x| *x == want), "piece {i}");
+        }
     }
 }
