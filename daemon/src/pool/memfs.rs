@@ -570,6 +570,49 @@ pub fn pin_file(f: &File) -> io::Result<()> {
     Ok(())
 }
 
+/// The xattr of a file copied out of a pack, while the pack log may still hold the entry
+/// there: the pack file's inode number and the offset, as `INO:OFFSET`.
+const LEFT_XATTR: &str = "user.maru.left";
+
+/// Marks file `f` (not linked yet) as the copy of the entry at `offset` of the pack file
+/// whose inode number is `pack_ino` ([`left_pack`] reads it back at recovery).
+pub fn mark_left(f: &File, pack_ino: u64, offset: u64) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let name = CString::new(LEFT_XATTR).expect("no NUL");
+    let v = format!("{pack_ino}:{offset}");
+    // SAFETY: a live descriptor, a valid C string and a buffer of `v.len()` bytes.
+    let r = unsafe { libc::fsetxattr(f.as_raw_fd(), name.as_ptr(), v.as_ptr().cast(), v.len(), 0) };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Takes the mark of [`mark_left`] off `f` (the pack log has let the entry go).
+pub fn unmark_left(f: &File) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let name = CString::new(LEFT_XATTR).expect("no NUL");
+    // SAFETY: a live descriptor and a valid C string.
+    if unsafe { libc::fremovexattr(f.as_raw_fd(), name.as_ptr()) } != 0 {
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::ENODATA) {
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
+/// The mark of [`mark_left`] on the file at `p`: the pack file's inode number and the offset.
+pub fn left_pack(p: &Path) -> Option<(u64, u64)> {
+    let (p, n) = (cpath(p).ok()?, CString::new(LEFT_XATTR).ok()?);
+    let mut buf = [0u8; 64];
+    // SAFETY: valid C strings and a buffer of 64 bytes.
+    let len = unsafe { libc::getxattr(p.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    let text = std::str::from_utf8(buf.get(..usize::try_from(len).ok()?)?).ok()?;
+    let (ino, off) = text.split_once(':')?;
+    Some((ino.parse().ok()?, off.parse().ok()?))
+}
+
 /// Whether `p` has the xattr `name`; an error reading it counts as absent.
 fn has_xattr(p: &Path, name: &str) -> bool {
     let (Ok(p), Ok(n)) = (cpath(p), CString::new(name)) else {

@@ -21,7 +21,9 @@ use super::Seams;
 use super::packs::Packs;
 use super::{Backing, Found, Loc, Pool, Prepare, Reader, Requester};
 use crate::pool::PoolSpec;
-use crate::pool::memfs::{MemfsPool, MetaStep, WritingDir, pin_file};
+use crate::pool::memfs::{
+    MemfsPool, MetaStep, WritingDir, left_pack, mark_left, pin_file, unmark_left,
+};
 
 /// The mode of the file of a client's allocation: that of the entries clients store.
 const GRANT_MODE: u32 = 0o644;
@@ -113,17 +115,24 @@ impl Memfs {
     }
 
     /// Copies the `e.size` bytes at `offset` of pack `pack` into a file of their own,
-    /// published as `e` (of id `id`); returns where it is and the file's backing.
+    /// published as `e` (of id `id`); returns where it is and the file's backing. `sealed`:
+    /// they are an entry the pack log holds (it leaves its pack), not an allocation.
     fn own_file(
         &mut self,
         id: u64,
         (pack, offset): (u32, u64),
         e: &Loc<'_>,
+        sealed: bool,
     ) -> Result<(Place, Backing)> {
         let mut bytes = vec![0u8; e.size as usize];
         self.packs.reader_at(pack, offset)?.read(0, &mut bytes)?;
         let f = self.fs.create_writing(e.size, e.mode)?;
         f.write_all_at(&bytes, 0)?;
+        // Until the pack log lets the entry go, a recovery finds it twice (under another name
+        // after a rename): the file says which copy in the pack it replaces.
+        if let Some(ino) = self.packs.ino(pack).filter(|_| sealed) {
+            mark_left(&f, ino, offset)?;
+        }
         let mut b = Backing::File {
             file: Arc::new(f),
             span: e.size,
@@ -146,14 +155,24 @@ impl Memfs {
     /// bytes leave the pack: the pack's readers may not be the entry's any more (a mapping
     /// taken before reads zeros).
     fn unpack(&mut self, (pack, offset): (u32, u64), e: &Loc<'_>) -> Result<Place> {
-        let (place, _) = self.own_file(0, (pack, offset), e)?;
+        let (place, file) = self.own_file(0, (pack, offset), e, true)?;
         let at = Place::Packed { pack, offset }.wire();
-        if let Err(err) = self.log(Record::Del { off: at }) {
+        if !self.fs.pass(|| MetaStep::Packed(Record::Del { off: at })) {
+            // The crash-injection seam stopped here: nothing after it happens on disk (a
+            // crashed daemon punches nothing either).
+            return Ok(place);
+        }
+        if let Err(err) = self.packs.log(&Record::Del { off: at }) {
             // Still packed as far as anyone knows: the copy goes.
             if let Err(e2) = self.fs.delete(e.ns, e.key) {
                 tracing::warn!(ns = %e.ns, key = %e.key, "removing a copy out of a pack: {e2}");
             }
             return Err(err);
+        }
+        if let Backing::File { file, .. } = &file
+            && let Err(e2) = unmark_left(file)
+        {
+            tracing::warn!(ns = %e.ns, key = %e.key, "an entry out of its pack keeps its mark: {e2}");
         }
         self.packs.punch(pack, offset, e.asize);
         self.packs.release(pack);
@@ -260,7 +279,7 @@ impl Pool for Memfs {
         }
         // Published elsewhere than its allocation said: its pack is not for this entry's
         // readers; the bytes go to a file of their own.
-        let (place, file) = self.own_file(id, (pack, offset), e)?;
+        let (place, file) = self.own_file(id, (pack, offset), e, false)?;
         self.packs.punch(pack, offset, len);
         self.packs.release(pack);
         *backing = file;
@@ -413,14 +432,29 @@ impl Pool for Memfs {
     fn recover(&mut self) -> Result<(Vec<String>, Vec<Found>)> {
         let (dirs, found) = self.fs.scan()?;
         let mut out = Vec::with_capacity(found.len());
+        let mut left = std::collections::HashSet::new();
         for f in found {
-            let md = std::fs::metadata(self.fs.entry_path(&f.ns, &f.key))?;
+            let path = self.fs.entry_path(&f.ns, &f.key);
+            let md = std::fs::metadata(&path)?;
+            left.extend(left_pack(&path));
             let at = Place::File(md.ino());
             out.push(Found::of(f.ns, f.key, at, f.size, f.pinned, &md));
         }
-        // After the files: a crash while an entry left its pack leaves it in both, and the
-        // file is the one kept (its pack's copy is not recovered).
-        out.extend(self.packs.recover()?);
+        // After the files: a crash while an entry left its pack leaves it in both. The file
+        // is the one kept: its pack's copy is not recovered (the file names it, whatever the
+        // file's name; under the same name, the name taken would refuse it anyway), and its
+        // bytes there are freed (`Packs::recovered`).
+        let mut inos: std::collections::HashMap<u32, Option<u64>> = Default::default();
+        for f in self.packs.recover()? {
+            if let Some((pack, offset)) = f.place.packed() {
+                let ino = *inos.entry(pack).or_insert_with(|| self.packs.ino(pack));
+                if ino.is_some_and(|ino| left.contains(&(ino, offset))) {
+                    tracing::info!(pack, offset, ns = %f.ns, key = %f.key, "an entry that left its pack");
+                    continue;
+                }
+            }
+            out.push(f);
+        }
         Ok((dirs, out))
     }
 

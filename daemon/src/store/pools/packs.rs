@@ -151,6 +151,12 @@ impl Packs {
         self.max
     }
 
+    /// The inode number of pack `pack`'s file (a pack of another run with the same id is
+    /// another file).
+    pub fn ino(&self, pack: u32) -> Option<u64> {
+        std::fs::metadata(self.path(pack)).ok().map(|m| m.ino())
+    }
+
     fn path(&self, pack: u32) -> PathBuf {
         self.dir.join(pack.to_string())
     }
