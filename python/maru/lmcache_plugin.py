@@ -323,10 +323,19 @@ class MaruStoragePlugin(StoragePluginInterface):
         chunk = self._open_chunk(key)  # acquired: that reference is the hold's
         if chunk is None:
             return False
+        spare = None
         with self._lock:
             held = self._holds.get(key)
-            count = held[1] if held is not None else 0
-            self._holds[key] = (chunk, count + 1)
+            if held is None:
+                self._holds[key] = (chunk, 1)
+            else:
+                if held[0] is not chunk:
+                    # Another thread's pin mapped it meanwhile: its chunk holds for both.
+                    held[0].acquire()
+                    spare = chunk
+                self._holds[key] = (held[0], held[1] + 1)
+        if spare is not None:
+            spare.release()
         return True
 
     def unpin(self, key: CacheEngineKey) -> bool:

@@ -139,6 +139,36 @@ def test_pins_hold_the_bytes_until_unpin(manager) -> None:
     assert not plugin.pin(lu.key(1234))
 
 
+def test_two_threads_pinning_one_chunk_share_one_hold(manager, monkeypatch) -> None:
+    """Two pins of one chunk at once (LMCache's lookups of a shared prefix on two threads)
+    both map it; the hold keeps one mapping with a reference for each, and an unpin leaves
+    the other hold's bytes readable."""
+    import threading
+
+    plugin = plugin_of(manager)
+    (k,) = stored(manager, [9])
+    both = threading.Barrier(2)
+    retrieve = plugin.handler.retrieve
+
+    def meeting(name):  # each thread maps the chunk before either records its hold
+        info = retrieve(name)
+        both.wait(timeout=10)
+        return info
+
+    monkeypatch.setattr(plugin.handler, "retrieve", meeting)
+    threads = [threading.Thread(target=plugin.pin, args=(k,)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    monkeypatch.setattr(plugin.handler, "retrieve", retrieve)
+    assert plugin.unpin(k)
+    obj = plugin.get_blocking(k)
+    assert obj is not None and torch.equal(lu.chunk_of(obj)[2], lu.chunk_tensor(9))
+    lu.release([obj])
+    assert plugin.unpin(k) and not plugin.unpin(k)
+
+
 def test_async_lookup_and_load(manager) -> None:
     plugin = plugin_of(manager)
     keys = stored(manager, range(5))
