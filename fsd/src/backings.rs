@@ -112,6 +112,8 @@ struct Registered {
 #[derive(Default)]
 pub struct Backings {
     map: Mutex<HashMap<u64, Registered>>,
+    /// Forgets so far ([`Backings::epoch`]), counted under `map`'s lock.
+    forgets: std::sync::atomic::AtomicU64,
 }
 
 impl Backings {
@@ -119,11 +121,20 @@ impl Backings {
     /// kernel drops its reference to the backing file.
     pub fn forget(&self, ino: u64) {
         let mut m = self.map.lock();
+        self.forgets
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if m.get(&ino).is_some_and(|r| r.open == 0) {
             m.remove(&ino);
         } else if let Some(r) = m.get_mut(&ino) {
             r.keep = false;
         }
+    }
+
+    /// Where the forgets stand: taken before the store opens an entry and given to
+    /// [`Backings::attach`], which keeps nothing of a backing registered after a forget that
+    /// may have been its entry's (deleted between the open and the registration).
+    pub fn epoch(&self) -> u64 {
+        self.forgets.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// One more use of the kept backing of `ino` (a sealed entry opened before, see
@@ -138,17 +149,20 @@ impl Backings {
     }
 
     /// Takes (or registers with `reg`) the backing id of `ino` for one more handle; `keep`
-    /// marks it reusable after its last close (a sealed entry opened read-only). An idle id
-    /// registered by the other transport is replaced; one in use cannot be shared (EIO).
+    /// marks it reusable after its last close (a sealed entry opened read-only, at
+    /// [`Backings::epoch`] `since`: not kept if a forget came since). An idle id registered by
+    /// the other transport is replaced; one in use cannot be shared (EIO).
     pub(crate) fn attach(
         &self,
         ino: u64,
         file: &Arc<File>,
         reg: &Registrar<'_>,
         keep: bool,
+        since: u64,
     ) -> Result<BackingRef, Errno> {
         let raw = reg.raw().ok_or(Errno::EIO)?;
         let mut m = self.map.lock();
+        let keep = keep && self.epoch() == since;
         match m.get_mut(&ino) {
             Some(r) if r.backing.is_raw() == raw => {
                 r.open += 1;

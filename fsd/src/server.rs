@@ -366,6 +366,18 @@ macro_rules! or_reply {
     };
 }
 
+/// What a passthrough handle takes its backing id for ([`Server::attach`]).
+#[derive(Clone, Copy)]
+enum Attach {
+    /// A sealed entry read: the id is kept for the next open after the last close, unless a
+    /// forget came since [`Backings::epoch`] `since` (taken before the store's open).
+    Keep { since: u64 },
+    /// Any other open: the id goes with its last handle.
+    Open,
+    /// A create: as `Open`, and a failure abandons the entry ([`Fs::abandon`]).
+    Created,
+}
+
 impl<B: Backend> Server<B> {
     /// Wraps the filesystem logic.
     pub fn new(fs: Fs<B>) -> Self {
@@ -606,18 +618,24 @@ impl<B: Backend> Server<B> {
                     backing: Some(backing),
                 }),
                 Err(e) => {
-                    self.backings.put(ino, true);
+                    // Gone (or refused): the backing is not kept for it.
+                    self.backings.put(ino, false);
                     Reply::Err(errno(&e))
                 }
             };
         }
+        let since = self.backings.epoch();
         let (fh, opened) = match self.fs.open(c, ino, write, trunc) {
             Ok(o) => o,
             Err(e) => return Reply::Err(errno(&e)),
         };
         // Only a sealed entry's backing is kept for the next open.
-        let keep = !write && matches!(opened, OpenedFile::Passthrough(_));
-        let backing = or_reply!(self.attach(ino, fh, &opened, reg, keep, false));
+        let how = if !write && matches!(opened, OpenedFile::Passthrough(_)) {
+            Attach::Keep { since }
+        } else {
+            Attach::Open
+        };
+        let backing = or_reply!(self.attach(ino, fh, &opened, reg, how));
         Reply::Open(Opened {
             fh,
             flags: open_flags(write, &opened),
@@ -631,7 +649,7 @@ impl<B: Backend> Server<B> {
             Ok(v) => v,
             Err(e) => return Reply::Err(errno(&e)),
         };
-        let backing = or_reply!(self.attach(attr.ino, fh, &opened, reg, false, true));
+        let backing = or_reply!(self.attach(attr.ino, fh, &opened, reg, Attach::Created));
         Reply::Created {
             opened: Opened {
                 fh,
@@ -651,8 +669,7 @@ impl<B: Backend> Server<B> {
         fh: u64,
         opened: &OpenedFile,
         reg: &Registrar<'_>,
-        keep: bool,
-        created: bool,
+        how: Attach,
     ) -> Result<Option<BackingRef>, Errno> {
         let (OpenedFile::Passthrough(file) | OpenedFile::Writing(Some(file))) = opened else {
             return Ok(None);
@@ -660,11 +677,15 @@ impl<B: Backend> Server<B> {
         if !self.transport.passthrough.load(Ordering::Relaxed) {
             return Ok(None);
         }
-        match self.backings.attach(ino, file, reg, keep) {
+        let (keep, since) = match how {
+            Attach::Keep { since } => (true, since),
+            Attach::Open | Attach::Created => (false, 0),
+        };
+        match self.backings.attach(ino, file, reg, keep, since) {
             Ok(b) => Ok(Some(b)),
             Err(e) => {
                 // The handle never took a backing: release it without putting one back.
-                if created {
+                if matches!(how, Attach::Created) {
                     self.fs.abandon(fh);
                 } else {
                     self.fs.release(fh);
