@@ -864,6 +864,10 @@ impl Authority for EtcdAuthority {
 
     /// The lease's validity, while this host is not rejoining nor catching up after a rejoin
     /// (0 then): what it grants and serves of the shared pool is safe until then.
+    fn fence_epoch(&self) -> u64 {
+        *self.rejoins.borrow()
+    }
+
     fn fence(&self) -> Option<u64> {
         let behind = self.rejoining.load(Ordering::Acquire)
             || self.caught_up.load(Ordering::Acquire) < *self.rejoins.borrow();

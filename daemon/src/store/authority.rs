@@ -235,6 +235,14 @@ pub trait Authority: Send + Sync {
     fn fence(&self) -> Option<u64> {
         None
     }
+    /// How many times this host has rejoined its cluster (0 on a single host). A read of the
+    /// shared pool made without the store's lock is sound only if the host was not fenced
+    /// off at its start and, at its end, is still not fenced off in the same epoch: its lease
+    /// then lived throughout (a lease that ran out does not come back), so no other host
+    /// carved again what it read.
+    fn fence_epoch(&self) -> u64 {
+        0
+    }
     /// Whether the shared pool is fenced off now ([`Authority::fence`] passed).
     fn fenced(&self) -> bool {
         self.fence()

@@ -655,12 +655,21 @@ impl Backend for StoreFs {
             if leased {
                 e.lease();
             }
+            let epoch = self.0.authority.fence_epoch();
             drop(guard);
             self.0.drop_stale(stale);
             let mut buf = vec![0u8; n];
             let r = reader.read(offset, &mut buf);
+            // A shared pool read while this host was (or became) fenced off: another host may
+            // have carved the extent again meanwhile (a pause past the lease's TTL), and the
+            // bytes are no one's.
+            let unsound =
+                leased && (self.0.authority.fenced() || self.0.authority.fence_epoch() != epoch);
             if leased {
                 self.0.lock().unlease(&*self.0.authority, ino, 1);
+            }
+            if unsound {
+                return Err(super::authority::fenced_error());
             }
             return r.map(|()| buf);
         }
