@@ -436,7 +436,10 @@ impl Dispatcher {
         let session = self
             .session
             .expect("publications are deferred once a session is open");
+        crate::store::take_sync_failure();
         let outcomes = self.store.publish_many(session, &items);
+        // Records of theirs that could not be synced: none of them is a success.
+        let unsynced = crate::store::take_sync_failure();
         let each = t.elapsed() / items.len() as u32;
         drop(items);
         for ((id, ..), r) in std::mem::take(&mut self.publishes)
@@ -445,8 +448,8 @@ impl Dispatcher {
         {
             self.store.count("publish");
             self.store.record_latency("publish", each);
-            match r {
-                Ok(generation) => self.push(
+            match (r, &unsynced) {
+                (Ok(generation), None) => self.push(
                     Response {
                         id,
                         fds: 0,
@@ -454,7 +457,11 @@ impl Dispatcher {
                     },
                     Vec::new(),
                 ),
-                Err(e) => {
+                (Ok(_), Some(e)) => {
+                    self.store.count("errors");
+                    self.push_err(id, e);
+                }
+                (Err(e), _) => {
                     tracing::debug!("publish failed: {e}");
                     self.store.count("errors");
                     self.push_err(id, &e);
@@ -491,6 +498,12 @@ impl Dispatcher {
         };
         // The client maps what a retrieval names while the next request is handled.
         self.urgent |= matches!(r, Ok(Body::Retrieved { .. }));
+        // A raw pool's read-write descriptor an allocation's answer carries: the connection
+        // holds it from now on (a memfs grant's file is its own, whatever this notes).
+        if let Ok(Body::Allocated { grants }) = &r {
+            self.sent_rw
+                .extend(grants.iter().filter(|g| g.fd).map(|g| g.pool));
+        }
         match r {
             Ok(b) => self.push(
                 Response {
@@ -583,7 +596,12 @@ impl Dispatcher {
                             fds.push(f.try_clone()?);
                             last = Some(f);
                         }
-                    } else if self.sent_rw.insert(g.pool) {
+                    } else if !self.sent_rw.contains(&g.pool)
+                        && !out
+                            .iter()
+                            .any(|o: &maru::proto::Grant| o.fd && o.pool == g.pool)
+                    {
+                        // Noted as held once the answer goes (`handle_request`).
                         fds.push(store.raw_pool_fd(g.pool, true)?);
                         g.fd = true;
                     }

@@ -47,7 +47,11 @@ fuzz_target!(|data: &[u8]| {
     );
     let mut r = FrameReader::new();
     if data.len() > 1 && data[1] & 1 == 1 {
-        let hello = br#"{"id":0,"op":"hello","args":{"version":2,"client":"fuzz"}}"#;
+        let hello = format!(
+            r#"{{"id":0,"op":"hello","args":{{"version":{},"client":"fuzz"}}}}"#,
+            maru::proto::PROTOCOL_VERSION
+        );
+        let hello = hello.as_bytes();
         r.push(&(hello.len() as u32).to_le_bytes());
         r.push(hello);
     }
