@@ -52,6 +52,25 @@ impl Fixture {
         Store::open(cfg, &[spec]).unwrap()
     }
 
+    /// A store of the pools `specs` (`{dir}`: the fixture's directory), eviction off.
+    fn with_pools(specs: &[&str]) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = StoreConfig {
+            eviction: Eviction::Off,
+            state_dir: dir.path().join("state"),
+            wal_sync: false,
+            max_copy_entry: 1 << 20,
+        };
+        let specs: Vec<PoolSpec> = specs
+            .iter()
+            .map(|s| {
+                PoolSpec::parse(&s.replace("{dir}", &dir.path().display().to_string())).unwrap()
+            })
+            .collect();
+        let store = Store::open(cfg, &specs).unwrap();
+        Fixture { store, _dir: dir }
+    }
+
     fn fs(&self) -> StoreFs {
         StoreFs(self.store.clone())
     }
@@ -1069,23 +1088,11 @@ fn a_removal_the_log_cannot_take_keeps_its_extent_and_the_entry_comes_back_whole
 /// once), and the next retrieve carries the pool's descriptor the failed one never sent.
 #[test]
 fn a_retrieve_that_fails_part_way_leases_nothing() {
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = StoreConfig {
-        eviction: Eviction::Off,
-        state_dir: dir.path().join("state"),
-        wal_sync: false,
-        max_copy_entry: 1 << 20,
-    };
-    let specs = [
-        format!("file:{}/dev.img,size=16M,name=emu", dir.path().display()),
-        format!("memfs:{}/mem,size=64M,name=mem", dir.path().display()),
-    ]
-    .map(|s| PoolSpec::parse(&s).unwrap());
-    let store = Store::open(cfg, &specs).unwrap();
-    let f = Fixture {
-        store: store.clone(),
-        _dir: dir,
-    };
+    let f = Fixture::with_pools(&[
+        "file:{dir}/dev.img,size=16M,name=emu",
+        "memfs:{dir}/mem,size=64M,name=mem",
+    ]);
+    let store = f.store.clone();
     let root = me(0, 0);
     store.mkdir(&root, "ns", 0o755).unwrap();
     f.put(&root, "ns", "a", &[1u8; 5000]).unwrap();
@@ -1180,18 +1187,7 @@ fn a_raw_entry_read_back_while_released_is_published() {
 /// byte written.
 #[test]
 fn a_commit_during_a_write_cuts_none_of_its_bytes() {
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = StoreConfig {
-        eviction: Eviction::Off,
-        state_dir: dir.path().join("state"),
-        wal_sync: false,
-        max_copy_entry: 1 << 20,
-    };
-    let spec = PoolSpec::parse(&format!("memfs:{}/mem,size=256M", dir.path().display())).unwrap();
-    let f = Fixture {
-        store: Store::open(cfg, &[spec]).unwrap(),
-        _dir: dir,
-    };
+    let f = Fixture::with_pools(&["memfs:{dir}/mem,size=256M"]);
     let root = me(0, 0);
     f.store.mkdir(&root, "ns", 0o755).unwrap();
     let fs = f.fs();
@@ -1333,4 +1329,50 @@ fn a_quota_holds_for_a_batch_and_for_a_rename_into_it() {
     assert!(matches!(moved, Err(Error::Quota(_))), "{moved:?}");
     assert_eq!(f.get("r", "big"), Some(vec![1u8; 4096]));
     f.store.check_invariants().unwrap();
+}
+
+/// With the pool's log synced at each record, a failed sync fails the publications of a
+/// batch store over the socket (marud gathers them into one exchange with the store), as it
+/// fails a single verb's: none is answered as stored.
+#[test]
+fn with_the_log_synced_a_failed_sync_fails_a_batch_over_the_socket() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Fixture::open(dir.path(), 16, Eviction::Off, 1 << 20, true);
+    let [armed, _] = Faulty::install(&store, dir.path(), maru_daemon::wal::Durability::EachRecord);
+    store.mkdir(&me(0, 0), "ns", 0o755).unwrap();
+    let socket = dir.path().join("marud.sock");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let listener = {
+        let _in = rt.enter();
+        tokio::net::UnixListener::bind(&socket).unwrap()
+    };
+    rt.spawn(maru_daemon::server::serve(store.clone(), listener));
+    let h = maru::Handler::connect(maru::Config {
+        socket: socket.clone(),
+        ..Default::default()
+    })
+    .unwrap();
+    let items = |prefix: &str| -> Vec<(String, maru::AllocHandle)> {
+        (0..3)
+            .map(|i| {
+                let mut a = h.alloc(4096).unwrap();
+                a.as_mut_slice().fill(i as u8);
+                (format!("ns/{prefix}{i}"), a)
+            })
+            .collect()
+    };
+    let before = items("synced");
+    assert!(h.batch_store(before).unwrap().iter().all(Result::is_ok));
+    let after = items("lost");
+    armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    let out = h.batch_store(after);
+    let stored = out
+        .as_ref()
+        .map_or(0, |v| v.iter().filter(|r| r.is_ok()).count());
+    assert_eq!(
+        stored, 0,
+        "answered as stored with their records unsynced: {out:?}"
+    );
+    drop(h);
+    drop(rt);
 }

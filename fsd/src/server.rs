@@ -768,6 +768,15 @@ mod tests {
         s
     }
 
+    /// `open("k", O_CREAT | O_WRONLY, 0644)` in the root, umask 022.
+    const CREATE_K: Request<'static> = Request::Create {
+        parent: 1,
+        name: b"k",
+        mode: 0o644,
+        umask: 0o022,
+        flags: libc::O_WRONLY,
+    };
+
     fn tmpfile() -> Arc<File> {
         Arc::new(tempfile::tempfile().unwrap())
     }
@@ -796,13 +805,7 @@ mod tests {
             o.flags,
             FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_NOFLUSH
         );
-        let create = Request::Create {
-            parent: 1,
-            name: b"k",
-            mode: 0o644,
-            umask: 0o022,
-            flags: libc::O_WRONLY,
-        };
+        let create = CREATE_K;
         let Reply::Created { attr, opened } = s.dispatch(&create, ROOT, Registrar::None) else {
             panic!("create failed");
         };
@@ -861,13 +864,7 @@ mod tests {
         let refuse = |_: &File| -> std::io::Result<BackingId> {
             Err(std::io::Error::from_raw_os_error(libc::EPERM))
         };
-        let create = Request::Create {
-            parent: 1,
-            name: b"k",
-            mode: 0o644,
-            umask: 0o022,
-            flags: libc::O_WRONLY,
-        };
+        let create = CREATE_K;
         assert_eq!(
             s.dispatch(&create, ROOT, Registrar::Fuser(&refuse)),
             Reply::Err(Errno::EPERM)
