@@ -52,6 +52,19 @@ impl Fixture {
         Store::open(cfg, &[spec]).unwrap()
     }
 
+    /// A raw pool of 16 MiB, eviction off, whose log's appends fail while the switch
+    /// returned is on (a full disk).
+    fn with_failing_appends() -> (Self, Arc<std::sync::atomic::AtomicBool>) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Self::open(dir.path(), 16, Eviction::Off, 1 << 20, false);
+        let [_, appends] = Faulty::install(
+            &store,
+            dir.path(),
+            maru_daemon::wal::Durability::Checkpoints,
+        );
+        (Fixture { store, _dir: dir }, appends)
+    }
+
     /// A store of the pools `specs` (`{dir}`: the fixture's directory), eviction off.
     fn with_pools(specs: &[&str]) -> Self {
         let dir = tempfile::tempdir().unwrap();
@@ -1051,14 +1064,7 @@ fn with_the_log_synced_a_failed_sync_is_the_verbs_answer() {
 /// stored since.
 #[test]
 fn a_removal_the_log_cannot_take_keeps_its_extent_and_the_entry_comes_back_whole() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Fixture::open(dir.path(), 16, Eviction::Off, 1 << 20, false);
-    let [_, appends] = Faulty::install(
-        &store,
-        dir.path(),
-        maru_daemon::wal::Durability::Checkpoints,
-    );
-    let f = Fixture { store, _dir: dir };
+    let (f, appends) = Fixture::with_failing_appends();
     let root = me(0, 0);
     f.store.mkdir(&root, "ns", 0o755).unwrap();
     f.put(&root, "ns", "kept", &[1u8; 5000]).unwrap();
@@ -1263,14 +1269,7 @@ fn a_mount_reader_s_lease_is_its_own() {
 /// and the old name is not taken by another store).
 #[test]
 fn a_rename_the_pool_refuses_keeps_the_old_name_at_the_authority() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Fixture::open(dir.path(), 16, Eviction::Off, 1 << 20, false);
-    let [_, appends] = Faulty::install(
-        &store,
-        dir.path(),
-        maru_daemon::wal::Durability::Checkpoints,
-    );
-    let f = Fixture { store, _dir: dir };
+    let (f, appends) = Fixture::with_failing_appends();
     let root = me(0, 0);
     for ns in ["a", "b"] {
         f.store.mkdir(&root, ns, 0o755).unwrap();
