@@ -1,12 +1,10 @@
 //! The mount's view of the store: the filesystem's [`Backend`], by inode.
 //!
-//! Entries written through the mount are published by the rule of doc/SEMANTICS.md: every
-//! write reaches the daemon ([`OpenedFile::Writing`]), so a failed write (ENOSPC, EFBIG, EIO,
-//! a short one) marks the entry failed; each `close(2)` of a writable descriptor commits
-//! (checks and reserves the name, the quota and the pool's room) and reports a refusal as
-//! `close`'s error; the kernel's release of the last writable handle publishes what was
-//! committed. An entry is thus published only if every write its writer made succeeded, and
-//! a writer whose entry will not be published learns it from `write` or `close`.
+//! Entries written through the mount are published by the rule of doc/SEMANTICS.md: a failed
+//! write marks the entry failed; each `close(2)` of a writable descriptor commits (name, quota,
+//! room) and reports a refusal as its error; the release of the last writable handle
+//! publishes what was committed. A writer whose entry will not be published learns it from
+//! `write` or `close`.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -18,14 +16,12 @@ use super::ids::{Place, PoolIdx};
 use super::namespaces::join;
 use super::policy::{self, Access, ENTRY_MODES, Perm};
 use super::pools::{Backing, kind_name};
-use super::state::Invalidation;
-use super::state::{Alloc, Origin, State};
+use super::state::{Alloc, Invalidation, Origin, State};
 use super::writer::MountWrite;
 use super::{Store, publication_asked};
 use crate::alloc::align_up;
 
-/// Files being written grow ahead of their writer to this boundary, so that a tmpfs with
-/// `huge=within_size` backs them with 2 MiB pages (it does for ranges inside the file's size).
+/// Files being written grow ahead to this boundary: `huge=within_size` gives them 2 MiB pages.
 const GROW: u64 = 2 << 20;
 
 /// The store seen through the filesystem's [`Backend`] trait.
@@ -132,8 +128,10 @@ impl Store {
     /// The guard of `ino`'s size changes (an entry being written through the mount).
     fn resizing(&self, ino: u64) -> Result<std::sync::Arc<parking_lot::Mutex<()>>> {
         let mut st = self.lock();
-        let a = Store::writing(&mut st, ino)?;
-        Ok(a.mount().expect("a mount write").resizing.clone())
+        let m = Store::writing(&mut st, ino)?
+            .mount()
+            .expect("a mount write");
+        Ok(m.resizing.clone())
     }
 }
 
@@ -660,16 +658,13 @@ impl Backend for StoreFs {
             self.0.drop_stale(stale);
             let mut buf = vec![0u8; n];
             let r = reader.read(offset, &mut buf);
-            // A shared pool read while this host was (or became) fenced off: another host may
-            // have carved the extent again meanwhile (a pause past the lease's TTL), and the
-            // bytes are no one's.
-            let unsound =
-                leased && (self.0.authority.fenced() || self.0.authority.fence_epoch() != epoch);
+            // Fenced off meanwhile (a pause past the TTL): the extent may be another's now.
+            let unsound = self.0.authority.fenced() || self.0.authority.fence_epoch() != epoch;
             if leased {
                 self.0.lock().unlease(&*self.0.authority, ino, 1);
-            }
-            if unsound {
-                return Err(super::authority::fenced_error());
+                if unsound {
+                    return Err(super::authority::fenced_error());
+                }
             }
             return r.map(|()| buf);
         }
@@ -768,11 +763,10 @@ impl Backend for StoreFs {
                     return Err(Error::ReadOnly("a client's allocation".into()));
                 }
             };
-            // The entry's length covers this write before its bytes land: a commit meanwhile
-            // (another descriptor's close) sizes the file to it instead of cutting them off.
-            if let Some(m) = a.mount_mut() {
-                m.len = m.len.max(end);
-            }
+            // Counted before its bytes land: a commit meanwhile (a close) cuts none of them.
+            a.mount_mut()
+                .into_iter()
+                .for_each(|m| m.len = m.len.max(end));
             out
         };
         let mut evicted = false;
@@ -886,10 +880,9 @@ impl Backend for StoreFs {
             )));
         }
         if let Some(ino) = sealed {
-            // Into another namespace: its bytes count against that one's quota from now on.
-            if np != p {
-                st.ns.check_quota(&np, st.entries[&ino].size())?;
-            }
+            // Into another namespace: counted against its quota.
+            let moved = if np == p { 0 } else { st.entries[&ino].size() };
+            st.ns.check_quota(&np, moved)?;
             return self.0.rename_sealed(&mut st, ino, &np, newname);
         }
         let id = writing.expect("checked");
