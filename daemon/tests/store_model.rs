@@ -19,6 +19,15 @@ struct Fixture {
     _dir: tempfile::TempDir,
 }
 
+/// Unmounts the tmpfs of a store's memfs pools when dropped (also when a check panics).
+struct Unmount(Arc<Store>);
+
+impl Drop for Unmount {
+    fn drop(&mut self) {
+        self.0.unmount_pools();
+    }
+}
+
 impl Fixture {
     fn new(size_mib: u64, eviction: Eviction, max_copy_entry: u64) -> Self {
         Self::with_log(size_mib, eviction, max_copy_entry, false)
@@ -1099,6 +1108,7 @@ fn a_retrieve_that_fails_part_way_leases_nothing() {
         "memfs:{dir}/mem,size=64M,name=mem",
     ]);
     let store = f.store.clone();
+    let _unmount = Unmount(store.clone());
     let root = me(0, 0);
     store.mkdir(&root, "ns", 0o755).unwrap();
     f.put(&root, "ns", "a", &[1u8; 5000]).unwrap();
@@ -1194,6 +1204,7 @@ fn a_raw_entry_read_back_while_released_is_published() {
 #[test]
 fn a_commit_during_a_write_cuts_none_of_its_bytes() {
     let f = Fixture::with_pools(&["memfs:{dir}/mem,size=256M"]);
+    let _unmount = Unmount(f.store.clone());
     let root = me(0, 0);
     f.store.mkdir(&root, "ns", 0o755).unwrap();
     let fs = f.fs();
