@@ -560,10 +560,23 @@ fn set_pin_xattr(p: &Path, pinned: bool) -> io::Result<()> {
 /// Pins the entry file `f` (`user.maru.pinned=1`) before it is linked under its name, so
 /// that it is never found unpinned (an entry that leaves its pack pinned).
 pub fn pin_file(f: &File) -> io::Result<()> {
+    set_xattr_of(f, PIN_XATTR, b"1")
+}
+
+/// Sets xattr `name` of the open file `f` to `value`.
+fn set_xattr_of(f: &File, name: &str, value: &[u8]) -> io::Result<()> {
     use std::os::fd::AsRawFd;
-    let name = CString::new(PIN_XATTR).expect("no NUL");
-    // SAFETY: a live descriptor, a valid C string and a buffer of 1 byte for the call.
-    let r = unsafe { libc::fsetxattr(f.as_raw_fd(), name.as_ptr(), b"1".as_ptr().cast(), 1, 0) };
+    let name = CString::new(name).expect("no NUL");
+    // SAFETY: a live descriptor, a valid C string and a buffer of `value.len()` bytes.
+    let r = unsafe {
+        libc::fsetxattr(
+            f.as_raw_fd(),
+            name.as_ptr(),
+            value.as_ptr().cast(),
+            value.len(),
+            0,
+        )
+    };
     if r != 0 {
         return Err(io::Error::last_os_error());
     }
@@ -577,15 +590,7 @@ const LEFT_XATTR: &str = "user.maru.left";
 /// Marks file `f` (not linked yet) as the copy of the entry at `offset` of the pack file
 /// whose inode number is `pack_ino` ([`left_pack`] reads it back at recovery).
 pub fn mark_left(f: &File, pack_ino: u64, offset: u64) -> io::Result<()> {
-    use std::os::fd::AsRawFd;
-    let name = CString::new(LEFT_XATTR).expect("no NUL");
-    let v = format!("{pack_ino}:{offset}");
-    // SAFETY: a live descriptor, a valid C string and a buffer of `v.len()` bytes.
-    let r = unsafe { libc::fsetxattr(f.as_raw_fd(), name.as_ptr(), v.as_ptr().cast(), v.len(), 0) };
-    if r != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
+    set_xattr_of(f, LEFT_XATTR, format!("{pack_ino}:{offset}").as_bytes())
 }
 
 /// Takes the mark of [`mark_left`] off `f` (the pack log has let the entry go).
