@@ -58,6 +58,13 @@ impl Keys {
     pub(crate) fn nodes(&self) -> String {
         format!("{}nodes/", self.root)
     }
+    /// A host's beat: rewritten at each renewal of its lease ([`crate::lease::beat`]).
+    pub(crate) fn beat(&self, node: &str) -> String {
+        format!("{}beats/{node}", self.root)
+    }
+    pub(crate) fn beats(&self) -> String {
+        format!("{}beats/", self.root)
+    }
     pub(crate) fn region(&self, index: u64) -> String {
         format!("{}regions/{index:016x}", self.root)
     }

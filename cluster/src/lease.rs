@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use crate::etcd::{Client, LeaseKeeper};
+use crate::etcd::{Client, Compare, LeaseKeeper, Op, Txn};
 
 /// Nanoseconds of CLOCK_BOOTTIME: the clock a lease's validity is told in. Every process of
 /// a host shares it, setting the time of day does not move it, and it goes on while the
@@ -21,32 +21,45 @@ pub(crate) fn validity_guard(ttl: i64) -> u64 {
     ttl as u64 * 1_000_000_000 / 3
 }
 
-/// Whether the raft term in which a member renewed a lease still has a leader that a quorum
-/// follows: a linearizable read through the same member, answered in that same term.
+/// Writes this host's beat (`beats/<node>`: what etcd granted, in seconds), only while the
+/// key is this lease's, and tells whether that was done in raft term `term`: the renewal's
+/// proof, and what lets the other hosts see the renewals ([`crate::detector`]).
 ///
 /// A renewal alone does not prove the lease lives on: renewals are not agreed through raft,
 /// and a leader cut off from the other members goes on renewing leases until it notices
 /// (for as long as it stays stuck, in etcd releases that do not check their leadership on a
 /// renewal, 3.4.23 among them: etcd issue 15247), while the majority's new leader lets them
-/// expire. A read confirms its leadership with a quorum (etcd's ReadIndex),
-/// and a term has one leader: the same term in both answers means the renewal reached the
-/// leader the quorum follows.
-pub(crate) async fn confirmed(member: &Client, term: u64) -> bool {
-    // One key (absent, as it happens): what counts is that the read is linearizable.
-    let read = member.get("/maru/", crate::etcd::Range::KEY).await;
-    matches!(read, Ok(r) if r.header.is_some_and(|h| h.raft_term == term))
+/// expire. A write is committed by a quorum, and a term has one leader: the same term in
+/// both answers means the renewal reached the leader the quorum follows.
+///
+/// `Some(false)`: answered in that term, but the key is not this lease's (the lease is gone,
+/// or another host found the beats stopped and deleted it); `None`: not answered in it.
+pub(crate) async fn beat(
+    member: &Client,
+    key: &str,
+    lease: i64,
+    granted: i64,
+    term: u64,
+) -> Option<bool> {
+    let txn = Txn::new()
+        .when([Compare::lease_is(key, lease)])
+        .and_then([Op::put(key, granted.to_string(), lease)]);
+    let r = member.txn(txn).await.ok()?;
+    (r.raft_term() == term).then(|| r.succeeded())
 }
 
 /// What one renewal of a lease through one member found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Renewal {
-    /// Renewed, and [`confirmed`]: the lease is sure to be alive until then
+    /// Renewed, and the beat written in the renewal's term ([`beat`]): the lease is sure to be alive until then
     /// ([`boottime_ns`]: the moment the renewal was asked, plus what etcd granted, less the
     /// guard).
     Until(u64),
-    /// etcd (confirmed) says the lease no longer exists.
+    /// etcd (in the renewal's term) says the lease no longer exists, or that this host's
+    /// beat is not the lease's any more: another host found the beats stopped.
     Gone,
-    /// No answer within a third of the TTL, an error, or an answer not confirmed.
+    /// No answer within a third of the TTL, an error, or a beat not written in the
+    /// renewal's term.
     Failed,
 }
 
@@ -57,11 +70,12 @@ pub(crate) fn period(ttl: i64) -> Duration {
 }
 
 /// Renews lease `lease` (of `ttl` seconds) once through `member`, on `stream` (opened first
-/// if it is None; left None after a failure, for a new one next time).
+/// if it is None; left None after a failure, for a new one next time), and writes the beat
+/// `beat_key` that proves it ([`beat`]).
 pub(crate) async fn renew(
     member: &Client,
     stream: &mut Option<LeaseKeeper>,
-    lease: i64,
+    (lease, beat_key): (i64, &str),
     ttl: i64,
 ) -> Renewal {
     let sent = boottime_ns();
@@ -70,13 +84,13 @@ pub(crate) async fn renew(
             *stream = member.lease_keep_alive(lease).await.ok();
         }
         let (granted, term) = stream.as_mut()?.renew().await.ok()?;
-        Some((granted, confirmed(member, term).await))
+        Some((granted, beat(member, beat_key, lease, granted, term).await?))
     };
     match tokio::time::timeout(period(ttl), attempt).await {
         Ok(Some((granted, true))) if granted > 0 => {
             Renewal::Until(sent + granted as u64 * 1_000_000_000 - validity_guard(ttl))
         }
-        Ok(Some((_, true))) => Renewal::Gone,
+        Ok(Some(_)) => Renewal::Gone,
         _ => {
             *stream = None;
             Renewal::Failed
@@ -93,7 +107,7 @@ pub(crate) async fn renew(
 /// next, so that one member without a leader does not cost the lease.
 pub(crate) async fn keep_alive(
     members: Vec<Client>,
-    lease: i64,
+    (lease, beat_key): (i64, String),
     ttl: i64,
     (live, valid): (Arc<AtomicBool>, Arc<AtomicU64>),
     node: String,
@@ -106,7 +120,7 @@ pub(crate) async fn keep_alive(
         live.store(false, Ordering::Release);
     };
     loop {
-        match renew(&members[at], &mut stream, lease, ttl).await {
+        match renew(&members[at], &mut stream, (lease, &beat_key), ttl).await {
             Renewal::Until(until) => {
                 valid.fetch_max(until, Ordering::AcqRel);
                 last_ok = tokio::time::Instant::now();
@@ -115,7 +129,11 @@ pub(crate) async fn keep_alive(
                 continue;
             }
             Renewal::Gone => {
-                tracing::warn!(node, lease, "etcd lease expired");
+                tracing::warn!(
+                    node,
+                    lease,
+                    "etcd lease expired (or revoked by another host)"
+                );
                 lost();
                 return;
             }

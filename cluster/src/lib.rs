@@ -5,6 +5,7 @@
 //! | key | value | bound to |
 //! |---|---|---|
 //! | `nodes/<node>` | [`NodeInfo`] (JSON) | the node's lease |
+//! | `beats/<node>` | the TTL etcd granted at the node's last renewal (decimal seconds), rewritten at each | the node's lease |
 //! | `regions/<unit, 16 hex digits>` | the claiming node's name | the claiming node's lease |
 //! | `entries/<namespace>/<entry name>` | [`EntryRecord`] (JSON) | nothing: sealed entries outlive hosts |
 //! | `maps/<unit>/<extent offset>/<node>/<tag>` | empty | the mapping node's lease |
@@ -17,6 +18,9 @@
 //!
 //! - **Membership**: [`Member::join`] grants a lease of `ttl` seconds, keeps it alive, and
 //!   creates `nodes/<node>` under it (refused while another live host holds the name).
+//!   Each renewal rewrites `beats/<node>`; a host that sees another's beat unchanged for
+//!   longer than its TTL deletes it (if still unchanged) and revokes that lease itself,
+//!   rather than wait for etcd, whose release of an expired lease can come seconds late.
 //! - **Region claims**: [`Member::claim`] creates `regions/<unit>` for every 2 MiB unit of a
 //!   range under the lease, all or nothing, if none is held; a host that dies or is cut off
 //!   loses its claims when the lease expires.
@@ -50,6 +54,7 @@ pub mod etcd;
 pub mod testing;
 
 mod batch;
+mod detector;
 mod error;
 mod keys;
 mod lease;

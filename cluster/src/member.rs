@@ -40,6 +40,8 @@ pub struct Member {
     /// it ([`Member::fence_publications`]).
     epoch: AtomicI64,
     keeper: JoinHandle<()>,
+    /// Ends the leases of hosts whose renewals stopped ([`crate::detector`]).
+    detector: JoinHandle<()>,
     /// A client per etcd member, for the lease's renewals ([`keep_alive`]).
     renewers: Vec<Client>,
 }
@@ -75,7 +77,13 @@ impl Member {
         let valid = Arc::new(AtomicU64::new(0));
         let (lease, epoch, live, keeper) =
             Self::register(&client, &renewers, &keys, &info, ttl, &valid).await?;
+        let detector = tokio::spawn(crate::detector::watch_beats(
+            client.clone(),
+            keys.clone(),
+            info.node.clone(),
+        ));
         Ok(Member {
+            detector,
             renewers,
             client,
             keys,
@@ -102,9 +110,12 @@ impl Member {
         let lease = c.lease_grant(ttl).await?;
         let key = keys.node(&info.node);
         let value = serde_json::to_vec(info).expect("serializable");
-        let txn = Txn::new()
-            .when([Compare::absent(key.clone())])
-            .and_then([Op::put(key, value, lease)]);
+        // The first beat, with the node record: the TTL the validity below counts.
+        let beat = keys.beat(&info.node);
+        let txn = Txn::new().when([Compare::absent(key.clone())]).and_then([
+            Op::put(key, value, lease),
+            Op::put(beat.clone(), ttl.to_string(), lease),
+        ]);
         let r = c.txn(txn).await?;
         if !r.succeeded() {
             let _ = c.lease_revoke(lease).await;
@@ -119,7 +130,7 @@ impl Member {
         let live = Arc::new(AtomicBool::new(true));
         let keeper = tokio::spawn(keep_alive(
             renewers.to_vec(),
-            lease,
+            (lease, beat),
             ttl,
             (live.clone(), valid.clone()),
             info.node.clone(),
@@ -161,7 +172,8 @@ impl Member {
     /// (claims) is gone, the caller re-claims what it needs.
     pub async fn rejoin(&mut self) -> Result<Rejoined> {
         self.keeper.abort();
-        if let Some(kept) = self.renew_lost().await {
+        let renewed = self.renew_lost().await;
+        if let Renewal::Until(kept) = renewed {
             self.live = Arc::new(AtomicBool::new(true));
             self.valid.fetch_max(kept, Ordering::AcqRel);
             // Publications sent before the loss must not land: the node record is written
@@ -169,7 +181,7 @@ impl Member {
             if self.fence_publications().await.is_ok() {
                 self.keeper = tokio::spawn(keep_alive(
                     self.renewers.clone(),
-                    self.lease,
+                    (self.lease, self.keys.beat(&self.info.node)),
                     self.ttl,
                     (self.live.clone(), self.valid.clone()),
                     self.info.node.clone(),
@@ -178,6 +190,11 @@ impl Member {
             }
             self.valid.store(0, Ordering::Release);
             self.live.store(false, Ordering::Release);
+        }
+        if renewed == Renewal::Gone {
+            // Another host may have found this one's beats stopped and not yet revoked the
+            // lease: its node record would keep the name taken.
+            let _ = self.client.lease_revoke(self.lease).await;
         }
         let (lease, epoch, live, keeper) = Self::register(
             &self.client,
@@ -196,16 +213,17 @@ impl Member {
     }
 
     /// One renewal of the lease this host deemed lost, asked of each member in turn (a third
-    /// of the TTL each); until when the lease is then sure to be alive, if etcd renewed it.
-    async fn renew_lost(&self) -> Option<u64> {
+    /// of the TTL each) until one answers: until when the lease is then sure to be alive, if
+    /// etcd renewed it; [`Renewal::Failed`] if none answered.
+    async fn renew_lost(&self) -> Renewal {
+        let beat = self.keys.beat(&self.info.node);
         for m in &self.renewers {
-            match renew(m, &mut None, self.lease, self.ttl).await {
-                Renewal::Until(until) => return Some(until),
-                Renewal::Gone => return None,
+            match renew(m, &mut None, (self.lease, &beat), self.ttl).await {
                 Renewal::Failed => {}
+                answered => return answered,
             }
         }
-        None
+        Renewal::Failed
     }
 
     /// The comparison a publication makes: this host's node record is as it last wrote it
@@ -907,6 +925,7 @@ impl Member {
     /// Leaves the cluster: the lease is revoked, so this host's claims go at once.
     pub async fn leave(self) -> Result<()> {
         self.keeper.abort();
+        self.detector.abort();
         self.client.lease_revoke(self.lease).await?;
         Ok(())
     }
@@ -916,6 +935,7 @@ impl Drop for Member {
     fn drop(&mut self) {
         // Without leave(): the lease runs out after its TTL, as if the host had died.
         self.keeper.abort();
+        self.detector.abort();
     }
 }
 

@@ -141,6 +141,103 @@ fn a_host_cut_off_loses_its_claims_and_owns_nothing_twice_after() {
     drop(rts);
 }
 
+/// etcd's late release of an expired lease (its lessor, busy, retries a revocation 3 s
+/// later: doc/RELIABILITY.md) stood in for by a lease kept alive from elsewhere once its
+/// host is cut off: the other hosts see its beats stop and end it themselves.
+#[test]
+fn a_host_cut_off_whose_lease_etcd_keeps_is_ended_by_the_others() {
+    let Some(net) = Net::new(2) else { return };
+    let Some(etcd) = Etcd::start_at(Some(&net.hub), &net.hub_ip(), 2379, 2380) else {
+        return;
+    };
+    let eps = etcd.endpoints();
+    let rts: Vec<_> = (0..2).map(|i| net.runtime(i)).collect();
+    let join = |i: usize, name: &str| {
+        let (eps, name) = (eps.clone(), name.to_owned());
+        on(&rts[i], async move {
+            let info = NodeInfo {
+                node: name,
+                address: format!("host {i}"),
+                pid: std::process::id(),
+            };
+            Member::join(&eps, POOL, info, TTL).await.expect("join")
+        })
+    };
+    let a = std::sync::Arc::new(tokio::sync::Mutex::new(join(0, "a")));
+    let b = std::sync::Arc::new(join(1, "b"));
+    let a2 = a.clone();
+    let lease = on(&rts[0], async move {
+        let a = a2.lock().await;
+        assert!(a.claim(0, UNIT).await.expect("claim"));
+        a.lease()
+    });
+    // Beating hosts are left alone: after three TTLs a still holds its region.
+    std::thread::sleep(3 * TTL);
+    let b2 = b.clone();
+    assert!(!on(&rts[1], async move {
+        b2.claim(0, UNIT).await.expect("claim")
+    }));
+    assert!(on(&rts[0], {
+        let a = a.clone();
+        async move { a.lock().await.is_live() }
+    }));
+
+    // From b's side of the cut, a's lease is renewed as etcd would keep it.
+    let eps2 = eps.clone();
+    let keeper = rts[1].spawn(async move {
+        let c = maru_cluster::etcd::Client::connect(&eps2, Default::default()).expect("connect");
+        let mut k = c.lease_keep_alive(lease).await.expect("keep-alive");
+        let mut renewals = 0;
+        while matches!(k.renew().await, Ok((ttl, _)) if ttl > 0) {
+            renewals += 1;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        renewals
+    });
+    net.link(0, false);
+    let t0 = Instant::now();
+    let b2 = b.clone();
+    let took = on(&rts[1], async move {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            if b2.claim(0, UNIT).await.expect("claim") {
+                return Instant::now();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "a's lease outlived its beats by 15 s"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+    eprintln!("b took a's region {:?} after the cut", took - t0);
+    let renewals = rts[1].block_on(keeper).expect("keeper");
+    assert!(renewals > 1, "the lease was not kept alive ({renewals})");
+
+    // a learns that its lease is gone, and joins anew once the link is back.
+    net.link(0, true);
+    let a2 = a.clone();
+    on(&rts[0], async move {
+        let mut a = a2.lock().await;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while a.is_live() {
+            assert!(Instant::now() < deadline, "a still believes it is live");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(
+            a.rejoin().await.expect("rejoin"),
+            maru_cluster::Rejoined::Anew
+        );
+        assert_ne!(a.lease(), lease);
+        assert!(
+            !a.claim(0, UNIT).await.expect("claim"),
+            "region 0 owned twice"
+        );
+        assert!(a.claim(UNIT, UNIT).await.expect("claim"));
+    });
+    drop(rts);
+}
+
 /// Cuts etcd member `m` from the other two (a minority of one), or joins it again.
 fn split(net: &Net, m: usize, cut: bool) {
     for o in (0..3).filter(|&o| o != m) {

@@ -617,6 +617,11 @@ impl TxnResponse {
         revision(self.0.header)
     }
 
+    /// The raft term of the member that answered (0 when the header is missing).
+    pub fn raft_term(&self) -> u64 {
+        self.0.header.map_or(0, |h| h.raft_term)
+    }
+
     /// The outcome of operation `i` of the branch that ran, when it was a read.
     pub fn range(&self, i: usize) -> Option<&RangeResponse> {
         match self.0.responses.get(i)?.response.as_ref()? {
