@@ -17,7 +17,8 @@ use std::time::{Duration, Instant};
 
 use maru::lane::{LANE_CAP, Lane, NUDGE};
 use maru::proto::{
-    self, Body, FrameReader, MAX_FDS_PER_FRAME, Op, Outcome, PROTOCOL_VERSION, Request, Response,
+    self, Body, FrameReader, Located, MAX_FDS_PER_FRAME, NsInfo, Op, Outcome, PROTOCOL_VERSION,
+    Request, Response,
 };
 use maru::{Error, Result};
 use maru_fsd::Caller;
@@ -698,12 +699,17 @@ impl Dispatcher {
                     packs,
                 }
             }
-            Op::List { ns } => {
+            Op::List { ns, paged, after } => {
                 let (ns, children, entries) = store.list(&c, &ns)?;
+                let (children, entries, more) = match paged {
+                    true => page(children, entries, after.as_deref(), PAGE_BYTES),
+                    false => (children, entries, false),
+                };
                 Body::Listing {
                     ns,
                     children,
                     entries,
+                    more,
                 }
             }
             Op::Stats => Body::Stats(store.stats()),
@@ -726,6 +732,50 @@ impl Dispatcher {
     }
 }
 
+/// The JSON bytes a page of a paged listing may take: half a frame.
+const PAGE_BYTES: usize = proto::MAX_FRAME / 2;
+
+/// The page of a listing after name `after`: the `children` and `entries` (each sorted by
+/// name, as the store lists them) whose names come after it, in name order, as many as fit
+/// in `budget` bytes of JSON (one at least); and whether names remain after the page.
+fn page(
+    children: Vec<NsInfo>,
+    entries: Vec<Located>,
+    after: Option<&str>,
+    budget: usize,
+) -> (Vec<NsInfo>, Vec<Located>, bool) {
+    // A child's name is the last part of its path; no name is both a child and an entry.
+    let name = |c: &NsInfo| c.ns.rsplit('/').next().unwrap_or_default().to_owned();
+    let later = |n: &str| after.is_none_or(|a| n > a);
+    let mut cs = children.into_iter().filter(|c| later(&name(c))).peekable();
+    let mut es = entries.into_iter().filter(|e| later(&e.key)).peekable();
+    let (mut pc, mut pe, mut bytes) = (Vec::new(), Vec::new(), 0);
+    loop {
+        let child = match (cs.peek(), es.peek()) {
+            (None, None) => return (pc, pe, false),
+            (Some(c), Some(e)) => name(c) < e.key,
+            (c, _) => c.is_some(),
+        };
+        let size = match child {
+            true => json_len(cs.peek().expect("peeked")),
+            false => json_len(es.peek().expect("peeked")),
+        };
+        if bytes + size > budget && !(pc.is_empty() && pe.is_empty()) {
+            return (pc, pe, true);
+        }
+        bytes += size;
+        match child {
+            true => pc.extend(cs.next()),
+            false => pe.extend(es.next()),
+        }
+    }
+}
+
+/// The bytes of `v`'s JSON in a list (its comma included).
+fn json_len<T: serde::Serialize>(v: &T) -> usize {
+    serde_json::to_vec(v).map_or(0, |v| v.len()) + 1
+}
+
 fn check_batch(n: usize) -> Result<()> {
     if n > proto::MAX_BATCH {
         return Err(Error::InvalidArgument(format!(
@@ -740,4 +790,78 @@ fn batch(v: Vec<Result<()>>) -> Vec<Option<maru::error::WireError>> {
     v.into_iter()
         .map(|r| r.err().map(|e| e.to_wire()))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn child(ns: &str) -> NsInfo {
+        NsInfo {
+            ns: ns.into(),
+            uid: 0,
+            gid: 0,
+            mode: 0o755,
+            entries: 0,
+            bytes: 0,
+            quota: None,
+        }
+    }
+
+    fn entry(key: &str) -> Located {
+        Located {
+            key: key.into(),
+            generation: 1,
+            pool: 0,
+            offset: 0,
+            size: 1,
+            pinned: false,
+            holds: 0,
+            fd: false,
+        }
+    }
+
+    /// Every name of a listing, page after page of `budget` bytes; and how many pages.
+    fn pages(children: &[&str], entries: &[&str], budget: usize) -> (Vec<String>, usize) {
+        let (mut names, mut n, mut after) = (Vec::new(), 0, None::<String>);
+        loop {
+            let (c, e, more) = page(
+                children.iter().map(|c| child(&format!("t/{c}"))).collect(),
+                entries.iter().map(|e| entry(e)).collect(),
+                after.as_deref(),
+                budget,
+            );
+            n += 1;
+            let mut got: Vec<String> = c.iter().map(|c| c.ns[2..].to_owned()).collect();
+            got.extend(e.iter().map(|e| e.key.clone()));
+            got.sort();
+            names.extend(got.iter().cloned());
+            if !more {
+                return (names, n);
+            }
+            after = got.last().cloned();
+        }
+    }
+
+    #[test]
+    fn a_listing_s_pages_give_every_name_once_in_order() {
+        let children = ["b", "d2", "x"];
+        let entries = ["a", "c", "d1", "e", "y", "z"];
+        let mut all: Vec<String> = children
+            .iter()
+            .chain(&entries)
+            .map(|s| s.to_string())
+            .collect();
+        all.sort();
+        // One page when it all fits; a name a page when none fits with another.
+        assert_eq!(pages(&children, &entries, 1 << 20), (all.clone(), 1));
+        assert_eq!(pages(&children, &entries, 1), (all.clone(), all.len()));
+        // Pages of two or three names.
+        let (names, n) = pages(&children, &entries, 2 * json_len(&entry("a")) + 4);
+        assert_eq!(names, all);
+        assert!((3..=6).contains(&n), "{n} pages");
+        // Nothing after the last name.
+        let (c, e, more) = page(vec![child("t/b")], vec![entry("z")], Some("z"), 1 << 20);
+        assert!(c.is_empty() && e.is_empty() && !more);
+    }
 }

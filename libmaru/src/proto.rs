@@ -157,6 +157,15 @@ pub enum Op {
     List {
         /// Namespace ("" = the root).
         ns: String,
+        /// A page of the listing: the names after `after` (from the first when None), as
+        /// many as fit in half a frame, and whether more follow (`Listing::more`). Without
+        /// it (clients before it), the whole listing in one reply, which a namespace of more
+        /// than about 25,000 names does not fit.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        paged: bool,
+        /// The last name of the page before (children and entries in one order).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        after: Option<String>,
     },
     /// Store-wide statistics.
     Stats,
@@ -604,6 +613,9 @@ pub enum Body {
         children: Vec<NsInfo>,
         /// Sealed entries.
         entries: Vec<Located>,
+        /// A paged listing's names go on after this page's last.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        more: bool,
     },
     /// Reply to `Stats`.
     Stats(Stats),

@@ -803,3 +803,75 @@ fn a_dead_marud_s_index_is_not_trusted() {
     let m = h.retrieve("d/k").unwrap().expect("recovered");
     assert_eq!(m.as_slice(), &pattern(1, 5000)[..]);
 }
+
+/// A namespace whose listing is larger than a frame (4 MiB): listed whole, a page at a time
+/// (before, the one reply was refused: "frame of 10121363 bytes exceeds the limit"). Its
+/// batches of 4,096 publications with long names also filled both sides' socket buffers
+/// before they were sent a window at a time (the call timed out after 30 s).
+#[test]
+fn a_listing_larger_than_a_frame_comes_whole() {
+    let d = Daemon::start(no_mount(&["file:{dir}/dev.img,size=256M,name=emu"]));
+    let h = d.handler();
+    h.mkdir("big", 0o755).unwrap();
+    h.mkdir("big/sub", 0o755).unwrap();
+    let pad = "x".repeat(200);
+    let mut names: Vec<String> = Vec::new();
+    for round in 0..8 {
+        let mut got = h.alloc_many(1, maru::proto::MAX_BATCH).unwrap();
+        let batch: Vec<String> = (0..got.len())
+            .map(|i| format!("k{:05}-{pad}", round * maru::proto::MAX_BATCH + i))
+            .collect();
+        let paths: Vec<String> = batch.iter().map(|n| format!("big/{n}")).collect();
+        let mut items: Vec<(&str, &mut maru::AllocHandle)> = paths
+            .iter()
+            .map(String::as_str)
+            .zip(got.iter_mut())
+            .collect();
+        assert!(
+            h.publish_many(&mut items)
+                .unwrap()
+                .iter()
+                .all(Result::is_ok)
+        );
+        names.extend(batch);
+    }
+    let (me, children, entries) = h.list("big").unwrap();
+    assert_eq!(me.map(|m| m.entries), Some(names.len() as u64));
+    assert_eq!(
+        children.iter().map(|c| c.ns.as_str()).collect::<Vec<_>>(),
+        ["big/sub"]
+    );
+    let listed: Vec<&str> = entries.iter().map(|e| e.key.as_str()).collect();
+    assert_eq!(listed, names, "every name once, in order");
+}
+
+/// A call that timed out (marud stopped) closes its connection: the later calls fail as
+/// disconnected rather than read the late answer as theirs (before: "reply to request 3
+/// while waiting for 4", for good).
+#[test]
+fn a_call_that_timed_out_leaves_no_connection_out_of_step() {
+    use nix::sys::signal::{Signal, kill};
+    use nix::unistd::Pid;
+    let d = Daemon::start(no_mount(&[MEMFS]));
+    let h = maru::Handler::connect(maru::Config {
+        timeout: Duration::from_millis(500),
+        ..d.client_config()
+    })
+    .unwrap();
+    h.stats().unwrap();
+    let pid = Pid::from_raw(d.pid() as i32);
+    kill(pid, Signal::SIGSTOP).unwrap();
+    let r = h.stats();
+    kill(pid, Signal::SIGCONT).unwrap();
+    assert!(
+        matches!(&r, Err(Error::Io(e)) if e.kind() == std::io::ErrorKind::TimedOut),
+        "{r:?}"
+    );
+    std::thread::sleep(Duration::from_millis(200)); // the late answer is there by now
+    for _ in 0..2 {
+        let r = h.stats();
+        assert!(matches!(r, Err(Error::Disconnected)), "{r:?}");
+    }
+    // A new connection is served.
+    d.handler().stats().unwrap();
+}

@@ -16,6 +16,9 @@ use super::state::{Cached, Inner, NsIndex, unexpected};
 /// Keys per request when a batch's misses are asked in pieces.
 const PIPELINE_PIECE: usize = 16;
 
+/// The pieces of a retrieve sent before the first one's reply is read.
+const PIECES_IN_FLIGHT: usize = 8;
+
 /// Entries of at least this many bytes get their page tables built when retrieved
 /// (smaller ones take about as long to fault in when first read, and often are read in part).
 const POPULATE_MIN: usize = 64 * 1024;
@@ -250,19 +253,26 @@ impl Inner {
         if !miss.is_empty() {
             self.flush_releases()?;
         }
-        let mut sent = Vec::new();
-        for chunk in miss.chunks(piece) {
-            let op = Op::Retrieve {
-                ns: ns.to_owned(),
-                keys: chunk.iter().map(|&i| keys[i].to_owned()).collect(),
-            };
-            sent.push((self.send(op, &[])?, chunk));
-        }
-        // Every reply is read, even after one failed, so that the connection stays in step
-        // and each lease marud gave is given back (by the mappings made, when they are
-        // dropped with `out`; by hand for the entries not mapped).
+        // A few pieces in flight at once (more would fill the socket both ways with long
+        // keys, each side blocked writing). Every reply is read, even after one failed, so
+        // that the connection stays in step and each lease marud gave is given back (by the
+        // mappings made, when they are dropped with `out`; by hand for the entries not
+        // mapped); no piece is sent after a failure.
+        let mut pieces = miss.chunks(piece);
+        let mut sent = std::collections::VecDeque::new();
         let mut failed = None;
-        for (id, chunk) in sent {
+        loop {
+            while sent.len() < PIECES_IN_FLIGHT && failed.is_none() {
+                let Some(chunk) = pieces.next() else { break };
+                let op = Op::Retrieve {
+                    ns: ns.to_owned(),
+                    keys: chunk.iter().map(|&i| keys[i].to_owned()).collect(),
+                };
+                sent.push_back((self.send(op, &[])?, chunk));
+            }
+            let Some((id, chunk)) = sent.pop_front() else {
+                break;
+            };
             let (items, fds) = match self.wait_retrieved(id)? {
                 Ok(r) => r,
                 Err(e) => {

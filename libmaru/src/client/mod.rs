@@ -471,26 +471,38 @@ impl Handler {
             );
         }
         let mut g = self.inner.lock();
-        // The requests of the items that are valid, until one cannot be sent.
+        // The requests of the items that are valid, until one cannot be sent; at most
+        // `WINDOW` unanswered (the oldest answer is read before another is sent), so that
+        // neither side fills its socket with the other blocked writing too.
         let valid: Vec<bool> = ops.iter().map(Result::is_ok).collect();
-        let mut ids = Vec::with_capacity(ops.len());
+        let mut outcomes: Vec<Result<()>> = Vec::with_capacity(ops.len());
+        let mut in_flight = std::collections::VecDeque::new();
         let mut failed = None;
         for op in ops {
-            ids.push(match op {
-                Ok(op) if failed.is_none() => match g.send(op, &[]) {
-                    Ok(id) => Ok(id),
-                    Err(e) => {
-                        failed = Some(e);
-                        Err(Error::Protocol("not sent".into()))
-                    }
-                },
+            let op = match op {
+                Ok(op) if failed.is_none() => op,
                 // Not sent after a failed send: the batch fails as a whole below.
-                Ok(_) => Err(Error::Protocol("not sent".into())),
-                Err(e) => Err(e),
-            });
+                Ok(_) => {
+                    outcomes.push(Err(Error::Protocol("not sent".into())));
+                    continue;
+                }
+                Err(e) => {
+                    outcomes.push(Err(e));
+                    continue;
+                }
+            };
+            if in_flight.len() >= state::WINDOW {
+                let (at, id) = in_flight.pop_front().expect("in flight");
+                outcomes[at] = g.wait(id).map(drop);
+            }
+            outcomes.push(Ok(()));
+            match g.send(op, &[]) {
+                Ok(id) => in_flight.push_back((outcomes.len() - 1, id)),
+                Err(e) => failed = Some(e),
+            }
         }
-        // While marud publishes them; every valid handle, sent or not, is let go of, as it
-        // would be once published or refused.
+        // While marud publishes the last ones; every valid handle, sent or not, is let go
+        // of, as it would be once published or refused.
         let let_go: Vec<Result<()>> = items
             .iter_mut()
             .zip(&valid)
@@ -499,10 +511,13 @@ impl Handler {
         if let Some(e) = failed {
             return Err(e);
         }
-        Ok(ids
+        for (at, id) in in_flight {
+            outcomes[at] = g.wait(id).map(drop);
+        }
+        Ok(outcomes
             .into_iter()
             .zip(let_go)
-            .map(|(id, l)| id.and_then(|id| g.wait(id).map(drop)).and(l))
+            .map(|(o, l)| o.and(l))
             .collect())
     }
 
@@ -541,6 +556,10 @@ impl Handler {
         self.make_segments(&p)?;
         let op = publish_op(&p, &mut handle, None)?;
         let mut g = self.inner.lock();
+        // At most `WINDOW` unanswered: marud's answers would fill the socket otherwise.
+        while g.pending.len() >= state::WINDOW {
+            g.recv_one()?;
+        }
         let id = g.send(op, &[])?;
         // Unmapped without a private copy: the caller gave the handle up.
         drop(handle);
@@ -705,15 +724,46 @@ impl Handler {
             .is_some_and(|v| v.flags & FLAG_PINNED != 0))
     }
 
-    /// Lists a namespace ("" for the root).
+    /// Lists a namespace ("" for the root): itself, its children and its entries, each in
+    /// name order. Asked a page at a time (a reply is one frame); names published or removed
+    /// while the pages come may show or not, each name at most once.
     pub fn list(&self, ns: &str) -> Result<(Option<NsInfo>, Vec<NsInfo>, Vec<Located>)> {
-        match self.inner.lock().call(Op::List { ns: ns.to_owned() })?.0 {
-            Body::Listing {
-                ns,
-                children,
-                entries,
-            } => Ok((ns, children, entries)),
-            other => Err(unexpected(&other)),
+        let (mut children, mut entries) = (Vec::new(), Vec::new());
+        let mut after = None;
+        loop {
+            let op = Op::List {
+                ns: ns.to_owned(),
+                paged: true,
+                after: after.take(),
+            };
+            let (me, more) = match self.inner.lock().call(op)?.0 {
+                Body::Listing {
+                    ns,
+                    children: c,
+                    entries: e,
+                    more,
+                } => {
+                    // Pages are in name order: the last name is the later of the two lasts.
+                    let last_child = c.last().and_then(|c| c.ns.rsplit('/').next());
+                    after = last_child
+                        .into_iter()
+                        .chain(e.last().map(|e| e.key.as_str()))
+                        .max()
+                        .map(str::to_owned);
+                    children.extend(c);
+                    entries.extend(e);
+                    (ns, more)
+                }
+                other => return Err(unexpected(&other)),
+            };
+            if !more {
+                return Ok((me, children, entries));
+            }
+            if after.is_none() {
+                return Err(Error::Protocol(
+                    "a listing's page with no name said more follow".into(),
+                ));
+            }
         }
     }
 

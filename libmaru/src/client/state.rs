@@ -22,6 +22,11 @@ use crate::proto::{
 /// Where marud listens by default.
 pub const DEFAULT_SOCKET: &str = "/run/maru/marud.sock";
 
+/// The requests a batch sends before it reads the oldest one's answer: a batch of thousands
+/// sent whole would fill both sides' socket buffers (marud blocked writing answers the client
+/// does not read yet, the client blocked sending), and the call would time out.
+pub(super) const WINDOW: usize = 256;
+
 /// Entries opened by the client itself that it reports to marud at once, with no request
 /// of its own to carry them (see [`Inner::flush_releases`]).
 pub(super) const ACCESSED_FLUSH: usize = 1024;
@@ -277,7 +282,7 @@ impl Inner {
         let id = self.next_id;
         self.next_id += 1;
         let frame = proto::encode(&Request { id, op });
-        proto::send_all(self.sock.as_fd(), &frame, fds).map_err(io_err)?;
+        proto::send_all(self.sock.as_fd(), &frame, fds).map_err(|e| self.failed(e))?;
         Ok(id)
     }
 
@@ -296,12 +301,12 @@ impl Inner {
         self.next_id += 1;
         let frame = proto::encode(&Request { id, op });
         if frame.len() - 4 > LANE_CAP {
-            proto::send_all(self.sock.as_fd(), &frame, &[]).map_err(io_err)?;
+            proto::send_all(self.sock.as_fd(), &frame, &[]).map_err(|e| self.failed(e))?;
             return Ok(id);
         }
         self.lane_wait = Some(id);
         if lane.post_request(id, &frame[4..]) {
-            proto::send_all(self.sock.as_fd(), &NUDGE, &[]).map_err(io_err)?;
+            proto::send_all(self.sock.as_fd(), &NUDGE, &[]).map_err(|e| self.failed(e))?;
         }
         Ok(id)
     }
@@ -430,7 +435,34 @@ impl Inner {
         if let (Some(id), Some(l)) = (lane, &self.lane) {
             l.client_asleep(false, id);
         }
-        r.map(|n| n > 0).map_err(io_err)
+        r.map(|n| n > 0).map_err(|e| self.failed(e))
+    }
+
+    /// The error of a send or a read that failed. One that timed out leaves the exchange half
+    /// done (a request partly sent, or a reply still to come that the next call would take for
+    /// its own): the connection is shut down, so that every later call fails with
+    /// [`Error::Disconnected`] rather than out of step, and marud ends the session (its
+    /// leases and grants with it).
+    fn failed(&self, e: std::io::Error) -> Error {
+        use std::io::ErrorKind::{TimedOut, WouldBlock};
+        if !matches!(e.kind(), WouldBlock | TimedOut) {
+            return io_err(e);
+        }
+        let _ = self.sock.shutdown(std::net::Shutdown::Both);
+        Error::Io(std::io::Error::new(
+            TimedOut,
+            format!(
+                "marud did not answer within {:?}: the connection is closed",
+                self.cfg.timeout
+            ),
+        ))
+    }
+
+    /// A reply that is not the one waited for: the connection is out of step, and shut down
+    /// ([`Self::failed`]).
+    fn out_of_step(&self, e: Error) -> Error {
+        let _ = self.sock.shutdown(std::net::Shutdown::Both);
+        e
     }
 
     /// [`wait`](Self::wait) for the reply to a `Retrieve`: its items and descriptors, or the
@@ -445,11 +477,13 @@ impl Inner {
             }
             if let Some((resp, fds)) = self.settle(&body)? {
                 self.answered(resp.id);
-                return Ok(match Self::outcome(id, resp)? {
-                    Ok(Body::Retrieved { items }) => Ok((items, fds)),
-                    Ok(other) => return Err(unexpected(&other)),
-                    Err(e) => Err(e),
-                });
+                return Ok(
+                    match Self::outcome(id, resp).map_err(|e| self.out_of_step(e))? {
+                        Ok(Body::Retrieved { items }) => Ok((items, fds)),
+                        Ok(other) => return Err(unexpected(&other)),
+                        Err(e) => Err(e),
+                    },
+                );
             }
         }
     }
@@ -473,7 +507,8 @@ impl Inner {
         loop {
             if let Some((resp, fds)) = self.recv_one()? {
                 self.answered(resp.id);
-                return Ok((Self::outcome(id, resp)??, fds));
+                let outcome = Self::outcome(id, resp).map_err(|e| self.out_of_step(e))?;
+                return Ok((outcome?, fds));
             }
         }
     }
@@ -569,10 +604,10 @@ impl Inner {
         while !self.pending.is_empty() {
             if let Some(body) = self.reader.next_frame()? {
                 if let Some((resp, _)) = self.settle(&body)? {
-                    return Err(Error::Protocol(format!(
+                    return Err(self.out_of_step(Error::Protocol(format!(
                         "reply {} to no request in flight",
                         resp.id
-                    )));
+                    ))));
                 }
                 continue;
             }
