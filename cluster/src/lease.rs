@@ -23,7 +23,9 @@ pub(crate) fn validity_guard(ttl: i64) -> u64 {
 
 /// Writes this host's beat (`beats/<node>`: what etcd granted, in seconds), only while the
 /// key is this lease's, and tells whether that was done in raft term `term`: the renewal's
-/// proof, and what lets the other hosts see the renewals ([`crate::detector`]).
+/// proof, and what lets the other hosts see the renewals ([`crate::detector`]). A write
+/// through raft (a disk sync on a quorum) at each renewal, a third of the TTL apart, where a
+/// linearizable read was enough before the detector.
 ///
 /// A renewal alone does not prove the lease lives on: renewals are not agreed through raft,
 /// and a leader cut off from the other members goes on renewing leases until it notices
@@ -41,11 +43,14 @@ pub(crate) async fn beat(
     granted: i64,
     term: u64,
 ) -> Option<bool> {
+    // etcd answers a renewal of a lease it does not hold with a TTL of 0: nothing is written
+    // then (a linearizable read, in a transaction of no operation, still tells the term).
+    let write = (granted > 0).then(|| Op::put(key, granted.to_string(), lease));
     let txn = Txn::new()
         .when([Compare::lease_is(key, lease)])
-        .and_then([Op::put(key, granted.to_string(), lease)]);
+        .and_then(write);
     let r = member.txn(txn).await.ok()?;
-    (r.raft_term() == term).then(|| r.succeeded())
+    (term != 0 && r.raft_term() == term).then(|| r.succeeded())
 }
 
 /// What one renewal of a lease through one member found.
@@ -90,7 +95,12 @@ pub(crate) async fn renew(
         Ok(Some((granted, true))) if granted > 0 => {
             Renewal::Until(sent + granted as u64 * 1_000_000_000 - validity_guard(ttl))
         }
-        Ok(Some(_)) => Renewal::Gone,
+        // No TTL, yet the beat is still the lease's: not an answer to count on.
+        Ok(Some((_, true))) => {
+            *stream = None;
+            Renewal::Failed
+        }
+        Ok(Some((_, false))) => Renewal::Gone,
         _ => {
             *stream = None;
             Renewal::Failed

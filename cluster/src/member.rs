@@ -158,8 +158,9 @@ impl Member {
     /// successful renewal's request time plus the TTL, less a third of the TTL (the guard:
     /// what was granted before this instant has that long to be written before another host
     /// can have carved it again); 0 once the lease is known lost, until a rejoin. Other hosts
-    /// can claim this host's regions only after etcd expired its lease, which is never before
-    /// the renewal's request time plus the TTL. The value is shared: it follows the rejoins.
+    /// can claim this host's regions only once the lease is gone: expired by etcd, or revoked
+    /// by a host that saw its beats stop ([`crate::detector`]), never before the renewal's
+    /// request time plus the TTL either way. The value is shared: it follows the rejoins.
     pub fn validity(&self) -> Arc<AtomicU64> {
         self.valid.clone()
     }

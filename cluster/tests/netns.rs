@@ -196,12 +196,21 @@ fn a_host_cut_off_whose_lease_etcd_keeps_is_ended_by_the_others() {
     });
     net.link(0, false);
     let t0 = Instant::now();
+    // Until when a's clients may write what they were granted (its validity, then the guard).
+    let held = on(&rts[0], {
+        let a = a.clone();
+        async move {
+            let a = a.lock().await;
+            a.validity().load(std::sync::atomic::Ordering::Acquire)
+        }
+    });
+    assert!(held > 0, "a was not valid at the cut");
     let b2 = b.clone();
-    let took = on(&rts[1], async move {
+    let (took, at) = on(&rts[1], async move {
         let deadline = Instant::now() + Duration::from_secs(15);
         loop {
             if b2.claim(0, UNIT).await.expect("claim") {
-                return Instant::now();
+                return (Instant::now(), maru_cluster::boottime_ns());
             }
             assert!(
                 Instant::now() < deadline,
@@ -211,6 +220,13 @@ fn a_host_cut_off_whose_lease_etcd_keeps_is_ended_by_the_others() {
         }
     });
     eprintln!("b took a's region {:?} after the cut", took - t0);
+    // Not before a's clients were done: its last validity and the guard (a third of the TTL).
+    let guard = TTL.as_nanos() as u64 / 3;
+    assert!(
+        at >= held + guard,
+        "b took the region {} ns before a's clients were done",
+        held + guard - at
+    );
     let renewals = rts[1].block_on(keeper).expect("keeper");
     assert!(renewals > 1, "the lease was not kept alive ({renewals})");
 

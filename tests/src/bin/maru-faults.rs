@@ -2,14 +2,14 @@
 //!
 //!     maru-faults [--seed N] [--runs N] [--duration SECS] [--faults kill,pause,...|none]
 //!                 [--hosts N] [--clients N] [--keys N] [--ttl SECS] [--converge SECS]
-//!                 [--no-space-check]
+//!                 [--no-space-check] [--keep-all]
 //!
 //! Run `--runs N` runs with seeds `seed, seed+1, ...`; prints each run's report and exits 1
 //! if any run found a violation. Needs root and etcd (Debian's `etcd-server`).
 //!
 //! With `MARU_FAULTS_KEEP=DIR`, a run with violations is kept in DIR (each host's log, each
 //! etcd member's, the history of the keys named); the hosts then log the cluster's changes of every entry
-//! (`maru_daemon::cluster` at debug).
+//! (`maru_daemon::cluster` at debug). `--keep-all` keeps every run there.
 
 use std::time::Duration;
 
@@ -25,6 +25,10 @@ fn main() {
     while let Some(flag) = args.next() {
         if flag == "--no-space-check" {
             cfg.check_space = false;
+            continue;
+        }
+        if flag == "--keep-all" {
+            cfg.keep_all = true;
             continue;
         }
         let val = args

@@ -39,6 +39,8 @@ pub struct Config {
     /// Where a run with violations is kept for reading ([`keep`]); with it, the hosts log
     /// every change the cluster makes to an entry (`maru_daemon::cluster` at debug).
     pub keep: Option<PathBuf>,
+    /// Keep every run there, with violations or not.
+    pub keep_all: bool,
 }
 
 impl Default for Config {
@@ -55,6 +57,7 @@ impl Default for Config {
             converge: Duration::from_secs(5),
             check_space: true,
             keep: None,
+            keep_all: false,
         }
     }
 }
@@ -168,7 +171,7 @@ pub fn run(cfg: &Config) -> Option<Report> {
     let log = cfg
         .keep
         .as_ref()
-        .map(|_| "info,maru_daemon::cluster=debug,maru_cluster::lease=debug");
+        .map(|_| "info,maru_daemon::cluster=debug,maru_cluster::lease=debug,maru_cluster::detector=debug");
     let env = Arc::new(env::Env::start(cfg.hosts, cfg.ttl, log)?);
     eprintln!("seed {}: cluster up in {:?}", cfg.seed, t0.elapsed());
     let history = Arc::new(History::new());
@@ -275,7 +278,7 @@ pub fn run(cfg: &Config) -> Option<Report> {
     let lag = cfg.converge.as_micros() as u64;
     report.violations.extend(check::check(&ops, lag));
     if let Some(dir) = &cfg.keep
-        && !report.violations.is_empty()
+        && (cfg.keep_all || !report.violations.is_empty())
     {
         keep(dir, &env, &report, &ops, &faults);
     }
