@@ -700,10 +700,14 @@ impl Dispatcher {
                 }
             }
             Op::List { ns, paged, after } => {
-                let (ns, children, entries) = store.list(&c, &ns)?;
-                let (children, entries, more) = match paged {
-                    true => page(children, entries, after.as_deref(), PAGE_BYTES),
-                    false => (children, entries, false),
+                let (ns, children, entries, more) = match paged {
+                    true => {
+                        let (me, cs, es, rest) =
+                            store.list(&c, &ns, after.as_deref(), PAGE_ITEMS)?;
+                        let (cs, es, cut) = page(cs, es, PAGE_BYTES);
+                        (me, cs, es, rest || cut)
+                    }
+                    false => store.list(&c, &ns, None, usize::MAX)?,
                 };
                 Body::Listing {
                     ns,
@@ -735,20 +739,22 @@ impl Dispatcher {
 /// The JSON bytes a page of a paged listing may take: half a frame.
 const PAGE_BYTES: usize = proto::MAX_FRAME / 2;
 
-/// The page of a listing after name `after`: the `children` and `entries` (each sorted by
-/// name, as the store lists them) whose names come after it, in name order, as many as fit
-/// in `budget` bytes of JSON (one at least); and whether names remain after the page.
+/// The names a page of a paged listing takes from the store at most (one pass over the
+/// namespace each, and a sort of these).
+const PAGE_ITEMS: usize = 16_384;
+
+/// The first of a listing's `children` and `entries` (each sorted by name, as the store
+/// lists them), in name order, as many as fit in `budget` bytes of JSON (one at least); and
+/// whether names remain after them.
 fn page(
     children: Vec<NsInfo>,
     entries: Vec<Located>,
-    after: Option<&str>,
     budget: usize,
 ) -> (Vec<NsInfo>, Vec<Located>, bool) {
     // A child's name is the last part of its path; no name is both a child and an entry.
     let name = |c: &NsInfo| c.ns.rsplit('/').next().unwrap_or_default().to_owned();
-    let later = |n: &str| after.is_none_or(|a| n > a);
-    let mut cs = children.into_iter().filter(|c| later(&name(c))).peekable();
-    let mut es = entries.into_iter().filter(|e| later(&e.key)).peekable();
+    let mut cs = children.into_iter().peekable();
+    let mut es = entries.into_iter().peekable();
     let (mut pc, mut pe, mut bytes) = (Vec::new(), Vec::new(), 0);
     loop {
         let child = match (cs.peek(), es.peek()) {
@@ -825,10 +831,15 @@ mod tests {
     fn pages(children: &[&str], entries: &[&str], budget: usize) -> (Vec<String>, usize) {
         let (mut names, mut n, mut after) = (Vec::new(), 0, None::<String>);
         loop {
+            // As the store gives them: the names after the last page's.
+            let later = |n: &&&str| after.as_deref().is_none_or(|a| **n > a);
             let (c, e, more) = page(
-                children.iter().map(|c| child(&format!("t/{c}"))).collect(),
-                entries.iter().map(|e| entry(e)).collect(),
-                after.as_deref(),
+                children
+                    .iter()
+                    .filter(later)
+                    .map(|c| child(&format!("t/{c}")))
+                    .collect(),
+                entries.iter().filter(later).map(|e| entry(e)).collect(),
                 budget,
             );
             n += 1;
@@ -860,8 +871,8 @@ mod tests {
         let (names, n) = pages(&children, &entries, 2 * json_len(&entry("a")) + 4);
         assert_eq!(names, all);
         assert!((3..=6).contains(&n), "{n} pages");
-        // Nothing after the last name.
-        let (c, e, more) = page(vec![child("t/b")], vec![entry("z")], Some("z"), 1 << 20);
+        // Nothing left.
+        let (c, e, more) = page(vec![], vec![], 1 << 20);
         assert!(c.is_empty() && e.is_empty() && !more);
     }
 }

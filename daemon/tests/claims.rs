@@ -197,7 +197,10 @@ fn a_claim_in_flight_stalls_no_other_client() {
         let fr = &f;
         s.spawn(move || {
             let got = fr.get("before");
-            let listed = fr.store.list(&Caller::root(), "ns").map(|l| l.2.len());
+            let listed = fr
+                .store
+                .list(&Caller::root(), "ns", None, usize::MAX)
+                .map(|l| l.2.len());
             done_tx.send((got, listed)).unwrap();
         });
         let answer = done_rx.recv_timeout(WAIT);

@@ -165,7 +165,7 @@ fn recovery_from_every_write_point() {
             let want = format::replay(all[..kept.min(all.len())].to_vec());
             let (c, specs) = cfg(dir.path());
             let store = Store::open(c, &specs).unwrap();
-            let (_, _, entries) = store.list(&Caller::root(), "ns").unwrap();
+            let (_, _, entries, _) = store.list(&Caller::root(), "ns", None, usize::MAX).unwrap();
             assert_eq!(entries.len(), want.len(), "write point {n} torn={torn}");
             let dev = std::fs::File::open(dir.path().join("dev.img")).unwrap();
             for e in &entries {

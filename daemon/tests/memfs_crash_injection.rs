@@ -279,7 +279,7 @@ fn recovery_from_every_metadata_step() {
         let store = Store::open(c, &specs).unwrap();
         let mut got = BTreeMap::new();
         for ns in ["ns", "ns/sub"] {
-            let Ok((_, _, entries)) = store.list(&root, ns) else {
+            let Ok((_, _, entries, _)) = store.list(&root, ns, None, usize::MAX) else {
                 continue;
             };
             for e in entries {

@@ -423,7 +423,7 @@ fn both_doors_apply_one_access_policy() {
                     let s = f.store.open_session("p", c.clone());
                     let r = match op {
                         "lookup" => f.store.exists(&c, "ns", &[key("socket")]).map(drop),
-                        "list" => f.store.list(&c, "ns").map(drop),
+                        "list" => f.store.list(&c, "ns", None, usize::MAX).map(drop),
                         "read" => f
                             .store
                             .retrieve(s, "ns", &[key("socket")], |_| false)
@@ -684,7 +684,7 @@ fn hold(f: &Fixture, s: SessionId, keys: &[&str], hold: bool) -> Vec<maru::Resul
 
 /// Holds on `h/key` and whether it is pinned, as the listing says (None when absent).
 fn hold_state(f: &Fixture, key: &str) -> Option<(u32, bool)> {
-    let (_, _, entries) = f.store.list(&me(0, 0), "h").unwrap();
+    let (_, _, entries, _) = f.store.list(&me(0, 0), "h", None, usize::MAX).unwrap();
     entries
         .iter()
         .find(|e| e.key == key)
@@ -884,7 +884,10 @@ fn the_copy_into_a_raw_pool_at_close_keeps_no_other_client_waiting_and_a_failed_
             let other = me(0, 0);
             let r = fr.put(&other, "ns", "small", b"small bytes").map(|()| {
                 let got = fr.get("ns", "small");
-                let listed = fr.store.list(&other, "ns").map(|l| l.2.len());
+                let listed = fr
+                    .store
+                    .list(&other, "ns", None, usize::MAX)
+                    .map(|l| l.2.len());
                 (got, listed.ok())
             });
             done_tx.send(r).unwrap();

@@ -813,7 +813,11 @@ fn a_listing_larger_than_a_frame_comes_whole() {
     let d = Daemon::start(no_mount(&["file:{dir}/dev.img,size=256M,name=emu"]));
     let h = d.handler();
     h.mkdir("big", 0o755).unwrap();
-    h.mkdir("big/sub", 0o755).unwrap();
+    // Children between the entries, across the pages, and after them all.
+    let children = ["big/k00100-a", "big/k16000-a", "big/k32767-z", "big/sub"];
+    for c in children {
+        h.mkdir(c, 0o755).unwrap();
+    }
     let pad = "x".repeat(200);
     let mut names: Vec<String> = Vec::new();
     for round in 0..8 {
@@ -835,11 +839,14 @@ fn a_listing_larger_than_a_frame_comes_whole() {
         );
         names.extend(batch);
     }
-    let (me, children, entries) = h.list("big").unwrap();
+    let (me, listed_children, entries) = h.list("big").unwrap();
     assert_eq!(me.map(|m| m.entries), Some(names.len() as u64));
     assert_eq!(
-        children.iter().map(|c| c.ns.as_str()).collect::<Vec<_>>(),
-        ["big/sub"]
+        listed_children
+            .iter()
+            .map(|c| c.ns.as_str())
+            .collect::<Vec<_>>(),
+        children
     );
     let listed: Vec<&str> = entries.iter().map(|e| e.key.as_str()).collect();
     assert_eq!(listed, names, "every name once, in order");
@@ -847,31 +854,70 @@ fn a_listing_larger_than_a_frame_comes_whole() {
 
 /// A call that timed out (marud stopped) closes its connection: the later calls fail as
 /// disconnected rather than read the late answer as theirs (before: "reply to request 3
-/// while waiting for 4", for good).
+/// while waiting for 4", for good), or go through the lane ahead of what the socket still
+/// holds, or hand out a spare allocation marud freed with the session.
 #[test]
 fn a_call_that_timed_out_leaves_no_connection_out_of_step() {
     use nix::sys::signal::{Signal, kill};
     use nix::unistd::Pid;
     let d = Daemon::start(no_mount(&[MEMFS]));
-    let h = maru::Handler::connect(maru::Config {
-        timeout: Duration::from_millis(500),
-        ..d.client_config()
-    })
-    .unwrap();
-    h.stats().unwrap();
+    let connect = || {
+        maru::Handler::connect(maru::Config {
+            timeout: Duration::from_millis(500),
+            ..d.client_config()
+        })
+        .unwrap()
+    };
     let pid = Pid::from_raw(d.pid() as i32);
-    kill(pid, Signal::SIGSTOP).unwrap();
+    fn timed_out<T>(r: &maru::Result<T>) -> bool {
+        matches!(r, Err(Error::Os { errno, .. }) if *errno == libc::ETIMEDOUT)
+    }
+    // Stops marud, and waits until every thread of it is stopped (a thread spinning on the
+    // lane would answer first otherwise).
+    let stop = |pid: Pid| {
+        kill(pid, Signal::SIGSTOP).unwrap();
+        let all_stopped = || {
+            std::fs::read_dir(format!("/proc/{pid}/task"))
+                .unwrap()
+                .flatten()
+                .all(|t| {
+                    let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+                    // The state follows the command's closing parenthesis.
+                    stat.rsplit_once(") ")
+                        .is_some_and(|(_, rest)| rest.starts_with('T'))
+                })
+        };
+        while !all_stopped() {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    // A call in the lane (or on the socket) that times out.
+    let h = connect();
+    h.mkdir("t", 0o755).unwrap();
+    for _ in 0..2 {
+        drop(h.alloc(4096).unwrap()); // the second asks for a batch: spares kept
+    }
+    stop(pid);
     let r = h.stats();
     kill(pid, Signal::SIGCONT).unwrap();
-    assert!(
-        matches!(&r, Err(Error::Io(e)) if e.kind() == std::io::ErrorKind::TimedOut),
-        "{r:?}"
-    );
+    assert!(timed_out(&r), "{r:?}");
     std::thread::sleep(Duration::from_millis(200)); // the late answer is there by now
     for _ in 0..2 {
         let r = h.stats();
         assert!(matches!(r, Err(Error::Disconnected)), "{r:?}");
     }
+    let r = h.alloc(4096);
+    assert!(matches!(r, Err(Error::Disconnected)), "{:?}", r.map(|_| ()));
+    // A batch on the socket that times out: no later call goes through the lane.
+    let h = connect();
+    let mut a = h.alloc(4096).unwrap();
+    stop(pid);
+    let r = h.publish_many(&mut [("t/k", &mut a)]);
+    kill(pid, Signal::SIGCONT).unwrap();
+    assert!(timed_out(&r), "{r:?}");
+    std::thread::sleep(Duration::from_millis(200));
+    let r = h.stats();
+    assert!(matches!(r, Err(Error::Disconnected)), "{r:?}");
     // A new connection is served.
     d.handler().stats().unwrap();
 }

@@ -376,7 +376,10 @@ impl Conn {
         let mut cursor = match self.listing.take() {
             Some(c) if c.continues(&ns, after.as_deref()) => c,
             _ => {
-                let (_, children, entries) = self.shared.store.list(&self.caller, &ns)?;
+                let (_, children, entries, _) =
+                    self.shared
+                        .store
+                        .list(&self.caller, &ns, None, usize::MAX)?;
                 let children = children
                     .into_iter()
                     .map(|c| match c.ns.rsplit_once('/') {

@@ -599,12 +599,17 @@ impl Store {
         Ok(out)
     }
 
-    /// Lists a namespace: itself (not the root), its children, its entries.
+    /// Lists a namespace: itself (not the root), its children and its entries whose names come
+    /// after `after` (all when None), the first `max` of them in name order (each list sorted
+    /// by name); and whether names remain after those. A page costs one pass over the
+    /// namespace's names under the lock, and the sort of its own (not of the namespace).
     pub fn list(
         &self,
         c: &Caller,
         ns: &str,
-    ) -> Result<(Option<NsInfo>, Vec<NsInfo>, Vec<Located>)> {
+        after: Option<&str>,
+        max: usize,
+    ) -> Result<(Option<NsInfo>, Vec<NsInfo>, Vec<Located>, bool)> {
         if !ns.is_empty() {
             split_ns(ns)?;
         }
@@ -617,24 +622,39 @@ impl Store {
                 .is_ok_and(|n| n.writing.keys().any(|k| publication_imminent(st, ns, k)))
         });
         let n = st.ns.get(ns)?;
-        let mut children: Vec<NsInfo> = n
-            .children
-            .keys()
-            .filter_map(|name| st.ns.info(&join(ns, name)))
-            .collect();
-        children.sort_by(|a, b| a.ns.cmp(&b.ns));
         // Fenced off, the shared pool's entries are not this host's to show (as a lookup
         // misses them).
         let fenced = self.authority.fenced();
-        let mut entries: Vec<Located> = n
-            .entries
-            .values()
-            .filter(|&&ino| !st.fenced_off(fenced, ino))
-            .map(|ino| st.entries[ino].located(false))
+        let later = |name: &str| after.is_none_or(|a| name > a);
+        // The names after `after` (None: a child; no name is both), the first `max` of them.
+        let mut names: Vec<(&str, Option<u64>)> = n
+            .children
+            .keys()
+            .filter(|name| later(name))
+            .map(|name| (name.as_str(), None))
+            .chain(
+                n.entries
+                    .iter()
+                    .filter(|(name, ino)| later(name) && !st.fenced_off(fenced, **ino))
+                    .map(|(name, &ino)| (name.as_str(), Some(ino))),
+            )
             .collect();
-        entries.sort_by(|a, b| a.key.cmp(&b.key));
+        let more = names.len() > max;
+        if more {
+            names.select_nth_unstable(max);
+            names.truncate(max);
+        }
+        names.sort_unstable();
+        let mut children = Vec::new();
+        let mut entries = Vec::new();
+        for (name, ino) in names {
+            match ino {
+                Some(ino) => entries.push(st.entries[&ino].located(false)),
+                None => children.extend(st.ns.info(&join(ns, name))),
+            }
+        }
         let me = (!ns.is_empty()).then(|| st.ns.info(ns)).flatten();
-        Ok((me, children, entries))
+        Ok((me, children, entries, more))
     }
 
     /// The pools' descriptions; `huge`: [`shmem_huge_bytes`], read before the lock is taken.

@@ -243,8 +243,8 @@ impl Inner {
             out[i] = Some(m);
         }
         self.report_if_due()?;
-        // Asked in pieces, all sent at once: marud answers each as soon as it is handled,
-        // so this thread maps one piece while marud looks up the next.
+        // Asked in pieces, a few in flight: marud answers each as soon as it is handled, so
+        // this thread maps one piece while marud looks up the next.
         let piece = if miss.len() > 2 * PIPELINE_PIECE {
             PIPELINE_PIECE
         } else {
@@ -273,7 +273,9 @@ impl Inner {
             let Some((id, chunk)) = sent.pop_front() else {
                 break;
             };
-            let (items, fds) = match self.wait_retrieved(id)? {
+            // A reply that cannot be read leaves the connection out of step: closed.
+            let reply = self.wait_retrieved(id).map_err(|e| self.out_of_step(e))?;
+            let (items, fds) = match reply {
                 Ok(r) => r,
                 Err(e) => {
                     failed.get_or_insert(e);
@@ -281,7 +283,8 @@ impl Inner {
                 }
             };
             if items.len() != chunk.len() {
-                return Err(Error::Protocol("retrieve reply of the wrong length".into()));
+                let e = Error::Protocol("retrieve reply of the wrong length".into());
+                return Err(self.out_of_step(e));
             }
             let mut fds = fds.into_iter();
             for (&i, item) in chunk.iter().zip(items) {

@@ -290,6 +290,7 @@ impl Handler {
             lane: None,
             lane_wait: None,
             alive_at: 0,
+            closed: false,
         };
         let name = inner.cfg.client_name.clone();
         let (body, _) = inner.call(Op::Hello {
@@ -472,52 +473,59 @@ impl Handler {
         }
         let mut g = self.inner.lock();
         // The requests of the items that are valid, until one cannot be sent; at most
-        // `WINDOW` unanswered (the oldest answer is read before another is sent), so that
-        // neither side fills its socket with the other blocked writing too.
-        let valid: Vec<bool> = ops.iter().map(Result::is_ok).collect();
-        let mut outcomes: Vec<Result<()>> = Vec::with_capacity(ops.len());
+        // `WINDOW` unanswered (then half of them are read before more are sent), so that
+        // neither side fills its socket with the other blocked writing too. Each valid handle,
+        // sent or not, is let go of once its request is on its way (as it would be once
+        // published or refused), before anyone can remove what it publishes.
+        let mut answers: Vec<Result<()>> = Vec::with_capacity(ops.len());
+        let mut let_go: Vec<Result<()>> = Vec::with_capacity(ops.len());
         let mut in_flight = std::collections::VecDeque::new();
         let mut failed = None;
-        for op in ops {
+        for (op, (_, h, keep)) in ops.into_iter().zip(items.iter_mut()) {
             let op = match op {
-                Ok(op) if failed.is_none() => op,
-                // Not sent after a failed send: the batch fails as a whole below.
-                Ok(_) => {
-                    outcomes.push(Err(Error::Protocol("not sent".into())));
-                    continue;
-                }
+                Ok(op) => op,
                 Err(e) => {
-                    outcomes.push(Err(e));
+                    answers.push(Err(e));
+                    let_go.push(Ok(()));
                     continue;
                 }
             };
-            if in_flight.len() >= state::WINDOW {
-                let (at, id) = in_flight.pop_front().expect("in flight");
-                outcomes[at] = g.wait(id).map(drop);
+            if failed.is_none() && in_flight.len() >= state::WINDOW {
+                while in_flight.len() > state::WINDOW / 2 {
+                    let (at, id) = in_flight.pop_front().expect("in flight");
+                    match g.wait_answer(id) {
+                        Ok(a) => answers[at] = a.map(drop),
+                        Err(e) => {
+                            failed = Some(e);
+                            break;
+                        }
+                    }
+                }
             }
-            outcomes.push(Ok(()));
-            match g.send(op, &[]) {
-                Ok(id) => in_flight.push_back((outcomes.len() - 1, id)),
-                Err(e) => failed = Some(e),
+            // Not sent after the connection failed: the batch fails as a whole below.
+            let sent = match failed {
+                None => g.send(op, &[]),
+                Some(_) => Err(Error::Protocol("not sent".into())),
+            };
+            match sent {
+                Ok(id) => in_flight.push_back((answers.len(), id)),
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
             }
+            answers.push(Ok(()));
+            let_go.push(h.let_go(*keep));
         }
-        // While marud publishes the last ones; every valid handle, sent or not, is let go
-        // of, as it would be once published or refused.
-        let let_go: Vec<Result<()>> = items
-            .iter_mut()
-            .zip(&valid)
-            .map(|((_, h, keep), &v)| if v { h.let_go(*keep) } else { Ok(()) })
-            .collect();
         if let Some(e) = failed {
             return Err(e);
         }
         for (at, id) in in_flight {
-            outcomes[at] = g.wait(id).map(drop);
+            answers[at] = g.wait_answer(id)?.map(drop);
         }
-        Ok(outcomes
+        Ok(answers
             .into_iter()
             .zip(let_go)
-            .map(|(o, l)| o.and(l))
+            .map(|(a, l)| a.and(l))
             .collect())
     }
 

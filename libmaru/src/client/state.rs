@@ -247,6 +247,8 @@ pub(super) struct Inner {
     pub(super) lane_wait: Option<u64>,
     /// When marud was last seen alive ([`Inner::check_alive`]; coarse monotonic ns).
     pub(super) alive_at: u64,
+    /// The connection was shut down here ([`Inner::close`]): every call fails.
+    pub(super) closed: bool,
 }
 
 /// How long answers from the shared index may rest on the last sight of marud alive: a
@@ -279,6 +281,9 @@ pub(super) fn unexpected(b: &Body) -> Error {
 
 impl Inner {
     pub(super) fn send(&mut self, op: Op, fds: &[std::os::fd::BorrowedFd<'_>]) -> Result<u64> {
+        if self.closed {
+            return Err(Error::Disconnected);
+        }
         let id = self.next_id;
         self.next_id += 1;
         let frame = proto::encode(&Request { id, op });
@@ -291,6 +296,9 @@ impl Inner {
     /// requests in the order it sees them, and the lane and the socket are two queues) and
     /// it fits; on the socket otherwise.
     pub(super) fn send_alone(&mut self, op: Op) -> Result<u64> {
+        if self.closed {
+            return Err(Error::Disconnected);
+        }
         let Some(lane) = self.lane.as_ref().filter(|_| self.pending.is_empty()) else {
             return self.send(op, &[]);
         };
@@ -431,7 +439,13 @@ impl Inner {
             l.client_asleep(false, id);
             return Ok(true);
         }
-        let r = self.reader.read_from(self.sock.as_fd());
+        // A signal ends the wait early (a socket with a timeout is not restarted): waited again.
+        let r = loop {
+            match self.reader.read_from(self.sock.as_fd()) {
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                r => break r,
+            }
+        };
         if let (Some(id), Some(l)) = (lane, &self.lane) {
             l.client_asleep(false, id);
         }
@@ -443,26 +457,39 @@ impl Inner {
     /// its own): the connection is shut down, so that every later call fails with
     /// [`Error::Disconnected`] rather than out of step, and marud ends the session (its
     /// leases and grants with it).
-    fn failed(&self, e: std::io::Error) -> Error {
+    fn failed(&mut self, e: std::io::Error) -> Error {
         use std::io::ErrorKind::{TimedOut, WouldBlock};
         if !matches!(e.kind(), WouldBlock | TimedOut) {
             return io_err(e);
         }
-        let _ = self.sock.shutdown(std::net::Shutdown::Both);
-        Error::Io(std::io::Error::new(
-            TimedOut,
-            format!(
+        self.close();
+        Error::Os {
+            errno: libc::ETIMEDOUT,
+            message: format!(
                 "marud did not answer within {:?}: the connection is closed",
                 self.cfg.timeout
             ),
-        ))
+        }
     }
 
-    /// A reply that is not the one waited for: the connection is out of step, and shut down
-    /// ([`Self::failed`]).
-    fn out_of_step(&self, e: Error) -> Error {
-        let _ = self.sock.shutdown(std::net::Shutdown::Both);
+    /// A reply that is not the one waited for, or one that cannot be read: the connection
+    /// is out of step, and shut down ([`Self::close`]).
+    pub(super) fn out_of_step(&mut self, e: Error) -> Error {
+        self.close();
         e
+    }
+
+    /// Shuts the connection down for good: marud ends the session, and with it the grants
+    /// of the spares kept here (forgotten, never handed out after), the lane (no call goes
+    /// there, where a marud that resumes would serve it before the socket's) and the leases
+    /// (the index's answers are refused: [`Self::check_alive`]).
+    fn close(&mut self) {
+        let _ = self.sock.shutdown(std::net::Shutdown::Both);
+        self.closed = true;
+        self.lane = None;
+        self.lane_wait = None;
+        self.spares.clear();
+        self.refilling.clear();
     }
 
     /// [`wait`](Self::wait) for the reply to a `Retrieve`: its items and descriptors, or the
@@ -504,11 +531,17 @@ impl Inner {
     }
 
     pub(super) fn wait(&mut self, id: u64) -> Result<(Body, Vec<OwnedFd>)> {
+        self.wait_answer(id)?
+    }
+
+    /// [`wait`](Self::wait), marud's answer (inside) apart from what went wrong with the
+    /// connection (outside).
+    pub(super) fn wait_answer(&mut self, id: u64) -> Result<Result<(Body, Vec<OwnedFd>)>> {
         loop {
             if let Some((resp, fds)) = self.recv_one()? {
                 self.answered(resp.id);
                 let outcome = Self::outcome(id, resp).map_err(|e| self.out_of_step(e))?;
-                return Ok((outcome?, fds));
+                return Ok(outcome.map(|b| (b, fds)));
             }
         }
     }
@@ -555,6 +588,9 @@ impl Inner {
     /// per [`ALIVE_FOR_NS`] at most.
     pub(super) fn check_alive(&mut self) -> Result<()> {
         use std::os::fd::AsRawFd;
+        if self.closed {
+            return Err(Error::Disconnected);
+        }
         let now = coarse_ns();
         if now.saturating_sub(self.alive_at) < ALIVE_FOR_NS {
             return Ok(());
