@@ -126,6 +126,10 @@ pub trait RemoteView: Send + Sync {
     fn info(&self) -> maru::proto::RemoteInfo;
 }
 
+/// A page of a namespace's listing ([`Store::list`]): the namespace (not the root), its
+/// children, its entries, and whether names remain after them.
+pub type NsListing = (Option<NsInfo>, Vec<NsInfo>, Vec<Located>, bool);
+
 /// The store.
 pub struct Store {
     cfg: StoreConfig,
@@ -603,13 +607,7 @@ impl Store {
     /// after `after` (all when None), the first `max` of them in name order (each list sorted
     /// by name); and whether names remain after those. A page costs one pass over the
     /// namespace's names under the lock, and the sort of its own (not of the namespace).
-    pub fn list(
-        &self,
-        c: &Caller,
-        ns: &str,
-        after: Option<&str>,
-        max: usize,
-    ) -> Result<(Option<NsInfo>, Vec<NsInfo>, Vec<Located>, bool)> {
+    pub fn list(&self, c: &Caller, ns: &str, after: Option<&str>, max: usize) -> Result<NsListing> {
         if !ns.is_empty() {
             split_ns(ns)?;
         }
