@@ -27,25 +27,35 @@ fn on<T: Send + 'static>(
     rt.block_on(rt.spawn(f)).expect("the host task panicked")
 }
 
+/// `n` hosts, each in a network namespace of its own, and etcd in the hub; a runtime for each
+/// host (its sockets in its namespace). None when namespaces or etcd cannot be had.
+fn hosts(n: usize) -> Option<(Net, Etcd, Vec<tokio::runtime::Runtime>)> {
+    let net = Net::new(n)?;
+    let etcd = Etcd::start_at(Some(&net.hub), &net.hub_ip(), 2379, 2380)?;
+    let rts = (0..n).map(|i| net.runtime(i)).collect();
+    Some((net, etcd, rts))
+}
+
+/// Joins host `i` as `name`, on its runtime `rt`.
+fn join(rt: &tokio::runtime::Runtime, eps: &[String], i: usize, name: &str) -> Member {
+    let (eps, name) = (eps.to_vec(), name.to_owned());
+    on(rt, async move {
+        let info = NodeInfo {
+            node: name,
+            address: format!("host {i}"),
+            pid: std::process::id(),
+        };
+        Member::join(&eps, POOL, info, TTL).await.expect("join")
+    })
+}
+
 #[test]
 fn a_host_cut_off_loses_its_claims_and_owns_nothing_twice_after() {
-    let Some(net) = Net::new(3) else { return };
-    let Some(etcd) = Etcd::start_at(Some(&net.hub), &net.hub_ip(), 2379, 2380) else {
+    let Some((net, etcd, rts)) = hosts(3) else {
         return;
     };
     let eps = etcd.endpoints();
-    let rts: Vec<_> = (0..3).map(|i| net.runtime(i)).collect();
-    let join = |i: usize, name: &str| {
-        let (eps, name) = (eps.clone(), name.to_owned());
-        on(&rts[i], async move {
-            let info = NodeInfo {
-                node: name,
-                address: format!("host {i}"),
-                pid: std::process::id(),
-            };
-            Member::join(&eps, POOL, info, TTL).await.expect("join")
-        })
-    };
+    let join = |i: usize, name: &str| join(&rts[i], &eps, i, name);
     let a = std::sync::Arc::new(tokio::sync::Mutex::new(join(0, "a")));
     let b = std::sync::Arc::new(join(1, "b"));
     let c = std::sync::Arc::new(join(2, "c"));
@@ -146,23 +156,11 @@ fn a_host_cut_off_loses_its_claims_and_owns_nothing_twice_after() {
 /// host is cut off: the other hosts see its beats stop and end it themselves.
 #[test]
 fn a_host_cut_off_whose_lease_etcd_keeps_is_ended_by_the_others() {
-    let Some(net) = Net::new(2) else { return };
-    let Some(etcd) = Etcd::start_at(Some(&net.hub), &net.hub_ip(), 2379, 2380) else {
+    let Some((net, etcd, rts)) = hosts(2) else {
         return;
     };
     let eps = etcd.endpoints();
-    let rts: Vec<_> = (0..2).map(|i| net.runtime(i)).collect();
-    let join = |i: usize, name: &str| {
-        let (eps, name) = (eps.clone(), name.to_owned());
-        on(&rts[i], async move {
-            let info = NodeInfo {
-                node: name,
-                address: format!("host {i}"),
-                pid: std::process::id(),
-            };
-            Member::join(&eps, POOL, info, TTL).await.expect("join")
-        })
-    };
+    let join = |i: usize, name: &str| join(&rts[i], &eps, i, name);
     let a = std::sync::Arc::new(tokio::sync::Mutex::new(join(0, "a")));
     let b = std::sync::Arc::new(join(1, "b"));
     let a2 = a.clone();

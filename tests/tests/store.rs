@@ -116,6 +116,21 @@ fn bad_names_are_refused() {
 }
 
 /// `alloc_many`: allocations of any size in one exchange, published together; all or none.
+/// Publishes `handles` under `paths` in one batch; each must succeed.
+fn publish_all(h: &maru::Handler, paths: &[String], handles: &mut [maru::AllocHandle]) {
+    let mut items: Vec<(&str, &mut maru::AllocHandle)> = paths
+        .iter()
+        .map(String::as_str)
+        .zip(handles.iter_mut())
+        .collect();
+    assert!(
+        h.publish_many(&mut items)
+            .unwrap()
+            .iter()
+            .all(Result::is_ok)
+    );
+}
+
 fn alloc_many(d: &Daemon) {
     let h = d.handler();
     h.mkdir("b", 0o755).unwrap();
@@ -135,17 +150,7 @@ fn alloc_many(d: &Daemon) {
             .copy_from_slice(&pattern(200 + i as u64, size as usize));
     }
     let paths: Vec<String> = (0..5).map(|i| format!("b/k{i}")).collect();
-    let mut items: Vec<(&str, &mut maru::AllocHandle)> = paths
-        .iter()
-        .map(String::as_str)
-        .zip(got.iter_mut())
-        .collect();
-    assert!(
-        h.publish_many(&mut items)
-            .unwrap()
-            .iter()
-            .all(Result::is_ok)
-    );
+    publish_all(&h, &paths, &mut got);
     for (i, p) in paths.iter().enumerate() {
         let m = h.retrieve(p).unwrap().unwrap();
         assert_eq!(m.as_slice(), &pattern(200 + i as u64, size as usize)[..]);
@@ -826,17 +831,7 @@ fn a_listing_larger_than_a_frame_comes_whole() {
             .map(|i| format!("k{:05}-{pad}", round * maru::proto::MAX_BATCH + i))
             .collect();
         let paths: Vec<String> = batch.iter().map(|n| format!("big/{n}")).collect();
-        let mut items: Vec<(&str, &mut maru::AllocHandle)> = paths
-            .iter()
-            .map(String::as_str)
-            .zip(got.iter_mut())
-            .collect();
-        assert!(
-            h.publish_many(&mut items)
-                .unwrap()
-                .iter()
-                .all(Result::is_ok)
-        );
+        publish_all(&h, &paths, &mut got);
         names.extend(batch);
     }
     let (me, listed_children, entries) = h.list("big").unwrap();
