@@ -62,6 +62,25 @@ impl Keys {
     pub(crate) fn beat(&self, node: &str) -> String {
         format!("{}beats/{node}", self.root)
     }
+    /// The keys a renewal writes: the beat, and the tick ([`crate::lease::beat`]).
+    pub(crate) fn beat_keys(&self, node: &str) -> crate::lease::BeatKeys {
+        crate::lease::BeatKeys {
+            beat: self.beat(node),
+            tick: self.tick(node),
+        }
+    }
+    /// A host's tick: sorts just before the entries (`.` before `/`), so that the entry
+    /// watch ([`Keys::entry_watch`]) carries it, in revision order with them.
+    pub(crate) fn tick(&self, node: &str) -> String {
+        format!("{}{node}", self.ticks())
+    }
+    pub(crate) fn ticks(&self) -> String {
+        format!("{}entries.tick/", self.root)
+    }
+    /// The prefix the entry watch follows: the entries and the ticks, nothing else.
+    pub(crate) fn entry_watch(&self) -> String {
+        format!("{}entries", self.root)
+    }
     pub(crate) fn beats(&self) -> String {
         format!("{}beats/", self.root)
     }

@@ -21,6 +21,21 @@ pub(crate) fn validity_guard(ttl: i64) -> u64 {
     ttl as u64 * 1_000_000_000 / 3
 }
 
+/// Until when a lease renewed (or granted) for `granted` seconds at `sent` is sure to be
+/// alive, less the guard ([`validity_guard`]).
+pub(crate) fn valid_until(sent: u64, granted: i64, ttl: i64) -> u64 {
+    (sent + granted.max(0) as u64 * 1_000_000_000).saturating_sub(validity_guard(ttl))
+}
+
+/// The keys a renewal writes ([`beat`]).
+#[derive(Debug, Clone)]
+pub(crate) struct BeatKeys {
+    /// `beats/<node>`, which the other hosts follow.
+    pub(crate) beat: String,
+    /// `entries.tick/<node>`, which this host's entry watch carries back.
+    pub(crate) tick: String,
+}
+
 /// Writes this host's beat (`beats/<node>`: what etcd granted, in seconds), only while the
 /// key is this lease's, and tells whether that was done in raft term `term`: the renewal's
 /// proof, and what lets the other hosts see the renewals ([`crate::detector`]). A write
@@ -34,21 +49,32 @@ pub(crate) fn validity_guard(ttl: i64) -> u64 {
 /// expire. A write is committed by a quorum, and a term has one leader: the same term in
 /// both answers means the renewal reached the leader the quorum follows.
 ///
+/// The same transaction writes the host's *tick* (`entries.tick/<node>`: `until`, the
+/// validity the renewal earns), which its own entry watch carries back to it: the host
+/// counts that validity only once the tick has come back, so a host whose view of the
+/// entries lags (its watch stuck on a member cut off from the others) is fenced off as a
+/// host whose lease is in doubt is ([`Tick`](crate::EntryEvent::Tick)).
+///
 /// `Some(false)`: answered in that term, but the key is not this lease's (the lease is gone,
 /// or another host found the beats stopped and deleted it); `None`: not answered in it.
 pub(crate) async fn beat(
     member: &Client,
-    key: &str,
+    keys: &BeatKeys,
     lease: i64,
-    granted: i64,
+    (granted, until): (i64, u64),
     term: u64,
 ) -> Option<bool> {
     // etcd answers a renewal of a lease it does not hold with a TTL of 0: nothing is written
     // then (a linearizable read, in a transaction of no operation, still tells the term).
-    let write = (granted > 0).then(|| Op::put(key, granted.to_string(), lease));
+    let write = (granted > 0).then(|| {
+        [
+            Op::put(keys.beat.clone(), granted.to_string(), lease),
+            Op::put(keys.tick.clone(), until.to_string(), lease),
+        ]
+    });
     let txn = Txn::new()
-        .when([Compare::lease_is(key, lease)])
-        .and_then(write);
+        .when([Compare::lease_is(keys.beat.clone(), lease)])
+        .and_then(write.into_iter().flatten());
     let r = member.txn(txn).await.ok()?;
     (term != 0 && r.raft_term() == term).then(|| r.succeeded())
 }
@@ -76,11 +102,11 @@ pub(crate) fn period(ttl: i64) -> Duration {
 
 /// Renews lease `lease` (of `ttl` seconds) once through `member`, on `stream` (opened first
 /// if it is None; left None after a failure, for a new one next time), and writes the beat
-/// `beat_key` that proves it ([`beat`]).
+/// and tick `keys` that prove it ([`beat`]).
 pub(crate) async fn renew(
     member: &Client,
     stream: &mut Option<LeaseKeeper>,
-    (lease, beat_key): (i64, &str),
+    (lease, keys): (i64, &BeatKeys),
     ttl: i64,
 ) -> Renewal {
     let sent = boottime_ns();
@@ -89,18 +115,21 @@ pub(crate) async fn renew(
             *stream = member.lease_keep_alive(lease).await.ok();
         }
         let (granted, term) = stream.as_mut()?.renew().await.ok()?;
-        Some((granted, beat(member, beat_key, lease, granted, term).await?))
+        let until = valid_until(sent, granted, ttl);
+        Some((
+            granted,
+            until,
+            beat(member, keys, lease, (granted, until), term).await?,
+        ))
     };
     match tokio::time::timeout(period(ttl), attempt).await {
-        Ok(Some((granted, true))) if granted > 0 => {
-            Renewal::Until(sent + granted as u64 * 1_000_000_000 - validity_guard(ttl))
-        }
+        Ok(Some((granted, until, true))) if granted > 0 => Renewal::Until(until),
         // No TTL, yet the beat is still the lease's: not an answer to count on.
-        Ok(Some((_, true))) => {
+        Ok(Some((_, _, true))) => {
             *stream = None;
             Renewal::Failed
         }
-        Ok(Some((_, false))) => Renewal::Gone,
+        Ok(Some((_, _, false))) => Renewal::Gone,
         _ => {
             *stream = None;
             Renewal::Failed
@@ -117,7 +146,7 @@ pub(crate) async fn renew(
 /// next, so that one member without a leader does not cost the lease.
 pub(crate) async fn keep_alive(
     members: Vec<Client>,
-    (lease, beat_key): (i64, String),
+    (lease, keys): (i64, BeatKeys),
     ttl: i64,
     (live, valid): (Arc<AtomicBool>, Arc<AtomicU64>),
     node: String,
@@ -130,7 +159,7 @@ pub(crate) async fn keep_alive(
         live.store(false, Ordering::Release);
     };
     loop {
-        match renew(&members[at], &mut stream, (lease, &beat_key), ttl).await {
+        match renew(&members[at], &mut stream, (lease, &keys), ttl).await {
             Renewal::Until(until) => {
                 valid.fetch_max(until, Ordering::AcqRel);
                 last_ok = tokio::time::Instant::now();

@@ -11,7 +11,7 @@ use tokio::task::JoinHandle;
 use crate::error::{Error, Result};
 use crate::etcd::{self, Client, Compare, Op, Range, Txn, TxnResponse};
 use crate::keys::*;
-use crate::lease::{Renewal, boottime_ns, keep_alive, renew, validity_guard};
+use crate::lease::{Renewal, boottime_ns, keep_alive, renew, valid_until};
 use crate::records::*;
 use crate::watch::*;
 
@@ -110,11 +110,14 @@ impl Member {
         let lease = c.lease_grant(ttl).await?;
         let key = keys.node(&info.node);
         let value = serde_json::to_vec(info).expect("serializable");
-        // The first beat, with the node record: the TTL the validity below counts.
-        let beat = keys.beat(&info.node);
+        // The first beat and tick, with the node record: the TTL the validity below counts
+        // (etcd counts it from when it granted the lease, after it was asked).
+        let beat = keys.beat_keys(&info.node);
+        let until = valid_until(sent, ttl, ttl);
         let txn = Txn::new().when([Compare::absent(key.clone())]).and_then([
             Op::put(key, value, lease),
-            Op::put(beat.clone(), ttl.to_string(), lease),
+            Op::put(beat.beat.clone(), ttl.to_string(), lease),
+            Op::put(beat.tick.clone(), until.to_string(), lease),
         ]);
         let r = c.txn(txn).await?;
         if !r.succeeded() {
@@ -122,11 +125,7 @@ impl Member {
             return Err(Error::NodeTaken(info.node.clone()));
         }
         let epoch = r.revision();
-        // etcd counts the TTL from when it granted the lease, after it was asked.
-        valid.store(
-            sent + ttl as u64 * 1_000_000_000 - validity_guard(ttl),
-            Ordering::Release,
-        );
+        valid.store(until, Ordering::Release);
         let live = Arc::new(AtomicBool::new(true));
         let keeper = tokio::spawn(keep_alive(
             renewers.to_vec(),
@@ -141,6 +140,11 @@ impl Member {
     /// This node's name.
     pub fn node(&self) -> &str {
         &self.info.node
+    }
+
+    /// The lease's TTL.
+    pub fn ttl(&self) -> Duration {
+        Duration::from_secs(self.ttl as u64)
     }
 
     /// This host's etcd lease id.
@@ -182,7 +186,7 @@ impl Member {
             if self.fence_publications().await.is_ok() {
                 self.keeper = tokio::spawn(keep_alive(
                     self.renewers.clone(),
-                    (self.lease, self.keys.beat(&self.info.node)),
+                    (self.lease, self.keys.beat_keys(&self.info.node)),
                     self.ttl,
                     (self.live.clone(), self.valid.clone()),
                     self.info.node.clone(),
@@ -217,7 +221,7 @@ impl Member {
     /// of the TTL each) until one answers: until when the lease is then sure to be alive, if
     /// etcd renewed it; [`Renewal::Failed`] if none answered.
     async fn renew_lost(&self) -> Renewal {
-        let beat = self.keys.beat(&self.info.node);
+        let beat = self.keys.beat_keys(&self.info.node);
         for m in &self.renewers {
             match renew(m, &mut None, (self.lease, &beat), self.ttl).await {
                 Renewal::Failed => {}
@@ -276,31 +280,38 @@ impl Member {
     ///
     /// [`Error::LeaseLost`] when this host's lease is gone; [`Error::Misaligned`] for a
     /// range that is not whole units.
-    pub async fn claim(&self, offset: u64, len: u64) -> Result<bool> {
+    ///
+    /// Claimed, the revision of the (last) claim: the entries another host published in
+    /// the range before it lost its claim all precede it. The claim also writes this
+    /// host's tick ([`EntryEvent::Tick`]), so the caller can wait for its entry watch to
+    /// have carried everything up to it before it carves the range.
+    pub async fn claim(&self, offset: u64, len: u64) -> Result<Option<i64>> {
         self.claim_range(offset, len, true).await
     }
 
     /// Claims again units that hold this host's own entries (after a restart, or a rejoin):
     /// as [`Member::claim`], but other hosts' mappings of those entries do not stand in the way.
     pub async fn claim_again(&self, offset: u64, len: u64) -> Result<bool> {
-        self.claim_range(offset, len, false).await
+        Ok(self.claim_range(offset, len, false).await?.is_some())
     }
 
-    async fn claim_range(&self, offset: u64, len: u64, fresh: bool) -> Result<bool> {
+    async fn claim_range(&self, offset: u64, len: u64, fresh: bool) -> Result<Option<i64>> {
         let units = units(offset, len)?;
         let mut done = 0;
+        let mut revision = 0;
         for piece in units.chunks(UNITS_PER_TXN) {
-            if !self.claim_units(piece, fresh).await? {
+            let Some(r) = self.claim_units(piece, fresh).await? else {
                 // Another host holds a unit: give back what this call took, claim nothing.
                 self.release_units(&units[..done]).await?;
-                return Ok(false);
-            }
+                return Ok(None);
+            };
+            revision = r;
             done += piece.len();
         }
-        Ok(true)
+        Ok(Some(revision))
     }
 
-    async fn claim_units(&self, units: &[u64], fresh: bool) -> Result<bool> {
+    async fn claim_units(&self, units: &[u64], fresh: bool) -> Result<Option<i64>> {
         // As a publication: a claim whose answer was lost cannot land after a fence
         // (`fence_publications`), so a claim given back after it cannot come back.
         let (current, epoch) = self.publish_cmp();
@@ -319,25 +330,33 @@ impl Member {
                 self.keys.tombstones_from(last + 1),
             ));
         }
-        let mut then = Vec::with_capacity(units.len());
+        let mut then = Vec::with_capacity(units.len() + 1);
         for &u in units {
             let key = self.keys.region(u);
             when.push(Compare::absent(key.clone()));
             then.push(Op::put(key, self.info.node.clone(), self.lease));
         }
+        // The tick tells no more than the renewals' do of the lease (the claim renews
+        // nothing): the view's validity alone moves on with it.
+        let until = valid_until(boottime_ns(), self.ttl, self.ttl);
+        then.push(Op::put(
+            self.keys.tick(&self.info.node),
+            until.to_string(),
+            self.lease,
+        ));
         let txn = Txn::new()
             .when(when)
             .and_then(then)
             .or_else([Op::get(self.keys.node(&self.info.node), Range::KEY)]);
         let r = self.client.txn(txn).await?;
         if r.succeeded() {
-            return Ok(true);
+            return Ok(Some(r.revision()));
         }
         if self.epoch_moved(&r, epoch) {
             return Box::pin(self.claim_units(units, fresh)).await;
         }
         self.check_alive(&r)?;
-        Ok(false)
+        Ok(None)
     }
 
     /// Gives `[offset, offset + len)` back: the units this host holds in it (others' stay).
@@ -705,6 +724,7 @@ impl Member {
     /// Every entry, and the removals not yet acknowledged by every live host, read at one
     /// revision.
     pub async fn snapshot(&self) -> Result<Snapshot> {
+        let sent = boottime_ns();
         let read = Txn::new().and_then([
             Op::get(self.keys.entries(), Range::PREFIX),
             Op::get(self.keys.tombstones(), Range::KEYS_UNDER),
@@ -720,6 +740,7 @@ impl Member {
             entries: Vec::with_capacity(entries.kvs.len()),
             revision: r.revision(),
             removals: Default::default(),
+            fresh_until: valid_until(sent, self.ttl, self.ttl),
         };
         for kv in &entries.kvs {
             let (ns, name) = self.keys.split_entry(kv.key.as_slice())?;
@@ -909,12 +930,12 @@ impl Member {
         })
     }
 
-    /// Streams every change to the entries from `revision` on (inclusive); a removal carries
-    /// the record removed.
+    /// Streams every change to the entries from `revision` on (inclusive), and every host's
+    /// ticks among them; a removal carries the record removed.
     pub async fn watch_entries(&self, revision: i64) -> Result<EntryWatch> {
         let stream = self
             .client
-            .watch(self.keys.entries(), Range::PREFIX, revision, true)
+            .watch(self.keys.entry_watch(), Range::PREFIX, revision, true)
             .await?;
         Ok(EntryWatch {
             stream,

@@ -56,6 +56,9 @@ pub struct Snapshot {
     /// of the newest removal of the extent at each offset. A removal of an extent not here
     /// was acknowledged by every host live when its tombstone went.
     pub removals: std::collections::HashMap<u64, i64>,
+    /// The validity a view of the entries as fresh as this read earns, as a tick does
+    /// ([`EntryEvent::Tick`]): the moment it was asked, plus the TTL, less the guard.
+    pub fresh_until: u64,
 }
 
 impl Snapshot {
@@ -102,6 +105,15 @@ pub enum EntryEvent {
         created: i64,
         /// The record removed (None if etcd no longer had it to tell).
         record: Option<EntryRecord>,
+    },
+    /// Host `node` wrote its tick, at `revision`, with each renewal of its lease and each
+    /// claim: `until` is then the validity its lease earned ([`crate::boottime_ns`] of
+    /// that host, so only that host can tell it). A host that sees its own tick has seen
+    /// every change to the entries made before it wrote it.
+    Tick {
+        node: String,
+        until: u64,
+        revision: i64,
     },
 }
 

@@ -22,6 +22,14 @@ async fn next_events(stream: &mut WatchStream) -> Result<Option<Vec<etcd::Event>
     }
 }
 
+/// A tick's value: the validity, in nanoseconds.
+fn decode_until(key: &[u8], value: &[u8]) -> Result<u64> {
+    std::str::from_utf8(value)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| bad(key, "a tick that is not a number".into()))
+}
+
 /// Changes to the acknowledgements, from [`Member::watch_acks`].
 pub struct AckWatch {
     pub(crate) stream: WatchStream,
@@ -167,6 +175,17 @@ impl EntryWatch {
             };
             for ev in events {
                 let Some(kv) = ev.kv.as_ref() else { continue };
+                if let Some(node) = kv.key.strip_prefix(self.keys.ticks().as_bytes()) {
+                    // A tick's deletion (its lease ended) tells nothing.
+                    if ev.r#type() == EventType::Put {
+                        self.queued.push_back(EntryEvent::Tick {
+                            node: String::from_utf8_lossy(node).into_owned(),
+                            until: decode_until(kv.key.as_slice(), kv.value.as_slice())?,
+                            revision: kv.mod_revision,
+                        });
+                    }
+                    continue;
+                }
                 let (ns, name) = self.keys.split_entry(kv.key.as_slice())?;
                 self.queued.push_back(match ev.r#type() {
                     EventType::Put => EntryEvent::Put {

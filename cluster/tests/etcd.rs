@@ -71,8 +71,13 @@ async fn two_hosts_publishing_one_key_at_once_one_wins() {
     let Some(etcd) = Etcd::start() else { return };
     let a = member(&etcd, "a", 10).await;
     let b = member(&etcd, "b", 10).await;
-    assert!(a.claim(0, 40 * UNIT).await.expect("claim"));
-    assert!(b.claim(100 * UNIT, 40 * UNIT).await.expect("claim"));
+    assert!(a.claim(0, 40 * UNIT).await.expect("claim").is_some());
+    assert!(
+        b.claim(100 * UNIT, 40 * UNIT)
+            .await
+            .expect("claim")
+            .is_some()
+    );
     for round in 0..40u64 {
         let name = format!("k{round}");
         let (rec_a, rec_b) = (record("a", round * UNIT), record("b", (100 + round) * UNIT));
@@ -96,8 +101,8 @@ async fn a_group_of_publications_commits_together_and_each_has_its_own_outcome()
     let Some(etcd) = Etcd::start() else { return };
     let a = member(&etcd, "a", 10).await;
     let b = member(&etcd, "b", 10).await;
-    assert!(a.claim(0, 4 * UNIT).await.expect("claim"));
-    assert!(b.claim(8 * UNIT, UNIT).await.expect("claim"));
+    assert!(a.claim(0, 4 * UNIT).await.expect("claim").is_some());
+    assert!(b.claim(8 * UNIT, UNIT).await.expect("claim").is_some());
     // Taken beforehand: one name published by b, one reserved by b, one reserved by a.
     b.publish("ns", "k7", &record("b", 8 * UNIT))
         .await
@@ -205,7 +210,7 @@ async fn a_group_of_publications_commits_together_and_each_has_its_own_outcome()
 async fn a_removal_naming_an_entry_takes_only_that_one() {
     let Some(etcd) = Etcd::start() else { return };
     let a = member(&etcd, "a", 10).await;
-    assert!(a.claim(0, UNIT).await.expect("claim"));
+    assert!(a.claim(0, UNIT).await.expect("claim").is_some());
     let created = |p: Published| match p {
         Published::New { revision } => revision,
         other => panic!("not published: {other:?}"),
@@ -267,7 +272,7 @@ async fn a_publication_from_before_a_fence_cannot_land_and_later_ones_do() {
     use maru_cluster::etcd::{Client, Compare, Op, Options, Range, Txn};
     let Some(etcd) = Etcd::start() else { return };
     let a = member(&etcd, "a", 10).await;
-    assert!(a.claim(0, UNIT).await.expect("claim"));
+    assert!(a.claim(0, UNIT).await.expect("claim").is_some());
     let c = Client::connect(&etcd.endpoints(), Options::default()).expect("client");
     let node = format!("/maru/{POOL}/nodes/a");
     let epoch = |r: maru_cluster::etcd::RangeResponse| r.kvs[0].mod_revision;
@@ -317,7 +322,7 @@ async fn a_fence_whose_answer_was_lost_does_not_stop_later_publications() {
     use maru_cluster::etcd::{Client, Op, Options, Txn};
     let Some(etcd) = Etcd::start() else { return };
     let a = member(&etcd, "a", 10).await;
-    assert!(a.claim(0, UNIT).await.expect("claim"));
+    assert!(a.claim(0, UNIT).await.expect("claim").is_some());
     // The fence's write, as etcd applies it; a never hears of it.
     let c = Client::connect(&etcd.endpoints(), Options::default()).expect("client");
     let node = format!("/maru/{POOL}/nodes/a");
@@ -330,10 +335,10 @@ async fn a_fence_whose_answer_was_lost_does_not_stop_later_publications() {
             .expect("publish"),
         Published::New { .. }
     ));
-    assert!(a.claim(UNIT, UNIT).await.expect("claim"));
+    assert!(a.claim(UNIT, UNIT).await.expect("claim").is_some());
     // A claim refused for another reason fails once, as it should.
     let b = member(&etcd, "b", 10).await;
-    assert!(!b.claim(0, UNIT).await.expect("claim"));
+    assert!(b.claim(0, UNIT).await.expect("claim").is_none());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -377,13 +382,13 @@ async fn claims_are_exclusive_and_die_with_the_lease() {
     let Some(etcd) = Etcd::start() else { return };
     let a = member(&etcd, "a", 2).await;
     let b = member(&etcd, "b", 10).await;
-    assert!(a.claim(0, 4 * UNIT).await.expect("claim"));
+    assert!(a.claim(0, 4 * UNIT).await.expect("claim").is_some());
     // Overlapping a's range: refused, and nothing of it claimed (unit 4 stays free).
     assert!(
-        !b.claim(3 * UNIT, 2 * UNIT).await.expect("claim"),
+        b.claim(3 * UNIT, 2 * UNIT).await.expect("claim").is_none(),
         "a unit held twice"
     );
-    assert!(b.claim(4 * UNIT, UNIT).await.expect("claim"));
+    assert!(b.claim(4 * UNIT, UNIT).await.expect("claim").is_some());
     // Releasing releases only one's own units.
     b.release(0, 5 * UNIT).await.expect("release");
     assert_eq!(
@@ -392,12 +397,22 @@ async fn claims_are_exclusive_and_die_with_the_lease() {
         "b released a's units"
     );
     a.release(3 * UNIT, UNIT).await.expect("release");
-    assert!(b.claim(3 * UNIT, UNIT).await.expect("claim"));
+    assert!(b.claim(3 * UNIT, UNIT).await.expect("claim").is_some());
     // Ranges beyond one transaction's limit: all or nothing too.
-    assert!(b.claim(100 * UNIT, 300 * UNIT).await.expect("claim"));
-    assert!(b.claim(750 * UNIT, UNIT).await.expect("claim"));
+    assert!(
+        b.claim(100 * UNIT, 300 * UNIT)
+            .await
+            .expect("claim")
+            .is_some()
+    );
+    assert!(b.claim(750 * UNIT, UNIT).await.expect("claim").is_some());
     // The conflict is in the second transaction: the first one's units are given back.
-    assert!(!a.claim(600 * UNIT, 200 * UNIT).await.expect("claim"));
+    assert!(
+        a.claim(600 * UNIT, 200 * UNIT)
+            .await
+            .expect("claim")
+            .is_none()
+    );
     let held = b.regions().await.expect("regions");
     assert_eq!(held.len(), 3 + 1 + 300 + 1); // a: 0..3; b: 3, 100..400, 750
     assert_eq!(held.get(&2).map(String::as_str), Some("a"));
@@ -414,7 +429,7 @@ async fn claims_are_exclusive_and_die_with_the_lease() {
     // a dies without leaving: its keep-alive stops, its lease runs out after 2 s.
     drop(a);
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !b.claim(2 * UNIT, UNIT).await.expect("claim") {
+    while b.claim(2 * UNIT, UNIT).await.expect("claim").is_none() {
         assert!(Instant::now() < deadline, "a's claim outlived its lease");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -432,7 +447,7 @@ async fn a_host_that_lost_its_lease_publishes_nothing_until_it_rejoins() {
     let Some(etcd) = Etcd::start() else { return };
     let mut a = member(&etcd, "a", 10).await;
     let b = member(&etcd, "b", 10).await;
-    assert!(a.claim(0, UNIT).await.expect("claim"));
+    assert!(a.claim(0, UNIT).await.expect("claim").is_some());
     // Only into units it holds.
     assert!(matches!(
         a.publish("ns", "elsewhere", &record("a", 5 * UNIT)).await,
@@ -461,7 +476,7 @@ async fn a_host_that_lost_its_lease_publishes_nothing_until_it_rejoins() {
     assert_eq!(names, ["before"]);
     a.rejoin().await.expect("rejoin");
     assert!(a.is_live());
-    assert!(a.claim(0, UNIT).await.expect("claim")); // the old lease's claims went with it
+    assert!(a.claim(0, UNIT).await.expect("claim").is_some()); // the old lease's claims went with it
     assert!(matches!(
         a.publish("ns", "after", &record("a", 4096)).await,
         Ok(Published::New { .. })
@@ -469,11 +484,65 @@ async fn a_host_that_lost_its_lease_publishes_nothing_until_it_rejoins() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_s_claims_and_renewals_come_back_through_its_entry_watch_as_ticks() {
+    let Some(etcd) = Etcd::start() else { return };
+    let a = member(&etcd, "a", 3).await;
+    let b = member(&etcd, "b", 3).await;
+    let snap = a.snapshot().await.expect("snapshot");
+    assert!(snap.fresh_until > maru_cluster::boottime_ns());
+    let mut watch = a.watch_entries(snap.revision + 1).await.expect("watch");
+    assert!(b.claim(0, UNIT).await.expect("claim").is_some());
+    b.publish("ns", "x", &record("b", 0))
+        .await
+        .expect("publish");
+    let claimed = a.claim(UNIT, UNIT).await.expect("claim").expect("claimed");
+    let next = async |watch: &mut maru_cluster::EntryWatch| {
+        tokio::time::timeout(Duration::from_secs(10), watch.next())
+            .await
+            .expect("the watch stalled")
+            .expect("watch")
+            .expect("the watch ended")
+    };
+    // b's entry comes first: a claimant that has seen its claim's tick knows every entry
+    // published before it.
+    let mut put = false;
+    loop {
+        match next(&mut watch).await {
+            EntryEvent::Put { name, .. } => put = name == "x",
+            EntryEvent::Tick {
+                node,
+                until,
+                revision,
+            } if node == "a" && revision == claimed => {
+                assert!(
+                    put,
+                    "the claim's tick came before the entry published before it"
+                );
+                assert!(until > maru_cluster::boottime_ns());
+                break;
+            }
+            EntryEvent::Tick { revision, .. } => assert!(revision < claimed),
+            e => panic!("{e:?}"),
+        }
+    }
+    // Then each renewal of a's lease (a third of its TTL apart), with the validity it earns.
+    let before = maru_cluster::boottime_ns();
+    loop {
+        if let EntryEvent::Tick { node, until, .. } = next(&mut watch).await
+            && node == "a"
+        {
+            assert!(until > before);
+            break;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_snapshot_and_its_watch_miss_nothing() {
     let Some(etcd) = Etcd::start() else { return };
     let a = member(&etcd, "a", 10).await;
     let b = member(&etcd, "b", 10).await;
-    assert!(a.claim(0, UNIT).await.expect("claim"));
+    assert!(a.claim(0, UNIT).await.expect("claim").is_some());
     for i in 0..50u64 {
         a.publish("team/ns", &format!("e{i}"), &record("a", i << 12))
             .await
@@ -513,6 +582,8 @@ async fn a_snapshot_and_its_watch_miss_nothing() {
                 assert_eq!(record.node, "a");
                 got.push((name, Instant::now()));
             }
+            // The hosts' renewals.
+            EntryEvent::Tick { node, .. } => assert!(node == "a" || node == "b", "{node}"),
             EntryEvent::Delete {
                 name,
                 record: removed,
@@ -549,7 +620,7 @@ async fn a_removed_extent_is_free_once_every_host_acknowledged_and_none_holds_it
     let a = member(&etcd, "a", 10).await;
     assert_eq!(a.acknowledged().await.expect("acks"), None, "alone");
     let b = member(&etcd, "b", 2).await;
-    assert!(a.claim(2 * UNIT, 4 * UNIT).await.expect("claim"));
+    assert!(a.claim(2 * UNIT, 4 * UNIT).await.expect("claim").is_some());
     // A 5 MiB entry across units 2..=4, and a small one in unit 5.
     let big = EntryRecord {
         offset: 2 * UNIT + 4096,
@@ -598,9 +669,9 @@ async fn a_removed_extent_is_free_once_every_host_acknowledged_and_none_holds_it
     // a lets its region go; while b maps the extent nobody claims its units afresh, but a
     // host recovering its own entries there claims them again.
     a.release(2 * UNIT, 4 * UNIT).await.expect("release");
-    assert!(!b.claim(4 * UNIT, UNIT).await.expect("claim"));
-    assert!(!b.claim(0, 3 * UNIT).await.expect("claim"));
-    assert!(b.claim(6 * UNIT, UNIT).await.expect("claim"));
+    assert!(b.claim(4 * UNIT, UNIT).await.expect("claim").is_none());
+    assert!(b.claim(0, 3 * UNIT).await.expect("claim").is_none());
+    assert!(b.claim(6 * UNIT, UNIT).await.expect("claim").is_some());
     assert!(a.claim_again(5 * UNIT, UNIT).await.expect("claim again"));
     b.unhold(big.offset, big.len, 2).await.expect("unhold");
     assert_eq!(
@@ -608,7 +679,7 @@ async fn a_removed_extent_is_free_once_every_host_acknowledged_and_none_holds_it
         Default::default()
     );
     // a's removals leave tombstones until every live host, a too, acknowledged them.
-    assert!(!b.claim(2 * UNIT, 3 * UNIT).await.expect("claim"));
+    assert!(b.claim(2 * UNIT, 3 * UNIT).await.expect("claim").is_none());
     assert_eq!(a.sweep().await.expect("sweep"), 4, "a has not acknowledged");
     a.acknowledge(gone_too.revision, &[])
         .await
@@ -618,7 +689,7 @@ async fn a_removed_extent_is_free_once_every_host_acknowledged_and_none_holds_it
     let snap = b.snapshot().await.expect("snapshot");
     assert!(snap.removals.is_empty());
     assert_eq!(snap.removed_at(big.offset, 9), 10);
-    assert!(b.claim(2 * UNIT, 3 * UNIT).await.expect("claim"));
+    assert!(b.claim(2 * UNIT, 3 * UNIT).await.expect("claim").is_some());
     // A host's holds and acknowledgement go with its lease.
     drop(b);
     let t = Instant::now();
@@ -654,8 +725,13 @@ async fn a_removed_extent_is_not_claimed_afresh_while_a_live_host_has_not_applie
     let c = member(&etcd, "c", 10).await;
     // a publishes e (unit 3), f (unit 4) and g (units 10..140, more tombstones than one
     // transaction takes).
-    assert!(a.claim(3 * UNIT, 2 * UNIT).await.expect("claim"));
-    assert!(a.claim(10 * UNIT, 130 * UNIT).await.expect("claim"));
+    assert!(a.claim(3 * UNIT, 2 * UNIT).await.expect("claim").is_some());
+    assert!(
+        a.claim(10 * UNIT, 130 * UNIT)
+            .await
+            .expect("claim")
+            .is_some()
+    );
     let created = |p: Published| match p {
         Published::New { revision } => revision,
         other => panic!("not published: {other:?}"),
@@ -723,15 +799,23 @@ async fn a_removed_extent_is_not_claimed_afresh_while_a_live_host_has_not_applie
     b.acknowledge(last, &[]).await.expect("acknowledge");
     assert_eq!(b.sweep().await.expect("sweep"), 131);
     for (offset, len) in [(3 * UNIT, UNIT), (4 * UNIT, UNIT), (75 * UNIT, UNIT)] {
-        assert!(!b.claim(offset, len).await.expect("claim"), "{offset:#x}");
+        assert!(
+            b.claim(offset, len).await.expect("claim").is_none(),
+            "{offset:#x}"
+        );
     }
     // c catches up, then leaves without sweeping its own: b sweeps them too (c is gone).
     c.acknowledge(last, &[]).await.expect("acknowledge");
     c.leave().await.expect("leave");
     assert_eq!(b.sweep().await.expect("sweep"), 0);
     assert_eq!(tombstones().await, 0);
-    assert!(b.claim(3 * UNIT, 2 * UNIT).await.expect("claim"));
-    assert!(b.claim(10 * UNIT, 130 * UNIT).await.expect("claim"));
+    assert!(b.claim(3 * UNIT, 2 * UNIT).await.expect("claim").is_some());
+    assert!(
+        b.claim(10 * UNIT, 130 * UNIT)
+            .await
+            .expect("claim")
+            .is_some()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -739,7 +823,7 @@ async fn pins_hold_for_every_host_and_go_with_their_entry() {
     let Some(etcd) = Etcd::start() else { return };
     let a = member(&etcd, "a", 10).await;
     let b = member(&etcd, "b", 10).await;
-    assert!(a.claim(0, UNIT).await.expect("claim"));
+    assert!(a.claim(0, UNIT).await.expect("claim").is_some());
     a.publish("ns", "k", &record("a", 4096))
         .await
         .expect("publish");
@@ -816,8 +900,8 @@ async fn a_reserved_name_is_no_one_elses_until_published_or_given_back() {
     let Some(etcd) = Etcd::start() else { return };
     let a = member(&etcd, "a", 10).await;
     let b = member(&etcd, "b", 10).await;
-    assert!(a.claim(0, UNIT).await.expect("claim"));
-    assert!(b.claim(UNIT, UNIT).await.expect("claim"));
+    assert!(a.claim(0, UNIT).await.expect("claim").is_some());
+    assert!(b.claim(UNIT, UNIT).await.expect("claim").is_some());
     assert_eq!(a.reserve("ns", "k").await.expect("reserve"), None);
     assert_eq!(
         a.reserve("ns", "k").await.expect("again"),
@@ -906,7 +990,7 @@ async fn a_running_member_keeps_its_lease_for_many_ttls() {
     let a = member(&etcd, "a", 1).await;
     tokio::time::sleep(Duration::from_millis(3500)).await;
     assert!(a.is_live(), "the keep-alive let a 1 s lease run out");
-    assert!(a.claim(0, UNIT).await.expect("claim"));
+    assert!(a.claim(0, UNIT).await.expect("claim").is_some());
 }
 
 /// An entry whose tombstones do not fit in one transaction (its removal puts them first, in
@@ -924,7 +1008,12 @@ async fn a_huge_entry_read_removed_is_removed_at_its_removals_revision() {
         node: "a".into(),
         alloc: 1,
     };
-    assert!(a.claim(huge.offset, huge.len).await.expect("claim"));
+    assert!(
+        a.claim(huge.offset, huge.len)
+            .await
+            .expect("claim")
+            .is_some()
+    );
     a.publish("ns", "huge", &huge).await.expect("publish");
     let gone = a.remove("ns", "huge").await.expect("remove");
     assert!(gone.existed);
@@ -945,6 +1034,7 @@ async fn a_read_of_every_entry_larger_than_four_mib_comes_whole() {
         a.claim(0, (n * 4096).div_ceil(UNIT) * UNIT)
             .await
             .expect("claim")
+            .is_some()
     );
     let names: Vec<String> = (0..n)
         .map(|i| format!("llama-3-8b.tp-0.layer-group-{i:06}-{}", "k".repeat(120)))

@@ -64,7 +64,7 @@ fn a_host_cut_off_loses_its_claims_and_owns_nothing_twice_after() {
     let a2 = a.clone();
     on(&rts[0], async move {
         let a = a2.lock().await;
-        assert!(a.claim(0, 4 * UNIT).await.expect("claim"));
+        assert!(a.claim(0, 4 * UNIT).await.expect("claim").is_some());
         for i in 0..5u64 {
             let r = a.publish("ns", &format!("e{i}"), &record(i << 12)).await;
             assert!(matches!(r, Ok(Published::New { .. })), "{r:?}");
@@ -72,7 +72,7 @@ fn a_host_cut_off_loses_its_claims_and_owns_nothing_twice_after() {
     });
     let b2 = b.clone();
     assert!(!on(&rts[1], async move {
-        b2.claim(UNIT, UNIT).await.expect("claim")
+        b2.claim(UNIT, UNIT).await.expect("claim").is_some()
     }));
 
     // a is cut off: b takes over its regions once a's lease has run out.
@@ -82,7 +82,7 @@ fn a_host_cut_off_loses_its_claims_and_owns_nothing_twice_after() {
     let took = on(&rts[1], async move {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            if b2.claim(UNIT, UNIT).await.expect("claim") {
+            if b2.claim(UNIT, UNIT).await.expect("claim").is_some() {
                 return Instant::now();
             }
             assert!(Instant::now() < deadline, "a's claims outlived its lease");
@@ -124,11 +124,11 @@ fn a_host_cut_off_loses_its_claims_and_owns_nothing_twice_after() {
         }
         a.rejoin().await.expect("rejoin");
         assert!(
-            !a.claim(UNIT, UNIT).await.expect("claim"),
+            a.claim(UNIT, UNIT).await.expect("claim").is_none(),
             "region 1 owned twice"
         );
         assert!(
-            a.claim(0, UNIT).await.expect("claim"),
+            a.claim(0, UNIT).await.expect("claim").is_some(),
             "a could not take back a free region"
         );
         assert!(matches!(
@@ -166,14 +166,14 @@ fn a_host_cut_off_whose_lease_etcd_keeps_is_ended_by_the_others() {
     let a2 = a.clone();
     let lease = on(&rts[0], async move {
         let a = a2.lock().await;
-        assert!(a.claim(0, UNIT).await.expect("claim"));
+        assert!(a.claim(0, UNIT).await.expect("claim").is_some());
         a.lease()
     });
     // Beating hosts are left alone: after three TTLs a still holds its region.
     std::thread::sleep(3 * TTL);
     let b2 = b.clone();
     assert!(!on(&rts[1], async move {
-        b2.claim(0, UNIT).await.expect("claim")
+        b2.claim(0, UNIT).await.expect("claim").is_some()
     }));
     assert!(on(&rts[0], {
         let a = a.clone();
@@ -207,7 +207,7 @@ fn a_host_cut_off_whose_lease_etcd_keeps_is_ended_by_the_others() {
     let (took, at) = on(&rts[1], async move {
         let deadline = Instant::now() + Duration::from_secs(15);
         loop {
-            if b2.claim(0, UNIT).await.expect("claim") {
+            if b2.claim(0, UNIT).await.expect("claim").is_some() {
                 return (Instant::now(), maru_cluster::boottime_ns());
             }
             assert!(
@@ -244,10 +244,10 @@ fn a_host_cut_off_whose_lease_etcd_keeps_is_ended_by_the_others() {
         );
         assert_ne!(a.lease(), lease);
         assert!(
-            !a.claim(0, UNIT).await.expect("claim"),
+            a.claim(0, UNIT).await.expect("claim").is_none(),
             "region 0 owned twice"
         );
-        assert!(a.claim(UNIT, UNIT).await.expect("claim"));
+        assert!(a.claim(UNIT, UNIT).await.expect("claim").is_some());
     });
     drop(rts);
 }
@@ -290,7 +290,7 @@ fn a_member_cut_from_its_quorum_costs_no_request_and_no_lease() {
     let lease = a.lease();
     let a2 = a.clone();
     assert!(on(&rt, async move {
-        a2.claim(0, 4 * UNIT).await.expect("claim")
+        a2.claim(0, 4 * UNIT).await.expect("claim").is_some()
     }));
     // It knows it has no leader once an election timeout passed.
     split(&net, m, true);

@@ -625,3 +625,106 @@ fn a_writer_reads_back_an_entry_of_the_shared_pool_once_it_is_published() {
     });
     assert_eq!(get(&h0, "k").as_deref(), Some(&b"the bytes of k"[..]));
 }
+
+/// Where `store` serves `ns/key` in the pool (None: absent).
+fn offset_of(store: &Store, key: &str) -> Option<u64> {
+    let s = store.open_session("t", Caller::root());
+    let found = store
+        .retrieve(s, "ns", &[key.to_owned()], |_| false)
+        .expect("retrieve")
+        .pop()
+        .expect("one answer")
+        .map(|(loc, _)| loc.offset);
+    store.close_session(s);
+    found
+}
+
+/// Seed 1462 of the fault harness: a host whose entry watch lagged (stuck on an etcd member
+/// cut off from the others) claimed a region whose last holder, cut off in turn and its
+/// lease ended, had published an entry there that the lagging host had not seen, and wrote
+/// over it. A claim now waits until the watch has delivered its own revision, and gives back
+/// a region where another host's entry lives. Here the last holder is a bare member that
+/// claims the pool's first region, publishes there while the host's watch is held back, and
+/// leaves; the host, storing, carves that region first.
+#[test]
+fn a_host_whose_watch_lags_claims_no_region_over_an_entry_it_has_not_seen() {
+    let Some(etcd) = Etcd::start() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let uuid = pool_file(dir.path());
+    let (h0, auth) = host_and_authority(&etcd, dir.path(), "h0", &uuid);
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    auth.hold_watch(true);
+    rt.block_on(async {
+        let info = maru_cluster::NodeInfo {
+            node: "gone".into(),
+            address: "127.0.0.1".into(),
+            pid: std::process::id(),
+        };
+        let m = maru_cluster::Member::join(&etcd.endpoints(), &uuid, info, Duration::from_secs(10))
+            .await
+            .expect("join");
+        assert!(m.claim(UNIT, UNIT).await.expect("claim").is_some());
+        let record = maru_cluster::EntryRecord {
+            offset: UNIT,
+            len: 4096,
+            node: "gone".into(),
+            alloc: 1,
+        };
+        let r = m.publish("ns", "theirs", &record).await.expect("publish");
+        assert!(matches!(r, maru_cluster::Published::New { .. }), "{r:?}");
+        m.leave().await.expect("leave");
+    });
+    // The watch catches up half a second into the claim's wait.
+    let opener = {
+        let auth = auth.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(500));
+            auth.hold_watch(false);
+        })
+    };
+    put(&h0, "mine", &[7u8; 4096]).expect("store");
+    opener.join().expect("opener");
+    let at = offset_of(&h0, "mine").expect("h0 serves its entry");
+    assert!(
+        !(UNIT..2 * UNIT).contains(&at),
+        "h0 placed its entry at {at:#x}, in the region of another host's entry"
+    );
+    eventually("h0 serves the other host's entry", || {
+        offset_of(&h0, "theirs") == Some(UNIT)
+    });
+}
+
+/// Seed 1495 of the fault harness: a host whose entry watch lagged by seconds went on serving
+/// an entry another host had deleted. A renewal of its lease now counts only once its tick
+/// has come back through the watch: a host whose watch is held back is fenced off within
+/// the lease's validity, and serves again once the watch has caught up (the deletion then
+/// applied).
+#[test]
+fn a_host_whose_watch_lags_serves_no_entry_deleted_elsewhere() {
+    let Some(etcd) = Etcd::start() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let uuid = pool_file(dir.path());
+    let h0 = host(&etcd, dir.path(), "h0", &uuid);
+    let (h1, auth) = host_and_authority(&etcd, dir.path(), "h1", &uuid);
+    put(&h0, "k", &[1u8; 4096]).expect("store");
+    eventually("h1 serves ns/k", || get(&h1, "k").is_some());
+    auth.hold_watch(true);
+    let deleted = h0
+        .delete(&Caller::root(), "ns", &["k".to_owned()])
+        .expect("delete");
+    assert!(deleted.iter().all(Result::is_ok), "{deleted:?}");
+    let t = Instant::now();
+    eventually("h1 stops serving ns/k, deleted on h0", || {
+        get(&h1, "k").is_none()
+    });
+    // Within the validity of the renewal before the hold (TTL 10 s, less its guard).
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    assert!(auth.fenced(), "h1 serves nothing while its view lags");
+    auth.hold_watch(false);
+    eventually("h1 serves again", || !auth.fenced());
+    assert_eq!(get(&h1, "k"), None);
+    put(&h0, "k", &[2u8; 100]).expect("stored again");
+    eventually("h1 serves the new ns/k", || {
+        get(&h1, "k").is_some_and(|b| b == [2u8; 100])
+    });
+}

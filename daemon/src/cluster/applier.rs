@@ -44,12 +44,16 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
             // Applied before anything later is acknowledged: what the snapshot no longer has
             // was removed while the watch was down, and only the store knows who maps it.
             let (done, applied) = tokio::sync::oneshot::channel();
-            let rev = snap.revision;
+            let (rev, fresh_until) = (snap.revision, snap.fresh_until);
+            let Some(a) = me.upgrade() else { return };
+            a.view.read(&snap);
+            drop(a);
             if tx.send(Change::All(snap, done)).is_err() || applied.await.is_err() {
                 return;
             }
             match me.upgrade() {
                 Some(a) => {
+                    a.view.applied(fresh_until);
                     a.caught_up.fetch_max(epoch, Ordering::AcqRel);
                     // The indexes say so at once (clients trust them again), not at the next
                     // tick of `publish_fence`.
@@ -66,6 +70,7 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
                 tokio::time::sleep(Duration::from_secs(1)).await;
                 continue;
             };
+            let mut check = tokio::time::interval(LAG_CHECK);
             loop {
                 let next = tokio::select! {
                     next = w.next() => next,
@@ -73,8 +78,24 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
                         tracing::info!("cluster: rejoined; reading the entries again");
                         break;
                     }
+                    _ = check.tick() => {
+                        let Some(a) = me.upgrade() else { return };
+                        if a.watch_lags() {
+                            tracing::warn!("cluster: the entry watch lags (this host's renewals do not come back through it); reading the entries again");
+                            break;
+                        }
+                        continue;
+                    }
                 };
+                let view = me.upgrade().map(|a| a.view.clone());
+                if let Some(v) = view {
+                    v.gate().await;
+                }
                 match next {
+                    Ok(Some(ev @ EntryEvent::Tick { .. })) => {
+                        let Some(a) = me.upgrade() else { return };
+                        a.view.event(&ev);
+                    }
                     Ok(Some(ev)) => {
                         // A removal is acknowledged from here, not after the store applied it
                         // (which may wait for the store's lock, held by a removal of this host
@@ -90,9 +111,10 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
                                 tracing::warn!(ns, name, "cluster: a removal without its record; reading the entries again");
                                 break;
                             }
-                            EntryEvent::Put { .. } => None,
+                            EntryEvent::Put { .. } | EntryEvent::Tick { .. } => None,
                         };
                         let Some(a) = me.upgrade() else { return };
+                        a.view.event(&ev);
                         if let Some((_, created, rec)) = &removal {
                             a.on_removal(*created, rec.offset, rec.len);
                         }
@@ -138,6 +160,9 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
     }
     Ok(())
 }
+
+/// How often the applier looks whether its entry watch lags ([`EtcdAuthority::watch_lags`]).
+const LAG_CHECK: Duration = Duration::from_millis(250);
 
 /// How long marud waits at its start for its first read of every entry.
 const FIRST_READ: Duration = Duration::from_secs(30);
@@ -463,6 +488,8 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
             revision,
             created,
         } => removed(store, auth, &ns, &key, revision, created),
+        // The watch's task takes the ticks (`view`): none is queued.
+        Change::Event(EntryEvent::Tick { .. }) => {}
         Change::Fence(until) => {
             tracing::debug!(
                 until,

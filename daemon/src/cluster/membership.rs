@@ -115,6 +115,35 @@ fn rejoined(a: &EtcdAuthority) {
     a.rejoining.store(false, Ordering::Release);
 }
 
+impl EtcdAuthority {
+    /// The hosts (as last refreshed) with the entries each published that this host
+    /// knows, and the publishers gone whose entries stay, for stats.
+    pub(super) fn hosts_info(&self) -> Vec<maru::proto::HostInfo> {
+        let mut by_node: HashMap<&str, u64> = HashMap::new();
+        let remote = self.remote.lock();
+        for (node, _) in remote.values() {
+            *by_node.entry(node).or_default() += 1;
+        }
+        let mut hosts = self.hosts.lock().clone();
+        for h in &mut hosts {
+            h.entries = by_node.remove(h.node.as_str()).unwrap_or(0);
+        }
+        // Publishers that are gone: their entries stay, under their name.
+        let mut gone: Vec<maru::proto::HostInfo> = by_node
+            .into_iter()
+            .map(|(node, entries)| maru::proto::HostInfo {
+                node: node.to_owned(),
+                entries,
+                gone: true,
+                ..Default::default()
+            })
+            .collect();
+        gone.sort_by(|x, y| x.node.cmp(&y.node));
+        hosts.extend(gone);
+        hosts
+    }
+}
+
 /// Refreshes the hosts and their claims every second, for stats.
 async fn watch_hosts(me: std::sync::Weak<EtcdAuthority>) {
     loop {

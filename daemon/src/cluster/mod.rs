@@ -36,6 +36,7 @@ mod known;
 mod membership;
 mod publishing;
 mod regions;
+mod view;
 
 /// An entry's name: (namespace, key).
 type Name = (String, String);
@@ -132,6 +133,8 @@ pub struct EtcdAuthority {
     group: group::GroupCommit,
     /// Until when this host's lease is sure to be alive (`Member::validity`).
     valid: Arc<AtomicU64>,
+    /// How fresh and how far this host's view of the entries is.
+    view: Arc<view::View>,
     /// Rejoins done so far; and the count at which the applier last began a read of every
     /// entry that it applied (after a rejoin, removals made while this host was cut off
     /// reach it that way: the read must begin after the rejoin).
@@ -220,6 +223,7 @@ impl EtcdAuthority {
             hosts: Mutex::new(Vec::new()),
             group,
             valid,
+            view: Arc::new(view::View::new(&s.node)),
             // The start counts as a rejoin: what this host recovered from its own log may
             // have been removed elsewhere while it was down, so it serves nothing of the
             // shared pool until its first read of every entry is applied.
@@ -862,19 +866,20 @@ impl Authority for EtcdAuthority {
         pool == self.pool && self.lost.lock().contains(&offset)
     }
 
-    /// The lease's validity, while this host is not rejoining nor catching up after a rejoin
-    /// (0 then): what it grants and serves of the shared pool is safe until then.
     fn fence_epoch(&self) -> u64 {
         *self.rejoins.borrow()
     }
 
+    /// The lease's validity, as far as the entry watch has carried back the renewals'
+    /// ticks (`view`), while this host is not rejoining nor catching up after a rejoin (0
+    /// then): what it grants and serves of the shared pool is safe until then.
     fn fence(&self) -> Option<u64> {
         let behind = self.rejoining.load(Ordering::Acquire)
             || self.caught_up.load(Ordering::Acquire) < *self.rejoins.borrow();
         Some(if behind {
             0
         } else {
-            self.valid.load(Ordering::Acquire)
+            self.valid.load(Ordering::Acquire).min(self.view.valid())
         })
     }
 
@@ -887,30 +892,7 @@ impl Authority for EtcdAuthority {
             fenced: self.fenced(),
             endpoints: self.endpoints.clone(),
             uses_reported: self.uses_reported.load(Ordering::Relaxed),
-            hosts: {
-                let mut by_node: HashMap<&str, u64> = HashMap::new();
-                let remote = self.remote.lock();
-                for (node, _) in remote.values() {
-                    *by_node.entry(node).or_default() += 1;
-                }
-                let mut hosts = self.hosts.lock().clone();
-                for h in &mut hosts {
-                    h.entries = by_node.remove(h.node.as_str()).unwrap_or(0);
-                }
-                // Publishers that are gone: their entries stay, under their name.
-                let mut gone: Vec<maru::proto::HostInfo> = by_node
-                    .into_iter()
-                    .map(|(node, entries)| maru::proto::HostInfo {
-                        node: node.to_owned(),
-                        entries,
-                        gone: true,
-                        ..Default::default()
-                    })
-                    .collect();
-                gone.sort_by(|x, y| x.node.cmp(&y.node));
-                hosts.extend(gone);
-                hosts
-            },
+            hosts: self.hosts_info(),
             ..Default::default()
         })
     }

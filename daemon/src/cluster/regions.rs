@@ -10,6 +10,21 @@ use super::ClaimGate;
 use super::{EtcdAuthority, Release, unavailable};
 use crate::store::authority::Authority;
 
+/// How a fresh claim went at etcd, and what the view found in its range.
+#[derive(Debug)]
+enum Claimed {
+    /// Claimed, and nothing of another host's is in it.
+    Yes,
+    /// Another host holds a unit of it, maps an extent there, or a removal there is not
+    /// yet acknowledged by every live host.
+    Refused,
+    /// Claimed, but another host's entry (offset, length) lives there: its last holder
+    /// published it before it lost the region.
+    Occupied((u64, u64)),
+    /// Claimed, but the entry watch did not deliver the claim's revision in time.
+    Blind,
+}
+
 impl EtcdAuthority {
     /// [`Authority::claim_region`](crate::store::authority::Authority::claim_region) on the
     /// shared pool: claimed in etcd (after the releases of this host's pending over it).
@@ -20,7 +35,7 @@ impl EtcdAuthority {
         }
         crate::store::assert_unlocked("a region's claim at etcd");
         self.claim_gate(offset);
-        let (m, releasing) = (self.member(), self.releasing.clone());
+        let (m, releasing, view) = (self.member(), self.releasing.clone(), self.view.clone());
         let r = self.run(async move {
             let mut releasing = releasing.lock().await;
             let m = m.read().await;
@@ -38,7 +53,21 @@ impl EtcdAuthority {
                 m.release(o, r.len).await?;
                 releasing.remove(&o);
             }
-            m.claim(offset, len).await
+            let Some(revision) = m.claim(offset, len).await? else {
+                return Ok(Claimed::Refused);
+            };
+            let patience = m.ttl();
+            drop((m, releasing));
+            // Whatever the range's last holder published there precedes the claim: once the
+            // watch has delivered the claim's revision, every such entry is known here (the
+            // view has it even while the store holds it back: seed 1462).
+            if !view.wait_seen(revision, patience).await {
+                return Ok(Claimed::Blind);
+            }
+            Ok(match view.other_in(offset, len) {
+                Some(e) => Claimed::Occupied(e),
+                None => Claimed::Yes,
+            })
         });
         tracing::debug!(offset, len, ?r, "claim");
         // Refused or failed, the region leaves this host, and is given back in etcd whatever
@@ -47,12 +76,31 @@ impl EtcdAuthority {
         // another host holds changes nothing). Left, such a claim would keep the region from
         // every host for as long as this one lives (seed 5 of the CI's partitions).
         let e = match r {
-            Ok(true) => return Ok(()),
-            Ok(false) => {
+            Ok(Claimed::Yes) => return Ok(()),
+            Ok(Claimed::Refused) => {
                 self.give_back(offset, len, false);
                 Error::Busy(format!(
                     "region {offset:#x}+{len:#x} is claimed by another host"
                 ))
+            }
+            Ok(Claimed::Occupied((o, l))) => {
+                tracing::info!(
+                    offset,
+                    len,
+                    entry = o,
+                    "a region claimed holds another host's entry: given back"
+                );
+                self.give_back(offset, len, false);
+                Error::Busy(format!(
+                    "region {offset:#x}+{len:#x} holds another host's entry ({o:#x}+{l:#x})"
+                ))
+            }
+            Ok(Claimed::Blind) => {
+                self.give_back(offset, len, false);
+                unavailable(
+                    "this host's view of the cluster's entries lags etcd: no region is \
+                     claimed until it has caught up",
+                )
             }
             Err(maru_cluster::Error::LeaseLost(_)) => {
                 self.give_back(offset, len, false);

@@ -370,13 +370,12 @@ impl Pool for Raw {
                 true
             } else {
                 // In a region of this host's: one it lost while cut off (set aside when freed
-                // here), or the claims were broken.
-                let lost = self
-                    .regions
-                    .range(..=u)
-                    .next_back()
-                    .is_some_and(|(&o, _)| self.authority.lost(&self.uuid, o));
-                if !lost {
+                // here), one whose claim is on its way (which finds the entry, and is given
+                // back), or the claims were broken.
+                let known = self.regions.range(..=u).next_back().is_some_and(|(&o, _)| {
+                    self.authority.lost(&self.uuid, o) || self.unclaimed.contains_key(&o)
+                });
+                if !known {
                     tracing::warn!(pool = %self.name, unit = u, "another host's entry in a unit this host holds");
                 }
                 false

@@ -1,0 +1,267 @@
+//! What this host's entry watch has shown it of the shared pool, and how fresh that is.
+//!
+//! A host serves entries, and carves regions, from its view of etcd: a read of every entry,
+//! then the watch. A watch can lag by seconds without breaking (its etcd member cut off from
+//! the others, the connection not yet found dead), and then the host would serve an entry
+//! removed elsewhere (seed 1495) or carve a region whose last holder published an entry
+//! there it has not seen (seed 1462). Two things bound that:
+//!
+//! - **Freshness.** Each renewal of the lease writes the host's tick with the validity the
+//!   renewal earns (`maru_cluster::EntryEvent::Tick`), which the entry watch carries back:
+//!   once it has, the view holds every change made before the renewal was asked. The host
+//!   counts a renewal's validity only from then on ([`View::valid`], the fence's other
+//!   half), so a host whose view is older than the guard allows is fenced off as one whose
+//!   lease is in doubt.
+//! - **Claims.** A claim writes the tick too, at its own revision: the host waits until its
+//!   watch has delivered that revision ([`View::wait_seen`]); every entry published in the
+//!   range before its last holder lost it is then in [`View::others`], and one there makes
+//!   the claim refused.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use maru_cluster::{EntryEvent, Snapshot};
+use parking_lot::Mutex;
+
+/// This host's view of the entries: how fresh, how far, and the other hosts' extents.
+pub(super) struct View {
+    node: String,
+    /// Until when the view is fresh enough to serve from (CLOCK_BOOTTIME, ns): the validity
+    /// of this host's newest tick the watch delivered, or of the newest read of every entry
+    /// applied.
+    valid: AtomicU64,
+    /// The revision up to which the watch has delivered every change.
+    seen: tokio::sync::watch::Sender<i64>,
+    /// The other hosts' entries as the watch delivered them, ahead of the store (which may
+    /// hold a change back while this host changes the name): by extent offset, its length
+    /// and the entry's creation revision.
+    others: Mutex<BTreeMap<u64, (u64, i64)>>,
+    /// The seam that holds the watch's changes back, as a watch stuck on a member cut off
+    /// from the others would (tests; feature `seams`).
+    #[cfg(feature = "seams")]
+    held: tokio::sync::watch::Sender<bool>,
+}
+
+impl View {
+    pub(super) fn new(node: &str) -> Self {
+        View {
+            node: node.to_owned(),
+            valid: AtomicU64::new(0),
+            seen: tokio::sync::watch::Sender::new(0),
+            others: Mutex::new(BTreeMap::new()),
+            #[cfg(feature = "seams")]
+            held: tokio::sync::watch::Sender::new(false),
+        }
+    }
+
+    /// Waits while the seam holds the watch's changes back (tests).
+    #[cfg(feature = "seams")]
+    pub(super) async fn gate(&self) {
+        let _ = self.held.subscribe().wait_for(|held| !held).await;
+    }
+
+    /// No seam: built with feature `seams` only.
+    #[cfg(not(feature = "seams"))]
+    pub(super) async fn gate(&self) {}
+
+    /// Until when the view is fresh enough to serve from (0: not yet).
+    pub(super) fn valid(&self) -> u64 {
+        self.valid.load(Ordering::Acquire)
+    }
+
+    /// A read of every entry, about to be applied: the other hosts' extents are its own,
+    /// and the watch has delivered everything up to it.
+    pub(super) fn read(&self, snap: &Snapshot) {
+        let mut others = self.others.lock();
+        others.clear();
+        for l in snap.entries.iter().filter(|l| l.record.node != self.node) {
+            others.insert(l.record.offset, (l.record.len, l.revision));
+        }
+        drop(others);
+        self.seen_up_to(snap.revision);
+    }
+
+    /// The read of every entry at `snap` is applied: the view is as fresh as it.
+    pub(super) fn applied(&self, fresh_until: u64) {
+        self.valid.fetch_max(fresh_until, Ordering::AcqRel);
+    }
+
+    /// The watch delivered `ev`.
+    pub(super) fn event(&self, ev: &EntryEvent) {
+        match ev {
+            EntryEvent::Put {
+                record, revision, ..
+            } => {
+                if record.node != self.node {
+                    self.others
+                        .lock()
+                        .insert(record.offset, (record.len, *revision));
+                }
+                self.seen_up_to(*revision);
+            }
+            EntryEvent::Delete {
+                revision,
+                created,
+                record,
+                ..
+            } => {
+                if let Some(r) = record {
+                    let mut others = self.others.lock();
+                    if others.get(&r.offset).is_some_and(|&(_, c)| c == *created) {
+                        others.remove(&r.offset);
+                    }
+                }
+                self.seen_up_to(*revision);
+            }
+            EntryEvent::Tick {
+                node,
+                until,
+                revision,
+            } => {
+                if *node == self.node {
+                    self.valid.fetch_max(*until, Ordering::AcqRel);
+                }
+                self.seen_up_to(*revision);
+            }
+        }
+    }
+
+    fn seen_up_to(&self, revision: i64) {
+        self.seen.send_if_modified(|s| {
+            let newer = revision > *s;
+            if newer {
+                *s = revision;
+            }
+            newer
+        });
+    }
+
+    /// Waits until the watch has delivered every change up to `revision`; false if it has
+    /// not within `patience`.
+    pub(super) async fn wait_seen(&self, revision: i64, patience: Duration) -> bool {
+        let mut seen = self.seen.subscribe();
+        let seen = seen.wait_for(|&s| s >= revision);
+        matches!(tokio::time::timeout(patience, seen).await, Ok(Ok(_)))
+    }
+
+    /// Another host's entry in `[offset, offset + len)`, as `(offset, length)`.
+    pub(super) fn other_in(&self, offset: u64, len: u64) -> Option<(u64, u64)> {
+        let others = self.others.lock();
+        // Extents do not overlap one another: the last that begins before the end is the
+        // only one that can reach into the range.
+        others
+            .range(..offset + len)
+            .next_back()
+            .filter(|&(&o, &(l, _))| o + l > offset)
+            .map(|(&o, &(l, _))| (o, l))
+    }
+}
+
+impl super::EtcdAuthority {
+    /// Holds back (or lets go of) what the entry watch delivers, as a watch stuck on an etcd
+    /// member cut off from the others does (tests).
+    #[cfg(feature = "seams")]
+    pub fn hold_watch(&self, held: bool) {
+        self.view.held.send_replace(held);
+    }
+
+    /// Whether the entry watch lags: this host's lease was renewed past now, but the watch
+    /// has not carried back a tick to say so. Broken, the watch starts again from a read of
+    /// every entry (which the balancer may send to another member).
+    pub(super) fn watch_lags(&self) -> bool {
+        let now = maru::index::boottime_ns();
+        self.valid.load(Ordering::Acquire) > now && self.view.valid() <= now
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use maru_cluster::{EntryRecord, Listed};
+
+    use super::*;
+
+    fn record(node: &str, offset: u64, len: u64) -> EntryRecord {
+        EntryRecord {
+            node: node.into(),
+            offset,
+            len,
+            alloc: 0,
+        }
+    }
+
+    #[test]
+    fn other_hosts_entries_follow_the_watch_and_reads() {
+        let v = View::new("a");
+        let put = |node: &str, offset, revision| EntryEvent::Put {
+            ns: "ns".into(),
+            name: format!("k{revision}"),
+            record: record(node, offset, 4096),
+            revision,
+        };
+        v.event(&put("b", 0x20_0000, 5));
+        v.event(&put("a", 0x40_0000, 6));
+        assert_eq!(v.other_in(0x20_0000, 0x20_0000), Some((0x20_0000, 4096)));
+        assert_eq!(v.other_in(0x1f_f000, 0x1001), Some((0x20_0000, 4096)));
+        assert_eq!(v.other_in(0x1f_f000, 0x1000), None);
+        assert_eq!(v.other_in(0x40_0000, 0x20_0000), None, "this host's own");
+        // A removal of an older entry at the offset leaves the newer one.
+        let delete = |created, revision| EntryEvent::Delete {
+            ns: "ns".into(),
+            name: "k".into(),
+            revision,
+            created,
+            record: Some(record("b", 0x20_0000, 4096)),
+        };
+        v.event(&delete(4, 7));
+        assert!(v.other_in(0x20_0000, 1).is_some());
+        v.event(&delete(5, 8));
+        assert_eq!(v.other_in(0x20_0000, 0x20_0000), None);
+        assert_eq!(*v.seen.borrow(), 8);
+        // A read of every entry replaces them.
+        v.read(&Snapshot {
+            entries: vec![Listed {
+                ns: "ns".into(),
+                name: "x".into(),
+                record: record("c", 0x60_0000, 100),
+                revision: 9,
+            }],
+            revision: 12,
+            ..Default::default()
+        });
+        assert_eq!(v.other_in(0x60_0000, 0x20_0000), Some((0x60_0000, 100)));
+        assert_eq!(*v.seen.borrow(), 12);
+    }
+
+    #[test]
+    fn only_this_host_s_own_ticks_make_the_view_fresh() {
+        let v = View::new("a");
+        let tick = |node: &str, until, revision| EntryEvent::Tick {
+            node: node.into(),
+            until,
+            revision,
+        };
+        v.event(&tick("b", 5_000, 3));
+        assert_eq!(v.valid(), 0);
+        assert_eq!(*v.seen.borrow(), 3);
+        v.event(&tick("a", 7_000, 4));
+        v.event(&tick("a", 6_000, 5));
+        assert_eq!(v.valid(), 7_000, "never back");
+        v.applied(9_000);
+        assert_eq!(v.valid(), 9_000);
+    }
+
+    #[tokio::test]
+    async fn a_claim_waits_for_the_watch_to_deliver_its_revision() {
+        let v = std::sync::Arc::new(View::new("a"));
+        assert!(!v.wait_seen(10, Duration::from_millis(20)).await);
+        let w = v.clone();
+        let waiting = tokio::spawn(async move { w.wait_seen(10, Duration::from_secs(30)).await });
+        v.event(&EntryEvent::Tick {
+            node: "a".into(),
+            until: 1,
+            revision: 10,
+        });
+        assert!(waiting.await.expect("joined"));
+    }
+}
