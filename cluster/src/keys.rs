@@ -9,7 +9,8 @@ pub const UNIT: u64 = 2 << 20;
 
 /// Units claimed per etcd transaction: etcd's default `--max-txn-ops` (128) bounds the
 /// comparisons of one transaction; one more checks the lease, and a fresh claim's checks of
-/// the mappings and of the removals not yet acknowledged are two more still.
+/// the mappings and of the removals not yet acknowledged are two more still (its writes:
+/// the units, and the host's tick).
 pub(crate) const UNITS_PER_TXN: usize = 125;
 
 /// The unit indexes of `[offset, offset + len)`.

@@ -1,7 +1,7 @@
 //! A member's etcd lease: kept alive in the background, and until when it is sure to be alive.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::etcd::{Client, Compare, LeaseKeeper, Op, Txn};
@@ -55,15 +55,16 @@ pub(crate) struct BeatKeys {
 /// entries lags (its watch stuck on a member cut off from the others) is fenced off as a
 /// host whose lease is in doubt is ([`Tick`](crate::EntryEvent::Tick)).
 ///
-/// `Some(false)`: answered in that term, but the key is not this lease's (the lease is gone,
-/// or another host found the beats stopped and deleted it); `None`: not answered in it.
+/// `Some((false, _))`: answered in that term, but the key is not this lease's (the lease is
+/// gone, or another host found the beats stopped and deleted it); `None`: not answered in
+/// it. With the answer, the transaction's revision.
 pub(crate) async fn beat(
     member: &Client,
     keys: &BeatKeys,
     lease: i64,
     (granted, until): (i64, u64),
     term: u64,
-) -> Option<bool> {
+) -> Option<(bool, i64)> {
     // etcd answers a renewal of a lease it does not hold with a TTL of 0: nothing is written
     // then (a linearizable read, in a transaction of no operation, still tells the term).
     let write = (granted > 0).then(|| {
@@ -76,16 +77,16 @@ pub(crate) async fn beat(
         .when([Compare::lease_is(keys.beat.clone(), lease)])
         .and_then(write.into_iter().flatten());
     let r = member.txn(txn).await.ok()?;
-    (term != 0 && r.raft_term() == term).then(|| r.succeeded())
+    (term != 0 && r.raft_term() == term).then(|| (r.succeeded(), r.revision()))
 }
 
 /// What one renewal of a lease through one member found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Renewal {
-    /// Renewed, and the beat written in the renewal's term ([`beat`]): the lease is sure to be alive until then
-    /// ([`boottime_ns`]: the moment the renewal was asked, plus what etcd granted, less the
-    /// guard).
-    Until(u64),
+    /// Renewed, and the beat written in the renewal's term ([`beat`]): the lease is sure to
+    /// be alive until then ([`boottime_ns`]: the moment the renewal was asked, plus what etcd
+    /// granted, less the guard); and the beat's revision.
+    Until(u64, i64),
     /// etcd (in the renewal's term) says the lease no longer exists, or that this host's
     /// beat is not the lease's any more: another host found the beats stopped.
     Gone,
@@ -123,13 +124,15 @@ pub(crate) async fn renew(
         ))
     };
     match tokio::time::timeout(period(ttl), attempt).await {
-        Ok(Some((granted, until, true))) if granted > 0 => Renewal::Until(until),
+        Ok(Some((granted, until, (true, revision)))) if granted > 0 => {
+            Renewal::Until(until, revision)
+        }
         // No TTL, yet the beat is still the lease's: not an answer to count on.
-        Ok(Some((_, _, true))) => {
+        Ok(Some((_, _, (true, _)))) => {
             *stream = None;
             Renewal::Failed
         }
-        Ok(Some((_, _, false))) => Renewal::Gone,
+        Ok(Some((_, _, (false, _)))) => Renewal::Gone,
         _ => {
             *stream = None;
             Renewal::Failed
@@ -139,7 +142,8 @@ pub(crate) async fn renew(
 
 /// Keeps the lease alive every third of its TTL; marks the member not live when etcd says
 /// the lease is gone, or when no renewal succeeded for a whole TTL (etcd unreachable). Each
-/// renewal moves the validity (`Member::validity`) on from the moment it was asked.
+/// renewal moves the validity (`Member::validity`) on from the moment it was asked, and the
+/// revision of the last beat (`Member::beaten`).
 ///
 /// `members` holds a client per etcd member: renewals ([`renew`]) go to one member until it
 /// fails (a member cut off from its quorum, one that does not answer), then at once to the
@@ -148,7 +152,7 @@ pub(crate) async fn keep_alive(
     members: Vec<Client>,
     (lease, keys): (i64, BeatKeys),
     ttl: i64,
-    (live, valid): (Arc<AtomicBool>, Arc<AtomicU64>),
+    (live, valid, beaten): (Arc<AtomicBool>, Arc<AtomicU64>, Arc<AtomicI64>),
     node: String,
 ) {
     let mut last_ok = tokio::time::Instant::now();
@@ -160,8 +164,9 @@ pub(crate) async fn keep_alive(
     };
     loop {
         match renew(&members[at], &mut stream, (lease, &keys), ttl).await {
-            Renewal::Until(until) => {
+            Renewal::Until(until, revision) => {
                 valid.fetch_max(until, Ordering::AcqRel);
+                beaten.fetch_max(revision, Ordering::AcqRel);
                 last_ok = tokio::time::Instant::now();
                 tracing::debug!(node, lease, member = at, "lease renewed");
                 tokio::time::sleep(period(ttl)).await;

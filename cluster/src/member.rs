@@ -36,6 +36,8 @@ pub struct Member {
     /// Until when (CLOCK_BOOTTIME, ns; 0: not now) this host's lease is sure to be alive in
     /// etcd ([`Member::validity`]); the same across rejoins.
     valid: Arc<AtomicU64>,
+    /// The revision of this host's last beat ([`Member::beaten`]); the same across rejoins.
+    beaten: Arc<AtomicI64>,
     /// The revision at which this host last wrote its node record: its publications require
     /// it ([`Member::fence_publications`]).
     epoch: AtomicI64,
@@ -74,9 +76,9 @@ impl Member {
         let keys = Keys {
             root: format!("/maru/{pool_uuid}/"),
         };
-        let valid = Arc::new(AtomicU64::new(0));
+        let (valid, beaten) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicI64::new(0)));
         let (lease, epoch, live, keeper) =
-            Self::register(&client, &renewers, &keys, &info, ttl, &valid).await?;
+            Self::register(&client, &renewers, &keys, &info, ttl, (&valid, &beaten)).await?;
         let detector = tokio::spawn(crate::detector::watch_beats(
             client.clone(),
             keys.clone(),
@@ -92,6 +94,7 @@ impl Member {
             lease,
             live,
             valid,
+            beaten,
             epoch: AtomicI64::new(epoch),
             keeper,
         })
@@ -103,7 +106,7 @@ impl Member {
         keys: &Keys,
         info: &NodeInfo,
         ttl: i64,
-        valid: &Arc<AtomicU64>,
+        (valid, beaten): (&Arc<AtomicU64>, &Arc<AtomicI64>),
     ) -> Result<(i64, i64, Arc<AtomicBool>, JoinHandle<()>)> {
         let c = client.clone();
         let sent = boottime_ns();
@@ -126,12 +129,13 @@ impl Member {
         }
         let epoch = r.revision();
         valid.store(until, Ordering::Release);
+        beaten.fetch_max(epoch, Ordering::AcqRel);
         let live = Arc::new(AtomicBool::new(true));
         let keeper = tokio::spawn(keep_alive(
             renewers.to_vec(),
             (lease, beat),
             ttl,
-            (live.clone(), valid.clone()),
+            (live.clone(), valid.clone(), beaten.clone()),
             info.node.clone(),
         ));
         Ok((lease, epoch, live, keeper))
@@ -169,6 +173,13 @@ impl Member {
         self.valid.clone()
     }
 
+    /// The revision of this host's last beat (each renewal writes one, with the host's tick:
+    /// [`crate::EntryEvent::Tick`]): a watch of the entries that has not delivered it a
+    /// renewal's period later lags. The value is shared: it follows the rejoins.
+    pub fn beaten(&self) -> Arc<AtomicI64> {
+        self.beaten.clone()
+    }
+
     /// Joins again after the lease was lost here (the keep-alive saw no renewal for a whole
     /// TTL). If etcd still holds the lease (a renewal succeeds: etcd renews every lease when
     /// a new leader takes over, so a host that waited out an election may find its lease
@@ -178,9 +189,10 @@ impl Member {
     pub async fn rejoin(&mut self) -> Result<Rejoined> {
         self.keeper.abort();
         let renewed = self.renew_lost().await;
-        if let Renewal::Until(kept) = renewed {
+        if let Renewal::Until(kept, revision) = renewed {
             self.live = Arc::new(AtomicBool::new(true));
             self.valid.fetch_max(kept, Ordering::AcqRel);
+            self.beaten.fetch_max(revision, Ordering::AcqRel);
             // Publications sent before the loss must not land: the node record is written
             // again (which also proves the lease owns it).
             if self.fence_publications().await.is_ok() {
@@ -188,7 +200,7 @@ impl Member {
                     self.renewers.clone(),
                     (self.lease, self.keys.beat_keys(&self.info.node)),
                     self.ttl,
-                    (self.live.clone(), self.valid.clone()),
+                    (self.live.clone(), self.valid.clone(), self.beaten.clone()),
                     self.info.node.clone(),
                 ));
                 return Ok(Rejoined::Kept);
@@ -207,7 +219,7 @@ impl Member {
             &self.keys,
             &self.info,
             self.ttl,
-            &self.valid,
+            (&self.valid, &self.beaten),
         )
         .await?;
         self.lease = lease;

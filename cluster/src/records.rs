@@ -107,9 +107,12 @@ pub enum EntryEvent {
         record: Option<EntryRecord>,
     },
     /// Host `node` wrote its tick, at `revision`, with each renewal of its lease and each
-    /// claim: `until` is then the validity its lease earned ([`crate::boottime_ns`] of
-    /// that host, so only that host can tell it). A host that sees its own tick has seen
-    /// every change to the entries made before it wrote it.
+    /// claim: `until` is then until when that host's view of the entries counts as fresh
+    /// once it has seen the tick ([`crate::boottime_ns`] of that host, so only that host
+    /// can tell it: the moment it asked, plus the TTL, less the guard). A host that sees
+    /// its own tick has seen every change to the entries made before it asked. A claim
+    /// renews no lease: only a renewal's tick tells of the lease, and the host counts its
+    /// lease's validity from the renewals themselves.
     Tick {
         node: String,
         until: u64,

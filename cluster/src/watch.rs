@@ -186,6 +186,9 @@ impl EntryWatch {
                     }
                     continue;
                 }
+                if !kv.key.starts_with(self.keys.entries().as_bytes()) {
+                    continue; // under the watch's prefix, but neither (a later version's)
+                }
                 let (ns, name) = self.keys.split_entry(kv.key.as_slice())?;
                 self.queued.push_back(match ev.r#type() {
                     EventType::Put => EntryEvent::Put {

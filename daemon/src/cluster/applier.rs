@@ -12,6 +12,7 @@ use maru_cluster::{EntryEvent, EntryRecord, Member};
 use tokio::sync::RwLock;
 
 use super::changes::Change;
+use super::view::Lag;
 use super::{EtcdAuthority, Name};
 use crate::store::Store;
 use crate::store::authority::Gone;
@@ -47,6 +48,8 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
             let (rev, fresh_until) = (snap.revision, snap.fresh_until);
             let Some(a) = me.upgrade() else { return };
             a.view.read(&snap);
+            a.lose_occupied();
+            let lag_limit = m.read().await.ttl() / 3;
             drop(a);
             if tx.send(Change::All(snap, done)).is_err() || applied.await.is_err() {
                 return;
@@ -70,7 +73,7 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
                 tokio::time::sleep(Duration::from_secs(1)).await;
                 continue;
             };
-            let mut check = tokio::time::interval(LAG_CHECK);
+            let (mut check, mut lag) = (tokio::time::interval(LAG_CHECK), Lag::new(lag_limit));
             loop {
                 let next = tokio::select! {
                     next = w.next() => next,
@@ -80,7 +83,7 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
                     }
                     _ = check.tick() => {
                         let Some(a) = me.upgrade() else { return };
-                        if a.watch_lags() {
+                        if lag.lags(&a.view) {
                             tracing::warn!("cluster: the entry watch lags (this host's renewals do not come back through it); reading the entries again");
                             break;
                         }
@@ -161,7 +164,7 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
     Ok(())
 }
 
-/// How often the applier looks whether its entry watch lags ([`EtcdAuthority::watch_lags`]).
+/// How often the applier looks whether its entry watch lags ([`Lag`]).
 const LAG_CHECK: Duration = Duration::from_millis(250);
 
 /// How long marud waits at its start for its first read of every entry.
@@ -283,6 +286,7 @@ async fn publish_fence(
                 until,
                 now = maru::index::boottime_ns(),
                 valid = a.valid.load(Ordering::Acquire),
+                view_valid = a.view.valid(),
                 rejoining = a.rejoining.load(Ordering::Acquire),
                 caught_up = a.caught_up.load(Ordering::Acquire),
                 rejoins = *a.rejoins.borrow(),

@@ -189,7 +189,7 @@ impl EtcdAuthority {
             }
         })?;
         tracing::info!(node = %s.node, pool = %pool_uuid, endpoints = ?s.endpoints, lease = member.lease(), "joined the cluster");
-        let valid = member.validity();
+        let (valid, beaten) = (member.validity(), member.beaten());
         let member = Arc::new(RwLock::new(member));
         let group = group::GroupCommit::start(&rt, member.clone());
         let me = Arc::new(EtcdAuthority {
@@ -223,7 +223,7 @@ impl EtcdAuthority {
             hosts: Mutex::new(Vec::new()),
             group,
             valid,
-            view: Arc::new(view::View::new(&s.node)),
+            view: Arc::new(view::View::new(&s.node, beaten)),
             // The start counts as a rejoin: what this host recovered from its own log may
             // have been removed elsewhere while it was down, so it serves nothing of the
             // shared pool until its first read of every entry is applied.

@@ -21,6 +21,13 @@ impl EtcdAuthority {
         let mut shared = Vec::new();
         let mut asks = Vec::new();
         for (i, p) in items.iter().enumerate() {
+            if p.at.pool == Some(self.pool.as_str()) && self.in_lost_region(p.at.offset()) {
+                out.push(Some(Err(Error::Busy(format!(
+                    "{}/{}: its region was claimed by another host while this one was cut off",
+                    p.ns, p.key
+                )))));
+                continue;
+            }
             if let Err(e) = self.local.publish(p.ns, p.key, p.id, &p.at) {
                 out.push(Some(Err(e)));
                 continue;

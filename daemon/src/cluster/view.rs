@@ -15,18 +15,30 @@
 //! - **Claims.** A claim writes the tick too, at its own revision: the host waits until its
 //!   watch has delivered that revision ([`View::wait_seen`]); every entry published in the
 //!   range before its last holder lost it is then in [`View::others`], and one there makes
-//!   the claim refused.
+//!   the claim refused. A read of every entry marks lost any region of this host's where
+//!   another host's entry lives (one claimed again after a rejoin, which another host took,
+//!   wrote and lost meanwhile): nothing more is placed there, nothing written there
+//!   published.
+//!
+//! A watch that has not delivered the host's last beat a renewal's period after it was
+//! written ([`Lag`]) is started again.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use maru_cluster::{EntryEvent, Snapshot};
+
+use crate::store::authority::Authority;
 use parking_lot::Mutex;
 
 /// This host's view of the entries: how fresh, how far, and the other hosts' extents.
 pub(super) struct View {
     node: String,
+    /// The revision of this host's last beat (`maru_cluster::Member::beaten`), which wrote
+    /// its tick too.
+    beaten: Arc<AtomicI64>,
     /// Until when the view is fresh enough to serve from (CLOCK_BOOTTIME, ns): the validity
     /// of this host's newest tick the watch delivered, or of the newest read of every entry
     /// applied.
@@ -44,9 +56,10 @@ pub(super) struct View {
 }
 
 impl View {
-    pub(super) fn new(node: &str) -> Self {
+    pub(super) fn new(node: &str, beaten: Arc<AtomicI64>) -> Self {
         View {
             node: node.to_owned(),
+            beaten,
             valid: AtomicU64::new(0),
             seen: tokio::sync::watch::Sender::new(0),
             others: Mutex::new(BTreeMap::new()),
@@ -127,6 +140,11 @@ impl View {
         }
     }
 
+    /// The revision up to which the watch has delivered every change.
+    fn seen(&self) -> i64 {
+        *self.seen.borrow()
+    }
+
     fn seen_up_to(&self, revision: i64) {
         self.seen.send_if_modified(|s| {
             let newer = revision > *s;
@@ -158,20 +176,73 @@ impl View {
     }
 }
 
+/// Tells whether the entry watch lags: this host's last beat (which wrote its tick) not
+/// delivered for longer than a renewal's period. Then the watch starts again from a read of
+/// every entry (which the balancer may send to another etcd member).
+pub(super) struct Lag {
+    /// Since when the watch has not delivered the beat it was then behind.
+    since: Option<Instant>,
+    limit: Duration,
+}
+
+impl Lag {
+    pub(super) fn new(limit: Duration) -> Self {
+        Lag { since: None, limit }
+    }
+
+    /// Whether the watch lags now, looked at every so often.
+    pub(super) fn lags(&mut self, view: &View) -> bool {
+        if view.seen() >= view.beaten.load(Ordering::Acquire) {
+            self.since = None;
+            return false;
+        }
+        let since = *self.since.get_or_insert_with(Instant::now);
+        since.elapsed() > self.limit
+    }
+}
+
 impl super::EtcdAuthority {
+    /// Marks lost every region of this host's where the view holds another host's entry:
+    /// one claimed again after a rejoin, that another host claimed, wrote and lost while
+    /// this one was cut off. Nothing more is placed there, and nothing written there is
+    /// published.
+    pub(super) fn lose_occupied(&self) {
+        for (off, len) in self.local.regions(&self.pool) {
+            let Some((o, l)) = self.view.other_in(off, len) else {
+                continue;
+            };
+            let mut lost = self.lost.lock();
+            if lost.insert(off) {
+                tracing::error!(
+                    off,
+                    len,
+                    entry = o,
+                    entry_len = l,
+                    "another host's entry lives in a region of this host's (claimed while this \
+                     one was cut off): nothing more is placed there, and what was written \
+                     there is not published"
+                );
+            }
+        }
+    }
+
+    /// Whether the extent at `offset` of the shared pool is in a region of this host's
+    /// marked lost.
+    pub(super) fn in_lost_region(&self, offset: u64) -> bool {
+        let lost = self.lost.lock();
+        !lost.is_empty()
+            && self
+                .local
+                .regions(&self.pool)
+                .iter()
+                .any(|&(o, l)| lost.contains(&o) && (o..o + l).contains(&offset))
+    }
+
     /// Holds back (or lets go of) what the entry watch delivers, as a watch stuck on an etcd
     /// member cut off from the others does (tests).
     #[cfg(feature = "seams")]
     pub fn hold_watch(&self, held: bool) {
         self.view.held.send_replace(held);
-    }
-
-    /// Whether the entry watch lags: this host's lease was renewed past now, but the watch
-    /// has not carried back a tick to say so. Broken, the watch starts again from a read of
-    /// every entry (which the balancer may send to another member).
-    pub(super) fn watch_lags(&self) -> bool {
-        let now = maru::index::boottime_ns();
-        self.valid.load(Ordering::Acquire) > now && self.view.valid() <= now
     }
 }
 
@@ -192,7 +263,7 @@ mod tests {
 
     #[test]
     fn other_hosts_entries_follow_the_watch_and_reads() {
-        let v = View::new("a");
+        let v = View::new("a", Arc::default());
         let put = |node: &str, offset, revision| EntryEvent::Put {
             ns: "ns".into(),
             name: format!("k{revision}"),
@@ -235,7 +306,7 @@ mod tests {
 
     #[test]
     fn only_this_host_s_own_ticks_make_the_view_fresh() {
-        let v = View::new("a");
+        let v = View::new("a", Arc::default());
         let tick = |node: &str, until, revision| EntryEvent::Tick {
             node: node.into(),
             until,
@@ -251,9 +322,31 @@ mod tests {
         assert_eq!(v.valid(), 9_000);
     }
 
+    #[test]
+    fn a_watch_lags_once_behind_the_last_beat_for_longer_than_a_period() {
+        let beaten = Arc::new(AtomicI64::new(5));
+        let v = View::new("a", beaten.clone());
+        let mut lag = Lag::new(Duration::from_millis(50));
+        let tick = |revision| EntryEvent::Tick {
+            node: "a".into(),
+            until: 1,
+            revision,
+        };
+        v.event(&tick(5));
+        assert!(!lag.lags(&v));
+        beaten.store(9, Ordering::Release);
+        assert!(!lag.lags(&v), "behind since just now");
+        std::thread::sleep(Duration::from_millis(60));
+        assert!(lag.lags(&v));
+        v.event(&tick(9));
+        assert!(!lag.lags(&v));
+        beaten.store(12, Ordering::Release);
+        assert!(!lag.lags(&v), "a new beat, counted from now");
+    }
+
     #[tokio::test]
     async fn a_claim_waits_for_the_watch_to_deliver_its_revision() {
-        let v = std::sync::Arc::new(View::new("a"));
+        let v = Arc::new(View::new("a", Arc::default()));
         assert!(!v.wait_seen(10, Duration::from_millis(20)).await);
         let w = v.clone();
         let waiting = tokio::spawn(async move { w.wait_seen(10, Duration::from_secs(30)).await });

@@ -253,8 +253,9 @@ pub trait Authority: Send + Sync {
 /// The error of a request fenced off ([`Authority::fenced`]).
 pub fn fenced_error() -> Error {
     Error::Busy(
-        "this host is cut off from the cluster (its lease may have run out): the shared pool is \
-         neither written nor read here until it has rejoined"
+        "this host is cut off from the cluster (its lease may have run out, or its view of the \
+         cluster's entries lags): the shared pool is neither written nor read here until it \
+         has caught up"
             .into(),
     )
 }
