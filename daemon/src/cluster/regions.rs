@@ -128,6 +128,49 @@ impl EtcdAuthority {
         self.local.release_region(pool, offset);
     }
 
+    /// Marks lost every region of this host's where the view holds another host's entry:
+    /// one claimed again after a rejoin, that another host claimed, wrote and lost while
+    /// this one was cut off. Nothing more is placed there, and nothing written there is
+    /// published.
+    pub(super) fn lose_occupied(&self) {
+        for (off, len) in self.local.regions(&self.pool) {
+            let Some((o, l)) = self.view.other_in(off, len) else {
+                continue;
+            };
+            let mut lost = self.lost.lock();
+            if lost.insert(off) {
+                tracing::error!(
+                    off,
+                    len,
+                    entry = o,
+                    entry_len = l,
+                    "another host's entry lives in a region of this host's (claimed while this \
+                     one was cut off): nothing more is placed there, and what was written \
+                     there is not published"
+                );
+            }
+        }
+    }
+
+    /// Whether the extent at `offset` of the shared pool is in a region of this host's
+    /// marked lost.
+    pub(super) fn in_lost_region(&self, offset: u64) -> bool {
+        let lost = self.lost.lock();
+        !lost.is_empty()
+            && self
+                .local
+                .regions(&self.pool)
+                .iter()
+                .any(|&(o, l)| lost.contains(&o) && (o..o + l).contains(&offset))
+    }
+
+    /// Holds back (or lets go of) what the entry watch delivers, as a watch stuck on an etcd
+    /// member cut off from the others does (tests).
+    #[cfg(feature = "seams")]
+    pub fn hold_watch(&self, held: bool) {
+        self.view.hold(held);
+    }
+
     /// Installs the seam run before a claim of a fresh region (its offset) goes to etcd, the
     /// region already this host's here (tests).
     #[cfg(feature = "seams")]

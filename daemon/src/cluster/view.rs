@@ -30,7 +30,6 @@ use std::time::{Duration, Instant};
 
 use maru_cluster::{EntryEvent, Snapshot};
 
-use crate::store::authority::Authority;
 use parking_lot::Mutex;
 
 /// This host's view of the entries: how fresh, how far, and the other hosts' extents.
@@ -77,6 +76,12 @@ impl View {
     /// No seam: built with feature `seams` only.
     #[cfg(not(feature = "seams"))]
     pub(super) async fn gate(&self) {}
+
+    /// Holds back (or lets go of) what the watch delivers (tests).
+    #[cfg(feature = "seams")]
+    pub(super) fn hold(&self, held: bool) {
+        self.held.send_replace(held);
+    }
 
     /// Until when the view is fresh enough to serve from (0: not yet).
     pub(super) fn valid(&self) -> u64 {
@@ -198,51 +203,6 @@ impl Lag {
         }
         let since = *self.since.get_or_insert_with(Instant::now);
         since.elapsed() > self.limit
-    }
-}
-
-impl super::EtcdAuthority {
-    /// Marks lost every region of this host's where the view holds another host's entry:
-    /// one claimed again after a rejoin, that another host claimed, wrote and lost while
-    /// this one was cut off. Nothing more is placed there, and nothing written there is
-    /// published.
-    pub(super) fn lose_occupied(&self) {
-        for (off, len) in self.local.regions(&self.pool) {
-            let Some((o, l)) = self.view.other_in(off, len) else {
-                continue;
-            };
-            let mut lost = self.lost.lock();
-            if lost.insert(off) {
-                tracing::error!(
-                    off,
-                    len,
-                    entry = o,
-                    entry_len = l,
-                    "another host's entry lives in a region of this host's (claimed while this \
-                     one was cut off): nothing more is placed there, and what was written \
-                     there is not published"
-                );
-            }
-        }
-    }
-
-    /// Whether the extent at `offset` of the shared pool is in a region of this host's
-    /// marked lost.
-    pub(super) fn in_lost_region(&self, offset: u64) -> bool {
-        let lost = self.lost.lock();
-        !lost.is_empty()
-            && self
-                .local
-                .regions(&self.pool)
-                .iter()
-                .any(|&(o, l)| lost.contains(&o) && (o..o + l).contains(&offset))
-    }
-
-    /// Holds back (or lets go of) what the entry watch delivers, as a watch stuck on an etcd
-    /// member cut off from the others does (tests).
-    #[cfg(feature = "seams")]
-    pub fn hold_watch(&self, held: bool) {
-        self.view.held.send_replace(held);
     }
 }
 
