@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use maru::proto::Located;
 use maru_cluster::UNIT;
 use maru_cluster::etcd::Range;
 use maru_cluster::testing::Etcd;
@@ -87,24 +88,34 @@ fn put(store: &Store, key: &str, data: &[u8]) -> maru::Result<()> {
     r
 }
 
-/// The bytes `store` serves as `ns/key` (None: absent).
-fn get(store: &Store, key: &str) -> Option<Vec<u8>> {
+/// What `f` makes of where `store` serves `ns/key` (None: absent).
+fn served<T>(store: &Store, key: &str, f: impl FnOnce(&Located) -> T) -> Option<T> {
     let s = store.open_session("t", Caller::root());
     let found = store
         .retrieve(s, "ns", &[key.to_owned()], |_| false)
         .expect("retrieve")
         .pop()
         .expect("one answer")
-        .map(|(loc, _)| {
-            let mut b = vec![0; loc.size as usize];
-            store
-                .raw_pool_fd(loc.pool, false)
-                .and_then(|f| Ok(f.read_exact_at(&mut b, loc.offset)?))
-                .expect("reading the pool");
-            b
-        });
+        .map(|(loc, _)| f(&loc));
     store.close_session(s);
     found
+}
+
+/// The bytes `store` serves as `ns/key` (None: absent).
+fn get(store: &Store, key: &str) -> Option<Vec<u8>> {
+    served(store, key, |loc| {
+        let mut b = vec![0; loc.size as usize];
+        store
+            .raw_pool_fd(loc.pool, false)
+            .and_then(|f| Ok(f.read_exact_at(&mut b, loc.offset)?))
+            .expect("reading the pool");
+        b
+    })
+}
+
+/// Where `store` serves `ns/key` in the pool (None: absent).
+fn offset_of(store: &Store, key: &str) -> Option<u64> {
+    served(store, key, |loc| loc.offset)
 }
 
 fn eventually(what: &str, mut f: impl FnMut() -> bool) {
@@ -624,19 +635,6 @@ fn a_writer_reads_back_an_entry_of_the_shared_pool_once_it_is_published() {
         assert!(fs.open(&me, a.ino, false).is_ok(), "published");
     });
     assert_eq!(get(&h0, "k").as_deref(), Some(&b"the bytes of k"[..]));
-}
-
-/// Where `store` serves `ns/key` in the pool (None: absent).
-fn offset_of(store: &Store, key: &str) -> Option<u64> {
-    let s = store.open_session("t", Caller::root());
-    let found = store
-        .retrieve(s, "ns", &[key.to_owned()], |_| false)
-        .expect("retrieve")
-        .pop()
-        .expect("one answer")
-        .map(|(loc, _)| loc.offset);
-    store.close_session(s);
-    found
 }
 
 /// Seed 1462 of the fault harness: a host whose entry watch lagged (stuck on an etcd member
