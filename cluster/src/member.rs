@@ -180,6 +180,12 @@ impl Member {
         self.beaten.clone()
     }
 
+    /// The revision at which this host last wrote its node record (joined, or rejoined):
+    /// every entry an earlier run of this node published precedes it.
+    pub fn epoch(&self) -> i64 {
+        self.epoch.load(Ordering::Acquire)
+    }
+
     /// Joins again after the lease was lost here (the keep-alive saw no renewal for a whole
     /// TTL). If etcd still holds the lease (a renewal succeeds: etcd renews every lease when
     /// a new leader takes over, so a host that waited out an election may find its lease

@@ -637,6 +637,33 @@ fn a_writer_reads_back_an_entry_of_the_shared_pool_once_it_is_published() {
     assert_eq!(get(&h0, "k").as_deref(), Some(&b"the bytes of k"[..]));
 }
 
+/// A host that comes and goes: a bare member of the cluster as `node` claims the region at
+/// `region`, publishes `ns/name` there (4 KiB at `offset`), and leaves (its lease revoked,
+/// its claim with it; the entry stays).
+fn come_and_go(etcd: &Etcd, uuid: &str, node: &str, (region, offset): (u64, u64), name: &str) {
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(async {
+        let info = maru_cluster::NodeInfo {
+            node: node.into(),
+            address: "127.0.0.1".into(),
+            pid: std::process::id(),
+        };
+        let m = maru_cluster::Member::join(&etcd.endpoints(), uuid, info, Duration::from_secs(10))
+            .await
+            .expect("join");
+        assert!(m.claim(region, UNIT).await.expect("claim").is_some());
+        let record = maru_cluster::EntryRecord {
+            offset,
+            len: 4096,
+            node: node.into(),
+            alloc: 1,
+        };
+        let r = m.publish("ns", name, &record).await.expect("publish");
+        assert!(matches!(r, maru_cluster::Published::New { .. }), "{r:?}");
+        m.leave().await.expect("leave");
+    });
+}
+
 /// Seed 1462 of the fault harness: a host whose entry watch lagged (stuck on an etcd member
 /// cut off from the others) claimed a region whose last holder, cut off in turn and its
 /// lease ended, had published an entry there that the lagging host had not seen, and wrote
@@ -650,28 +677,8 @@ fn a_host_whose_watch_lags_claims_no_region_over_an_entry_it_has_not_seen() {
     let dir = tempfile::tempdir().expect("tempdir");
     let uuid = pool_file(dir.path());
     let (h0, auth) = host_and_authority(&etcd, dir.path(), "h0", &uuid);
-    let rt = tokio::runtime::Runtime::new().expect("runtime");
     auth.hold_watch(true);
-    rt.block_on(async {
-        let info = maru_cluster::NodeInfo {
-            node: "gone".into(),
-            address: "127.0.0.1".into(),
-            pid: std::process::id(),
-        };
-        let m = maru_cluster::Member::join(&etcd.endpoints(), &uuid, info, Duration::from_secs(10))
-            .await
-            .expect("join");
-        assert!(m.claim(UNIT, UNIT).await.expect("claim").is_some());
-        let record = maru_cluster::EntryRecord {
-            offset: UNIT,
-            len: 4096,
-            node: "gone".into(),
-            alloc: 1,
-        };
-        let r = m.publish("ns", "theirs", &record).await.expect("publish");
-        assert!(matches!(r, maru_cluster::Published::New { .. }), "{r:?}");
-        m.leave().await.expect("leave");
-    });
+    come_and_go(&etcd, &uuid, "gone", (UNIT, UNIT), "theirs");
     // The watch catches up half a second into the claim's wait.
     let opener = {
         let auth = auth.clone();
@@ -724,5 +731,103 @@ fn a_host_whose_watch_lags_serves_no_entry_deleted_elsewhere() {
     put(&h0, "k", &[2u8; 100]).expect("stored again");
     eventually("h1 serves the new ns/k", || {
         get(&h1, "k").is_some_and(|b| b == [2u8; 100])
+    });
+}
+
+/// A region of this host's that another host claimed, wrote in and lost while this one was
+/// cut off (the cut ended this host's lease and its claims), and that the rejoin claims
+/// again because it is free by then, is marked lost once the host's read of every entry
+/// shows the other host's entry there. A write of this host's in flight across the cut, at
+/// the extent the other host then used, is not published (two live entries would share the
+/// extent, and the bytes are the other host's); nothing more is placed in the region; the
+/// other host's entry and this host's earlier one are served whole; and the region, once
+/// emptied of this host's entries, is given back to etcd.
+#[test]
+fn a_region_claimed_again_by_a_rejoin_over_another_host_s_entry_is_marked_lost() {
+    let Some(etcd) = Etcd::start() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let uuid = pool_file(dir.path());
+    let relay = Relay::to(&etcd);
+    let (h0, auth) = host_at(vec![relay.endpoint.clone()], dir.path(), "h0", &uuid);
+    let view = EtcdView::new(&etcd, &uuid);
+    put(&h0, "k", &[1u8; 5000]).expect("h0 stores ns/k");
+    // A write of h0's, granted in a region of h0's and not yet published.
+    let s = h0.open_session("t", Caller::root());
+    let (g, _) = h0
+        .alloc(s, 4096, 1, None, None)
+        .expect("alloc")
+        .pop()
+        .expect("one grant");
+    let region = g.offset / UNIT * UNIT;
+    let pool = h0.raw_pool_fd(g.pool, true).expect("the pool");
+    pool.write_all_at(&[3u8; 4096], g.offset)
+        .expect("h0's bytes");
+    // h0 is cut off, and its lease ends (as etcd ends it once the TTL has passed).
+    relay.set_cut(true);
+    let old = view.lease("h0").expect("h0's lease");
+    view.revoke(old);
+    // Meanwhile another host claims the region (nothing published in it is at that extent),
+    // writes and publishes an entry at the extent h0 is writing, and goes in turn.
+    pool.write_all_at(&[9u8; 4096], g.offset)
+        .expect("the other host's bytes");
+    come_and_go(&etcd, &uuid, "h9", (region, g.offset), "theirs");
+    relay.set_cut(false);
+    eventually("h0 rejoins and holds its region again", || {
+        view.lease("h0").is_some_and(|l| l != old)
+            && view.claims().contains(&(region, "h0".to_owned()))
+            && !auth.fenced()
+    });
+    let mine = h0.publish(s, g.alloc, "ns", "mine", None);
+    h0.close_session(s);
+    assert!(
+        mine.is_err(),
+        "h0 published its write at the extent of another host's entry"
+    );
+    assert_eq!(get(&h0, "mine"), None);
+    for i in 0..16 {
+        let name = format!("new{i}");
+        put(&h0, &name, &[2u8; 64 << 10]).expect("h0 stores after the rejoin");
+        let at = offset_of(&h0, &name).expect("h0 serves what it stored");
+        assert!(
+            !(region..region + UNIT).contains(&at),
+            "h0 placed ns/{name} at {at:#x}, in the region marked lost"
+        );
+    }
+    assert_eq!(get(&h0, "theirs"), Some(vec![9u8; 4096]));
+    assert_eq!(get(&h0, "k"), Some(vec![1u8; 5000]));
+    // Emptied of this host's entries, the region is given back: etcd holds for h0 exactly
+    // the regions its store holds (the release of a region marked lost was skipped as
+    // another host's, though the claim was h0's: etcd kept it as long as h0 lived).
+    assert!(!auth.regions(&uuid).iter().any(|&(o, _)| o == region));
+    view.claims_match(&auth, &uuid);
+}
+
+/// Seed 1591 of the fault harness: a host killed just after etcd took its publication of an
+/// entry (before its store recorded it) came back without it, while the other hosts served
+/// it; the restarted host then claimed the entry's region as empty, and wrote over it. An
+/// entry of this node that the run did not recover now counts as another host's: the claim
+/// of its region is given back, and the host serves the entry too. Here the earlier run is
+/// a bare member of the node's name that claims the pool's first region (which the host,
+/// storing, carves first), publishes there and leaves.
+#[test]
+fn a_restarted_host_claims_no_region_over_an_entry_its_earlier_run_published() {
+    let Some(etcd) = Etcd::start() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let uuid = pool_file(dir.path());
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(dir.path().join("cxl.img"))
+        .and_then(|f| f.write_all_at(&[5u8; 4096], UNIT))
+        .expect("the earlier run's bytes");
+    come_and_go(&etcd, &uuid, "h0", (UNIT, UNIT), "earlier");
+    let h0 = host(&etcd, dir.path(), "h0", &uuid);
+    put(&h0, "mine", &[7u8; 4096]).expect("store");
+    let at = offset_of(&h0, "mine").expect("h0 serves its entry");
+    assert!(
+        !(UNIT..2 * UNIT).contains(&at),
+        "h0 placed its entry at {at:#x}, in the region of its earlier run's entry"
+    );
+    eventually("h0 serves its earlier run's entry", || {
+        get(&h0, "earlier").is_some_and(|b| b == [5u8; 4096])
     });
 }

@@ -27,6 +27,17 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
     let me = Arc::downgrade(&auth);
     let mut rejoins = auth.rejoins.subscribe();
     let (caught_up, mut first) = tokio::sync::watch::channel(false);
+    // The store is recovered: this run's entries are told apart from those earlier runs of
+    // this node published and it did not recover (`View::own`).
+    let from = auth.rt.block_on(async { m.read().await.epoch() });
+    let recovered = auth
+        .published
+        .lock()
+        .values()
+        .map(|e| e.created)
+        .filter(|&c| c < from)
+        .collect();
+    auth.view.this_run(from, recovered);
     let fence_store = store.clone();
     auth.rt.spawn(async move {
         loop {
@@ -457,8 +468,9 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
                 );
                 removed(store, auth, &ns, &key, at, created);
             }
+            // Another host's, or an earlier run's that this one did not recover.
             for ((ns, key), (created, rec)) in &snap {
-                if rec.node != auth.node {
+                if !auth.view.own(rec, *created) {
                     file(store, auth, ns, key, rec, *created);
                 }
             }
@@ -473,7 +485,7 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
             record,
             revision,
         }) => {
-            if record.node != auth.node {
+            if !auth.view.own(&record, revision) {
                 file(store, auth, &ns, &name, &record, revision);
             }
         }
@@ -617,8 +629,9 @@ fn removed(store: &Store, auth: &EtcdAuthority, ns: &str, name: &str, revision: 
     }
 }
 
-/// Another host's entry `ns/key` (created at revision `created`): filed here. Held back
-/// while this host is changing the name.
+/// Another host's entry `ns/key` (created at revision `created`), or one an earlier run of
+/// this node published and this run did not recover: filed here. Held back while this host
+/// is changing the name.
 fn file(store: &Store, auth: &EtcdAuthority, ns: &str, key: &str, rec: &EntryRecord, created: i64) {
     let mut change = Change::Event(EntryEvent::Put {
         ns: ns.to_owned(),

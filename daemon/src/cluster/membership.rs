@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use super::{EtcdAuthority, Name};
+use super::{EtcdAuthority, Lost, Name};
 use crate::store::authority::Authority;
 
 impl EtcdAuthority {
@@ -74,7 +74,7 @@ async fn keep_membership(me: std::sync::Weak<EtcdAuthority>) {
                              off; nothing more is placed there, and what was written there is \
                              not published"
                         );
-                        lost.insert(off);
+                        lost.insert(off, Lost::Taken);
                     }
                 }
                 Err(e) => tracing::warn!(off, len, "claiming a region again: {e}"),

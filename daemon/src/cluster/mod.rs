@@ -123,9 +123,8 @@ pub struct EtcdAuthority {
     uses: AtomicU64,
     /// Uses of this host's entries other hosts reported.
     uses_reported: AtomicU64,
-    /// Regions (offsets) this host could not claim again after rejoining: another host took
-    /// them while this one was cut off. Nothing more is placed there.
-    lost: Mutex<HashSet<u64>>,
+    /// Regions (offsets) of this host's where nothing more is placed, and why.
+    lost: Mutex<HashMap<u64, Lost>>,
     endpoints: Vec<String>,
     /// The hosts and what each claims, refreshed every second (for stats).
     hosts: Mutex<Vec<maru::proto::HostInfo>>,
@@ -218,7 +217,7 @@ impl EtcdAuthority {
             used: Mutex::new(HashMap::new()),
             uses: AtomicU64::new(0),
             uses_reported: AtomicU64::new(0),
-            lost: Mutex::new(HashSet::new()),
+            lost: Mutex::new(HashMap::new()),
             endpoints: s.endpoints.clone(),
             hosts: Mutex::new(Vec::new()),
             group,
@@ -433,6 +432,16 @@ struct Hold {
     recorded: bool,
     /// A recording of it under the current lease went unanswered: it may land unseen.
     unanswered: bool,
+}
+
+/// Why a region of this host's is marked lost (nothing more placed, nothing published there).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Lost {
+    /// Not claimed again after a rejoin: another host took it while this one was cut off.
+    Taken,
+    /// Claimed again after a rejoin, but another host's entry lives there (that host took,
+    /// wrote and lost it meanwhile): the claim in etcd is this host's, given back when freed.
+    Occupied,
 }
 
 /// A region being given back (`EtcdAuthority::give_back`).
@@ -863,7 +872,7 @@ impl Authority for EtcdAuthority {
     }
 
     fn lost(&self, pool: &str, offset: u64) -> bool {
-        pool == self.pool && self.lost.lock().contains(&offset)
+        pool == self.pool && self.lost.lock().contains_key(&offset)
     }
 
     fn fence_epoch(&self) -> u64 {

@@ -7,7 +7,7 @@ use maru::{Error, Result};
 
 #[cfg(feature = "seams")]
 use super::ClaimGate;
-use super::{EtcdAuthority, Release, unavailable};
+use super::{EtcdAuthority, Lost, Release, unavailable};
 use crate::store::authority::Authority;
 
 /// How a fresh claim went at etcd, and what the view found in its range.
@@ -138,7 +138,8 @@ impl EtcdAuthority {
                 continue;
             };
             let mut lost = self.lost.lock();
-            if lost.insert(off) {
+            if let std::collections::hash_map::Entry::Vacant(v) = lost.entry(off) {
+                v.insert(Lost::Occupied);
                 tracing::error!(
                     off,
                     len,
@@ -161,7 +162,7 @@ impl EtcdAuthority {
                 .local
                 .regions(&self.pool)
                 .iter()
-                .any(|&(o, l)| lost.contains(&o) && (o..o + l).contains(&offset))
+                .any(|&(o, l)| lost.contains_key(&o) && (o..o + l).contains(&offset))
     }
 
     /// Holds back (or lets go of) what the entry watch delivers, as a watch stuck on an etcd
@@ -229,7 +230,7 @@ impl EtcdAuthority {
             .find(|&(o, _)| o == offset)
             .map(|(_, l)| l);
         self.local.release_region(pool, offset);
-        if self.lost.lock().remove(&offset) {
+        if self.lost.lock().remove(&offset) == Some(Lost::Taken) {
             return; // another host's now: nothing of it to give back
         }
         if let (Some(len), true) = (len, pool == self.pool) {

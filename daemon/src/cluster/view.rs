@@ -22,13 +22,19 @@
 //!
 //! A watch that has not delivered the host's last beat a renewal's period after it was
 //! written ([`Lag`]) is started again.
+//!
+//! An entry an earlier run of this node published and this run did not recover (etcd took
+//! the publication, the run was killed before its store recorded it) counts as another
+//! host's ([`View::own`]): its bytes live in a region this run does not hold, and are
+//! served by every host (seed 1591: a restarted host claimed that region as empty, and
+//! wrote over such an entry that other hosts were serving).
 
-use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use maru_cluster::{EntryEvent, Snapshot};
+use maru_cluster::{EntryEvent, EntryRecord, Snapshot};
 
 use parking_lot::Mutex;
 
@@ -44,10 +50,13 @@ pub(super) struct View {
     valid: AtomicU64,
     /// The revision up to which the watch has delivered every change.
     seen: tokio::sync::watch::Sender<i64>,
-    /// The other hosts' entries as the watch delivered them, ahead of the store (which may
-    /// hold a change back while this host changes the name): by extent offset, its length
-    /// and the entry's creation revision.
+    /// The entries not this run's ([`View::own`]) as the watch delivered them, ahead of the
+    /// store (which may hold a change back while this host changes the name): by extent
+    /// offset, its length and the entry's creation revision.
     others: Mutex<BTreeMap<u64, (u64, i64)>>,
+    /// From which revision this node's entries are this run's, and the creation revisions
+    /// of those of earlier runs this run recovered ([`View::this_run`]).
+    run: OnceLock<(i64, HashSet<i64>)>,
     /// The seam that holds the watch's changes back, as a watch stuck on a member cut off
     /// from the others would (tests; feature `seams`).
     #[cfg(feature = "seams")]
@@ -62,6 +71,7 @@ impl View {
             valid: AtomicU64::new(0),
             seen: tokio::sync::watch::Sender::new(0),
             others: Mutex::new(BTreeMap::new()),
+            run: OnceLock::new(),
             #[cfg(feature = "seams")]
             held: tokio::sync::watch::Sender::new(false),
         }
@@ -83,6 +93,24 @@ impl View {
         self.held.send_replace(held);
     }
 
+    /// This run's entries are this node's created from revision `from` on (its first node
+    /// record's: an earlier run's publications compared that run's own, and none landed
+    /// after it), and those created before it that the store recovered, `recovered`. Set
+    /// once, after the store's recovery and before the first read of every entry.
+    pub(super) fn this_run(&self, from: i64, recovered: HashSet<i64>) {
+        let _ = self.run.set((from, recovered));
+    }
+
+    /// Whether entry `record`, created at revision `created`, is this run's own: this
+    /// node's, and not one an earlier run published that this run did not recover.
+    pub(super) fn own(&self, record: &EntryRecord, created: i64) -> bool {
+        record.node == self.node
+            && self
+                .run
+                .get()
+                .is_none_or(|(from, recovered)| created >= *from || recovered.contains(&created))
+    }
+
     /// Until when the view is fresh enough to serve from (0: not yet).
     pub(super) fn valid(&self) -> u64 {
         self.valid.load(Ordering::Acquire)
@@ -93,7 +121,11 @@ impl View {
     pub(super) fn read(&self, snap: &Snapshot) {
         let mut others = self.others.lock();
         others.clear();
-        for l in snap.entries.iter().filter(|l| l.record.node != self.node) {
+        for l in snap
+            .entries
+            .iter()
+            .filter(|l| !self.own(&l.record, l.revision))
+        {
             others.insert(l.record.offset, (l.record.len, l.revision));
         }
         drop(others);
@@ -111,7 +143,7 @@ impl View {
             EntryEvent::Put {
                 record, revision, ..
             } => {
-                if record.node != self.node {
+                if !self.own(record, *revision) {
                     self.others
                         .lock()
                         .insert(record.offset, (record.len, *revision));
@@ -168,7 +200,7 @@ impl View {
         matches!(tokio::time::timeout(patience, seen).await, Ok(Ok(_)))
     }
 
-    /// Another host's entry in `[offset, offset + len)`, as `(offset, length)`.
+    /// An entry not this run's in `[offset, offset + len)`, as `(offset, length)`.
     pub(super) fn other_in(&self, offset: u64, len: u64) -> Option<(u64, u64)> {
         let others = self.others.lock();
         // Extents do not overlap one another: the last that begins before the end is the
@@ -262,6 +294,25 @@ mod tests {
         });
         assert_eq!(v.other_in(0x60_0000, 0x20_0000), Some((0x60_0000, 100)));
         assert_eq!(*v.seen.borrow(), 12);
+    }
+
+    #[test]
+    fn an_earlier_run_s_entries_it_did_not_recover_count_as_another_host_s() {
+        let v = View::new("a", Arc::default());
+        v.this_run(10, HashSet::from([4]));
+        let put = |offset, revision| EntryEvent::Put {
+            ns: "ns".into(),
+            name: format!("k{revision}"),
+            record: record("a", offset, 4096),
+            revision,
+        };
+        v.event(&put(0x20_0000, 3));
+        v.event(&put(0x40_0000, 4));
+        v.event(&put(0x60_0000, 11));
+        assert_eq!(v.other_in(0x20_0000, 0x20_0000), Some((0x20_0000, 4096)));
+        assert_eq!(v.other_in(0x40_0000, 0x20_0000), None, "recovered");
+        assert_eq!(v.other_in(0x60_0000, 0x20_0000), None, "this run's");
+        assert!(!v.own(&record("b", 0, 1), 11), "another host's");
     }
 
     #[test]
