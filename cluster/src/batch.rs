@@ -4,7 +4,7 @@
 use crate::error::Result;
 use crate::etcd::{self, Compare, Op, Range, Txn};
 use crate::keys::*;
-use crate::member::{Member, acks_by_node};
+use crate::member::Member;
 use crate::records::*;
 
 impl Member {
@@ -277,7 +277,7 @@ impl Member {
             .iter()
             .filter_map(|kv| kv.key.as_slice().strip_prefix(self.keys.nodes().as_bytes()))
             .collect();
-        let acked = acks_by_node(&self.keys, &acks.kvs);
+        let acked = self.keys.acks_by_node(&acks.kvs);
         // Every live host's acknowledgement (one that has none yet counts as 0).
         let least = live
             .iter()

@@ -53,6 +53,23 @@ pub(crate) struct Keys {
 }
 
 impl Keys {
+    /// Each node's acknowledgement (`Member::acknowledge`), from a read of `acks/`.
+    pub(crate) fn acks_by_node<'a>(
+        &self,
+        kvs: &'a [crate::etcd::KeyValue],
+    ) -> std::collections::HashMap<&'a [u8], i64> {
+        kvs.iter()
+            .filter_map(|kv| {
+                let node = kv.key.as_slice().strip_prefix(self.acks().as_bytes())?;
+                let rev = std::str::from_utf8(kv.value.as_slice())
+                    .ok()?
+                    .parse()
+                    .ok()?;
+                Some((node, rev))
+            })
+            .collect()
+    }
+
     pub(crate) fn node(&self, node: &str) -> String {
         format!("{}nodes/{node}", self.root)
     }

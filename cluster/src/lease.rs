@@ -1,7 +1,7 @@
 //! A member's etcd lease: kept alive in the background, and until when it is sure to be alive.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use crate::etcd::{Client, Compare, LeaseKeeper, Op, Txn};
@@ -25,6 +25,28 @@ pub(crate) fn validity_guard(ttl: i64) -> u64 {
 /// alive, less the guard ([`validity_guard`]).
 pub(crate) fn valid_until(sent: u64, granted: i64, ttl: i64) -> u64 {
     (sent + granted.max(0) as u64 * 1_000_000_000).saturating_sub(validity_guard(ttl))
+}
+
+/// What the renewals of a member's lease keep up to date, the same across its rejoins.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Renewed {
+    /// Until when the lease is sure to be alive (`Member::validity`; 0: not now).
+    pub(crate) valid: Arc<AtomicU64>,
+    /// The revision of the last beat (`Member::beaten`).
+    pub(crate) beaten: Arc<AtomicI64>,
+    /// The etcd member (its index) the last renewal went through: one in touch with etcd's
+    /// leader then, since the renewal's beat is a transaction (`Member::watch_entries`).
+    pub(crate) through: Arc<AtomicUsize>,
+}
+
+impl Renewed {
+    /// A renewal through member `at` made the lease sure until `until`, its beat at
+    /// `revision`.
+    pub(crate) fn renewed(&self, until: u64, revision: i64, at: usize) {
+        self.valid.fetch_max(until, Ordering::AcqRel);
+        self.beaten.fetch_max(revision, Ordering::AcqRel);
+        self.through.store(at, Ordering::Release);
+    }
 }
 
 /// The keys a renewal writes ([`beat`]).
@@ -152,21 +174,20 @@ pub(crate) async fn keep_alive(
     members: Vec<Client>,
     (lease, keys): (i64, BeatKeys),
     ttl: i64,
-    (live, valid, beaten): (Arc<AtomicBool>, Arc<AtomicU64>, Arc<AtomicI64>),
+    (live, renewed): (Arc<AtomicBool>, Renewed),
     node: String,
 ) {
     let mut last_ok = tokio::time::Instant::now();
     let mut at = 0;
     let mut stream = None;
     let lost = || {
-        valid.store(0, Ordering::Release);
+        renewed.valid.store(0, Ordering::Release);
         live.store(false, Ordering::Release);
     };
     loop {
         match renew(&members[at], &mut stream, (lease, &keys), ttl).await {
             Renewal::Until(until, revision) => {
-                valid.fetch_max(until, Ordering::AcqRel);
-                beaten.fetch_max(revision, Ordering::AcqRel);
+                renewed.renewed(until, revision, at);
                 last_ok = tokio::time::Instant::now();
                 tracing::debug!(node, lease, member = at, "lease renewed");
                 tokio::time::sleep(period(ttl)).await;

@@ -11,7 +11,7 @@ use tokio::task::JoinHandle;
 use crate::error::{Error, Result};
 use crate::etcd::{self, Client, Compare, Op, Range, Txn, TxnResponse};
 use crate::keys::*;
-use crate::lease::{Renewal, boottime_ns, keep_alive, renew, valid_until};
+use crate::lease::{Renewal, Renewed, boottime_ns, keep_alive, renew, valid_until};
 use crate::records::*;
 use crate::watch::*;
 
@@ -33,11 +33,9 @@ pub struct Member {
     ttl: i64,
     lease: i64,
     live: Arc<AtomicBool>,
-    /// Until when (CLOCK_BOOTTIME, ns; 0: not now) this host's lease is sure to be alive in
-    /// etcd ([`Member::validity`]); the same across rejoins.
-    valid: Arc<AtomicU64>,
-    /// The revision of this host's last beat ([`Member::beaten`]); the same across rejoins.
-    beaten: Arc<AtomicI64>,
+    /// Until when this host's lease is sure to be alive ([`Member::validity`]), the revision
+    /// of its last beat ([`Member::beaten`]), and the member the last renewal went through.
+    renewed: Renewed,
     /// The revision at which this host last wrote its node record: its publications require
     /// it ([`Member::fence_publications`]).
     epoch: AtomicI64,
@@ -76,9 +74,9 @@ impl Member {
         let keys = Keys {
             root: format!("/maru/{pool_uuid}/"),
         };
-        let (valid, beaten) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicI64::new(0)));
+        let renewed = Renewed::default();
         let (lease, epoch, live, keeper) =
-            Self::register(&client, &renewers, &keys, &info, ttl, (&valid, &beaten)).await?;
+            Self::register(&client, &renewers, &keys, &info, ttl, &renewed).await?;
         let detector = tokio::spawn(crate::detector::watch_beats(
             client.clone(),
             keys.clone(),
@@ -93,8 +91,7 @@ impl Member {
             ttl,
             lease,
             live,
-            valid,
-            beaten,
+            renewed,
             epoch: AtomicI64::new(epoch),
             keeper,
         })
@@ -106,7 +103,7 @@ impl Member {
         keys: &Keys,
         info: &NodeInfo,
         ttl: i64,
-        (valid, beaten): (&Arc<AtomicU64>, &Arc<AtomicI64>),
+        renewed: &Renewed,
     ) -> Result<(i64, i64, Arc<AtomicBool>, JoinHandle<()>)> {
         let c = client.clone();
         let sent = boottime_ns();
@@ -128,14 +125,14 @@ impl Member {
             return Err(Error::NodeTaken(info.node.clone()));
         }
         let epoch = r.revision();
-        valid.store(until, Ordering::Release);
-        beaten.fetch_max(epoch, Ordering::AcqRel);
+        renewed.valid.store(until, Ordering::Release);
+        renewed.beaten.fetch_max(epoch, Ordering::AcqRel);
         let live = Arc::new(AtomicBool::new(true));
         let keeper = tokio::spawn(keep_alive(
             renewers.to_vec(),
             (lease, beat),
             ttl,
-            (live.clone(), valid.clone(), beaten.clone()),
+            (live.clone(), renewed.clone()),
             info.node.clone(),
         ));
         Ok((lease, epoch, live, keeper))
@@ -170,14 +167,14 @@ impl Member {
     /// by a host that saw its beats stop ([`crate::detector`]), never before the renewal's
     /// request time plus the TTL either way. The value is shared: it follows the rejoins.
     pub fn validity(&self) -> Arc<AtomicU64> {
-        self.valid.clone()
+        self.renewed.valid.clone()
     }
 
     /// The revision of this host's last beat (each renewal writes one, with the host's tick:
     /// [`crate::EntryEvent::Tick`]): a watch of the entries that has not delivered it a
     /// renewal's period later lags. The value is shared: it follows the rejoins.
     pub fn beaten(&self) -> Arc<AtomicI64> {
-        self.beaten.clone()
+        self.renewed.beaten.clone()
     }
 
     /// The revision at which this host last wrote its node record (joined, or rejoined):
@@ -194,11 +191,10 @@ impl Member {
     /// (claims) is gone, the caller re-claims what it needs.
     pub async fn rejoin(&mut self) -> Result<Rejoined> {
         self.keeper.abort();
-        let renewed = self.renew_lost().await;
-        if let Renewal::Until(kept, revision) = renewed {
+        let (renewal, at) = self.renew_lost().await;
+        if let Renewal::Until(kept, revision) = renewal {
             self.live = Arc::new(AtomicBool::new(true));
-            self.valid.fetch_max(kept, Ordering::AcqRel);
-            self.beaten.fetch_max(revision, Ordering::AcqRel);
+            self.renewed.renewed(kept, revision, at);
             // Publications sent before the loss must not land: the node record is written
             // again (which also proves the lease owns it).
             if self.fence_publications().await.is_ok() {
@@ -206,15 +202,15 @@ impl Member {
                     self.renewers.clone(),
                     (self.lease, self.keys.beat_keys(&self.info.node)),
                     self.ttl,
-                    (self.live.clone(), self.valid.clone(), self.beaten.clone()),
+                    (self.live.clone(), self.renewed.clone()),
                     self.info.node.clone(),
                 ));
                 return Ok(Rejoined::Kept);
             }
-            self.valid.store(0, Ordering::Release);
+            self.renewed.valid.store(0, Ordering::Release);
             self.live.store(false, Ordering::Release);
         }
-        if renewed == Renewal::Gone {
+        if renewal == Renewal::Gone {
             // Another host may have found this one's beats stopped and not yet revoked the
             // lease: its node record would keep the name taken.
             let _ = self.client.lease_revoke(self.lease).await;
@@ -225,7 +221,7 @@ impl Member {
             &self.keys,
             &self.info,
             self.ttl,
-            (&self.valid, &self.beaten),
+            &self.renewed,
         )
         .await?;
         self.lease = lease;
@@ -237,16 +233,16 @@ impl Member {
 
     /// One renewal of the lease this host deemed lost, asked of each member in turn (a third
     /// of the TTL each) until one answers: until when the lease is then sure to be alive, if
-    /// etcd renewed it; [`Renewal::Failed`] if none answered.
-    async fn renew_lost(&self) -> Renewal {
+    /// etcd renewed it; [`Renewal::Failed`] if none answered. With the member that answered.
+    async fn renew_lost(&self) -> (Renewal, usize) {
         let beat = self.keys.beat_keys(&self.info.node);
-        for m in &self.renewers {
+        for (at, m) in self.renewers.iter().enumerate() {
             match renew(m, &mut None, (self.lease, &beat), self.ttl).await {
                 Renewal::Failed => {}
-                answered => return answered,
+                answered => return (answered, at),
             }
         }
-        Renewal::Failed
+        (Renewal::Failed, 0)
     }
 
     /// The comparison a publication makes: this host's node record is as it last wrote it
@@ -680,7 +676,7 @@ impl Member {
                 "an unexpected reply".into(),
             ));
         };
-        let acked = acks_by_node(&self.keys, &acks.kvs);
+        let acked = self.keys.acks_by_node(&acks.kvs);
         let me = self.keys.node(&self.info.node);
         Ok(nodes
             .kvs
@@ -950,9 +946,15 @@ impl Member {
 
     /// Streams every change to the entries from `revision` on (inclusive), and every host's
     /// ticks among them; a removal carries the record removed.
+    ///
+    /// The watch goes to the etcd member the lease's last renewal went through (in touch
+    /// with etcd's leader then), not to whichever the balancer picks: a watch on a member
+    /// cut off from the others delivers nothing, and no error either until HTTP/2 keep-alive
+    /// finds the connection dead (twice the patience), so a watch started again because it
+    /// lagged would otherwise often go back to the same member.
     pub async fn watch_entries(&self, revision: i64) -> Result<EntryWatch> {
-        let stream = self
-            .client
+        let through = self.renewed.through.load(Ordering::Acquire);
+        let stream = self.renewers[through]
             .watch(self.keys.entry_watch(), Range::PREFIX, revision, true)
             .await?;
         Ok(EntryWatch {
@@ -977,21 +979,4 @@ impl Drop for Member {
         self.keeper.abort();
         self.detector.abort();
     }
-}
-
-/// Each node's acknowledgement ([`Member::acknowledge`]), from a read of `acks/`.
-pub(crate) fn acks_by_node<'a>(
-    keys: &Keys,
-    kvs: &'a [etcd::KeyValue],
-) -> std::collections::HashMap<&'a [u8], i64> {
-    kvs.iter()
-        .filter_map(|kv| {
-            let node = kv.key.as_slice().strip_prefix(keys.acks().as_bytes())?;
-            let rev = std::str::from_utf8(kv.value.as_slice())
-                .ok()?
-                .parse()
-                .ok()?;
-            Some((node, rev))
-        })
-        .collect()
 }

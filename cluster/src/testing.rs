@@ -396,6 +396,34 @@ impl EtcdCluster {
         self.members[i].child.as_ref().map(Child::id)
     }
 
+    /// `n` members on loopback, on ports free when asked.
+    pub fn on_loopback(n: usize) -> Option<EtcdCluster> {
+        let places = vec![
+            Place {
+                netns: None,
+                ip: "127.0.0.1".into(),
+            };
+            n
+        ];
+        // Ports base + 100 i and one above, each free: the first base found so.
+        let free = |p: u16| TcpListener::bind(("127.0.0.1", p)).is_ok();
+        let base = (0..200)
+            .map(|k| 20_000 + (std::process::id() as u16 % 97 + k) * 211 % 20_000)
+            .find(|&b| (0..n as u16).all(|i| free(b + 100 * i) && free(b + 100 * i + 1)))
+            .expect("free loopback ports");
+        Self::start(None, &places, base)
+    }
+
+    /// Stops member `i` (SIGSTOP: its connections stay open, nothing is answered, as with a
+    /// member behind a partition until keep-alive gives up), or lets it go on (SIGCONT).
+    pub fn pause(&self, i: usize, paused: bool) {
+        if let Some(c) = &self.members[i].child {
+            let sig = if paused { libc::SIGSTOP } else { libc::SIGCONT };
+            // SAFETY: a signal to the child this value started and still owns.
+            unsafe { libc::kill(c.id() as i32, sig) };
+        }
+    }
+
     /// Kills member `i` (SIGKILL); its data stays for [`EtcdCluster::restart`].
     pub fn kill(&mut self, i: usize) {
         if let Some(mut c) = self.members[i].child.take() {

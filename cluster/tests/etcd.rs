@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use maru_cluster::testing::Etcd;
+use maru_cluster::testing::{Etcd, EtcdCluster};
 use maru_cluster::{
     EntryAt, EntryEvent, EntryRecord, Error, Member, NodeInfo, Publication, Published, Removing,
     UNIT,
@@ -29,8 +29,13 @@ macro_rules! next_changes {
 }
 
 async fn member(etcd: &Etcd, node: &str, ttl_s: u64) -> Member {
+    member_at(&etcd.endpoints(), node, ttl_s).await
+}
+
+/// [`member`], reaching etcd at `endpoints`.
+async fn member_at(endpoints: &[String], node: &str, ttl_s: u64) -> Member {
     Member::join(
-        &etcd.endpoints(),
+        endpoints,
         POOL,
         NodeInfo {
             node: node.into(),
@@ -1047,4 +1052,59 @@ async fn a_read_of_every_entry_larger_than_four_mib_comes_whole() {
     }
     let all = b.snapshot().await.expect("a read of every entry").entries;
     assert_eq!(all.len(), n as usize);
+}
+
+/// An entry watch goes to the etcd member the lease's renewals go through, not wherever the
+/// balancer sends it: with one member stopped (its connections open, nothing answered, as a
+/// member behind a partition looks until keep-alive gives up), every watch started delivers
+/// what another host publishes. Through the balancer, some went to the stopped member and
+/// delivered nothing: a daemon starting a lagging watch again could go back there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_entry_watch_goes_to_the_member_the_lease_is_renewed_through() {
+    let Some(etcd) = EtcdCluster::on_loopback(3) else {
+        return;
+    };
+    let all = etcd.endpoints();
+    let stopped = (etcd.leader_member().expect("a leader") + 1) % all.len();
+    let a = member_at(&all, "a", 2).await;
+    let others: Vec<String> = (0..all.len())
+        .filter(|&i| i != stopped)
+        .map(|i| all[i].clone())
+        .collect();
+    let b = member_at(&others, "b", 2).await;
+    // A member that does not lead stops; a's renewals go on through the others.
+    etcd.pause(stopped, true);
+    let beaten = a.beaten();
+    let since = beaten.load(std::sync::atomic::Ordering::Acquire);
+    let t = Instant::now();
+    while beaten.load(std::sync::atomic::Ordering::Acquire) <= since {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "a's lease is not renewed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for i in 0..8u64 {
+        let name = format!("k{i}");
+        assert!(b.claim(i * UNIT, UNIT).await.expect("claim").is_some());
+        let published = b.publish("ns", &name, &record("b", i * UNIT)).await;
+        let Ok(Published::New { revision }) = published else {
+            panic!("{published:?}");
+        };
+        let delivered = tokio::time::timeout(Duration::from_secs(3), async {
+            let mut w = a.watch_entries(revision).await.expect("watch");
+            loop {
+                match w.next().await.expect("watch").expect("the watch ended") {
+                    EntryEvent::Put { name: n, .. } if n == name => break,
+                    _ => {}
+                }
+            }
+        })
+        .await;
+        assert!(
+            delivered.is_ok(),
+            "watch {i} delivered nothing (member m{stopped} stopped)"
+        );
+    }
+    etcd.pause(stopped, false);
 }

@@ -215,7 +215,8 @@ impl View {
 
 /// Tells whether the entry watch lags: this host's last beat (which wrote its tick) not
 /// delivered for longer than a renewal's period. Then the watch starts again from a read of
-/// every entry (which the balancer may send to another etcd member).
+/// every entry, and goes to the etcd member the renewals go through
+/// (`maru_cluster::Member::watch_entries`).
 pub(super) struct Lag {
     /// Since when the watch has not delivered the beat it was then behind.
     since: Option<Instant>,
