@@ -11,6 +11,9 @@ pub use maru::daemon_config::{DEFAULT_MOUNT, DEFAULT_POOL, DEFAULT_SOCKET, DEFAU
 /// Default niceness: left alone (see `--nice`).
 pub const DEFAULT_NICE: i32 = 0;
 
+/// Control socket connections served at once unless configured.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
+
 /// marud: the maru KV-cache store daemon.
 ///
 /// With no flags it runs the embedded default: one memfs pool (a daemon-mounted tmpfs with 2 MiB
@@ -67,6 +70,10 @@ pub struct Cli {
     /// inference threads.
     #[arg(long, value_name = "N", allow_hyphen_values = true)]
     pub nice: Option<i32>,
+    /// Connections to the control socket served at once (default 4096; each has a thread).
+    /// One more is answered `busy` and closed.
+    #[arg(long, value_name = "N")]
+    pub max_connections: Option<usize>,
     /// Write the daemon's pid here once it serves.
     #[arg(long, value_name = "FILE")]
     pub pid_file: Option<PathBuf>,
@@ -144,6 +151,8 @@ pub struct Settings {
     pub fuse_uring: maru_fsd::ring::UringMode,
     /// Niceness (-20..19).
     pub nice: i32,
+    /// Control socket connections served at once.
+    pub max_connections: usize,
     /// Pid file.
     pub pid_file: Option<PathBuf>,
     /// Metrics address.
@@ -294,6 +303,10 @@ impl Settings {
                 .or(file.nice)
                 .unwrap_or(DEFAULT_NICE)
                 .clamp(-20, 19),
+            max_connections: match cli.max_connections.or(file.max_connections) {
+                Some(0) => anyhow::bail!("max_connections must be at least 1"),
+                n => n.unwrap_or(DEFAULT_MAX_CONNECTIONS),
+            },
             pid_file: cli.pid_file.or(file.pid_file),
             metrics: cli.metrics.or(file.metrics),
             cluster,

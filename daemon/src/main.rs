@@ -248,7 +248,7 @@ fn run(s: Settings) -> anyhow::Result<()> {
             std::fs::write(p, format!("{}\n", std::process::id()))?;
         }
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-        let srv = tokio::spawn(server::serve(store.clone(), listener));
+        let srv = tokio::spawn(server::serve(store.clone(), listener, s.max_connections));
         let metrics = match s.metrics {
             Some(addr) => {
                 // Bind now so that a bad address fails the start, not a background task.

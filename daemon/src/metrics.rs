@@ -37,11 +37,10 @@ pub fn render(s: &Stats) -> String {
         "counter",
         "Control operations handled, by operation.",
     );
-    for (op, n) in s
-        .ops
-        .iter()
-        .filter(|(k, _)| !k.starts_with("fuse_") && *k != "errors" && *k != "lane_requests")
-    {
+    for (op, n) in s.ops.iter().filter(|(k, _)| {
+        !k.starts_with("fuse_")
+            && !["errors", "lane_requests", "connections_refused"].contains(&k.as_str())
+    }) {
         let _ = writeln!(o, "maru_ops_total{{op=\"{}\"}} {n}", esc(op));
     }
     for (name, op, help) in [
@@ -54,6 +53,11 @@ pub fn render(s: &Stats) -> String {
             "maru_lane_requests_total",
             "lane_requests",
             "Control requests that came through a connection's shared-memory lane.",
+        ),
+        (
+            "maru_connections_refused_total",
+            "connections_refused",
+            "Connections to the control socket refused: marud served --max-connections already.",
         ),
     ] {
         head(&mut o, name, "counter", help);

@@ -13,6 +13,7 @@ use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use maru::lane::{LANE_CAP, Lane, NUDGE};
@@ -87,12 +88,22 @@ pub fn bind(path: &Path, group: Option<SocketGroup>) -> anyhow::Result<UnixListe
     Ok(l)
 }
 
-/// Accepts connections until the task is dropped; each is served on its own thread.
-pub async fn serve(store: Arc<Store>, listener: UnixListener) {
+/// Accepts connections until the task is dropped; each is served on its own thread, at most
+/// `max` at once. One more has its first request (the hello) answered `Busy` and is closed,
+/// or closed without an answer when its client sends nothing within [`REFUSAL_WAIT`]; past
+/// [`REFUSING`] such connections at once, the next ones are closed at the accept.
+pub async fn serve(store: Arc<Store>, listener: UnixListener, max: usize) {
+    let live = Arc::new(AtomicUsize::new(0));
     loop {
         match listener.accept().await {
             Ok((stream, _)) => {
-                if let Err(e) = spawn_conn(store.clone(), stream) {
+                let slot = Slot::take(&live);
+                if slot.0 >= max + REFUSING {
+                    store.count("connections_refused");
+                    continue;
+                }
+                let full = (slot.0 >= max).then_some(max);
+                if let Err(e) = spawn_conn(store.clone(), stream, slot, full) {
                     // The stream was dropped: the client sees the connection closed.
                     tracing::warn!("connection refused: cannot start its thread: {e}");
                 }
@@ -105,17 +116,52 @@ pub async fn serve(store: Arc<Store>, listener: UnixListener) {
     }
 }
 
-fn spawn_conn(store: Arc<Store>, stream: tokio::net::UnixStream) -> std::io::Result<()> {
+/// Connections over the cap being answered at once, past which more are closed unanswered.
+const REFUSING: usize = 64;
+/// How long a connection over the cap is given to send its hello.
+const REFUSAL_WAIT: Duration = Duration::from_secs(1);
+
+/// One connection counted among those served (with the count before it): let go when the
+/// connection ends.
+struct Slot(usize, Arc<AtomicUsize>);
+
+impl Slot {
+    fn take(live: &Arc<AtomicUsize>) -> Slot {
+        Slot(live.fetch_add(1, Ordering::AcqRel), live.clone())
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.1.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Serves `stream` on a thread of its own; `full` (the cap) when it is over the cap.
+fn spawn_conn(
+    store: Arc<Store>,
+    stream: tokio::net::UnixStream,
+    slot: Slot,
+    full: Option<usize>,
+) -> std::io::Result<()> {
     let stream = stream.into_std()?;
     stream.set_nonblocking(false)?;
+    if full.is_some() {
+        store.count("connections_refused");
+        stream.set_read_timeout(Some(REFUSAL_WAIT))?;
+    }
     std::thread::Builder::new()
         .name("marud-conn".into())
-        .spawn(move || serve_conn(store, stream))?;
+        .spawn(move || {
+            serve_conn(store, stream, full);
+            drop(slot);
+        })?;
     Ok(())
 }
 
-/// Serves one connection until the peer closes it or breaks the protocol.
-fn serve_conn(store: Arc<Store>, stream: UnixStream) {
+/// Serves one connection until the peer closes it or breaks the protocol (answers its first
+/// request `Busy`, then closes it, when it is over the cap `full`).
+fn serve_conn(store: Arc<Store>, stream: UnixStream, full: Option<usize>) {
     use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
     let cred = match getsockopt(&stream, PeerCredentials) {
         Ok(c) => c,
@@ -133,6 +179,7 @@ fn serve_conn(store: Arc<Store>, stream: UnixStream) {
         d: Dispatcher::new(store, caller),
         gap: Duration::ZERO,
     };
+    conn.d.full = full;
     if let Err(e) = conn.run() {
         tracing::debug!("connection closed: {e}");
     }
@@ -157,6 +204,9 @@ pub struct Dispatcher {
     /// Publications read and not handled yet, as (request id, allocation, namespace, key,
     /// length): handled together with those that follow them ([`Dispatcher::publish_all`]).
     publishes: Vec<(u64, u64, String, String, Option<u64>)>,
+    /// The cap on connections, when this one is over it: its first request is answered
+    /// `Busy`, and it is closed.
+    full: Option<usize>,
 }
 
 /// How long a connection's thread polls for the next request after answering one, when
@@ -379,6 +429,7 @@ impl Dispatcher {
             urgent: false,
             lane: None,
             publishes: Vec::new(),
+            full: None,
         }
     }
 
@@ -476,6 +527,18 @@ impl Dispatcher {
         let name = req.op.name();
         let span = tracing::debug_span!("req", id = req.id, op = name);
         let _g = span.enter();
+        if let Some(max) = self.full {
+            tracing::warn!(
+                max,
+                "connection refused: marud serves {max} connections already"
+            );
+            let why = format!(
+                "marud serves {max} connections already (--max-connections); try again once \
+                 others have closed"
+            );
+            self.push_err(req.id, &Error::Busy(why));
+            return true;
+        }
         if self.session.is_none() && !matches!(req.op, Op::Hello { .. }) {
             self.push_err(
                 req.id,

@@ -1359,7 +1359,7 @@ fn with_the_log_synced_a_failed_sync_fails_a_batch_over_the_socket() {
         let _in = rt.enter();
         tokio::net::UnixListener::bind(&socket).unwrap()
     };
-    rt.spawn(maru_daemon::server::serve(store.clone(), listener));
+    rt.spawn(maru_daemon::server::serve(store.clone(), listener, 4096));
     let h = maru::Handler::connect(maru::Config {
         socket: socket.clone(),
         ..Default::default()

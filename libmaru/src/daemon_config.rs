@@ -48,6 +48,8 @@ pub struct FileConfig {
     pub fuse_uring: Option<String>,
     /// Niceness.
     pub nice: Option<i32>,
+    /// Control socket connections served at once.
+    pub max_connections: Option<usize>,
     /// Pid file.
     pub pid_file: Option<PathBuf>,
     /// Metrics address.

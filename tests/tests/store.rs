@@ -916,3 +916,46 @@ fn a_call_that_timed_out_leaves_no_connection_out_of_step() {
     // A new connection is served.
     d.handler().stats().unwrap();
 }
+
+/// marud serves at most `--max-connections` connections at once: one more is told so (busy,
+/// naming the flag) and closed, and counted; one that sends nothing is closed without an
+/// answer; once a connection closes, a new one is served.
+#[test]
+fn a_connection_over_the_cap_is_told_busy_and_closed() {
+    let mut opts = no_mount(&[MEMFS]);
+    opts.extra = vec!["--max-connections".into(), "2".into()];
+    let d = Daemon::start(opts);
+    let a = d.handler();
+    let b = d.handler();
+    let Err(e) = maru::Handler::connect(d.client_config()) else {
+        panic!("a third connection was served");
+    };
+    assert!(
+        matches!(e, Error::Busy(_)) && e.to_string().contains("--max-connections"),
+        "{e}"
+    );
+    // A client over the cap that sends nothing is closed (not held for good).
+    let mut silent = UnixStream::connect(&d.socket).expect("connect");
+    silent
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .expect("timeout");
+    assert_eq!(
+        silent.read(&mut [0u8; 1]).expect("closed, not timed out"),
+        0
+    );
+    // Once one goes, a new connection is served.
+    drop(b);
+    let t = std::time::Instant::now();
+    let c = loop {
+        match maru::Handler::connect(d.client_config()) {
+            Ok(c) => break c,
+            Err(Error::Busy(_)) if t.elapsed() < Duration::from_secs(10) => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => panic!("{e}"),
+        }
+    };
+    // Counted: the refused one and the silent one, at least.
+    assert!(c.stats().expect("stats").ops["connections_refused"] >= 2);
+    assert!(a.stats().is_ok());
+}

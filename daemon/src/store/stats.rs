@@ -7,9 +7,10 @@ use std::time::Duration;
 use maru::proto::LATENCY_BUCKETS_US;
 use maru_fsd::Upcall;
 
-/// The control operations counted by name (`maru::proto::Op::name`), plus `errors` and
-/// `lane_requests` (requests taken from connections' shared-memory lanes).
-pub const OPS: [&str; 21] = [
+/// The control operations counted by name (`maru::proto::Op::name`), plus `errors`,
+/// `lane_requests` (requests taken from connections' shared-memory lanes) and
+/// `connections_refused` (connections over `--max-connections`).
+pub const OPS: [&str; 22] = [
     "hello",
     "mkdir",
     "rmdir",
@@ -31,6 +32,7 @@ pub const OPS: [&str; 21] = [
     "lane",
     "errors",
     "lane_requests",
+    "connections_refused",
 ];
 
 /// Kinds of bytes counted.
