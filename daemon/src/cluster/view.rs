@@ -93,10 +93,11 @@ impl View {
         self.held.send_replace(held);
     }
 
-    /// This run's entries are this node's created from revision `from` on (its first node
-    /// record's: an earlier run's publications compared that run's own, and none landed
-    /// after it), and those created before it that the store recovered, `recovered`. Set
-    /// once, after the store's recovery and before the first read of every entry.
+    /// This run's entries are this node's created from revision `from` on (the node record
+    /// this run last wrote before its applier started: an earlier run's publications compared
+    /// that run's own record, and none landed after this run's first), and those created
+    /// before it that the store recovered or this run published while recovering, `recovered`.
+    /// Set once, after the store's recovery and before the first read of every entry.
     pub(super) fn this_run(&self, from: i64, recovered: HashSet<i64>) {
         let _ = self.run.set((from, recovered));
     }
