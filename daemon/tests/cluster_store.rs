@@ -320,6 +320,13 @@ impl EtcdView {
         r.expect("the node record").kvs.first().map(|kv| kv.lease)
     }
 
+    /// Whether etcd holds an entry `ns/key`.
+    fn has_entry(&self, key: &str) -> bool {
+        let key = format!("{}entries/ns/{key}", self.root);
+        let r = self.rt.block_on(self.client.get(key, Range::KEY));
+        !r.expect("the entry").kvs.is_empty()
+    }
+
     /// Revokes `lease` (as etcd does once a host cut off outlives its TTL).
     fn revoke(&self, lease: i64) {
         let r = self.rt.block_on(self.client.lease_revoke(lease));
@@ -830,4 +837,65 @@ fn a_restarted_host_claims_no_region_over_an_entry_its_earlier_run_published() {
     eventually("h0 serves its earlier run's entry", || {
         get(&h0, "earlier").is_some_and(|b| b == [5u8; 4096])
     });
+}
+
+/// Seed 1657 of the fault harness: a publication etcd had taken was acknowledged 2.03 s
+/// after its host was cut off, past the host's fence, because the group commit answered it
+/// only once the removals beside it were done, and their transaction, sent as the cut came,
+/// waited out its timeout. Each kind is answered as soon as its own transactions are. Here
+/// the seam holds a commit's removals: one removal alone first, so that a publication and a
+/// removal queue behind it and go to etcd in the next commit together; that commit's removal
+/// is held in turn, and its publication must be answered meanwhile.
+#[test]
+fn a_publication_is_answered_while_a_removal_of_its_commit_waits() {
+    let Some(etcd) = Etcd::start() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let uuid = pool_file(dir.path());
+    let (h0, auth) = host_and_authority(&etcd, dir.path(), "h0", &uuid);
+    for key in ["first", "second"] {
+        put(&h0, key, &[1u8; 5000]).expect("h0 stores");
+    }
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    auth.set_removal_gate(Some(gate.clone()));
+    let delete = |key: &'static str| {
+        let h = h0.clone();
+        std::thread::spawn(move || h.delete(&Caller::root(), "ns", &[key.to_owned()]))
+    };
+    let first = delete("first");
+    std::thread::sleep(Duration::from_millis(500));
+    let (published_tx, published) = std::sync::mpsc::channel();
+    let h = h0.clone();
+    let publication = std::thread::spawn(move || {
+        let r = put(&h, "new", &[2u8; 5000]);
+        let _ = published_tx.send(());
+        r
+    });
+    let second = delete("second");
+    // Both wait behind the first commit, held at the seam; let its removal go.
+    std::thread::sleep(Duration::from_secs(1));
+    gate.add_permits(1);
+    let answered = published.recv_timeout(Duration::from_secs(20));
+    let second_waits = !second.is_finished();
+    gate.add_permits(1);
+    assert!(
+        answered.is_ok(),
+        "the publication waited for the removal of its commit"
+    );
+    assert!(
+        second_waits,
+        "the second removal was not held: it did not go in the publication's commit"
+    );
+    publication
+        .join()
+        .expect("the publication's thread")
+        .expect("h0 stores ns/new");
+    for removal in [first, second] {
+        let out = removal.join().expect("the removal's thread");
+        assert!(out.is_ok_and(|each| each.iter().all(Result::is_ok)));
+    }
+    auth.set_removal_gate(None);
+    assert_eq!(get(&h0, "new"), Some(vec![2u8; 5000]));
+    assert_eq!(get(&h0, "second"), None);
+    let view = EtcdView::new(&etcd, &uuid);
+    assert!(view.has_entry("new") && !view.has_entry("first") && !view.has_entry("second"));
 }

@@ -53,17 +53,63 @@ impl Job {
     }
 }
 
+/// The seam before a commit's removals go to etcd (tests; feature `seams`): when one is set,
+/// each commit with removals takes one of its permits first, its publications going on.
+#[cfg(feature = "seams")]
+pub type RemovalGate = Arc<Semaphore>;
+
+/// Where the committer finds the seam [`RemovalGate`] (nothing without feature `seams`).
+#[derive(Clone, Default)]
+pub(super) struct Seam {
+    #[cfg(feature = "seams")]
+    removals: Arc<parking_lot::RwLock<Option<RemovalGate>>>,
+}
+
+impl Seam {
+    /// Installs the seam before a commit's removals (tests).
+    #[cfg(feature = "seams")]
+    pub(super) fn set_removal_gate(&self, gate: Option<RemovalGate>) {
+        *self.removals.write() = gate;
+    }
+
+    /// Waits for a permit of the removals' seam, if one is set.
+    async fn before_removals(&self) {
+        #[cfg(feature = "seams")]
+        {
+            let gate = self.removals.read().clone();
+            if let Some(g) = gate
+                && let Ok(permit) = g.acquire().await
+            {
+                permit.forget();
+            }
+        }
+    }
+}
+
 /// The queue of publications and removals waiting for etcd, and its committer.
 pub(super) struct GroupCommit {
     tx: mpsc::UnboundedSender<Job>,
+    #[cfg(feature = "seams")]
+    seam: Seam,
 }
 
 impl GroupCommit {
     /// Starts the committer on `rt`.
     pub(super) fn start(rt: &tokio::runtime::Runtime, member: Arc<RwLock<Member>>) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
-        rt.spawn(commit(member, rx));
-        GroupCommit { tx }
+        let seam = Seam::default();
+        rt.spawn(commit(member, rx, seam.clone()));
+        GroupCommit {
+            tx,
+            #[cfg(feature = "seams")]
+            seam,
+        }
+    }
+
+    /// Installs the seam before a commit's removals go to etcd (tests).
+    #[cfg(feature = "seams")]
+    pub(super) fn set_removal_gate(&self, gate: Option<RemovalGate>) {
+        self.seam.set_removal_gate(gate);
     }
 
     /// Publishes `items` with the publications waiting beside them, and waits for their
@@ -106,7 +152,7 @@ fn stopped() -> maru_cluster::Error {
 /// The committer: takes what waits (up to [`PER_COMMIT`] items) once a commit may start, and
 /// sends it on its way: its publications and its removals, each kind in as few transactions
 /// as it takes, both at once.
-async fn commit(member: Arc<RwLock<Member>>, mut rx: mpsc::UnboundedReceiver<Job>) {
+async fn commit(member: Arc<RwLock<Member>>, mut rx: mpsc::UnboundedReceiver<Job>, seam: Seam) {
     let slots = Arc::new(Semaphore::new(IN_FLIGHT));
     while let Some(first) = rx.recv().await {
         let Ok(slot) = slots.clone().acquire_owned().await else {
@@ -123,7 +169,7 @@ async fn commit(member: Arc<RwLock<Member>>, mut rx: mpsc::UnboundedReceiver<Job
                 Err(_) => break,
             }
         }
-        let m = member.clone();
+        let (m, seam) = (member.clone(), seam.clone());
         tokio::spawn(async move {
             let _slot = slot;
             let (mut publishing, mut removing) = (Vec::new(), Vec::new());
@@ -162,6 +208,9 @@ async fn commit(member: Arc<RwLock<Member>>, mut rx: mpsc::UnboundedReceiver<Job
                     }
                 },
                 async {
+                    if !removing.is_empty() {
+                        seam.before_removals().await;
+                    }
                     let mut out = m.remove_many(&removing).await.into_iter();
                     for (n, reply) in to_removers {
                         let _ = reply.send(out.by_ref().take(n).collect());

@@ -38,6 +38,9 @@ mod publishing;
 mod regions;
 mod view;
 
+#[cfg(feature = "seams")]
+pub use group::RemovalGate;
+
 /// An entry's name: (namespace, key).
 type Name = (String, String);
 

@@ -14,6 +14,12 @@ use crate::store::authority::{Authority, Claim, Publishing, Withdrawn};
 const RESOLVE_FOR: std::time::Duration = std::time::Duration::from_secs(30);
 
 impl EtcdAuthority {
+    /// Installs the seam before a group commit's removals go to etcd (tests).
+    #[cfg(feature = "seams")]
+    pub fn set_removal_gate(&self, gate: Option<super::RemovalGate>) {
+        self.group.set_removal_gate(gate);
+    }
+
     /// [`Authority::publish_many`]: each name published here first (write-once among this
     /// host's writers), then those in the shared pool in etcd, through the group commit.
     pub(super) fn publish_group(&self, items: &[Publishing<'_>]) -> Vec<Result<()>> {
