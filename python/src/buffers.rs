@@ -5,9 +5,38 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
+use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
+
+/// Copies `views`, one after the other, into `dst` (exactly as long as they are together):
+/// the C-contiguous ones with the GIL released, so that a large `put` does not stop the
+/// interpreter's other threads; any other through Python.
+pub fn gather(py: Python<'_>, views: &[PyBuffer<u8>], dst: &mut [u8]) -> PyResult<()> {
+    let mut plain = Vec::with_capacity(views.len());
+    let mut at = 0;
+    for v in views {
+        let n = v.len_bytes();
+        if v.is_c_contiguous() {
+            plain.push((v.buf_ptr() as usize, at, n));
+        } else {
+            v.copy_to_slice(py, &mut dst[at..at + n])?;
+        }
+        at += n;
+    }
+    assert_eq!(at, dst.len(), "the views fill the destination");
+    py.detach(|| {
+        for (from, at, n) in plain {
+            // SAFETY: `from` is the first of `n` bytes of a C-contiguous buffer that its
+            // `PyBuffer` in `views` keeps valid while this runs (the exporter keeps the
+            // memory, and a resizable one refuses to resize, while a buffer of it is held);
+            // `at + n` is within `dst`. `copy` allows the two to overlap.
+            unsafe { std::ptr::copy(from as *const u8, dst.as_mut_ptr().add(at), n) };
+        }
+    });
+    Ok(())
+}
 
 /// What keeps an exported range mapped: a [`maru::Mapping`] (a sealed entry, or a raw pool,
 /// read-only), an allocation (its mapping lives as long as the handle), or a lease of a remote

@@ -91,10 +91,10 @@ pub(crate) const COPY_ON_STORE_MAX: u64 = 64 << 10;
 
 impl AllocHandle {
     /// What a store of this handle leaves of its bytes. When nothing but `buf` can reach them
-    /// (no other reference to it, no view sliced from it, no object built on it) and they are
-    /// few, `buf` is released and replaced by a view of a copy, and the pool's pages are
-    /// simply let go of; otherwise they become a private copy-on-write mapping at the same
-    /// address, which every view keeps seeing.
+    /// (no other reference to it or to the object it views, no view sliced from it, no object
+    /// built on it) and they are few, `buf` is released and replaced by a view of a copy, and
+    /// the pool's pages are simply let go of; otherwise they become a private copy-on-write
+    /// mapping at the same address, which every view keeps seeing.
     fn after_store(&self, py: Python<'_>) -> PyResult<AfterPublish> {
         let Some((a, _, exporter)) = &self.held else {
             return Ok(AfterPublish::PrivateCopy);
@@ -108,9 +108,10 @@ impl AllocHandle {
         if buf.get_refcnt(py) != 1 || buf.bind(py).call_method0("release").is_err() {
             return Ok(AfterPublish::PrivateCopy);
         }
-        if exporter.get().exported() {
-            // Views sliced from `buf` still see the pool's pages: they get the private copy,
-            // and so does a new view for `buf`.
+        // Views sliced from `buf` still see the pool's pages; an exporter referenced elsewhere
+        // (`buf.obj`, kept) may yet be viewed, and its views must see them too: they get the
+        // private copy, and so does a new view for `buf`.
+        if exporter.get().exported() || exporter.get_refcnt(py) != 1 {
             *buf = PoolBuffer::view_of(exporter.bind(py))?;
             return Ok(AfterPublish::PrivateCopy);
         }
@@ -579,14 +580,9 @@ impl Core {
         let mut a = py
             .detach(|| h.alloc(size.max(1) as u64))
             .map_err(os_error)?;
-        let mut at = 0;
-        for v in &views {
-            let n = v.len_bytes();
-            if let Err(e) = v.copy_to_slice(py, &mut a.as_mut_slice()[at..at + n]) {
-                py.detach(|| h.free(a)).map_err(os_error)?;
-                return Err(e);
-            }
-            at += n;
+        if let Err(e) = crate::buffers::gather(py, &views, &mut a.as_mut_slice()[..size]) {
+            py.detach(|| h.free(a)).map_err(os_error)?;
+            return Err(e);
         }
         publish_outcome(py.detach(|| h.store_len(&p, a, Some(size as u64))))
     }

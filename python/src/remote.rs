@@ -556,12 +556,7 @@ impl RemoteCore {
             .arena
             .lease(size, Purpose::Store)
             .ok_or_else(|| self.no_room(size as u64))?;
-        let mut at = 0;
-        for v in &views {
-            let n = v.len_bytes();
-            v.copy_to_slice(py, &mut lease.bytes_mut()[at..at + n])?;
-            at += n;
-        }
+        crate::buffers::gather(py, &views, &mut lease.bytes_mut()[..size])?;
         let (ns, name) = split(&p);
         let r = py.detach(|| c.store_leased(ns, &[(name, &lease, size)]));
         let r = r.and_then(|mut v| {

@@ -236,6 +236,23 @@ def test_store_then_retrieve_returns_the_bytes(handler: maru.MaruHandler) -> Non
     assert m == maru.MemoryInfo(view=memoryview(b"x"))
 
 
+def test_the_object_a_stored_handle_s_view_was_made_of_keeps_its_bytes(
+    handler: maru.MaruHandler,
+) -> None:
+    # The object behind the handle's view (`buf.obj`), kept past the store with no view of
+    # it alive, can be viewed again after: it must see the bytes stored, not pool pages the
+    # store let go of (unmapped: the new view's first read faulted).
+    data = pattern(4, 4096)
+    a = handler.alloc(len(data))
+    a.buf[:] = data
+    exporter = a.buf.obj
+    assert handler.store("behind", a) is True
+    again = memoryview(exporter)
+    assert bytes(again) == data and bytes(a.buf) == data
+    again[0] = (data[0] + 1) % 256  # a private copy: writes never reach the pool
+    assert handler.retrieve("behind").view.tobytes() == data  # type: ignore[union-attr]
+
+
 def test_views_of_a_stored_handle_keep_its_bytes(handler: maru.MaruHandler) -> None:
     # Views kept past the store (the whole buffer, a slice of it, a memoryview built on it)
     # read the bytes stored; writes through them never reach the pool.
