@@ -426,9 +426,7 @@ class MaruKVConnector(KVConnectorBase_V1):
             if st is None:
                 continue
             st.block_ids = list(new.block_ids[0])
-            if st.load_to > st.load_from:
-                meta.loads[new.req_id] = self._load_plan(st)
-                st.load_to = st.load_from = 0
+            self._plan_load(new.req_id, st, meta)
             done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
             self._plan_saves(new.req_id, st, done, meta)
         cached = scheduler_output.scheduled_cached_reqs
@@ -438,12 +436,22 @@ class MaruKVConnector(KVConnectorBase_V1):
                 continue
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
+                # Resumed after a preemption, with all its blocks anew (the V1 model runner's
+                # way; the V2 runner's comes as a new request): its load, if it has one, is
+                # planned as a new request's.
                 st.block_ids = list(new_blocks[0]) if new_blocks else []
+                self._plan_load(req_id, st, meta)
             elif new_blocks:
                 st.block_ids.extend(new_blocks[0])
             done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             self._plan_saves(req_id, st, done, meta)
         return meta
+
+    def _plan_load(self, req_id: str, st: _ReqState, meta: MaruConnectorMetadata) -> None:
+        """The synchronous load of a request scheduled with its blocks, if it has one."""
+        if st.load_to > st.load_from:
+            meta.loads[req_id] = self._load_plan(st)
+            st.load_to = st.load_from = 0
 
     def _load_plan(self, st: _ReqState) -> List[ChunkIO]:
         plan = []

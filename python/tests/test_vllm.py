@@ -17,7 +17,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence
 
 import pytest
 
@@ -240,6 +240,87 @@ def test_example_connector_runs_unmodified_on_maru(marud: Marud, namespace: str,
     b = run_instance(base | {"prompts": [{"name": "shared", "parts": SHARED}]})
     assert b["shared"]["cached"] > 6000
     assert b["shared"]["tokens"] == a["shared"]["tokens"]
+
+
+def test_a_request_resumed_after_its_preemption_has_its_load_planned(
+    marud: Marud, namespace: str, model_dir: str
+) -> None:
+    """vLLM's V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``, or a feature the V2 runner lacks)
+    schedules a request resumed after its preemption among the cached requests, with all its
+    blocks anew. Its load must be planned there, as a new request's is (it was planned for new
+    requests only: the resumed request ran on blocks nothing loaded). The connector's
+    scheduler side, driven with vLLM's own request and scheduler output."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.request import Request
+
+    import maru
+    from maru_vllm import MaruKVConnector
+
+    transfer = KVTransferConfig(
+        kv_connector="MaruKVConnector", kv_connector_module_path="maru_vllm", kv_role="kv_both",
+        kv_connector_extra_config={"maru_server_url": f"unix://{marud.socket}", "maru_namespace": namespace},
+    )
+    config = EngineArgs(model=model_dir, kv_transfer_config=transfer, max_model_len=vllm_util.MAX_LEN,
+                        enforce_eager=True).create_engine_config()
+    block = config.cache_config.block_size
+    spec = FullAttentionSpec(block_size=block, num_kv_heads=vllm_util.KV_HEADS,
+                             head_size=vllm_util.HIDDEN // vllm_util.HEADS, dtype=torch.bfloat16)
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(vllm_util.LAYERS)]
+    kv = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                       kv_cache_groups=[KVCacheGroupSpec(layer_names=layers, kv_cache_spec=spec)])
+    connector = MaruKVConnector(config, KVConnectorRole.SCHEDULER, kv)
+    tokens = [3 + i * 7 % 4000 for i in range(1000)]
+    request = Request("r", tokens, SamplingParams(temperature=0, max_tokens=8), None)
+    keys = connector.chunk_keys(tokens, request)
+    assert len(keys) == 1000 // 256
+    # Another instance stored every full chunk of the prompt.
+    h = maru.MaruHandler(marud.config(namespace))
+    assert h.connect()
+    try:
+        for k in keys:
+            assert h.put(k, b"kv")
+    finally:
+        h.close()
+    stored = len(keys) * 256
+
+    def step(new=(), cached: Optional[CachedRequestData] = None, preempted=(), scheduled: int = 0):
+        return connector.build_connector_meta(SchedulerOutput(
+            scheduled_new_reqs=list(new), scheduled_cached_reqs=cached or CachedRequestData.make_empty(),
+            num_scheduled_tokens={"r": scheduled} if scheduled else {}, total_num_scheduled_tokens=scheduled,
+            scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, finished_req_ids=set(),
+            free_encoder_mm_hashes=[], preempted_req_ids=set(preempted),
+        ))
+
+    def loaded(meta, blocks: List[int]) -> None:
+        assert list(meta.loads) == ["r"], meta
+        assert [c.key for c in meta.loads["r"]] == keys
+        got = [b for c in meta.loads["r"] for b in c.blocks.tolist()]
+        assert got == blocks[: stored // block], got
+
+    # First scheduled as a new request, on blocks 0..: the stored chunks are loaded into them.
+    first = list(range(-(-len(tokens) // block)))
+    assert connector.get_num_new_matched_tokens(request, 0) == (stored, False)
+    connector.update_state_after_alloc(request, KVCacheBlocks(([KVCacheBlock(b) for b in first],)), stored)
+    loaded(step(new=[NewRequestData.from_request(request, (first,))], scheduled=len(tokens) - stored), first)
+    # Preempted: vLLM frees its blocks. Resumed later, on other blocks, among the cached requests.
+    step(preempted=["r"])
+    again = [b + 32 for b in first]
+    assert connector.get_num_new_matched_tokens(request, 0) == (stored, False)
+    connector.update_state_after_alloc(request, KVCacheBlocks(([KVCacheBlock(b) for b in again],)), stored)
+    resumed = CachedRequestData(
+        req_ids=["r"], resumed_req_ids={"r"}, new_token_ids=[], all_token_ids={"r": list(tokens)},
+        new_block_ids=[(again,)], num_computed_tokens=[stored], num_output_tokens=[0],
+    )
+    loaded(step(cached=resumed, scheduled=len(tokens) - stored), again)
+    connector.request_finished(request, again)
 
 
 def test_connector_configuration_is_checked(model_dir: str) -> None:
