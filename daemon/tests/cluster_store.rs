@@ -18,6 +18,7 @@ use maru_daemon::cluster::applier::start_applier;
 use maru_daemon::cluster::{ClusterSettings, EtcdAuthority};
 use maru_daemon::pool::PoolSpec;
 use maru_daemon::store::authority::Authority;
+use maru_daemon::store::publishing::Publish;
 use maru_daemon::store::{Eviction, Store, StoreConfig};
 use maru_fsd::Caller;
 
@@ -291,6 +292,92 @@ fn a_removal_held_back_for_a_delete_here_is_served_to_no_one_meanwhile() {
     assert!(indexed(&h1, "k"));
 }
 
+/// Stores each of `items` (name, bytes) through `store`, published together: one group
+/// commit, one transaction, so one creation revision for all.
+fn put_together(store: &Store, items: &[(&str, &[u8])]) {
+    let s = store.open_session("t", Caller::root());
+    let mut ids = Vec::new();
+    for (_, data) in items {
+        let (g, _) = store
+            .alloc(s, data.len() as u64, 1, None, None)
+            .expect("alloc")
+            .pop()
+            .expect("one grant");
+        store
+            .raw_pool_fd(g.pool, true)
+            .and_then(|f| Ok(f.write_all_at(data, g.offset)?))
+            .expect("writing the pool");
+        ids.push(g.alloc);
+    }
+    let publications: Vec<Publish<'_>> = items
+        .iter()
+        .zip(ids)
+        .map(|((key, _), id)| Publish {
+            id,
+            ns: "ns",
+            key,
+            len: None,
+        })
+        .collect();
+    let out = store.publish_many(s, &publications);
+    store.close_session(s);
+    assert!(out.iter().all(Result::is_ok), "{out:?}");
+}
+
+/// Seed 1726: entries published in one transaction share their creation revision, and a
+/// host told its entries apart by that revision alone. The removal of one, held back on a
+/// host changing its name, refused the other to every reader of that host (h2 answered
+/// NotFound for an entry every host listed, after the run). Here h1 deletes `ns/k`, one of two
+/// entries h0 published together; while the removal waits on h1 for h1's own delete to settle,
+/// h1 still serves the other.
+#[test]
+fn a_removal_held_back_refuses_no_reader_an_entry_published_with_the_removed_one() {
+    let Some(etcd) = Etcd::start() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let uuid = pool_file(dir.path());
+    let h0 = host(&etcd, dir.path(), "h0", &uuid);
+    let h1 = host(&etcd, dir.path(), "h1", &uuid);
+    put_together(&h0, &[("k", &[1u8; 5000]), ("sibling", &[2u8; 6000])]);
+    let view = EtcdView::new(&etcd, &uuid);
+    assert_eq!(
+        view.created("k"),
+        view.created("sibling"),
+        "published in one transaction"
+    );
+    eventually("h1 serves both", || {
+        get(&h1, "k").is_some() && get(&h1, "sibling").is_some()
+    });
+    let checked = Arc::new(AtomicBool::new(false));
+    let (done, me, there) = (checked.clone(), Arc::downgrade(&h1), h0.clone());
+    h1.set_ask_gate(Some(Box::new(move |at, ns, key| {
+        if (at, ns, key) != ("withdrawn", "ns", "k") || done.load(Ordering::SeqCst) {
+            return;
+        }
+        // Once h1 has filed a later entry of h0's, its applier has come to the removal of
+        // `ns/k` too, and held it back.
+        put(&there, "marker", b"m").expect("marker");
+        let h1 = me.upgrade().expect("the host stopped");
+        eventually("h1 serves ns/marker", || get(&h1, "marker").is_some());
+        assert_eq!(get(&h1, "k"), None, "a new reader got the removed entry");
+        assert_eq!(
+            get(&h1, "sibling"),
+            Some(vec![2u8; 6000]),
+            "the entry published with the removed one was refused"
+        );
+        done.store(true, Ordering::SeqCst);
+    })));
+    let deleted = h1
+        .delete(&Caller::root(), "ns", &["k".to_owned()])
+        .expect("delete");
+    assert!(deleted.iter().all(Result::is_ok), "{deleted:?}");
+    assert!(checked.load(Ordering::SeqCst), "the seam ran");
+    h1.set_ask_gate(None);
+    eventually("h0 drops ns/k", || get(&h0, "k").is_none());
+    for h in [&h0, &h1] {
+        assert_eq!(get(h, "sibling"), Some(vec![2u8; 6000]));
+    }
+}
+
 /// What a test reads and writes in etcd directly: a host's lease, the regions' claims.
 struct EtcdView {
     rt: tokio::runtime::Runtime,
@@ -325,6 +412,17 @@ impl EtcdView {
         let key = format!("{}entries/ns/{key}", self.root);
         let r = self.rt.block_on(self.client.get(key, Range::KEY));
         !r.expect("the entry").kvs.is_empty()
+    }
+
+    /// The revision that created entry `ns/key`.
+    fn created(&self, key: &str) -> i64 {
+        let key = format!("{}entries/ns/{key}", self.root);
+        let r = self.rt.block_on(self.client.get(key, Range::KEY));
+        r.expect("the entry")
+            .kvs
+            .first()
+            .expect("an entry")
+            .create_revision
     }
 
     /// Revokes `lease` (as etcd does once a host cut off outlives its TTL).

@@ -14,8 +14,8 @@ use tokio::sync::RwLock;
 use super::changes::Change;
 use super::view::Lag;
 use super::{EtcdAuthority, Name};
-use crate::store::Store;
 use crate::store::authority::Gone;
+use crate::store::{SharedId, Store};
 
 /// Feeds `store` with the entries the other hosts publish and remove: a snapshot, then the
 /// watch from the next revision (again from a fresh snapshot whenever the watch breaks).
@@ -34,8 +34,11 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
         .published
         .lock()
         .values()
-        .map(|e| e.created)
-        .filter(|&c| c < from)
+        .filter(|e| e.created < from)
+        .map(|e| SharedId {
+            created: e.created,
+            offset: e.offset,
+        })
         .collect();
     auth.view.this_run(from, recovered);
     let fence_store = store.clone();
@@ -110,32 +113,40 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
                         let Some(a) = me.upgrade() else { return };
                         a.view.event(&ev);
                     }
+                    Ok(Some(EntryEvent::Delete {
+                        ns, name, record: None, ..
+                    })) => {
+                        tracing::warn!(ns, name, "cluster: a removal without its record; reading the entries again");
+                        break;
+                    }
                     Ok(Some(ev)) => {
-                        // A removal is acknowledged from here, not after the store applied it
-                        // (which may wait for the store's lock, held by a removal of this host
-                        // waiting for the acknowledgements of others).
-                        let removal = match &ev {
+                        let Some(a) = me.upgrade() else { return };
+                        a.view.event(&ev);
+                        let (change, removal) = match ev {
+                            // A removal is acknowledged from here, not after the store applied
+                            // it (which may wait for the store's lock, held by a removal of
+                            // this host waiting for the acknowledgements of others).
                             EntryEvent::Delete {
+                                ns,
+                                name,
                                 revision,
                                 created,
                                 record: Some(rec),
-                                ..
-                            } => Some((*revision, *created, rec.clone())),
-                            EntryEvent::Delete { ns, name, .. } => {
-                                tracing::warn!(ns, name, "cluster: a removal without its record; reading the entries again");
-                                break;
+                            } => {
+                                let entry = SharedId {
+                                    created,
+                                    offset: rec.offset,
+                                };
+                                a.on_removal(entry, rec.len);
+                                let key = name;
+                                (Change::Removed { ns, key, revision, entry }, Some(revision))
                             }
-                            EntryEvent::Put { .. } | EntryEvent::Tick { .. } => None,
+                            ev => (Change::Event(ev), None),
                         };
-                        let Some(a) = me.upgrade() else { return };
-                        a.view.event(&ev);
-                        if let Some((_, created, rec)) = &removal {
-                            a.on_removal(*created, rec.offset, rec.len);
-                        }
-                        if tx.send(Change::Event(ev)).is_err() {
+                        if tx.send(change).is_err() {
                             return;
                         }
-                        if let Some((revision, ..)) = removal {
+                        if let Some(revision) = removal {
                             a.applied(revision);
                         }
                     }
@@ -444,29 +455,39 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
                         created = e.created,
                         "gone while the watch was down"
                     );
-                    auth.on_removal(e.created, e.offset, e.size);
-                    removed(store, auth, &name.0, &name.1, revision, e.created);
+                    let entry = SharedId {
+                        created: e.created,
+                        offset: e.offset,
+                    };
+                    auth.on_removal(entry, e.size);
+                    removed(store, auth, &name.0, &name.1, revision, entry);
                 }
             }
             // This host's own wait for every live host's acknowledgement of the removal
             // itself, not of this read (which none gives until the entries change again).
-            let gone: Vec<(Name, i64, i64)> = auth
+            let gone: Vec<(Name, SharedId, i64)> = auth
                 .published
                 .lock()
                 .iter()
                 .filter(|(name, e)| {
                     e.created <= revision && snap.get(*name).is_none_or(|(c, _)| *c != e.created)
                 })
-                .map(|(name, e)| (name.clone(), e.created, all.removed_at(e.offset, e.created)))
+                .map(|(name, e)| {
+                    let entry = SharedId {
+                        created: e.created,
+                        offset: e.offset,
+                    };
+                    (name.clone(), entry, all.removed_at(e.offset, e.created))
+                })
                 .collect();
-            for ((ns, key), created, at) in gone {
+            for ((ns, key), entry, at) in gone {
                 tracing::info!(
                     ns,
                     key,
                     at,
                     "cluster: removed elsewhere while the watch was down"
                 );
-                removed(store, auth, &ns, &key, at, created);
+                removed(store, auth, &ns, &key, at, entry);
             }
             // Another host's, or an earlier run's that this one did not recover.
             for ((ns, key), (created, rec)) in &snap {
@@ -474,7 +495,10 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
                     file(store, auth, ns, key, rec, *created);
                 }
             }
-            let served = store.remote_entries().into_iter().map(|e| e.created);
+            let served = store.remote_entries().into_iter().map(|e| SharedId {
+                created: e.created,
+                offset: e.offset,
+            });
             auth.refusals_only_for(&served.collect());
             auth.applied(revision);
             let _ = done.send(());
@@ -489,23 +513,15 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
                 file(store, auth, &ns, &name, &record, revision);
             }
         }
-        Change::Event(EntryEvent::Delete {
-            ns,
-            name,
-            revision,
-            created,
-            ..
-        }) => {
-            removed(store, auth, &ns, &name, revision, created);
-        }
         Change::Removed {
             ns,
             key,
             revision,
-            created,
-        } => removed(store, auth, &ns, &key, revision, created),
-        // The watch's task takes the ticks (`view`): none is queued.
-        Change::Event(EntryEvent::Tick { .. }) => {}
+            entry,
+        } => removed(store, auth, &ns, &key, revision, entry),
+        // The watch's task takes the ticks (`view`) and sends removals as `Change::Removed`:
+        // none is queued.
+        Change::Event(EntryEvent::Tick { .. } | EntryEvent::Delete { .. }) => {}
         Change::Fence(until) => {
             tracing::debug!(
                 until,
@@ -583,18 +599,26 @@ fn apply(store: &Store, auth: &EtcdAuthority, c: Change) {
     }
 }
 
-/// Entry `ns/name` created at revision `created` was removed at `revision`: whichever
-/// entry of the name this host has goes if it is that one (this host's publication, or
-/// another host's entry it serves), not a newer one of the name. Held back while this host
+/// Entry `ns/name` (`entry`: created at its revision, at its offset) was removed at
+/// `revision`: whichever entry of the name this host has goes if it is that one (this host's
+/// publication, or another host's entry it serves), not a newer one of the name. Held back while this host
 /// is changing the name; another host's entry leaves the index meanwhile, and stays refused
 /// to new readers until the removal applies (seed 906: held back after a rejoin, it was
 /// served from its extent, carved again while the host was cut off).
-fn removed(store: &Store, auth: &EtcdAuthority, ns: &str, name: &str, revision: i64, created: i64) {
+fn removed(
+    store: &Store,
+    auth: &EtcdAuthority,
+    ns: &str,
+    name: &str,
+    revision: i64,
+    entry: SharedId,
+) {
+    let created = entry.created;
     let mut change = Change::Removed {
         ns: ns.to_owned(),
         key: name.to_owned(),
         revision,
-        created,
+        entry,
     };
     loop {
         match auth.changing.hold_back(ns, name, change) {
@@ -622,7 +646,7 @@ fn removed(store: &Store, auth: &EtcdAuthority, ns: &str, name: &str, revision: 
             None => Gone::Remote(created),
         };
         if store.forget_remote(ns, name, gone) {
-            auth.removal_applied(created);
+            auth.removal_applied(entry);
             return;
         }
         // The store began withdrawing the name meanwhile: held back in turn.

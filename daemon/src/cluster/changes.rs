@@ -34,13 +34,13 @@ pub(super) enum Change {
     ClientPin(String, String, String, bool),
     /// Until when clients may trust the indexes ([`crate::store::Store::set_fence`]).
     Fence(u64),
-    /// Entry `ns/key` created at revision `created` was removed at `revision` (a removal
-    /// held back while this host changed the name, or one a read of every entry found).
+    /// Entry `ns/key` (`entry`: its revision and offset) was removed at `revision` (from the
+    /// watch, or found by a read of every entry).
     Removed {
         ns: String,
         key: String,
         revision: i64,
-        created: i64,
+        entry: crate::store::SharedId,
     },
     /// A change held back while this host changed its name, given back once the store
     /// settled it, with the count of reads of every entry begun before it was held: one
@@ -172,13 +172,15 @@ mod tests {
     }
 
     fn delete(revision: i64, created: i64) -> Change {
-        Change::Event(EntryEvent::Delete {
+        Change::Removed {
             ns: "ns".into(),
-            name: "k".into(),
+            key: "k".into(),
             revision,
-            created,
-            record: None,
-        })
+            entry: crate::store::SharedId {
+                created,
+                offset: 0xa0_0000,
+            },
+        }
     }
 
     /// The applier's way with the queue, on a map of name to creation revision: a change of
@@ -213,8 +215,8 @@ mod tests {
                     };
                     match c {
                         Change::Event(EntryEvent::Put { revision, .. }) => *filed = Some(revision),
-                        Change::Event(EntryEvent::Delete { created, .. }) => {
-                            if *filed == Some(created) {
+                        Change::Removed { entry, .. } => {
+                            if *filed == Some(entry.created) {
                                 *filed = None;
                             }
                         }

@@ -27,6 +27,7 @@ use tokio::sync::RwLock;
 
 use self::changes::Changing;
 use self::known::Known;
+use crate::store::SharedId;
 use crate::store::authority::{Authority, Claim, LocalAuthority, Placed, Publishing, Withdrawn};
 
 pub mod applier;
@@ -35,8 +36,11 @@ mod group;
 mod known;
 mod membership;
 mod publishing;
+mod readers;
 mod regions;
 mod view;
+
+use readers::{Hold, Readers};
 
 #[cfg(feature = "seams")]
 pub use group::RemovalGate;
@@ -271,28 +275,28 @@ impl EtcdAuthority {
         }
     }
 
-    /// A removal of entry `created` (its extent `[offset, offset + len)`) reached this host,
-    /// from etcd's watch or a read of every entry: new readers here are refused it until the
-    /// store has applied it, and if clients here map it this host holds its extent. Both
-    /// before the removal is acknowledged, and before the store applies it (which may wait
-    /// for the store's lock, or for a change of the name here to settle: an acknowledgement
-    /// never does).
-    fn on_removal(&self, created: i64, offset: u64, len: u64) {
+    /// A removal of entry `id` (its extent `len` bytes long) reached this host, from etcd's
+    /// watch or a read of every entry: new readers here are refused it until the store has
+    /// applied it, and if clients here map it this host holds its extent. Both before the
+    /// removal is acknowledged, and before the store applies it (which may wait for the
+    /// store's lock, or for a change of the name here to settle: an acknowledgement never
+    /// does).
+    fn on_removal(&self, id: SharedId, len: u64) {
         let tag = self.next_tag.fetch_add(1, Ordering::Relaxed);
-        if self.readers.lock().removal(created, offset, len, tag) {
+        if self.readers.lock().removal(id, len, tag) {
             self.ack_kick.notify_one();
         }
     }
 
-    /// The store applied the removal of entry `created` (it serves the entry no more).
-    fn removal_applied(&self, created: i64) {
-        self.readers.lock().removed.remove(&created);
+    /// The store applied the removal of entry `id` (it serves the entry no more).
+    fn removal_applied(&self, id: SharedId) {
+        self.readers.lock().removed.remove(&id);
     }
 
     /// Of the removals still refused to new readers, keeps those of entries the store still
-    /// has (`served`, by creation): a removal passed by for a later read of every entry, whose
-    /// entry went another way meanwhile, leaves no refusal behind.
-    fn refusals_only_for(&self, served: &HashSet<i64>) {
+    /// has (`served`): a removal passed by for a later read of every entry, whose entry went
+    /// another way meanwhile, leaves no refusal behind.
+    fn refusals_only_for(&self, served: &HashSet<SharedId>) {
         self.readers.lock().removed.retain(|c| served.contains(c));
     }
 
@@ -368,75 +372,6 @@ fn unhold(held: &Mutex<HashMap<u64, i64>>, free: Vec<(u64, i64)>) -> Vec<u64> {
         .collect()
 }
 
-/// Other hosts' entries, by the revision that created each, as clients of this host use them.
-#[derive(Debug, Default)]
-struct Readers {
-    /// Mapped or read here now (leases): a removal of one makes this host hold its extent.
-    used: HashSet<i64>,
-    /// Removals that reached this host and that its store has not applied yet: refused to
-    /// new readers (this host may already have acknowledged them).
-    removed: HashSet<i64>,
-    /// Holds on removed entries that clients here still map.
-    holds: HashMap<i64, Hold>,
-}
-
-impl Readers {
-    /// A client here is about to use entry `created`: false once its removal has arrived.
-    fn start(&mut self, created: i64) -> bool {
-        if self.removed.contains(&created) {
-            return false;
-        }
-        self.used.insert(created);
-        true
-    }
-
-    /// No client here uses entry `created` any more: its hold, if any, to let go of.
-    fn stop(&mut self, created: i64) -> Option<Hold> {
-        self.used.remove(&created);
-        self.holds.remove(&created)
-    }
-
-    /// The removal of entry `created` (its extent `[offset, offset + len)`) arrived: new
-    /// users are refused, and if clients here use it, it is held (as `tag`). True when a hold
-    /// was taken.
-    fn removal(&mut self, created: i64, offset: u64, len: u64, tag: u64) -> bool {
-        self.removed.insert(created);
-        self.used.contains(&created) && self.hold(created, offset, len, tag)
-    }
-
-    /// Holds the extent of removed entry `created` for clients here (recorded with the next
-    /// acknowledgement), unless it is held already; true when it was not.
-    fn hold(&mut self, created: i64, offset: u64, len: u64, tag: u64) -> bool {
-        self.used.insert(created);
-        if self.holds.contains_key(&created) {
-            return false;
-        }
-        let h = Hold {
-            offset,
-            len,
-            tag,
-            recorded: false,
-            unanswered: false,
-        };
-        self.holds.insert(created, h);
-        true
-    }
-}
-
-/// A hold of this host on another host's removed entry (see [`Authority::hold`]).
-#[derive(Debug, Clone)]
-struct Hold {
-    offset: u64,
-    len: u64,
-    /// Its records' tag (unique here): a new hold on the same extent never meets an old one's
-    /// late deletion.
-    tag: u64,
-    /// In etcd (recorded with the next acknowledgement; again after a rejoin).
-    recorded: bool,
-    /// A recording of it under the current lease went unanswered: it may land unseen.
-    unanswered: bool,
-}
-
 /// Why a region of this host's is marked lost (nothing more placed, nothing published there).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Lost {
@@ -472,7 +407,7 @@ async fn acknowledge(me: std::sync::Weak<EtcdAuthority>) {
         let _ = tokio::time::timeout(Duration::from_millis(200), kick.notified()).await;
         let Some(a) = me.upgrade() else { return };
         let want = a.applied.load(Ordering::Acquire);
-        let todo: Vec<(i64, Hold)> = a
+        let todo: Vec<(SharedId, Hold)> = a
             .readers
             .lock()
             .holds
@@ -490,8 +425,8 @@ async fn acknowledge(me: std::sync::Weak<EtcdAuthority>) {
             tracing::debug!(revision = want, "acknowledging removals: {e}");
             if !e.never_sent() {
                 let mut r = a.readers.lock();
-                for (created, h) in &todo {
-                    if let Some(x) = r.holds.get_mut(created)
+                for (id, h) in &todo {
+                    if let Some(x) = r.holds.get_mut(id)
                         && x.tag == h.tag
                     {
                         x.unanswered = true;
@@ -510,9 +445,9 @@ async fn acknowledge(me: std::sync::Weak<EtcdAuthority>) {
         }
         acked = (m.lease(), want);
         drop(m);
-        for (created, h) in todo {
+        for (id, h) in todo {
             let mut r = a.readers.lock();
-            match r.holds.get_mut(&created) {
+            match r.holds.get_mut(&id) {
                 Some(x) if x.tag == h.tag => x.recorded = true,
                 _ => {
                     // Let go of meanwhile: take the record back.
@@ -727,23 +662,23 @@ impl Authority for EtcdAuthority {
         pool == self.pool && self.held.lock().contains_key(&offset)
     }
 
-    fn use_remote(&self, created: i64) -> bool {
-        self.readers.lock().start(created)
+    fn use_remote(&self, id: SharedId) -> bool {
+        self.readers.lock().start(id)
     }
 
-    fn idle_remote(&self, created: i64) {
-        let h = self.readers.lock().stop(created);
+    fn idle_remote(&self, id: SharedId) {
+        let h = self.readers.lock().stop(id);
         if let Some(h) = h {
             self.forget_hold(h);
         }
     }
 
-    fn hold(&self, created: i64, at: &Placed<'_>) {
+    fn hold(&self, id: SharedId, at: &Placed<'_>) {
         if at.pool != Some(self.pool.as_str()) {
             return;
         }
         let tag = self.next_tag.fetch_add(1, Ordering::Relaxed);
-        if self.readers.lock().hold(created, at.offset(), at.size, tag) {
+        if self.readers.lock().hold(id, at.size, tag) {
             self.ack_kick.notify_one();
         }
     }
@@ -934,7 +869,6 @@ fn taken_error(ns: &str, key: &str, taken: &Published) -> Error {
 
 #[cfg(test)]
 mod tests {
-    use super::Readers;
 
     #[test]
     fn a_cluster_failure_reads_as_before_and_keeps_its_cause() {
@@ -952,32 +886,6 @@ mod tests {
             cause.downcast_ref::<maru_cluster::Error>(),
             Some(maru_cluster::Error::LeaseLost(n)) if n == "h1"
         ));
-    }
-
-    #[test]
-    fn a_removal_holds_what_clients_use_and_refuses_new_users() {
-        let mut r = Readers::default();
-        // Used when its removal arrives: held, and refused to anyone new.
-        assert!(r.start(10));
-        assert!(r.removal(10, 4096, 8192, 1));
-        assert!(!r.start(10));
-        assert!(!r.hold(10, 4096, 8192, 2), "held once");
-        let h = r.stop(10).expect("held");
-        assert_eq!((h.offset, h.len, h.tag, h.recorded), (4096, 8192, 1, false));
-        assert!(r.holds.is_empty() && r.used.is_empty());
-        // Used, then let go of, before its removal: nothing held.
-        assert!(r.start(20));
-        assert!(r.stop(20).is_none());
-        assert!(!r.removal(20, 0, 4096, 3));
-        assert!(!r.start(20));
-        // Not used at all: nothing held; a removal the store applied is forgotten.
-        assert!(!r.removal(30, 0, 4096, 4));
-        assert_eq!(r.removed, [10, 20, 30].into_iter().collect());
-        assert!(r.holds.is_empty());
-        // Removed on this host (its store first): held for its clients, then let go of.
-        assert!(r.hold(40, 0, 4096, 5));
-        assert!(!r.removal(40, 0, 4096, 6), "held already");
-        assert_eq!(r.stop(40).map(|h| h.tag), Some(5));
     }
 
     /// An extent found free for a removal is taken out of the held only while it still

@@ -38,6 +38,8 @@ use maru_cluster::{EntryEvent, EntryRecord, Snapshot};
 
 use parking_lot::Mutex;
 
+use crate::store::SharedId;
+
 /// This host's view of the entries: how fresh, how far, and the other hosts' extents.
 pub(super) struct View {
     node: String,
@@ -54,9 +56,9 @@ pub(super) struct View {
     /// store (which may hold a change back while this host changes the name): by extent
     /// offset, its length and the entry's creation revision.
     others: Mutex<BTreeMap<u64, (u64, i64)>>,
-    /// From which revision this node's entries are this run's, and the creation revisions
-    /// of those of earlier runs this run recovered ([`View::this_run`]).
-    run: OnceLock<(i64, HashSet<i64>)>,
+    /// From which revision this node's entries are this run's, and those of earlier runs
+    /// this run recovered ([`View::this_run`]).
+    run: OnceLock<(i64, HashSet<SharedId>)>,
     /// The seam that holds the watch's changes back, as a watch stuck on a member cut off
     /// from the others would (tests; feature `seams`).
     #[cfg(feature = "seams")]
@@ -98,18 +100,23 @@ impl View {
     /// that run's own record, and none landed after this run's first), and those created
     /// before it that the store recovered or this run published while recovering, `recovered`.
     /// Set once, after the store's recovery and before the first read of every entry.
-    pub(super) fn this_run(&self, from: i64, recovered: HashSet<i64>) {
+    pub(super) fn this_run(&self, from: i64, recovered: HashSet<SharedId>) {
         let _ = self.run.set((from, recovered));
     }
 
     /// Whether entry `record`, created at revision `created`, is this run's own: this
-    /// node's, and not one an earlier run published that this run did not recover.
+    /// node's, and not one an earlier run published that this run did not recover (one
+    /// transaction publishes several entries at one revision: each is told by its offset too).
     pub(super) fn own(&self, record: &EntryRecord, created: i64) -> bool {
+        let at = SharedId {
+            created,
+            offset: record.offset,
+        };
         record.node == self.node
             && self
                 .run
                 .get()
-                .is_none_or(|(from, recovered)| created >= *from || recovered.contains(&created))
+                .is_none_or(|(from, recovered)| created >= *from || recovered.contains(&at))
     }
 
     /// Until when the view is fresh enough to serve from (0: not yet).
@@ -301,7 +308,8 @@ mod tests {
     #[test]
     fn an_earlier_run_s_entries_it_did_not_recover_count_as_another_host_s() {
         let v = View::new("a", Arc::default());
-        v.this_run(10, HashSet::from([4]));
+        let at = |created, offset| SharedId { created, offset };
+        v.this_run(10, HashSet::from([at(4, 0x40_0000)]));
         let put = |offset, revision| EntryEvent::Put {
             ns: "ns".into(),
             name: format!("k{revision}"),
@@ -310,9 +318,12 @@ mod tests {
         };
         v.event(&put(0x20_0000, 3));
         v.event(&put(0x40_0000, 4));
+        v.event(&put(0x80_0000, 4));
         v.event(&put(0x60_0000, 11));
         assert_eq!(v.other_in(0x20_0000, 0x20_0000), Some((0x20_0000, 4096)));
         assert_eq!(v.other_in(0x40_0000, 0x20_0000), None, "recovered");
+        // Published in the same transaction as the recovered one, and not recovered.
+        assert_eq!(v.other_in(0x80_0000, 0x20_0000), Some((0x80_0000, 4096)));
         assert_eq!(v.other_in(0x60_0000, 0x20_0000), None, "this run's");
         assert!(!v.own(&record("b", 0, 1), 11), "another host's");
     }

@@ -13,7 +13,7 @@ use maru::{Error, Result};
 use parking_lot::Mutex;
 
 use super::hashmap::HashMap;
-use super::ids::Place;
+use super::ids::{Place, SharedId};
 
 /// A name's state at the authority.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -143,22 +143,22 @@ pub trait Authority: Send + Sync {
     fn held_elsewhere(&self, _pool: &str, _offset: u64) -> bool {
         false
     }
-    /// A client of this host is about to map or read another host's entry, created at the
-    /// authority at revision `created`: false when its removal has reached this host (the
-    /// caller answers as if it were absent). Otherwise, until [`Authority::idle_remote`], a
-    /// removal of it that arrives makes this host hold the extent — recorded before this host
-    /// acknowledges the removal, so its publisher keeps the extent until this host lets go.
+    /// A client of this host is about to map or read another host's entry `id`: false when
+    /// its removal has reached this host (the caller answers as if it were absent).
+    /// Otherwise, until [`Authority::idle_remote`], a removal of it that arrives makes this
+    /// host hold the extent — recorded before this host acknowledges the removal, so its
+    /// publisher keeps the extent until this host lets go.
     /// Called under the store's lock; asks nothing remote.
-    fn use_remote(&self, _created: i64) -> bool {
+    fn use_remote(&self, _id: SharedId) -> bool {
         true
     }
-    /// No client of this host maps another host's entry `created` any more (its last lease
-    /// went): a hold on it is let go of.
-    fn idle_remote(&self, _created: i64) {}
-    /// Clients of this host map another host's entry `created`, placed at `at`, which is
+    /// No client of this host maps another host's entry `id` any more (its last lease went):
+    /// a hold on it is let go of.
+    fn idle_remote(&self, _id: SharedId) {}
+    /// Clients of this host map another host's entry `id`, placed at `at`, which is
     /// removed: this host holds the extent until [`Authority::idle_remote`] (a no-op when it
     /// does already). Called under the store's lock.
-    fn hold(&self, _created: i64, _at: &Placed<'_>) {}
+    fn hold(&self, _id: SharedId, _at: &Placed<'_>) {}
     /// Pins (or unpins) published entry `ns/key`, placed at `at`, for every host sharing the
     /// authority (its publisher never evicts it); fails, changing nothing, when that cannot be
     /// recorded.

@@ -59,6 +59,16 @@ impl fmt::Display for PoolIdx {
     }
 }
 
+/// Which entry of the shared pool (cluster mode): the revision of the authority that created
+/// it and its offset in the pool. The revision alone does not tell entries apart: one
+/// transaction publishes several at one revision (the group commit's; seed 1726: a removal of
+/// one refused its sibling to every reader of a host).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SharedId {
+    pub created: i64,
+    pub offset: u64,
+}
+
 /// Where a sealed entry's bytes are in its pool: three things that clients and the pools'
 /// logs carry as one `u64` (its location, [`Place::wire`]), and the store keeps apart.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -91,7 +91,7 @@ use parking_lot::{Condvar, Mutex};
 use crate::alloc::align_up;
 use crate::pool::{ENTRY_ALIGN, PoolSpec};
 use authority::{Authority, LocalAuthority};
-pub use ids::{PoolIdx, SessionId};
+pub use ids::{PoolIdx, SessionId, SharedId};
 pub use locked::{assert_unlocked, held_here, take_sync_failure};
 use namespaces::{join, parent};
 use policy::{Access, Perm};

@@ -113,7 +113,7 @@ impl Store {
         }
         let that_one = match gone {
             Gone::Own => e.remote().is_none(),
-            Gone::Remote(created) => e.remote() == Some(created),
+            Gone::Remote(created) => e.remote().is_some_and(|r| r.created == created),
         };
         if !that_one {
             return true;
@@ -213,7 +213,7 @@ impl Store {
                 Some(RemoteEntry {
                     ns: e.ns().to_owned(),
                     key: e.key().to_owned(),
-                    created: e.remote()?,
+                    created: e.remote()?.created,
                     offset: st.placed(e).offset(),
                     size: e.size(),
                 })
@@ -232,7 +232,10 @@ impl Store {
         let Some(ino) = st.ns.get(ns).ok().and_then(|n| n.entries.get(key).copied()) else {
             return;
         };
-        if st.entries[&ino].remote() == Some(created) {
+        if st.entries[&ino]
+            .remote()
+            .is_some_and(|r| r.created == created)
+        {
             st.unindex(ino);
         }
     }
@@ -307,10 +310,10 @@ impl State {
         let Some(e) = self.entries.get_mut(&ino) else {
             return Some(None);
         };
-        let Some(created) = e.remote() else {
+        let Some(id) = e.remote() else {
             return Some(None);
         };
-        if !auth.use_remote(created) {
+        if !auth.use_remote(id) {
             return None;
         }
         auth.accessed(e.ns(), e.key());

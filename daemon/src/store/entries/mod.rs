@@ -9,7 +9,7 @@ use maru::proto::Located;
 use maru_fsd::{Attr, Kind};
 
 use super::authority::Withdrawn;
-use super::ids::{Place, PoolIdx, SessionId};
+use super::ids::{Place, PoolIdx, SessionId, SharedId};
 use super::lru::Stamp;
 use super::policy::Perm;
 use super::pools::Loc;
@@ -160,9 +160,13 @@ impl Entry {
         self.perm
     }
 
-    /// Another host's entry: the revision at which the authority created it.
-    pub fn remote(&self) -> Option<i64> {
-        self.remote
+    /// Another host's entry: which (the revision at which the authority created it, and its
+    /// extent's offset).
+    pub fn remote(&self) -> Option<SharedId> {
+        self.remote.map(|created| SharedId {
+            created,
+            offset: self.place.wire(),
+        })
     }
 
     /// A delete's round trip to the authority is on its way.

@@ -134,7 +134,7 @@ impl State {
             ps.evictions += 1;
         }
         let parent = self.ns.get(&e.ns).map_or(0, |n| n.ino);
-        if let Some(created) = e.remote {
+        if let Some(id) = e.remote() {
             // Another host's entry: in a raw pool, an extent.
             if let Some(offset) = e.place.extent() {
                 ps.pool.drop_remote(offset, e.asize);
@@ -146,7 +146,7 @@ impl State {
                     place: e.place,
                     size: e.size,
                 };
-                auth.hold(created, &at);
+                auth.hold(id, &at);
                 self.zombies.insert(e.ino, e.clone());
             }
         } else if !ps.pool.delete(&e.loc(), e.leases > 0 || held) {
@@ -240,8 +240,8 @@ impl State {
     pub fn unlease(&mut self, auth: &dyn Authority, ino: u64, n: u32) {
         if let Some(e) = self.entries.get_mut(&ino) {
             e.leases = e.leases.saturating_sub(n);
-            if let (0, Some(created)) = (e.leases, e.remote) {
-                auth.idle_remote(created);
+            if let (0, Some(id)) = (e.leases, e.remote()) {
+                auth.idle_remote(id);
             }
             return;
         }
@@ -252,9 +252,9 @@ impl State {
         if z.leases > 0 {
             return;
         }
-        if let Some(created) = z.remote {
+        if let Some(id) = z.remote() {
             self.zombies.remove(&ino);
-            auth.idle_remote(created);
+            auth.idle_remote(id);
             return;
         }
         let pool = &self.pools[z.pool].pool;
