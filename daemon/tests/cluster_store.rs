@@ -245,6 +245,32 @@ fn indexed(store: &Store, key: &str) -> bool {
     t.lookup(key.as_bytes()).expect("no slot stuck").is_some()
 }
 
+/// Has `here`'s coming delete of `ns/k` stop once, its removal in etcd, while `there` stores
+/// `ns/marker` and `here` serves it: `here`'s applier has then come to the removal too, and
+/// held it back for the delete. Then runs `check` on `here`, the delete still stopped.
+/// Returns whether `check` ran.
+fn while_a_removal_is_held_back(
+    here: &Arc<Store>,
+    there: &Arc<Store>,
+    check: impl Fn(&Store) + Send + Sync + 'static,
+) -> Arc<AtomicBool> {
+    let checked = Arc::new(AtomicBool::new(false));
+    let (done, me, there) = (checked.clone(), Arc::downgrade(here), there.clone());
+    here.set_ask_gate(Some(Box::new(move |at, ns, key| {
+        if (at, ns, key) != ("withdrawn", "ns", "k") || done.load(Ordering::SeqCst) {
+            return;
+        }
+        put(&there, "marker", b"m").expect("marker");
+        let here = me.upgrade().expect("the host stopped");
+        eventually("the stopped host serves ns/marker", || {
+            get(&here, "marker").is_some()
+        });
+        check(&here);
+        done.store(true, Ordering::SeqCst);
+    })));
+    checked
+}
+
 /// A removal of another host's entry that reaches this host while it is deleting the entry
 /// itself waits for that delete to settle; this host acknowledges it at once, so the entry's
 /// publisher may carve the extent again before the delete is done here. Meanwhile the entry
@@ -258,24 +284,10 @@ fn a_removal_held_back_for_a_delete_here_is_served_to_no_one_meanwhile() {
     put(&h0, "k", &[1u8; 5000]).expect("stored on h0");
     eventually("h1 serves ns/k", || get(&h1, "k").is_some());
     assert!(indexed(&h1, "k"));
-    let checked = Arc::new(AtomicBool::new(false));
-    let (done, me, there) = (checked.clone(), Arc::downgrade(&h1), h0.clone());
-    h1.set_ask_gate(Some(Box::new(move |at, ns, key| {
-        if (at, ns, key) != ("withdrawn", "ns", "k") || done.load(Ordering::SeqCst) {
-            return;
-        }
-        // h1's removal is in etcd; once h1 has filed a later entry of h0's, its applier has
-        // come to the removal too, and held it back.
-        put(&there, "marker", b"m").expect("marker");
-        let h1 = me.upgrade().expect("the host stopped");
-        eventually("h1 serves ns/marker", || get(&h1, "marker").is_some());
-        assert_eq!(get(&h1, "k"), None, "a new reader got the removed entry");
-        assert!(
-            !indexed(&h1, "k"),
-            "the index still names the removed entry"
-        );
-        done.store(true, Ordering::SeqCst);
-    })));
+    let checked = while_a_removal_is_held_back(&h1, &h0, |h1| {
+        assert_eq!(get(h1, "k"), None, "a new reader got the removed entry");
+        assert!(!indexed(h1, "k"), "the index still names the removed entry");
+    });
     let deleted = h1
         .delete(&Caller::root(), "ns", &["k".to_owned()])
         .expect("delete");
@@ -347,25 +359,14 @@ fn a_removal_held_back_refuses_no_reader_an_entry_published_with_the_removed_one
     eventually("h1 serves both", || {
         get(&h1, "k").is_some() && get(&h1, "sibling").is_some()
     });
-    let checked = Arc::new(AtomicBool::new(false));
-    let (done, me, there) = (checked.clone(), Arc::downgrade(&h1), h0.clone());
-    h1.set_ask_gate(Some(Box::new(move |at, ns, key| {
-        if (at, ns, key) != ("withdrawn", "ns", "k") || done.load(Ordering::SeqCst) {
-            return;
-        }
-        // Once h1 has filed a later entry of h0's, its applier has come to the removal of
-        // `ns/k` too, and held it back.
-        put(&there, "marker", b"m").expect("marker");
-        let h1 = me.upgrade().expect("the host stopped");
-        eventually("h1 serves ns/marker", || get(&h1, "marker").is_some());
-        assert_eq!(get(&h1, "k"), None, "a new reader got the removed entry");
+    let checked = while_a_removal_is_held_back(&h1, &h0, |h1| {
+        assert_eq!(get(h1, "k"), None, "a new reader got the removed entry");
         assert_eq!(
-            get(&h1, "sibling"),
+            get(h1, "sibling"),
             Some(vec![2u8; 6000]),
             "the entry published with the removed one was refused"
         );
-        done.store(true, Ordering::SeqCst);
-    })));
+    });
     let deleted = h1
         .delete(&Caller::root(), "ns", &["k".to_owned()])
         .expect("delete");
