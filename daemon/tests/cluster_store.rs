@@ -245,15 +245,15 @@ fn indexed(store: &Store, key: &str) -> bool {
     t.lookup(key.as_bytes()).expect("no slot stuck").is_some()
 }
 
-/// Has `here`'s coming delete of `ns/k` stop once, its removal in etcd, while `there` stores
-/// `ns/marker` and `here` serves it: `here`'s applier has then come to the removal too, and
-/// held it back for the delete. Then runs `check` on `here`, the delete still stopped.
-/// Returns whether `check` ran.
-fn while_a_removal_is_held_back(
+/// Deletes `ns/k` on `here`, the delete stopped once, its removal in etcd, while `there`
+/// stores `ns/marker` and `here` serves it: `here`'s applier has then come to the removal
+/// too, and held it back for the delete. Then runs `check` on `here`, the delete still
+/// stopped, and lets the delete finish.
+fn delete_k_while_its_removal_is_held_back(
     here: &Arc<Store>,
     there: &Arc<Store>,
     check: impl Fn(&Store) + Send + Sync + 'static,
-) -> Arc<AtomicBool> {
+) {
     let checked = Arc::new(AtomicBool::new(false));
     let (done, me, there) = (checked.clone(), Arc::downgrade(here), there.clone());
     here.set_ask_gate(Some(Box::new(move |at, ns, key| {
@@ -268,7 +268,12 @@ fn while_a_removal_is_held_back(
         check(&here);
         done.store(true, Ordering::SeqCst);
     })));
-    checked
+    let deleted = here
+        .delete(&Caller::root(), "ns", &["k".to_owned()])
+        .expect("delete");
+    here.set_ask_gate(None);
+    assert!(deleted.iter().all(Result::is_ok), "{deleted:?}");
+    assert!(checked.load(Ordering::SeqCst), "the seam ran");
 }
 
 /// A removal of another host's entry that reaches this host while it is deleting the entry
@@ -284,16 +289,10 @@ fn a_removal_held_back_for_a_delete_here_is_served_to_no_one_meanwhile() {
     put(&h0, "k", &[1u8; 5000]).expect("stored on h0");
     eventually("h1 serves ns/k", || get(&h1, "k").is_some());
     assert!(indexed(&h1, "k"));
-    let checked = while_a_removal_is_held_back(&h1, &h0, |h1| {
+    delete_k_while_its_removal_is_held_back(&h1, &h0, |h1| {
         assert_eq!(get(h1, "k"), None, "a new reader got the removed entry");
         assert!(!indexed(h1, "k"), "the index still names the removed entry");
     });
-    let deleted = h1
-        .delete(&Caller::root(), "ns", &["k".to_owned()])
-        .expect("delete");
-    assert!(deleted.iter().all(Result::is_ok), "{deleted:?}");
-    assert!(checked.load(Ordering::SeqCst), "the seam ran");
-    h1.set_ask_gate(None);
     eventually("h0 drops ns/k", || get(&h0, "k").is_none());
     assert_eq!(get(&h1, "k"), None);
     // The name stored again: both serve it.
@@ -359,7 +358,7 @@ fn a_removal_held_back_refuses_no_reader_an_entry_published_with_the_removed_one
     eventually("h1 serves both", || {
         get(&h1, "k").is_some() && get(&h1, "sibling").is_some()
     });
-    let checked = while_a_removal_is_held_back(&h1, &h0, |h1| {
+    delete_k_while_its_removal_is_held_back(&h1, &h0, |h1| {
         assert_eq!(get(h1, "k"), None, "a new reader got the removed entry");
         assert_eq!(
             get(h1, "sibling"),
@@ -367,12 +366,6 @@ fn a_removal_held_back_refuses_no_reader_an_entry_published_with_the_removed_one
             "the entry published with the removed one was refused"
         );
     });
-    let deleted = h1
-        .delete(&Caller::root(), "ns", &["k".to_owned()])
-        .expect("delete");
-    assert!(deleted.iter().all(Result::is_ok), "{deleted:?}");
-    assert!(checked.load(Ordering::SeqCst), "the seam ran");
-    h1.set_ask_gate(None);
     eventually("h0 drops ns/k", || get(&h0, "k").is_none());
     for h in [&h0, &h1] {
         assert_eq!(get(h, "sibling"), Some(vec![2u8; 6000]));
