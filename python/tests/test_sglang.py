@@ -5,14 +5,17 @@ The backend is made the way SGLang's cache controller makes it: ``StorageBackend
 ``HiCacheStorageConfig``'s extra config, then SGLang's host KV pool (``MHATokenToKVPoolHost``,
 ``MLATokenToKVPoolHost``, on CPU) registered. Pages move with the zero-copy interface (host
 indices) and the plain one. Runs where SGLang is installed (python/ci.sh's SGLang
-environment); SGLang cannot serve a model on this machine (doc/SGLANG.md says why), so its
-server is not started.
+environment). The last test runs SGLang itself: two instances of its engine on CPU with HiCache
+on maru, the second loading the first's prompt from maru (what SGLang lacks on CPU is supplied
+by ``sglang_cpu/``; doc/SGLANG.md, "SGLang itself, on CPU").
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -35,6 +38,7 @@ from conftest import Marud, child_env, start_marud  # noqa: E402
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
 import sglang_util as su  # noqa: E402
+import vllm_util  # noqa: E402  (the tiny model)
 from maru_sglang import MaruStorage  # noqa: E402
 
 PAGES = [3, 1, 4, 5, 9, 2]  # what sglang_child.py stores
@@ -248,3 +252,53 @@ def test_host_pools_it_does_not_move_are_refused(marud: Marud, namespace: str) -
             backend.register_mem_host_pool_v2(object(), "mamba")
     finally:
         backend.close()
+
+
+# -- SGLang itself ------------------------------------------------------------------------------
+
+SERVER_PAGE = 16  # tokens per page of the engines (the tiny model's page is 32 KiB)
+
+
+def run_sglang(spec: dict, scratch: Path) -> dict:
+    """One SGLang instance (``sglang_server_child.py``) in a session of its own, killed with
+    everything it started if it outlives its time; its result."""
+    env = child_env()
+    env.update(SGLANG_USE_CPU_ENGINE="1", HF_HUB_OFFLINE="1", TORCH_EXTENSIONS_DIR=str(scratch / "torch-ext"),
+               PATH=os.pathsep.join([os.path.dirname(sys.executable), env["PATH"]]))
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS / "sglang_cpu"), str(TESTS), env["PYTHONPATH"]])
+    proc = subprocess.Popen([sys.executable, str(TESTS / "sglang_server_child.py"), json.dumps(spec)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the engine's processes, if any is left
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"SGLang failed (exit {proc.returncode}):\n{out[-6000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_a_second_sglang_instance_loads_the_first_s_prompt_from_maru(marud: Marud, namespace: str,
+                                                                     tmp_path: Path) -> None:
+    model = vllm_util.make_model(tmp_path / "model")
+    rng = random.Random(7)
+    prompt = [rng.randrange(3, vllm_util.VOCAB) for _ in range(40 * SERVER_PAGE)]
+    spec = {"model": str(model), "socket": str(marud.socket), "namespace": namespace, "prompt": prompt,
+            "max_new_tokens": 8, "page_size": SERVER_PAGE}
+    # A: nothing stored yet. Its prompt and the 7 generated tokens it computed the KV of make
+    # 40 full pages, which HiCache writes through to maru (host pool, then storage).
+    a = run_sglang(spec | {"wait_stored": 40}, tmp_path)
+    assert a["meta_info"]["cached_tokens"] == 0, a
+    assert a["stored"] == 40, a
+    # B, a new instance: its device and host pools are empty; HiCache finds the prompt's pages
+    # in maru, prefetches them, and computes only what it could not load: SGLang computes a
+    # prompt's last token in any case, so the last page (16 tokens) is computed.
+    b = run_sglang(spec, tmp_path)
+    loadable = (len(prompt) - 1) // SERVER_PAGE * SERVER_PAGE
+    assert b["meta_info"]["cached_tokens"] == loadable, b
+    assert b["meta_info"]["cached_tokens_details"] == {"device": 0, "host": 0, "storage": loadable,
+                                                       "storage_backend": "MaruStorage"}, b
+    assert b["output_ids"] == a["output_ids"]
