@@ -5,8 +5,8 @@ The backend is made the way SGLang's cache controller makes it: ``StorageBackend
 ``HiCacheStorageConfig``'s extra config, then SGLang's host KV pool (``MHATokenToKVPoolHost``,
 ``MLATokenToKVPoolHost``, on CPU) registered. Pages move with the zero-copy interface (host
 indices) and the plain one. Runs where SGLang is installed (python/ci.sh's SGLang
-environment). The last test runs SGLang itself: two instances of its engine on CPU with HiCache
-on maru, the second loading the first's prompt from maru (what SGLang lacks on CPU is supplied
+environment). The last test runs SGLang itself: two servers on CPU with HiCache on maru, the second
+loading the first's prompt from maru (what SGLang lacks on CPU is supplied
 by ``sglang_cpu/``; doc/SGLANG.md, "SGLang itself, on CPU").
 """
 
@@ -16,9 +16,12 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -30,6 +33,7 @@ os.environ.setdefault("SGLANG_CACHE_DIR", _CACHE.name)
 
 pytest.importorskip("sglang")
 
+import maru  # noqa: E402
 import torch  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage  # noqa: E402
 
@@ -256,47 +260,121 @@ def test_host_pools_it_does_not_move_are_refused(marud: Marud, namespace: str) -
 
 # -- SGLang itself ------------------------------------------------------------------------------
 
-SERVER_PAGE = 16  # tokens per page of the engines (the tiny model's page is 32 KiB)
+SERVER_PAGE = 16  # tokens per page of the servers (the tiny model's page is 32 KiB)
 
 
-def run_sglang(spec: dict, scratch: Path) -> dict:
-    """One SGLang instance (``sglang_server_child.py``) in a session of its own, killed with
-    everything it started if it outlives its time; its result."""
-    env = child_env()
-    env.update(SGLANG_USE_CPU_ENGINE="1", HF_HUB_OFFLINE="1", TORCH_EXTENSIONS_DIR=str(scratch / "torch-ext"),
-               PATH=os.pathsep.join([os.path.dirname(sys.executable), env["PATH"]]))
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS / "sglang_cpu"), str(TESTS), env["PYTHONPATH"]])
-    proc = subprocess.Popen([sys.executable, str(TESTS / "sglang_server_child.py"), json.dumps(spec)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=600)
-    finally:
+class SGLangServer:
+    """``python -m sglang.launch_server`` on CPU with HiCache on maru, configured as
+    doc/SGLANG.md says (``dynamic`` backend, ``maru_*`` keys in the extra config), serving
+    ``model`` on a free loopback port; in a session of its own, killed with everything it
+    started when the test is done with it."""
+
+    def __init__(self, model: Path, marud_socket: Path, namespace: str, scratch: Path) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        extra = su.maru_extra(str(marud_socket), namespace, maru_pool_size="16M")
+        args = [
+            "--model-path", str(model), "--host", "127.0.0.1", "--port", str(self.port),
+            "--device", "cpu", "--attention-backend", "torch_native", "--dtype", "bfloat16",
+            "--skip-tokenizer-init", "--skip-server-warmup", "--page-size", str(SERVER_PAGE),
+            "--mem-fraction-static", "0.05", "--max-total-tokens", "4096", "--max-running-requests", "4",
+            "--chunked-prefill-size", "-1", "--disable-overlap-schedule", "--random-seed", "0",
+            "--log-level", "warning",
+            "--enable-hierarchical-cache", "--hicache-size", "1", "--hicache-mem-layout", "page_first",
+            "--hicache-io-backend", "kernel", "--hicache-write-policy", "write_through",
+            "--hicache-storage-backend", "dynamic", "--hicache-storage-prefetch-policy", "wait_complete",
+            "--hicache-storage-backend-extra-config", json.dumps(extra),
+        ]
+        env = child_env()
+        env.update(SGLANG_USE_CPU_ENGINE="1", HF_HUB_OFFLINE="1", TORCH_EXTENSIONS_DIR=str(scratch / "torch-ext"),
+                   PATH=os.pathsep.join([os.path.dirname(sys.executable), env["PATH"]]))
+        env["PYTHONPATH"] = os.pathsep.join([str(TESTS / "sglang_cpu"), env["PYTHONPATH"]])
+        self.log = open(scratch / f"sglang-{self.port}.log", "w+")
+        self.proc = subprocess.Popen([sys.executable, "-m", "sglang.launch_server", *args], env=env,
+                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def __enter__(self) -> "SGLangServer":
         try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the engine's processes, if any is left
+            self._wait_ready(limit_s=600)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def _wait_ready(self, limit_s: float) -> None:
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"SGLang exited with {self.proc.returncode}:\n{self.output()}"
+            try:
+                with urllib.request.urlopen(self._url("/health"), timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"SGLang did not answer on port {self.port} in {limit_s} s:\n{self.output()}")
+
+    def generate(self, input_ids: list, max_new_tokens: int) -> dict:
+        body = {"input_ids": input_ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens,
+                                                             "ignore_eos": True}}
+        req = urllib.request.Request(self._url("/generate"), data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return json.loads(r.read())
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-6000:]
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the server and the processes it started
         except ProcessLookupError:
             pass
-        proc.wait()
-    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"SGLang failed (exit {proc.returncode}):\n{out[-6000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+        self.proc.wait()
+        self.log.close()
 
 
-def test_a_second_sglang_instance_loads_the_first_s_prompt_from_maru(marud: Marud, namespace: str,
-                                                                     tmp_path: Path) -> None:
+def wait_entries(marud_socket: Path, namespace: str, want: int, limit_s: float = 120) -> int:
+    """How many entries ``namespace`` holds once it holds ``want`` (HiCache writes to its
+    storage in the background), or after ``limit_s``."""
+    handler = maru.MaruHandler(maru.MaruConfig(socket_path=str(marud_socket), namespace=namespace))
+    handler.connect()
+    try:
+        deadline = time.monotonic() + limit_s
+        while True:
+            n = len(list(handler.list_keys()))
+            if n >= want or time.monotonic() > deadline:
+                return n
+            time.sleep(0.1)
+    finally:
+        handler.close()
+
+
+def test_a_second_sglang_server_loads_the_first_s_prompt_from_maru(marud: Marud, namespace: str,
+                                                                   tmp_path: Path) -> None:
     model = vllm_util.make_model(tmp_path / "model")
     rng = random.Random(7)
     prompt = [rng.randrange(3, vllm_util.VOCAB) for _ in range(40 * SERVER_PAGE)]
-    spec = {"model": str(model), "socket": str(marud.socket), "namespace": namespace, "prompt": prompt,
-            "max_new_tokens": 8, "page_size": SERVER_PAGE}
     # A: nothing stored yet. Its prompt and the 7 generated tokens it computed the KV of make
     # 40 full pages, which HiCache writes through to maru (host pool, then storage).
-    a = run_sglang(spec | {"wait_stored": 40}, tmp_path)
+    with SGLangServer(model, marud.socket, namespace, tmp_path) as server:
+        a = server.generate(prompt, 8)
+        assert wait_entries(marud.socket, namespace, 40) == 40, server.output()
     assert a["meta_info"]["cached_tokens"] == 0, a
-    assert a["stored"] == 40, a
-    # B, a new instance: its device and host pools are empty; HiCache finds the prompt's pages
-    # in maru, prefetches them, and computes only what it could not load: SGLang computes a
+    # B, a new server: its device and host pools are empty; HiCache finds the prompt's pages in
+    # maru, prefetches them, and computes only what it could not load: SGLang computes a
     # prompt's last token in any case, so the last page (16 tokens) is computed.
-    b = run_sglang(spec, tmp_path)
+    with SGLangServer(model, marud.socket, namespace, tmp_path) as server:
+        b = server.generate(prompt, 8)
     loadable = (len(prompt) - 1) // SERVER_PAGE * SERVER_PAGE
     assert b["meta_info"]["cached_tokens"] == loadable, b
     assert b["meta_info"]["cached_tokens_details"] == {"device": 0, "host": 0, "storage": loadable,
