@@ -991,3 +991,82 @@ fn a_publication_is_answered_while_a_removal_of_its_commit_waits() {
     let view = EtcdView::new(&etcd, &uuid);
     assert!(view.has_entry("new") && !view.has_entry("first") && !view.has_entry("second"));
 }
+
+/// The region of h0's that holds `ns/key`'s extent.
+fn region_of(store: &Store, auth: &EtcdAuthority, pool: &str, key: &str) -> (u64, u64) {
+    let at = offset_of(store, key).expect("stored");
+    auth.regions(pool)
+        .into_iter()
+        .find(|&(o, l)| (o..o + l).contains(&at))
+        .expect("a region of h0's holds it")
+}
+
+/// Seed 1873: an emptied region's release reached an etcd member just cut off from the
+/// others and waited there (2 s, its timeout), holding the releases' bookkeeping; the next
+/// region emptied, given back under the store's lock, waited for that bookkeeping, and the
+/// whole store with it: a store published before the cut was answered 2.07 s after it, past
+/// the host's lease. Here the first release waits at a seam instead of etcd.
+#[test]
+fn a_region_s_release_waiting_for_etcd_holds_up_neither_the_store_nor_the_next_release() {
+    let Some(etcd) = Etcd::start() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let uuid = pool_file(dir.path());
+    let (h0, auth) = host_and_authority(&etcd, dir.path(), "h0", &uuid);
+    // Two entries of a unit, a region each, and a small one in a third region, with room.
+    let unit = vec![3u8; UNIT as usize];
+    put(&h0, "a", &unit).expect("h0 stores ns/a");
+    put(&h0, "b", &unit).expect("h0 stores ns/b");
+    put(&h0, "k", &[5u8; 5000]).expect("h0 stores ns/k");
+    let [ra, rb, rk] = ["a", "b", "k"].map(|key| region_of(&h0, &auth, &uuid, key));
+    assert!(ra != rb && rb != rk && ra != rk, "{ra:?} {rb:?} {rk:?}");
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    auth.set_release_gate(Some(gate.clone()));
+    let held = |r: (u64, u64)| auth.regions(&uuid).contains(&r);
+    let delete = |key: &'static str| {
+        let h = h0.clone();
+        std::thread::spawn(move || h.delete(&Caller::root(), "ns", &[key.to_owned()]))
+    };
+    let deleted_a = delete("a");
+    eventually("ns/a's region given back", || !held(ra));
+    // Its release is at the seam now, in its turn at etcd. The next region goes back too.
+    std::thread::sleep(Duration::from_millis(300));
+    let deleted_b = delete("b");
+    eventually("ns/b's region given back", || !held(rb));
+    // Neither the store nor the thread that gave the region back waits for the first release:
+    // reads are answered meanwhile. (A store that needs a fresh region waits, rightly: its
+    // claim goes to etcd after the releases pending there.)
+    let (done_tx, done) = std::sync::mpsc::channel();
+    let h = h0.clone();
+    let client = std::thread::spawn(move || {
+        let read = get(&h, "k");
+        let _ = done_tx.send(());
+        read
+    });
+    let answered = done.recv_timeout(Duration::from_secs(20));
+    let claims_meanwhile = EtcdView::new(&etcd, &uuid).claims();
+    gate.add_permits(16);
+    assert!(
+        answered.is_ok(),
+        "a read waited for a region's release held at etcd"
+    );
+    assert_eq!(
+        client.join().expect("the client's thread"),
+        Some(vec![5u8; 5000])
+    );
+    for deleted in [deleted_a, deleted_b] {
+        let r = deleted.join().expect("the delete's thread");
+        assert!(r.is_ok_and(|each| each.iter().all(Result::is_ok)));
+    }
+    // Both releases were still pending meanwhile, and both land once etcd takes them.
+    for r in [ra, rb] {
+        assert!(claims_meanwhile.iter().any(|(o, _)| *o == r.0), "{r:?}");
+    }
+    eventually("etcd dropped both claims", || {
+        let claims = EtcdView::new(&etcd, &uuid).claims();
+        [ra, rb]
+            .iter()
+            .all(|r| claims.iter().all(|(o, _)| *o != r.0))
+    });
+    auth.set_release_gate(None);
+    put(&h0, "c", &unit).expect("h0 stores ns/c once the releases went");
+}

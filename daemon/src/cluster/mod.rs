@@ -44,6 +44,8 @@ use readers::{Hold, Readers};
 
 #[cfg(feature = "seams")]
 pub use group::RemovalGate;
+#[cfg(feature = "seams")]
+pub use regions::ReleaseGate;
 
 /// An entry's name: (namespace, key).
 type Name = (String, String);
@@ -148,9 +150,9 @@ pub struct EtcdAuthority {
     caught_up: AtomicU64,
     /// A rejoin is under way: its regions are being claimed again.
     rejoining: AtomicBool,
-    /// Regions given back here whose claims etcd has not deleted yet (offset -> length):
-    /// tried in the background until it does; a claim over one of them finishes it first.
-    releasing: Arc<tokio::sync::Mutex<HashMap<u64, Release>>>,
+    /// Regions given back here whose claims etcd has not deleted yet: tried in the
+    /// background until it does; a claim over one of them finishes it first.
+    releasing: Arc<regions::Releasing>,
     /// The seam before a claim of a fresh region goes to etcd (tests; feature `seams`).
     #[cfg(feature = "seams")]
     claim_gate: parking_lot::RwLock<Option<ClaimGate>>,
@@ -249,7 +251,17 @@ impl EtcdAuthority {
 
     /// Runs `f` on the cluster runtime and waits for it: driven on this thread when it is not
     /// one of a runtime's; from a runtime's thread, on a worker while this thread waits.
+    /// Never under the store's lock (checked in debug builds): what it waits for may wait
+    /// for etcd.
     fn run<T: Send + 'static>(&self, f: impl Future<Output = T> + Send + 'static) -> T {
+        crate::store::assert_unlocked("a wait on the cluster runtime");
+        self.run_even_locked(f)
+    }
+
+    /// [`run`](Self::run), unchecked: for the one wait on etcd still made under the store's
+    /// lock, a client's first hold of another host's entry recording its pin
+    /// (`pin_for_clients`; doc/RELIABILITY.md, "Not done yet").
+    fn run_even_locked<T: Send + 'static>(&self, f: impl Future<Output = T> + Send + 'static) -> T {
         if tokio::runtime::Handle::try_current().is_err() {
             // Not a runtime's thread (a client's connection, the applier): drive the future
             // here, with no hop to a worker and back.
@@ -380,14 +392,6 @@ enum Lost {
     /// Claimed again after a rejoin, but another host's entry lives there (that host took,
     /// wrote and lost it meanwhile): the claim in etcd is this host's, given back when freed.
     Occupied,
-}
-
-/// A region being given back (`EtcdAuthority::give_back`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Release {
-    len: u64,
-    /// Its claim's answer was lost: this host's requests on their way are fenced first.
-    unanswered: bool,
 }
 
 /// How long an eviction waits for every live host's acknowledgement of its removals before
@@ -711,7 +715,7 @@ impl Authority for EtcdAuthority {
             done: Some(tx),
         });
         let outcome = match sent {
-            Ok(()) => self.run(rx),
+            Ok(()) => self.run_even_locked(rx),
             Err(_) => return Err(unavailable("the cluster runtime stopped")),
         };
         let Ok(outcome) = outcome else {

@@ -1,14 +1,72 @@
 //! Regions given back to the cluster: a claim's release, tried in the background until etcd
 //! takes it.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use maru::{Error, Result};
 
 #[cfg(feature = "seams")]
 use super::ClaimGate;
-use super::{EtcdAuthority, Lost, Release, unavailable};
+use super::{EtcdAuthority, Lost, unavailable};
 use crate::store::authority::Authority;
+
+/// A region being given back (`EtcdAuthority::give_back`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Release {
+    len: u64,
+    /// Its claim's answer was lost: this host's requests on their way are fenced first.
+    unanswered: bool,
+}
+
+/// The seam before a region's release goes to etcd (tests; feature `seams`): when one is
+/// set, each attempt takes one of its permits first, in its turn at etcd.
+#[cfg(feature = "seams")]
+pub type ReleaseGate = std::sync::Arc<tokio::sync::Semaphore>;
+
+/// Regions given back here whose claims etcd has not deleted yet, and the turn that their
+/// releases and this host's claims take at etcd.
+#[derive(Default)]
+pub(super) struct Releasing {
+    /// Offset -> the release. A plain lock, never held across a wait: the store gives
+    /// regions back under its own lock, which no etcd request may hold (seed 1873: a release
+    /// stuck at an etcd member cut off held this map, and the store waited 2 s for it).
+    pending: parking_lot::Mutex<HashMap<u64, Release>>,
+    /// Held across the etcd requests of a release and of a claim: a claim over a range
+    /// finishes the release pending over it first, and a release never deletes a claim made
+    /// after it (it checks, in its turn, that it is still pending).
+    turn: tokio::sync::Mutex<()>,
+    #[cfg(feature = "seams")]
+    gate: parking_lot::RwLock<Option<ReleaseGate>>,
+}
+
+impl Releasing {
+    /// Whether `this` is still the release pending at `offset`.
+    fn is_pending(&self, offset: u64, this: Release) -> bool {
+        self.pending.lock().get(&offset) == Some(&this)
+    }
+
+    /// Done: `offset`'s release, if `this` is still the one pending there.
+    fn done(&self, offset: u64, this: Release) {
+        let mut pending = self.pending.lock();
+        if pending.get(&offset) == Some(&this) {
+            pending.remove(&offset);
+        }
+    }
+
+    /// Waits for a permit of the seam, if one is set.
+    async fn before_release(&self) {
+        #[cfg(feature = "seams")]
+        {
+            let gate = self.gate.read().clone();
+            if let Some(g) = gate
+                && let Ok(permit) = g.acquire().await
+            {
+                permit.forget();
+            }
+        }
+    }
+}
 
 /// How a fresh claim went at etcd, and what the view found in its range.
 #[derive(Debug)]
@@ -37,11 +95,13 @@ impl EtcdAuthority {
         self.claim_gate(offset);
         let (m, releasing, view) = (self.member(), self.releasing.clone(), self.view.clone());
         let r = self.run(async move {
-            let mut releasing = releasing.lock().await;
+            let turn = releasing.turn.lock().await;
             let m = m.read().await;
             // A release of this host's over the range not taken yet goes first (after a
             // fence, for a claim whose answer was lost: see `give_back`).
             let before: Vec<(u64, Release)> = releasing
+                .pending
+                .lock()
                 .iter()
                 .filter(|&(&o, r)| o < offset + len && offset < o + r.len)
                 .map(|(&o, r)| (o, *r))
@@ -51,13 +111,13 @@ impl EtcdAuthority {
                     m.fence_publications().await?;
                 }
                 m.release(o, r.len).await?;
-                releasing.remove(&o);
+                releasing.done(o, r);
             }
             let Some(revision) = m.claim(offset, len).await? else {
                 return Ok(Claimed::Refused);
             };
             let patience = m.ttl();
-            drop((m, releasing));
+            drop((m, turn));
             // Whatever the range's last holder published there precedes the claim: once the
             // watch has delivered the claim's revision, every such entry is known here (the
             // view has it even while the store holds it back: seed 1462).
@@ -179,6 +239,12 @@ impl EtcdAuthority {
         *self.claim_gate.write() = gate;
     }
 
+    /// Installs the seam before a region's release goes to etcd (tests).
+    #[cfg(feature = "seams")]
+    pub fn set_release_gate(&self, gate: Option<ReleaseGate>) {
+        *self.releasing.gate.write() = gate;
+    }
+
     /// Passes a claim of the region at `offset` through the seam (tests).
     #[cfg(feature = "seams")]
     fn claim_gate(&self, offset: u64) {
@@ -248,22 +314,21 @@ impl EtcdAuthority {
     pub(super) fn give_back(&self, offset: u64, len: u64, unanswered: bool) {
         let (m, releasing) = (self.member(), self.releasing.clone());
         // Pending before this returns: a claim over the range made next finishes it first
-        // (it never releases a claim made after it).
-        let r = releasing.clone();
+        // (it never releases a claim made after it). Recorded without waiting: this runs
+        // under the store's lock.
         let this = Release { len, unanswered };
-        self.run(async move {
-            r.lock().await.insert(offset, this);
-        });
+        releasing.pending.lock().insert(offset, this);
         self.rt.spawn(async move {
             let lease = m.read().await.lease();
             for attempt in 0u32.. {
                 if attempt > 0 {
                     tokio::time::sleep(Duration::from_millis(500)).await;
                 }
-                let mut pending = releasing.lock().await;
-                if pending.get(&offset) != Some(&this) {
-                    return; // a claim over it finished it
+                let _turn = releasing.turn.lock().await;
+                if !releasing.is_pending(offset, this) {
+                    return; // a claim over it finished it, or a newer release took its place
                 }
+                releasing.before_release().await;
                 let m = m.read().await;
                 // A new lease: the claim went with the old one.
                 let r = if m.lease() == lease {
@@ -281,7 +346,7 @@ impl EtcdAuthority {
                 };
                 match r {
                     Ok(()) => {
-                        pending.remove(&offset);
+                        releasing.done(offset, this);
                         return;
                     }
                     Err(e) if attempt == 0 => tracing::warn!(
