@@ -75,14 +75,7 @@ impl Seam {
     /// Waits for a permit of the removals' seam, if one is set.
     async fn before_removals(&self) {
         #[cfg(feature = "seams")]
-        {
-            let gate = self.removals.read().clone();
-            if let Some(g) = gate
-                && let Ok(permit) = g.acquire().await
-            {
-                permit.forget();
-            }
-        }
+        super::through_seam(&self.removals).await;
     }
 }
 

@@ -71,6 +71,17 @@ fn unavailable(cause: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Er
     Error::Io(std::io::Error::other(Unavailable(cause.into())))
 }
 
+/// Takes a permit of a seam's semaphore, if one is set (tests; feature `seams`).
+#[cfg(feature = "seams")]
+async fn through_seam(seam: &parking_lot::RwLock<Option<Arc<tokio::sync::Semaphore>>>) {
+    let gate = seam.read().clone();
+    if let Some(g) = gate
+        && let Ok(permit) = g.acquire().await
+    {
+        permit.forget();
+    }
+}
+
 /// The seam before a claim of a fresh region goes to etcd: called with the region's offset
 /// (tests; feature `seams`).
 #[cfg(feature = "seams")]

@@ -57,14 +57,7 @@ impl Releasing {
     /// Waits for a permit of the seam, if one is set.
     async fn before_release(&self) {
         #[cfg(feature = "seams")]
-        {
-            let gate = self.gate.read().clone();
-            if let Some(g) = gate
-                && let Ok(permit) = g.acquire().await
-            {
-                permit.forget();
-            }
-        }
+        super::through_seam(&self.gate).await;
     }
 }
 

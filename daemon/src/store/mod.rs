@@ -49,10 +49,12 @@
 //! [`crate::wal::Syncer`]); a removed extent is freed once its removal's record is synced.
 //! The one exception: a log's rewrite, made off the lock, is swapped in under it, and the
 //! records appended while it ran are synced in the new file first (once per
-//! [`crate::wal::REWRITE_AFTER`] records). The lock is taken only through [`Locked`], which
-//! knows whether this thread holds it: the waits for a log's sync, a memfs allocation's
-//! `fallocate`, a wait for etcd's commit, a region's claim and an eviction's wait for the
-//! other hosts check that it does not ([`assert_unlocked`], in debug builds: every test).
+//! [`crate::wal::REWRITE_AFTER`] records). Not done yet: a client's first hold of another
+//! host's entry records its pin in etcd under the lock (doc/RELIABILITY.md). The lock is
+//! taken only through [`Locked`], which knows whether this thread holds it: the waits for a
+//! log's sync, a memfs allocation's `fallocate`, a wait for etcd's commit, a region's claim,
+//! an eviction's wait for the other hosts and every wait on the cluster's runtime (but that
+//! pin's) check that it does not ([`assert_unlocked`], in debug builds: every test).
 
 pub mod authority;
 mod deletion;
