@@ -56,7 +56,7 @@ impl Job {
 /// The seam before a commit's removals go to etcd (tests; feature `seams`): when one is set,
 /// each commit with removals takes one of its permits first, its publications going on.
 #[cfg(feature = "seams")]
-pub type RemovalGate = Arc<Semaphore>;
+pub type RemovalGate = super::seams::Gate;
 
 /// Where the committer finds the seam [`RemovalGate`] (nothing without feature `seams`).
 #[derive(Clone, Default)]
@@ -75,7 +75,7 @@ impl Seam {
     /// Waits for a permit of the removals' seam, if one is set.
     async fn before_removals(&self) {
         #[cfg(feature = "seams")]
-        super::through_seam(&self.removals).await;
+        super::seams::through(&self.removals).await;
     }
 }
 

@@ -38,6 +38,9 @@ mod membership;
 mod publishing;
 mod readers;
 mod regions;
+mod releasing;
+#[cfg(feature = "seams")]
+mod seams;
 mod view;
 
 use readers::{Hold, Readers};
@@ -45,7 +48,7 @@ use readers::{Hold, Readers};
 #[cfg(feature = "seams")]
 pub use group::RemovalGate;
 #[cfg(feature = "seams")]
-pub use regions::ReleaseGate;
+pub use releasing::ReleaseGate;
 
 /// An entry's name: (namespace, key).
 type Name = (String, String);
@@ -69,17 +72,6 @@ struct Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>);
 
 fn unavailable(cause: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Error {
     Error::Io(std::io::Error::other(Unavailable(cause.into())))
-}
-
-/// Takes a permit of a seam's semaphore, if one is set (tests; feature `seams`).
-#[cfg(feature = "seams")]
-async fn through_seam(seam: &parking_lot::RwLock<Option<Arc<tokio::sync::Semaphore>>>) {
-    let gate = seam.read().clone();
-    if let Some(g) = gate
-        && let Ok(permit) = g.acquire().await
-    {
-        permit.forget();
-    }
 }
 
 /// The seam before a claim of a fresh region goes to etcd: called with the region's offset
@@ -163,7 +155,7 @@ pub struct EtcdAuthority {
     rejoining: AtomicBool,
     /// Regions given back here whose claims etcd has not deleted yet: tried in the
     /// background until it does; a claim over one of them finishes it first.
-    releasing: Arc<regions::Releasing>,
+    releasing: Arc<releasing::Releasing>,
     /// The seam before a claim of a fresh region goes to etcd (tests; feature `seams`).
     #[cfg(feature = "seams")]
     claim_gate: parking_lot::RwLock<Option<ClaimGate>>,

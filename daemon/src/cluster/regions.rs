@@ -1,65 +1,17 @@
 //! Regions given back to the cluster: a claim's release, tried in the background until etcd
 //! takes it.
 
-use std::collections::HashMap;
 use std::time::Duration;
 
 use maru::{Error, Result};
 
 #[cfg(feature = "seams")]
 use super::ClaimGate;
+use super::releasing::Release;
+#[cfg(feature = "seams")]
+use super::releasing::ReleaseGate;
 use super::{EtcdAuthority, Lost, unavailable};
 use crate::store::authority::Authority;
-
-/// A region being given back (`EtcdAuthority::give_back`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Release {
-    len: u64,
-    /// Its claim's answer was lost: this host's requests on their way are fenced first.
-    unanswered: bool,
-}
-
-/// The seam before a region's release goes to etcd (tests; feature `seams`): when one is
-/// set, each attempt takes one of its permits first, in its turn at etcd.
-#[cfg(feature = "seams")]
-pub type ReleaseGate = std::sync::Arc<tokio::sync::Semaphore>;
-
-/// Regions given back here whose claims etcd has not deleted yet, and the turn that their
-/// releases and this host's claims take at etcd.
-#[derive(Default)]
-pub(super) struct Releasing {
-    /// Offset -> the release. A plain lock, never held across a wait: the store gives
-    /// regions back under its own lock, which no etcd request may hold (seed 1873: a release
-    /// stuck at an etcd member cut off held this map, and the store waited 2 s for it).
-    pending: parking_lot::Mutex<HashMap<u64, Release>>,
-    /// Held across the etcd requests of a release and of a claim: a claim over a range
-    /// finishes the release pending over it first, and a release never deletes a claim made
-    /// after it (it checks, in its turn, that it is still pending).
-    turn: tokio::sync::Mutex<()>,
-    #[cfg(feature = "seams")]
-    gate: parking_lot::RwLock<Option<ReleaseGate>>,
-}
-
-impl Releasing {
-    /// Whether `this` is still the release pending at `offset`.
-    fn is_pending(&self, offset: u64, this: Release) -> bool {
-        self.pending.lock().get(&offset) == Some(&this)
-    }
-
-    /// Done: `offset`'s release, if `this` is still the one pending there.
-    fn done(&self, offset: u64, this: Release) {
-        let mut pending = self.pending.lock();
-        if pending.get(&offset) == Some(&this) {
-            pending.remove(&offset);
-        }
-    }
-
-    /// Waits for a permit of the seam, if one is set.
-    async fn before_release(&self) {
-        #[cfg(feature = "seams")]
-        super::through_seam(&self.gate).await;
-    }
-}
 
 /// How a fresh claim went at etcd, and what the view found in its range.
 #[derive(Debug)]
