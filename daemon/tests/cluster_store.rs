@@ -142,26 +142,19 @@ fn pool_file(dir: &Path) -> String {
 /// A private etcd and a fresh pool file, with hosts `h0` and `h1` on them (the etcd and the
 /// directory live as long as the first two).
 /// One host, h0, with its authority, on a fresh pool (its UUID) and a private etcd.
-struct OneHost {
-    etcd: Etcd,
-    dir: tempfile::TempDir,
-    uuid: String,
-    h0: Arc<Store>,
-    auth: Arc<EtcdAuthority>,
-}
-
-fn one_host() -> Option<OneHost> {
+#[allow(clippy::type_complexity)]
+fn one_host() -> Option<(
+    Etcd,
+    tempfile::TempDir,
+    String,
+    Arc<Store>,
+    Arc<EtcdAuthority>,
+)> {
     let etcd = Etcd::start()?;
     let dir = tempfile::tempdir().expect("tempdir");
     let uuid = pool_file(dir.path());
     let (h0, auth) = host_and_authority(&etcd, dir.path(), "h0", &uuid);
-    Some(OneHost {
-        etcd,
-        dir,
-        uuid,
-        h0,
-        auth,
-    })
+    Some((etcd, dir, uuid, h0, auth))
 }
 
 fn two_hosts() -> Option<(Etcd, tempfile::TempDir, Arc<Store>, Arc<Store>)> {
@@ -795,14 +788,7 @@ fn come_and_go(etcd: &Etcd, uuid: &str, node: &str, (region, offset): (u64, u64)
 /// leaves; the host, storing, carves that region first.
 #[test]
 fn a_host_whose_watch_lags_claims_no_region_over_an_entry_it_has_not_seen() {
-    let Some(OneHost {
-        etcd,
-        dir: _dir,
-        uuid,
-        h0,
-        auth,
-    }) = one_host()
-    else {
+    let Some((etcd, _dir, uuid, h0, auth)) = one_host() else {
         return;
     };
     auth.hold_watch(true);
@@ -969,14 +955,7 @@ fn a_restarted_host_claims_no_region_over_an_entry_its_earlier_run_published() {
 /// is held in turn, and its publication must be answered meanwhile.
 #[test]
 fn a_publication_is_answered_while_a_removal_of_its_commit_waits() {
-    let Some(OneHost {
-        etcd,
-        dir: _dir,
-        uuid,
-        h0,
-        auth,
-    }) = one_host()
-    else {
+    let Some((etcd, _dir, uuid, h0, auth)) = one_host() else {
         return;
     };
     for key in ["first", "second"] {
@@ -1043,14 +1022,7 @@ fn region_of(store: &Store, auth: &EtcdAuthority, pool: &str, key: &str) -> (u64
 /// the host's lease. Here the first release waits at a seam instead of etcd.
 #[test]
 fn a_region_s_release_waiting_for_etcd_holds_up_neither_the_store_nor_the_next_release() {
-    let Some(OneHost {
-        etcd,
-        dir: _dir,
-        uuid,
-        h0,
-        auth,
-    }) = one_host()
-    else {
+    let Some((etcd, _dir, uuid, h0, auth)) = one_host() else {
         return;
     };
     // Two entries of a unit, a region each, and a small one in a third region, with room.
