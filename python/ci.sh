@@ -85,8 +85,9 @@ else
     echo "$vllm_want" >"$vllm_venv/.maru-ci-stamp"
 fi
 # The SGLang environment (python/tests/test_sglang.py): its own venv, sglang from PyPI with
-# --no-deps and only the packages its HiCache storage code imports (python/requirements-sglang.txt,
-# each installed with --no-deps: nothing is resolved, nothing for GPUs beyond torch's own).
+# --no-deps and only the packages its HiCache storage code and its HTTP server on CPU import
+# (python/requirements-sglang.txt, each installed with --no-deps: nothing is resolved, nothing
+# for GPUs beyond torch's own).
 sglang_venv=${MARU_CI_SGLANG_VENV:-/var/cache/maru-ci/sglang-venv}
 sglang_lock=python/requirements-sglang.txt
 sglang_version=0.5.23

@@ -5,9 +5,9 @@ The backend is made the way SGLang's cache controller makes it: ``StorageBackend
 ``HiCacheStorageConfig``'s extra config, then SGLang's host KV pool (``MHATokenToKVPoolHost``,
 ``MLATokenToKVPoolHost``, on CPU) registered. Pages move with the zero-copy interface (host
 indices) and the plain one. Runs where SGLang is installed (python/ci.sh's SGLang
-environment). The last test runs SGLang itself: two servers on CPU with HiCache on maru, the second
-loading the first's prompt from maru (what SGLang lacks on CPU is supplied
-by ``sglang_cpu/``; doc/SGLANG.md, "SGLang itself, on CPU").
+environment). The last test runs SGLang itself: two servers on CPU with HiCache on maru, the
+second loading the first's prompt from maru (what SGLang lacks on CPU is supplied by
+``sglang_cpu/``; doc/SGLANG.md, "SGLang itself, on CPU").
 """
 
 from __future__ import annotations
