@@ -435,6 +435,19 @@ impl EtcdView {
             .create_revision
     }
 
+    /// The client pins recorded: `ns/key/node` each.
+    fn client_pins(&self) -> Vec<String> {
+        let prefix = format!("{}clientpins/", self.root);
+        let r = self
+            .rt
+            .block_on(self.client.get(prefix.clone(), Range::PREFIX));
+        r.expect("the client pins")
+            .kvs
+            .iter()
+            .map(|kv| String::from_utf8_lossy(&kv.key[prefix.len()..]).into_owned())
+            .collect()
+    }
+
     /// Revokes `lease` (as etcd does once a host cut off outlives its TTL).
     fn revoke(&self, lease: i64) {
         let r = self.rt.block_on(self.client.lease_revoke(lease));
@@ -1082,4 +1095,99 @@ fn a_region_s_release_waiting_for_etcd_holds_up_neither_the_store_nor_the_next_r
     });
     auth.set_release_gate(None);
     put(&h0, "c", &unit).expect("h0 stores ns/c once the releases went");
+}
+
+/// A session of `store` that holds `ns/key`, on a thread of its own: the session and the
+/// hold's outcome once it is answered; `answered` is told then.
+fn hold_on_a_thread(
+    store: &Arc<Store>,
+    key: &'static str,
+    answered: std::sync::mpsc::Sender<()>,
+) -> std::thread::JoinHandle<(maru_daemon::store::SessionId, maru::Result<()>)> {
+    let h = store.clone();
+    std::thread::spawn(move || {
+        let s = h.open_session("t", Caller::root());
+        let r = h
+            .hold(s, "ns", &[key.to_owned()], true)
+            .and_then(|mut each| each.pop().expect("one outcome"));
+        let _ = answered.send(());
+        (s, r)
+    })
+}
+
+/// A client's first hold of another host's entry is recorded at etcd (for the publisher,
+/// which alone evicts it) with the store's lock let go of: while the record waits, the
+/// host's other clients are answered, and a second hold of the entry waits for the record's
+/// outcome — it would count on it. A record that fails takes no hold: the second hold, the
+/// first now, makes its own record.
+#[test]
+fn a_first_hold_of_another_host_s_entry_waiting_for_etcd_holds_up_no_other_client() {
+    let Some((etcd, dir, uuid, h0, _auth0)) = one_host() else {
+        return;
+    };
+    let (h1, auth1) = host_and_authority(&etcd, dir.path(), "h1", &uuid);
+    put(&h0, "k", b"h0's entry").expect("h0 stores ns/k");
+    put(&h1, "mine", b"h1's entry").expect("h1 stores ns/mine");
+    eventually("h1 serves ns/k", || get(&h1, "k").is_some());
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    auth1.set_pin_gate(Some(gate.clone()));
+    let (first_tx, first_answered) = std::sync::mpsc::channel();
+    let first = hold_on_a_thread(&h1, "k", first_tx);
+    // The first hold's record is at the seam now (it was not answered).
+    assert!(
+        first_answered
+            .recv_timeout(Duration::from_millis(300))
+            .is_err()
+    );
+    let (read_tx, read) = std::sync::mpsc::channel();
+    let h = h1.clone();
+    let reader = std::thread::spawn(move || {
+        let got = get(&h, "mine");
+        let _ = read_tx.send(());
+        got
+    });
+    let read_meanwhile = read.recv_timeout(Duration::from_secs(20));
+    let (second_tx, second_answered) = std::sync::mpsc::channel();
+    let second = hold_on_a_thread(&h1, "k", second_tx);
+    let second_waited = second_answered
+        .recv_timeout(Duration::from_millis(300))
+        .is_err();
+    // The record fails: etcd does not answer within the client's patience.
+    etcd.pause(true);
+    gate.add_permits(1);
+    let (s1, r1) = first.join().expect("the first hold's thread");
+    etcd.pause(false);
+    gate.add_permits(16);
+    let (s2, r2) = second.join().expect("the second hold's thread");
+    assert!(
+        read_meanwhile.is_ok(),
+        "a read waited for a pin's record held at etcd"
+    );
+    assert_eq!(
+        reader.join().expect("the reader's thread").as_deref(),
+        Some(&b"h1's entry"[..])
+    );
+    assert!(
+        second_waited,
+        "a second hold did not wait for the first's record"
+    );
+    assert!(matches!(r1, Err(maru::Error::Busy(_))), "{r1:?}");
+    assert!(r2.is_ok(), "{r2:?}");
+    // The failed record took no hold; the second's is recorded, for h1.
+    let given_back = h1.hold(s1, "ns", &["k".to_owned()], false).expect("unhold");
+    assert!(
+        matches!(given_back[0], Err(maru::Error::NotFound(_))),
+        "{given_back:?}"
+    );
+    let view = EtcdView::new(&etcd, &uuid);
+    eventually("h1's client pin recorded", || {
+        view.client_pins() == ["ns/k/h1".to_owned()]
+    });
+    // The last hold goes with its session, and the record with it.
+    h1.close_session(s2);
+    h1.close_session(s1);
+    eventually("the client pin taken back", || {
+        view.client_pins().is_empty()
+    });
+    auth1.set_pin_gate(None);
 }

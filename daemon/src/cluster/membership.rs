@@ -85,7 +85,7 @@ async fn keep_membership(me: std::sync::Weak<EtcdAuthority>) {
         for h in a.readers.lock().holds.values_mut() {
             (h.recorded, h.unanswered) = (false, false);
         }
-        let pinned: Vec<Name> = a.client_pins_here.lock().iter().cloned().collect();
+        let pinned = a.client_pins.here();
         if let Err(e) = m.pin_for_clients(&pinned, true).await {
             tracing::warn!("pinning again what clients here pin: {e}");
         }

@@ -28,10 +28,14 @@ use tokio::sync::RwLock;
 use self::changes::Changing;
 use self::known::Known;
 use crate::store::SharedId;
-use crate::store::authority::{Authority, Claim, LocalAuthority, Placed, Publishing, Withdrawn};
+use crate::store::authority::{
+    Authority, Claim, LocalAuthority, Placed, Publishing, Recording, Withdrawn,
+};
 
 pub mod applier;
+mod blocking;
 mod changes;
+mod client_pins;
 mod group;
 mod known;
 mod membership;
@@ -43,8 +47,11 @@ mod releasing;
 mod seams;
 mod view;
 
+use client_pins::ClientPins;
 use readers::{Hold, Readers};
 
+#[cfg(feature = "seams")]
+pub use client_pins::PinGate;
 #[cfg(feature = "seams")]
 pub use group::RemovalGate;
 #[cfg(feature = "seams")]
@@ -122,9 +129,7 @@ pub struct EtcdAuthority {
     /// watch), each with the revision of its last change.
     pins: Mutex<Known<Name, ()>>,
     /// Other hosts' entries that clients of this host pin (recorded in etcd under its lease).
-    client_pins_here: Mutex<HashSet<Name>>,
-    /// Client pins to record or take back in etcd, in order (`record_client_pins`).
-    client_pin_tx: tokio::sync::mpsc::UnboundedSender<ClientPinUpdate>,
+    client_pins: ClientPins,
     /// The entries clients pin, and on which hosts (from etcd's watch).
     client_pinned: Mutex<HashMap<Name, HashSet<String>>>,
     /// The quotas of the cluster (this host's, and every host's from etcd's watch), each
@@ -178,7 +183,6 @@ impl EtcdAuthority {
             pid: std::process::id(),
         };
         let (eps, pool, ttl) = (s.endpoints.clone(), pool_uuid.to_owned(), s.ttl);
-        let (client_pin_tx, client_pin_rx) = tokio::sync::mpsc::unbounded_channel();
         let member = rt.block_on(async move {
             let start = tokio::time::Instant::now();
             loop {
@@ -203,6 +207,7 @@ impl EtcdAuthority {
         let (valid, beaten) = (member.validity(), member.beaten());
         let member = Arc::new(RwLock::new(member));
         let group = group::GroupCommit::start(&rt, member.clone());
+        let client_pins = ClientPins::start(rt.handle(), member.clone());
         let me = Arc::new(EtcdAuthority {
             local: LocalAuthority::default(),
             rt,
@@ -222,8 +227,7 @@ impl EtcdAuthority {
             tombstones: AtomicBool::new(false),
             reserved: Mutex::new(HashSet::new()),
             pins: Mutex::new(Known::default()),
-            client_pins_here: Mutex::new(HashSet::new()),
-            client_pin_tx,
+            client_pins,
             client_pinned: Mutex::new(HashMap::new()),
             quotas: Mutex::new(Known::default()),
             used: Mutex::new(HashMap::new()),
@@ -248,33 +252,18 @@ impl EtcdAuthority {
         me.start_membership();
         me.rt.spawn(acknowledge(Arc::downgrade(&me)));
         me.rt.spawn(watch_acks(Arc::downgrade(&me)));
-        me.rt.spawn(record_client_pins(me.member(), client_pin_rx));
         Ok(me)
     }
 
-    /// Runs `f` on the cluster runtime and waits for it: driven on this thread when it is not
-    /// one of a runtime's; from a runtime's thread, on a worker while this thread waits.
-    /// Never under the store's lock (checked in debug builds): what it waits for may wait
-    /// for etcd.
+    /// Runs `f` on the cluster runtime and waits for it ([`wait_on`]).
     fn run<T: Send + 'static>(&self, f: impl Future<Output = T> + Send + 'static) -> T {
-        crate::store::assert_unlocked("a wait on the cluster runtime");
-        self.run_even_locked(f)
+        blocking::wait_on(self.rt.handle(), f)
     }
 
-    /// [`run`](Self::run), unchecked: for the one wait on etcd still made under the store's
-    /// lock, a client's first hold of another host's entry recording its pin
-    /// (`pin_for_clients`; doc/RELIABILITY.md, "Not done yet").
-    fn run_even_locked<T: Send + 'static>(&self, f: impl Future<Output = T> + Send + 'static) -> T {
-        if tokio::runtime::Handle::try_current().is_err() {
-            // Not a runtime's thread (a client's connection, the applier): drive the future
-            // here, with no hop to a worker and back.
-            return self.rt.block_on(f);
-        }
-        let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        self.rt.spawn(async move {
-            let _ = tx.send(f.await);
-        });
-        rx.recv().expect("the cluster runtime is running")
+    /// Installs the seam before a client pin's record goes to etcd (tests).
+    #[cfg(feature = "seams")]
+    pub fn set_pin_gate(&self, gate: Option<PinGate>) {
+        self.client_pins.set_gate(gate);
     }
 
     fn member(&self) -> Arc<RwLock<Member>> {
@@ -463,34 +452,6 @@ async fn acknowledge(me: std::sync::Weak<EtcdAuthority>) {
                         recorded: true,
                         ..h
                     });
-                }
-            }
-        }
-    }
-}
-
-/// Client pins to record (with whoever waits for the outcome) or take back.
-struct ClientPinUpdate {
-    names: Vec<Name>,
-    pinned: bool,
-    done: Option<tokio::sync::oneshot::Sender<maru_cluster::Result<()>>>,
-}
-
-/// Records client pins in etcd in the order they were taken and given back, so that a pin
-/// taken right after an unpin of the same entry is never undone by it.
-async fn record_client_pins(
-    m: Arc<RwLock<Member>>,
-    mut rx: tokio::sync::mpsc::UnboundedReceiver<ClientPinUpdate>,
-) {
-    while let Some(u) = rx.recv().await {
-        let r = m.read().await.pin_for_clients(&u.names, u.pinned).await;
-        match u.done {
-            Some(done) => {
-                let _ = done.send(r);
-            }
-            None => {
-                if let Err(e) = r {
-                    tracing::warn!("taking back pins of clients here: {e}");
                 }
             }
         }
@@ -710,41 +671,20 @@ impl Authority for EtcdAuthority {
         }
     }
 
-    fn pin_for_clients(&self, names: &[(String, String)]) -> Result<()> {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let sent = self.client_pin_tx.send(ClientPinUpdate {
-            names: names.to_vec(),
-            pinned: true,
-            done: Some(tx),
-        });
-        let outcome = match sent {
-            Ok(()) => self.run_even_locked(rx),
-            Err(_) => return Err(unavailable("the cluster runtime stopped")),
+    fn pin_for_clients(&self, names: &[(String, String)]) -> Recording {
+        let Some(outcome) = self.client_pins.pin(names) else {
+            return Recording::done(Err(unavailable("the cluster runtime stopped")));
         };
-        let Ok(outcome) = outcome else {
-            return Err(unavailable("the cluster runtime stopped"));
-        };
-        match outcome {
-            Ok(()) => {
-                self.client_pins_here.lock().extend(names.iter().cloned());
-                Ok(())
-            }
-            Err(e) => Err(cluster_error(e)),
-        }
+        let rt = self.rt.handle().clone();
+        Recording::pending(move || match blocking::wait_on(&rt, outcome) {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(cluster_error(e)),
+            Err(_) => Err(unavailable("the cluster runtime stopped")),
+        })
     }
 
     fn unpin_for_clients(&self, names: &[(String, String)]) {
-        {
-            let mut here = self.client_pins_here.lock();
-            for n in names {
-                here.remove(n);
-            }
-        }
-        let _ = self.client_pin_tx.send(ClientPinUpdate {
-            names: names.to_vec(),
-            pinned: false,
-            done: None,
-        });
+        self.client_pins.unpin(names);
     }
 
     fn pinned(&self, ns: &str, key: &str) -> Option<bool> {

@@ -15,6 +15,27 @@ use parking_lot::Mutex;
 use super::hashmap::HashMap;
 use super::ids::{Place, SharedId};
 
+/// A record asked of the authority, whose outcome may take a round trip to it: waited for
+/// with the store's lock let go of (the lock's rule).
+pub struct Recording(Box<dyn FnOnce() -> Result<()> + Send>);
+
+impl Recording {
+    /// A record whose outcome is known already.
+    pub fn done(outcome: Result<()>) -> Self {
+        Recording(Box::new(move || outcome))
+    }
+
+    /// A record whose outcome `wait` waits for.
+    pub fn pending(wait: impl FnOnce() -> Result<()> + Send + 'static) -> Self {
+        Recording(Box::new(wait))
+    }
+
+    /// The record's outcome.
+    pub fn wait(self) -> Result<()> {
+        (self.0)()
+    }
+}
+
 /// A name's state at the authority.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Claim {
@@ -173,11 +194,13 @@ pub trait Authority: Send + Sync {
         None
     }
     /// Clients of this host took their first pin (the original API's pin counts) on entries
-    /// `names` that another host published: recorded for every host sharing the authority,
-    /// bound to this host's life, so that their publisher does not evict them meanwhile;
-    /// fails, changing nothing, when that cannot be recorded.
-    fn pin_for_clients(&self, _names: &[(String, String)]) -> Result<()> {
-        Ok(())
+    /// `names` that another host published: to be recorded for every host sharing the
+    /// authority, bound to this host's life, so that their publisher does not evict them
+    /// meanwhile. Asked at once, in the order of the store's lock (after the unpins asked
+    /// before it); its outcome is waited for with the lock let go of ([`Recording::wait`]),
+    /// and a failure changes nothing.
+    fn pin_for_clients(&self, _names: &[(String, String)]) -> Recording {
+        Recording::done(Ok(()))
     }
     /// The last pin of clients here on another host's entries `names` went (or the entries
     /// did): taken back, in the background.

@@ -49,12 +49,13 @@
 //! [`crate::wal::Syncer`]); a removed extent is freed once its removal's record is synced.
 //! The one exception: a log's rewrite, made off the lock, is swapped in under it, and the
 //! records appended while it ran are synced in the new file first (once per
-//! [`crate::wal::REWRITE_AFTER`] records). Not done yet: a client's first hold of another
-//! host's entry records its pin in etcd under the lock (doc/RELIABILITY.md). The lock is
+//! [`crate::wal::REWRITE_AFTER`] records). A client's first hold of another host's entry is
+//! recorded at the authority for its publisher with the lock let go of, the entry marked
+//! meanwhile so that other holds of it wait for the outcome (`Store::hold`). The lock is
 //! taken only through [`Locked`], which knows whether this thread holds it: the waits for a
 //! log's sync, a memfs allocation's `fallocate`, a wait for etcd's commit, a region's claim,
-//! an eviction's wait for the other hosts and every wait on the cluster's runtime (but that
-//! pin's) check that it does not ([`assert_unlocked`], in debug builds: every test).
+//! an eviction's wait for the other hosts and every wait on the cluster's runtime check
+//! that it does not ([`assert_unlocked`], in debug builds: every test).
 
 pub mod authority;
 mod deletion;
@@ -142,7 +143,8 @@ pub struct Store {
     counters: Counters,
     invalidate: Mutex<Option<Arc<InvalidateFn>>>,
     started: Instant,
-    /// Signalled when an entry written through the mount is sealed or dropped.
+    /// Signalled when an entry written through the mount is sealed or dropped, and when the
+    /// record of a first hold of another host's entry has its outcome.
     sealed: Condvar,
     /// The fault-injection seam of writes through the mount (tests, feature `seams`).
     #[cfg(feature = "seams")]
@@ -539,70 +541,6 @@ impl Store {
                 }
             })
             .collect())
-    }
-
-    /// Takes (`hold`) or gives back one hold of `session` per key; one outcome per key. A hold
-    /// needs what a retrieval needs (whoever may read an entry may keep it from eviction while
-    /// its session lives); giving one back needs only to find the entry, and fails with
-    /// [`Error::NotFound`] when the session holds none on it.
-    pub fn hold(
-        &self,
-        session: SessionId,
-        ns: &str,
-        keys: &[String],
-        hold: bool,
-    ) -> Result<Vec<Result<()>>> {
-        split_ns(ns)?;
-        let mut st = self.lock();
-        let c = st.caller(session)?;
-        if hold {
-            self.wait_imminent(&mut st, ns, keys);
-        }
-        // Other hosts' entries whose first hold here was taken (or last given back): their
-        // publisher, which alone evicts them, must know.
-        let mut firsts: Vec<u64> = Vec::new();
-        let mut out = Self::each_entry(
-            &mut st,
-            &c,
-            ns,
-            keys,
-            if hold {
-                |p| Access::Read(p)
-            } else {
-                |_| Access::Lookup
-            },
-            |st, ino| {
-                st.hold(session, ino, hold)?;
-                let e = &st.entries[&ino];
-                if e.remote().is_some() && e.holds() == u32::from(hold) {
-                    firsts.push(ino);
-                }
-                Ok(())
-            },
-        )?;
-        if firsts.is_empty() {
-            return Ok(out);
-        }
-        let names: Vec<(String, String)> = firsts
-            .iter()
-            .map(|ino| (ns.to_owned(), st.entries[ino].key().to_owned()))
-            .collect();
-        if !hold {
-            self.authority.unpin_for_clients(&names);
-            return Ok(out);
-        }
-        if let Err(e) = self.authority.pin_for_clients(&names) {
-            // Not recorded for the publisher: these holds are not taken.
-            for (ino, (_, key)) in firsts.into_iter().zip(&names) {
-                let _ = st.hold(session, ino, false);
-                if let Some(i) = keys.iter().position(|k| k == key) {
-                    out[i] = Err(Error::Busy(format!(
-                        "{ns}/{key}: pinning another host's entry: {e}"
-                    )));
-                }
-            }
-        }
-        Ok(out)
     }
 
     /// Lists a namespace: itself (not the root), its children and its entries whose names come

@@ -78,6 +78,7 @@ pub fn open_state(
         pools,
         gone: HashMap::default(),
         fuse_leases: HashMap::default(),
+        pinning: Default::default(),
     };
     let mut next = st.next_ino;
     st.ns.load(|| {

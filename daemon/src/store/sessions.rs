@@ -1,10 +1,13 @@
 //! Client sessions (one per control connection), their leases and their holds.
 
+use maru::name::split_ns;
 use maru::{Error, Result};
 use maru_fsd::Caller;
 
 use super::SessionId;
 use super::Store;
+use super::locked::Locked;
+use super::policy::Access;
 use super::state::{Session, State};
 
 impl Store {
@@ -22,6 +25,108 @@ impl Store {
             },
         );
         id
+    }
+
+    /// Takes (`hold`) or gives back one hold of `session` per key; one outcome per key. A hold
+    /// needs what a retrieval needs (whoever may read an entry may keep it from eviction while
+    /// its session lives); giving one back needs only to find the entry, and fails with
+    /// [`Error::NotFound`] when the session holds none on it.
+    ///
+    /// The first hold here of another host's entry is recorded at the authority for its
+    /// publisher, which alone evicts it; with the store's lock let go of (a round trip to
+    /// etcd), while other holds of the entry wait for the outcome: none counts on a record
+    /// that may still fail. A hold whose record failed is not taken.
+    pub fn hold(
+        &self,
+        session: SessionId,
+        ns: &str,
+        keys: &[String],
+        hold: bool,
+    ) -> Result<Vec<Result<()>>> {
+        split_ns(ns)?;
+        let mut st = self.lock();
+        let c = st.caller(session)?;
+        if hold {
+            self.wait_imminent(&mut st, ns, keys);
+            while keys.iter().any(|k| pin_in_flight(&st, ns, k)) {
+                st.wait(&self.sealed);
+            }
+        }
+        // Other hosts' entries whose first hold here was taken (or last given back): their
+        // publisher must know.
+        let mut firsts: Vec<u64> = Vec::new();
+        let mut out = Self::each_entry(
+            &mut st,
+            &c,
+            ns,
+            keys,
+            if hold {
+                |p| Access::Read(p)
+            } else {
+                |_| Access::Lookup
+            },
+            |st, ino| {
+                st.hold(session, ino, hold)?;
+                let e = &st.entries[&ino];
+                if e.remote().is_some() && e.holds() == u32::from(hold) {
+                    firsts.push(ino);
+                }
+                Ok(())
+            },
+        )?;
+        if firsts.is_empty() {
+            return Ok(out);
+        }
+        let names: Vec<(String, String)> = firsts
+            .iter()
+            .map(|ino| (ns.to_owned(), st.entries[ino].key().to_owned()))
+            .collect();
+        if !hold {
+            self.authority.unpin_for_clients(&names);
+            return Ok(out);
+        }
+        let Err(e) = self.record_first_holds(&mut st, &firsts, &names) else {
+            return Ok(out);
+        };
+        // Not recorded for the publisher: these holds are not taken (no other hold of the
+        // entries was taken meanwhile; the record, should it have landed all the same, is
+        // taken back).
+        let mut unpinned = Vec::new();
+        for (ino, name) in firsts.into_iter().zip(names) {
+            let held = st.hold(session, ino, false).is_ok();
+            if held && st.entries.get(&ino).is_some_and(|e| e.holds() == 0) {
+                unpinned.push(name.clone());
+            }
+            if let Some(i) = keys.iter().position(|k| *k == name.1) {
+                out[i] = Err(Error::Busy(format!(
+                    "{ns}/{}: pinning another host's entry: {e}",
+                    name.1
+                )));
+            }
+        }
+        if !unpinned.is_empty() {
+            self.authority.unpin_for_clients(&unpinned);
+        }
+        Ok(out)
+    }
+
+    /// Records the first holds here of other hosts' entries `firsts` (named `names`) at the
+    /// authority: asked under the store's lock (in its order with the unpins), waited for
+    /// without it, the entries marked meanwhile so that other holds of them wait.
+    fn record_first_holds(
+        &self,
+        st: &mut Locked<'_>,
+        firsts: &[u64],
+        names: &[(String, String)],
+    ) -> Result<()> {
+        let record = self.authority.pin_for_clients(names);
+        st.pinning.extend(firsts.iter().copied());
+        let outcome = st.unlocked(|| record.wait());
+        for ino in firsts {
+            st.pinning.remove(ino);
+        }
+        self.sealed.notify_all();
+        outcome
     }
 
     /// A client went away (closed its connection or crashed): its unpublished allocations
@@ -125,4 +230,13 @@ impl State {
         self.index_flags(ino);
         name
     }
+}
+
+/// Whether the first hold here of `ns/key` (another host's entry) is being recorded.
+fn pin_in_flight(st: &State, ns: &str, key: &str) -> bool {
+    st.ns
+        .get(ns)
+        .ok()
+        .and_then(|n| n.entries.get(key))
+        .is_some_and(|ino| st.pinning.contains(ino))
 }

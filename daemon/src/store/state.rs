@@ -168,6 +168,9 @@ pub struct State {
     pub(super) gone: HashMap<u64, Attr>,
     /// Leases held by handles of the mount (raw pools).
     pub(super) fuse_leases: HashMap<u64, u32>,
+    /// Other hosts' entries whose first hold here is being recorded at the authority for
+    /// their publisher (`Store::hold`): other holds of them wait for the outcome.
+    pub(super) pinning: HashSet<u64>,
 }
 
 impl State {
@@ -187,6 +190,7 @@ impl State {
             pools: Vec::new(),
             gone: Default::default(),
             fuse_leases: Default::default(),
+            pinning: Default::default(),
         }
     }
 
