@@ -1,5 +1,7 @@
 //! Client sessions (one per control connection), their leases and their holds.
 
+use std::time::{Duration, Instant};
+
 use maru::name::split_ns;
 use maru::{Error, Result};
 use maru_fsd::Caller;
@@ -9,6 +11,10 @@ use super::Store;
 use super::locked::Locked;
 use super::policy::Access;
 use super::state::{Session, State};
+
+/// The longest a hold waits for another client's first hold of the same entry to be
+/// recorded (etcd's patience is 5 s).
+const PIN_WAIT: Duration = Duration::from_secs(30);
 
 impl Store {
     /// Registers a client connection.
@@ -48,8 +54,16 @@ impl Store {
         let c = st.caller(session)?;
         if hold {
             self.wait_imminent(&mut st, ns, keys);
+            // A record ends within etcd's patience; one that does not (its thread stopped)
+            // holds up these holds no longer than this.
+            let deadline = Instant::now() + PIN_WAIT;
             while keys.iter().any(|k| pin_in_flight(&st, ns, k)) {
-                st.wait(&self.sealed);
+                if st.wait_until(&self.sealed, deadline).timed_out() {
+                    return Err(Error::Busy(format!(
+                        "{ns}: another client's first hold of one of these entries is still \
+                         being recorded for its publisher; retry"
+                    )));
+                }
             }
         }
         // Other hosts' entries whose first hold here was taken (or last given back): their
@@ -88,20 +102,23 @@ impl Store {
         let Err(e) = self.record_first_holds(&mut st, &firsts, &names) else {
             return Ok(out);
         };
-        // Not recorded for the publisher: these holds are not taken (no other hold of the
-        // entries was taken meanwhile; the record, should it have landed all the same, is
-        // taken back).
+        // Not recorded for the publisher: the holds this call took on these entries are not
+        // taken (no other session's hold of them was taken meanwhile; the record, should it
+        // have landed all the same, is taken back).
         let mut unpinned = Vec::new();
         for (ino, name) in firsts.into_iter().zip(names) {
-            let held = st.hold(session, ino, false).is_ok();
-            if held && st.entries.get(&ino).is_some_and(|e| e.holds() == 0) {
-                unpinned.push(name.clone());
-            }
-            if let Some(i) = keys.iter().position(|k| *k == name.1) {
-                out[i] = Err(Error::Busy(format!(
-                    "{ns}/{}: pinning another host's entry: {e}",
-                    name.1
+            let mut held = false;
+            for (k, o) in keys.iter().zip(out.iter_mut()) {
+                if *k != name.1 || o.is_err() {
+                    continue;
+                }
+                held |= st.hold(session, ino, false).is_ok();
+                *o = Err(Error::Busy(format!(
+                    "{ns}/{k}: pinning another host's entry: {e}"
                 )));
+            }
+            if held && st.entries.get(&ino).is_some_and(|e| e.holds() == 0) {
+                unpinned.push(name);
             }
         }
         if !unpinned.is_empty() {
