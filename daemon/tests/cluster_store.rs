@@ -435,16 +435,29 @@ impl EtcdView {
             .create_revision
     }
 
-    /// The client pins recorded: `ns/key/node` each.
-    fn client_pins(&self) -> Vec<String> {
-        let prefix = format!("{}clientpins/", self.root);
+    /// The keys under `dir` of the pool's root (the rest of each key), with their values.
+    fn under(&self, dir: &str) -> Vec<(String, String)> {
+        let prefix = format!("{}{dir}", self.root);
         let r = self
             .rt
             .block_on(self.client.get(prefix.clone(), Range::PREFIX));
-        r.expect("the client pins")
+        r.unwrap_or_else(|e| panic!("reading {dir}: {e}"))
             .kvs
             .iter()
-            .map(|kv| String::from_utf8_lossy(&kv.key[prefix.len()..]).into_owned())
+            .map(|kv| {
+                (
+                    String::from_utf8_lossy(&kv.key[prefix.len()..]).into_owned(),
+                    String::from_utf8_lossy(&kv.value).into_owned(),
+                )
+            })
+            .collect()
+    }
+
+    /// The client pins recorded: `ns/key/node` each.
+    fn client_pins(&self) -> Vec<String> {
+        self.under("clientpins/")
+            .into_iter()
+            .map(|(k, _)| k)
             .collect()
     }
 
@@ -456,17 +469,11 @@ impl EtcdView {
 
     /// The claimed regions: offset of each unit, and its holder.
     fn claims(&self) -> Vec<(u64, String)> {
-        let prefix = format!("{}regions/", self.root);
-        let r = self
-            .rt
-            .block_on(self.client.get(prefix.clone(), Range::PREFIX));
-        r.expect("the claims")
-            .kvs
-            .iter()
-            .map(|kv| {
-                let hex = String::from_utf8_lossy(&kv.key[prefix.len()..]).into_owned();
+        self.under("regions/")
+            .into_iter()
+            .map(|(hex, holder)| {
                 let unit = u64::from_str_radix(&hex, 16).expect("a unit index");
-                (unit * UNIT, String::from_utf8_lossy(&kv.value).into_owned())
+                (unit * UNIT, holder)
             })
             .collect()
     }
@@ -1061,13 +1068,8 @@ fn a_region_s_release_waiting_for_etcd_holds_up_neither_the_store_nor_the_next_r
     // Neither the store nor the thread that gave the region back waits for the first release:
     // reads are answered meanwhile. (A store that needs a fresh region waits, rightly: its
     // claim goes to etcd after the releases pending there.)
-    let (done_tx, done) = std::sync::mpsc::channel();
     let h = h0.clone();
-    let client = std::thread::spawn(move || {
-        let read = get(&h, "k");
-        let _ = done_tx.send(());
-        read
-    });
+    let (done, client) = on_a_thread(move || get(&h, "k"));
     let answered = done.recv_timeout(Duration::from_secs(20));
     let claims_meanwhile = EtcdView::new(&etcd, &uuid).claims();
     gate.add_permits(16);
@@ -1097,20 +1099,35 @@ fn a_region_s_release_waiting_for_etcd_holds_up_neither_the_store_nor_the_next_r
     put(&h0, "c", &unit).expect("h0 stores ns/c once the releases went");
 }
 
-/// A session of `store` that holds `keys` of `ns` in one call, on a thread of its own: the
-/// session and the hold's outcomes once it is answered; `answered` is told then.
+/// Runs `f` on a thread of its own: the receiver is told once `f` returned, the thread's
+/// join gives what it returned.
+fn on_a_thread<T: Send + 'static>(
+    f: impl FnOnce() -> T + Send + 'static,
+) -> (std::sync::mpsc::Receiver<()>, std::thread::JoinHandle<T>) {
+    let (tx, returned) = std::sync::mpsc::channel();
+    let t = std::thread::spawn(move || {
+        let v = f();
+        let _ = tx.send(());
+        v
+    });
+    (returned, t)
+}
+
+/// A session of `store` that holds `keys` of `ns` in one call, on a thread of its own
+/// ([`on_a_thread`]): the session and the hold's outcomes.
+#[allow(clippy::type_complexity)]
 fn hold_on_a_thread(
     store: &Arc<Store>,
     keys: &'static [&'static str],
-    answered: std::sync::mpsc::Sender<()>,
-) -> std::thread::JoinHandle<(maru_daemon::store::SessionId, Vec<maru::Result<()>>)> {
+) -> (
+    std::sync::mpsc::Receiver<()>,
+    std::thread::JoinHandle<(maru_daemon::store::SessionId, Vec<maru::Result<()>>)>,
+) {
     let h = store.clone();
-    std::thread::spawn(move || {
+    on_a_thread(move || {
         let s = h.open_session("t", Caller::root());
         let keys: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
-        let r = h.hold(s, "ns", &keys, true).expect("holding");
-        let _ = answered.send(());
-        (s, r)
+        (s, h.hold(s, "ns", &keys, true).expect("holding"))
     })
 }
 
@@ -1130,25 +1147,18 @@ fn a_first_hold_of_another_host_s_entry_waiting_for_etcd_holds_up_no_other_clien
     eventually("h1 serves ns/k", || get(&h1, "k").is_some());
     let gate = Arc::new(tokio::sync::Semaphore::new(0));
     auth1.set_pin_gate(Some(gate.clone()));
-    let (first_tx, first_answered) = std::sync::mpsc::channel();
     // Twice in one call: neither is taken should the record fail.
-    let first = hold_on_a_thread(&h1, &["k", "k"], first_tx);
+    let (first_answered, first) = hold_on_a_thread(&h1, &["k", "k"]);
     // The first hold's record is at the seam now (it was not answered).
     assert!(
         first_answered
             .recv_timeout(Duration::from_millis(300))
             .is_err()
     );
-    let (read_tx, read) = std::sync::mpsc::channel();
     let h = h1.clone();
-    let reader = std::thread::spawn(move || {
-        let got = get(&h, "mine");
-        let _ = read_tx.send(());
-        got
-    });
+    let (read, reader) = on_a_thread(move || get(&h, "mine"));
     let read_meanwhile = read.recv_timeout(Duration::from_secs(20));
-    let (second_tx, second_answered) = std::sync::mpsc::channel();
-    let second = hold_on_a_thread(&h1, &["k"], second_tx);
+    let (second_answered, second) = hold_on_a_thread(&h1, &["k"]);
     let second_waited = second_answered
         .recv_timeout(Duration::from_millis(300))
         .is_err();
