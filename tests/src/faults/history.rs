@@ -11,8 +11,13 @@ pub enum Kind {
     Store,
     Retrieve,
     Delete,
+    /// The operator's pin (`user.maru.pinned`, `Op::Pin`).
     Pin,
     Unpin,
+    /// A connection's hold (the original API's pin counts, `Op::Hold`): another host's
+    /// entry's first hold here is recorded for its publisher.
+    Hold,
+    Unhold,
     List,
 }
 

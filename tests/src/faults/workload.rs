@@ -1,7 +1,7 @@
 //! The clients: each a thread on one host, with a PRNG of its own seeded from the run's seed,
-//! storing, retrieving, deleting, pinning and listing keys of one namespace — through libmaru
-//! on the host's control socket, or as files under the host's mount — and recording every
-//! operation in the history.
+//! storing, retrieving, deleting, pinning, holding (socket clients) and listing keys of one
+//! namespace — through libmaru on the host's control socket, or as files under the host's
+//! mount — and recording every operation in the history.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -49,21 +49,29 @@ impl Client {
         let mut rng = StdRng::seed_from_u64(self.seed ^ (u64::from(self.id) << 40));
         let mut handler: Option<maru::Handler> = None;
         let mut n = 0u64;
+        // The keys this connection holds (one each per hold), gone with the connection.
+        let mut held: Vec<String> = Vec::new();
         while !stop.load(Ordering::Relaxed) {
             let Some(h) = handler.as_ref() else {
                 handler = connect(&self.socket, Duration::from_millis(500));
+                held.clear();
                 continue;
             };
-            let key = key(rng.gen_range(0..self.keys));
+            let mut key = key(rng.gen_range(0..self.keys));
             let roll = rng.gen_range(0..100u32);
-            let kind = match roll {
-                0..35 => Kind::Store,
-                35..70 => Kind::Retrieve,
-                70..82 => Kind::Delete,
-                82..88 => Kind::Pin,
-                88..92 => Kind::Unpin,
+            let kind = match (roll, &self.door) {
+                (0..35, _) => Kind::Store,
+                (35..70, _) => Kind::Retrieve,
+                (70..82, _) => Kind::Delete,
+                (82..86, _) => Kind::Pin,
+                (86..88, _) => Kind::Unpin,
+                (88..92, Door::Socket) => Kind::Hold,
+                (92..95, Door::Socket) => Kind::Unhold,
                 _ => Kind::List,
             };
+            if kind == Kind::Unhold && !held.is_empty() {
+                key = held.swap_remove(rng.gen_range(0..held.len()));
+            }
             n += 1;
             let version = (u64::from(self.id) << 32) | n;
             let len = rng.gen_range(64..=(256 << 10));
@@ -76,6 +84,14 @@ impl Client {
                     Kind::Delete => outcome(h.delete(&key)),
                     Kind::Pin => outcome(h.pin(&key)),
                     Kind::Unpin => outcome(h.unpin(&key)),
+                    Kind::Hold => {
+                        let r = outcome(h.hold(&key));
+                        if r == Outcome::Ok {
+                            held.push(key.clone());
+                        }
+                        r
+                    }
+                    Kind::Unhold => outcome(h.unhold(&key)),
                     Kind::List => outcome(h.list(NS).map(|_| ())),
                 },
                 Door::Mount(at) => match at(&key) {
@@ -125,6 +141,7 @@ mod mount {
             Kind::Delete => std::fs::remove_file(path),
             Kind::Pin => pin(path, true),
             Kind::Unpin => pin(path, false),
+            Kind::Hold | Kind::Unhold => unreachable!("a hold is the control socket's"),
             Kind::List => path
                 .parent()
                 .map_or(Ok(()), |ns| std::fs::read_dir(ns).map(|d| d.for_each(drop))),
