@@ -195,10 +195,11 @@ async fn commit(member: Arc<RwLock<Member>>, mut rx: mpsc::UnboundedReceiver<Job
             // the host was cut off).
             tokio::join!(
                 async {
-                    let mut out = m.publish_many(&publishing).await.into_iter();
-                    for (n, reply) in to_publishers {
-                        let _ = reply.send(out.by_ref().take(n).collect());
-                    }
+                    // Each caller answered once its own items have their outcomes (seed
+                    // 2001: a publication etcd took waited 2 s for another transaction of the
+                    // batch, sent to a member just cut off).
+                    let mut answers = Answers::new(to_publishers);
+                    m.publish_each(&publishing, |i, r| answers.done(i, r)).await;
                 },
                 async {
                     if !removing.is_empty() {
@@ -211,5 +212,85 @@ async fn commit(member: Arc<RwLock<Member>>, mut rx: mpsc::UnboundedReceiver<Job
                 }
             );
         });
+    }
+}
+
+/// The outcomes of a commit's publications, gathered per caller (in the order the callers'
+/// items were taken): each caller's reply goes as soon as all of its items have theirs.
+struct Answers<T> {
+    /// Per caller: its outcomes so far, how many are missing, where to send them.
+    callers: Vec<(Outcomes<T>, usize, Reply<T>)>,
+    /// Per item of the commit: its caller and its place among the caller's items.
+    owner: Vec<(usize, usize)>,
+}
+
+type Reply<T> = std::sync::mpsc::SyncSender<Vec<maru_cluster::Result<T>>>;
+
+/// A caller's outcomes, each once known.
+type Outcomes<T> = Vec<Option<maru_cluster::Result<T>>>;
+
+impl<T> Answers<T> {
+    fn new(callers: Vec<(usize, Reply<T>)>) -> Self {
+        let owner = callers
+            .iter()
+            .enumerate()
+            .flat_map(|(c, (n, _))| (0..*n).map(move |k| (c, k)))
+            .collect();
+        let callers = callers
+            .into_iter()
+            .map(|(n, reply)| {
+                if n == 0 {
+                    let _ = reply.send(Vec::new());
+                }
+                ((0..n).map(|_| None).collect(), n, reply)
+            })
+            .collect();
+        Answers { callers, owner }
+    }
+
+    /// Item `i` of the commit has outcome `r`.
+    fn done(&mut self, i: usize, r: maru_cluster::Result<T>) {
+        let (c, k) = self.owner[i];
+        let (got, missing, reply) = &mut self.callers[c];
+        if got[k].replace(r).is_some() {
+            return; // told twice (never): answered already, or to be
+        }
+        *missing -= 1;
+        if *missing == 0 {
+            let all = got
+                .iter_mut()
+                .map(|o| o.take().expect("every item has its outcome"))
+                .collect();
+            let _ = reply.send(all);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A caller is answered as soon as its own items have their outcomes, whatever the
+    /// others' wait for; each in its items' order.
+    #[test]
+    fn each_caller_is_answered_once_its_own_items_are() {
+        let (tx0, rx0) = std::sync::mpsc::sync_channel(1);
+        let (tx1, rx1) = std::sync::mpsc::sync_channel(1);
+        let (tx2, rx2) = std::sync::mpsc::sync_channel(1);
+        let mut a = Answers::<u32>::new(vec![(2, tx0), (1, tx1), (0, tx2)]);
+        assert_eq!(
+            rx2.try_recv().map(|v| v.len()),
+            Ok(0),
+            "nothing to wait for"
+        );
+        a.done(2, Ok(20));
+        let one: Vec<u32> = rx1.try_recv().unwrap().into_iter().flatten().collect();
+        assert_eq!(one, [20]);
+        a.done(1, Ok(10));
+        assert!(rx0.try_recv().is_err(), "answered before its first item");
+        a.done(0, Err(stopped()));
+        let zero = rx0.try_recv().unwrap();
+        assert!(zero[0].is_err());
+        assert_eq!(zero[1].as_ref().ok(), Some(&10));
     }
 }
