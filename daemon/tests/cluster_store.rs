@@ -1204,3 +1204,33 @@ fn a_first_hold_of_another_host_s_entry_waiting_for_etcd_holds_up_no_other_clien
     });
     auth1.set_pin_gate(None);
 }
+
+/// A name another host published and removed while this host's publication of it was on
+/// its way: that host's entry, filed here before its removal (held back while this host
+/// changes the name), gives way to the publication etcd granted here, never the reverse —
+/// which answered the client `Exists` and freed the granted entry's extent while etcd kept
+/// its record, so that the other hosts read the next entry's bytes under its name (seed
+/// 1985).
+#[test]
+fn another_host_s_entry_filed_before_a_grant_here_gives_way_to_it() {
+    let Some((etcd, _dir, uuid, h0, _auth)) = one_host() else {
+        return;
+    };
+    let (me, pool, once) = (Arc::downgrade(&h0), uuid.clone(), AtomicBool::new(false));
+    h0.set_ask_gate(Some(Box::new(move |at, ns, key| {
+        if (at, ns, key) != ("published", "ns", "k") || once.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        // Etcd granted the publication; the applier files another host's entry of the name,
+        // created before it (its removal not yet applied here).
+        let h = me.upgrade().expect("the host");
+        let filed = h.file_remote(&pool, "ns", "k", POOL - UNIT, 4096, 1);
+        assert!(matches!(filed, Ok(true)), "{filed:?}");
+    })));
+    let stored = put(&h0, "k", b"granted here");
+    h0.set_ask_gate(None);
+    stored.expect("the publication etcd granted is sealed");
+    assert_eq!(get(&h0, "k").as_deref(), Some(&b"granted here"[..]));
+    let view = EtcdView::new(&etcd, &uuid);
+    assert!(view.has_entry("k"));
+}

@@ -30,7 +30,7 @@ use super::ids::{Place, SessionId};
 use super::placement::Refused;
 use super::policy::{self, Access, Perm};
 use super::pools::Backing;
-use super::state::{Alloc, State};
+use super::state::{Alloc, Invalidation, State};
 use super::stats::Bytes;
 use super::{ENTRY_ALIGN, Store, align_up};
 use crate::coherence::WriteBack;
@@ -127,12 +127,13 @@ impl Store {
                 *r = Err(e);
             }
         }
-        items
+        let mut gave_way = Vec::new();
+        let out = items
             .iter()
             .zip(placed)
             .map(|(p, r)| {
                 let r = r.and_then(|placing| {
-                    self.seal_placed(&mut st, session, p, &placing, unlocked)
+                    self.seal_placed(&mut st, session, p, &placing, unlocked, &mut gave_way)
                         .inspect_err(|_| self.authority.release(p.ns, p.key, p.id))
                 });
                 if let Some(s) = st.sessions.get_mut(&session) {
@@ -147,7 +148,13 @@ impl Store {
                 }
                 r.map(|_| p.id)
             })
-            .collect()
+            .collect();
+        drop(st);
+        if !gave_way.is_empty() {
+            // The kernel may cache the names as the entries that gave way.
+            self.notify(gave_way);
+        }
+        out
     }
 
     /// The first step of a client's publication, under the lock: the checks, the name
@@ -194,7 +201,9 @@ impl Store {
     /// The last step of a client's publication the authority granted, under the lock: the
     /// entry sealed. The name and the quota are checked again (the publications of one batch
     /// sealed before this one count against its namespace's quota); with the lock let go of
-    /// in between (`unlocked`), the allocation too.
+    /// in between (`unlocked`), the allocation too, and another host's entry of the name
+    /// filed meanwhile gives way to a grant of the shared authority (its invalidation into
+    /// `gave_way`).
     fn seal_placed(
         &self,
         st: &mut State,
@@ -202,9 +211,13 @@ impl Store {
         p: &Publish<'_>,
         placing: &Placing,
         unlocked: bool,
+        gave_way: &mut Vec<Invalidation>,
     ) -> Result<u64> {
         if unlocked {
             Self::own_alloc(st, session, p.id)?;
+            if placing.pool.is_some() {
+                gave_way.extend(self.give_way(st, p.ns, p.key));
+            }
         }
         self.check_publishable(st, p.ns, p.key, placing.size)?;
         self.seal_granted(st, p.id, p.ns, p.key, placing.size)
@@ -528,6 +541,10 @@ impl Store {
                 return Err(Error::NotFound(format!(
                     "{ns}/{key} (unlinked while being published)"
                 )));
+            }
+            // Another host's entry of the name filed meanwhile gives way to the grant.
+            if let Some(inv) = self.give_way(st, ns, key) {
+                st.unlocked(|| self.notify(vec![inv]));
             }
         } else {
             placing.write_back();

@@ -128,6 +128,34 @@ impl Store {
         true
     }
 
+    /// Another host's entry of `ns/key` filed here before the authority granted this host's
+    /// publication of the name gives way to it. Write-once: the grant says etcd held no entry
+    /// of the name then, so that one was removed, and its removal, held back while this host
+    /// changes the name, is still on its way (seed 1985: refused for it, a granted
+    /// publication had its extent freed while etcd kept its record, and the other hosts read
+    /// the next entry's bytes under its name). Removed here as that removal will remove it
+    /// ([`Store::forget_remote`]), which then finds this host's entry and leaves it. One
+    /// being withdrawn here (deleted or renamed) stays.
+    pub(super) fn give_way(&self, st: &mut State, ns: &str, key: &str) -> Option<Invalidation> {
+        let ino = st
+            .ns
+            .get(ns)
+            .ok()
+            .and_then(|n| n.entries.get(key).copied())?;
+        let e = &st.entries[&ino];
+        if e.remote().is_none() || e.withdrawing() {
+            return None;
+        }
+        tracing::debug!(
+            ns,
+            key,
+            "another host's entry gives way to a publication granted here"
+        );
+        st.remove_entry(&*self.authority, &self.counters, ino, Removal::Elsewhere)
+            .ok()
+            .flatten()
+    }
+
     /// Drops the stale lines `ready_remote` gave, without the store's lock (an entry of a GiB
     /// is 16 million lines), then marks the entry read here: readers from then on skip it.
     /// Readers that found it cold meanwhile drop them too, each before it answers (twice
