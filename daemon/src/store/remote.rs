@@ -104,28 +104,43 @@ impl Store {
     /// asks it to).
     pub fn forget_remote(&self, ns: &str, key: &str, gone: Gone) -> bool {
         let mut st = self.lock();
-        let Some(ino) = st.ns.get(ns).ok().and_then(|n| n.entries.get(key).copied()) else {
-            return true;
-        };
-        let e = &st.entries[&ino];
-        if e.withdrawing() {
-            return false;
-        }
-        let that_one = match gone {
+        let removed = self.remove_as_elsewhere(&mut st, ns, key, |e| match gone {
             Gone::Own => e.remote().is_none(),
             Gone::Remote(created) => e.remote().is_some_and(|r| r.created == created),
+        });
+        let Some(inv) = removed else {
+            return false;
         };
-        if !that_one {
-            return true;
-        }
-        // Forgetting asks nothing of the authority: it cannot fail.
-        let inv = st
-            .remove_entry(&*self.authority, &self.counters, ino, Removal::Elsewhere)
-            .ok()
-            .flatten();
         drop(st);
         self.notify(inv.into_iter().collect());
         true
+    }
+
+    /// Removes the entry of `ns/key` here, if `which` says it is the one, as a removal by
+    /// another host does (asking nothing of the authority: it cannot fail); its invalidation.
+    /// None, doing nothing, when the entry is being withdrawn here.
+    fn remove_as_elsewhere(
+        &self,
+        st: &mut State,
+        ns: &str,
+        key: &str,
+        which: impl FnOnce(&Entry) -> bool,
+    ) -> Option<Option<Invalidation>> {
+        let Some(ino) = st.ns.get(ns).ok().and_then(|n| n.entries.get(key).copied()) else {
+            return Some(None);
+        };
+        let e = &st.entries[&ino];
+        if e.withdrawing() {
+            return None;
+        }
+        if !which(e) {
+            return Some(None);
+        }
+        Some(
+            st.remove_entry(&*self.authority, &self.counters, ino, Removal::Elsewhere)
+                .ok()
+                .flatten(),
+        )
     }
 
     /// Another host's entry of `ns/key` filed here before the authority granted this host's
@@ -137,23 +152,15 @@ impl Store {
     /// ([`Store::forget_remote`]), which then finds this host's entry and leaves it. One
     /// being withdrawn here (deleted or renamed) stays.
     pub(super) fn give_way(&self, st: &mut State, ns: &str, key: &str) -> Option<Invalidation> {
-        let ino = st
-            .ns
-            .get(ns)
-            .ok()
-            .and_then(|n| n.entries.get(key).copied())?;
-        let e = &st.entries[&ino];
-        if e.remote().is_none() || e.withdrawing() {
-            return None;
-        }
+        let inv = self
+            .remove_as_elsewhere(st, ns, key, |e| e.remote().is_some())
+            .flatten()?;
         tracing::debug!(
             ns,
             key,
-            "another host's entry gives way to a publication granted here"
+            "another host's entry gave way to a publication granted here"
         );
-        st.remove_entry(&*self.authority, &self.counters, ino, Removal::Elsewhere)
-            .ok()
-            .flatten()
+        Some(inv)
     }
 
     /// Drops the stale lines `ready_remote` gave, without the store's lock (an entry of a GiB
