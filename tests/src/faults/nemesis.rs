@@ -77,7 +77,9 @@ pub fn run(env: &Env, history: &Arc<History>, kinds: &[Kind], seed: u64, until: 
         std::thread::sleep(gap);
         let kind = kinds[rng.gen_range(0..kinds.len())];
         let host = rng.gen_range(0..env.hosts.len());
-        let start = history.now();
+        // A partition starts once it holds (its routes are all in place): the recovery
+        // bounds run from there, like the cut's own clock (`cut_off`).
+        let mut start = history.now();
         let mut cut = CutOff::default();
         let target = match kind {
             Kind::Kill => {
@@ -101,6 +103,7 @@ pub fn run(env: &Env, history: &Arc<History>, kinds: &[Kind], seed: u64, until: 
             }
             Kind::Partition => {
                 env.net.link(host, false);
+                start = history.now();
                 let planned = ttl + ms(&mut rng, 500, 2500);
                 cut = cut_off(env, host, None, planned);
                 env.net.link(host, true);
@@ -129,6 +132,7 @@ pub fn run(env: &Env, history: &Arc<History>, kinds: &[Kind], seed: u64, until: 
                     leader: s.leader,
                 });
                 split(true);
+                start = history.now();
                 if with_host {
                     cut = cut_off(env, host, minority, planned);
                 } else {
