@@ -1234,3 +1234,45 @@ fn another_host_s_entry_filed_before_a_grant_here_gives_way_to_it() {
     let view = EtcdView::new(&etcd, &uuid);
     assert!(view.has_entry("k"));
 }
+
+/// The same through the mount: another host's entry of the name, filed before a writer's
+/// publication granted here is sealed, gives way to it. The mount's seal files the new
+/// entry over the name; the other stayed in the store's table under no name, its extent
+/// adopted here for good, and its removal, when it came, found this host's entry instead.
+#[test]
+fn another_host_s_entry_filed_before_a_mount_writer_s_grant_gives_way_to_it() {
+    use maru_fsd::Backend;
+    let Some((etcd, _dir, uuid, h0, _auth)) = one_host() else {
+        return;
+    };
+    let (me, pool, once) = (Arc::downgrade(&h0), uuid.clone(), AtomicBool::new(false));
+    h0.set_ask_gate(Some(Box::new(move |at, ns, key| {
+        if (at, ns, key) != ("published", "ns", "k") || once.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let h = me.upgrade().expect("the host");
+        let filed = h.file_remote(&pool, "ns", "k", POOL - UNIT, 4096, 1);
+        assert!(matches!(filed, Ok(true)), "{filed:?}");
+    })));
+    let fs = maru_daemon::store::fsview::StoreFs(h0.clone());
+    let caller = Caller::new(0, 0, std::process::id() as i32);
+    let ns = fs
+        .lookup(&caller, maru_fsd::backend::ROOT_INO, "ns")
+        .expect("ns")
+        .ino;
+    let (a, _) = fs.create(&caller, ns, "k", 0o644).expect("create");
+    fs.write(a.ino, 0, b"granted here").expect("write");
+    fs.commit(&caller, a.ino, false).expect("close");
+    let sealed = fs.seal(a.ino);
+    h0.set_ask_gate(None);
+    sealed.expect("the publication etcd granted is sealed");
+    assert_eq!(get(&h0, "k").as_deref(), Some(&b"granted here"[..]));
+    assert!(EtcdView::new(&etcd, &uuid).has_entry("k"));
+    // Gone, not left behind the new entry: filed under no name, its removal would find
+    // this host's entry instead, and its extent would stay adopted here for good.
+    let left = h0.remote_entries();
+    assert!(
+        left.is_empty(),
+        "another host's entry left behind: {left:?}"
+    );
+}

@@ -527,7 +527,11 @@ impl Store {
             st.writer_asking(id, true);
             let granted = st.unlocked(|| {
                 placing.write_back();
-                self.authority.publish(ns, key, id, &at)
+                let granted = self.authority.publish(ns, key, id, &at);
+                if granted.is_ok() {
+                    self.ask_gate("published", ns, key);
+                }
+                granted
             });
             st.writer_asking(id, false);
             self.sealed.notify_all();
