@@ -1,7 +1,9 @@
 //! `maructl bench stall`: how long a client's small stores wait while another client makes a
 //! large allocation on the same memfs pool (a file of its own, `fallocate`d), side by side
 //! with the same loop alone and with the same `fallocate` made outside maru (on a tmpfs of
-//! its own, by this process): what that costs the machine without any lock of maru's.
+//! its own, by this process): what that costs the machine without any lock of maru's. The
+//! large work runs again and again through its window, so that each window has thousands of
+//! stores; a last window times bare round trips between two threads, the machine's own floor.
 //!
 //! With `--through-mount`, the large work is instead a process writing an entry through the
 //! mount into a raw pool (a `file:` pool on a tmpfs) and closing it, which copies its bytes
@@ -43,28 +45,62 @@ fn window(case: &str, mut v: Vec<Duration>, big: Vec<f64>) -> Window {
     }
 }
 
-/// Stores in a loop (with `store`) while `work` runs on another thread; the work's seconds.
+/// How long each window lasts, in each round.
+const WINDOW: Duration = Duration::from_secs(1);
+
+/// Stores in a loop (with `store`) while `work` runs on another thread, then `after` (which
+/// undoes it), again and again for `WINDOW`: each work's seconds.
 fn during(
     store: &mut impl FnMut(&mut Vec<Duration>) -> anyhow::Result<()>,
     out: &mut Vec<Duration>,
-    work: impl FnOnce() -> anyhow::Result<()> + Send,
-    after: impl FnOnce() -> anyhow::Result<()> + Send,
-) -> anyhow::Result<f64> {
-    let done = AtomicBool::new(false);
-    std::thread::scope(|s| -> anyhow::Result<f64> {
-        let worker = s.spawn(|| -> anyhow::Result<f64> {
-            let t = Instant::now();
-            let r = work();
-            let took = t.elapsed().as_secs_f64();
-            done.store(true, Ordering::Release);
-            r?;
-            after()?;
-            Ok(took)
+    work: impl Fn() -> anyhow::Result<()> + Sync,
+    after: impl Fn() -> anyhow::Result<()> + Sync,
+) -> anyhow::Result<Vec<f64>> {
+    let t = Instant::now();
+    let mut took = Vec::new();
+    while took.is_empty() || t.elapsed() < WINDOW {
+        let done = AtomicBool::new(false);
+        took.push(std::thread::scope(|s| -> anyhow::Result<f64> {
+            let worker = s.spawn(|| -> anyhow::Result<f64> {
+                let t = Instant::now();
+                let r = work();
+                let took = t.elapsed().as_secs_f64();
+                done.store(true, Ordering::Release);
+                r?;
+                after()?;
+                Ok(took)
+            });
+            while !done.load(Ordering::Acquire) && !worker.is_finished() {
+                store(out)?;
+            }
+            worker.join().expect("the working thread panicked")
+        })?);
+    }
+    Ok(took)
+}
+
+/// Round trips of 64 bytes over a socket pair between this thread and another of this
+/// process, for `WINDOW`: what the machine itself makes a round trip wait (no maru, no large
+/// work), the floor under the stores' figures.
+fn bare_round_trips(out: &mut Vec<Duration>) -> anyhow::Result<()> {
+    use std::io::Read;
+    use std::os::unix::net::UnixStream;
+    let (mut near, mut far) = UnixStream::pair()?;
+    std::thread::scope(|s| -> anyhow::Result<()> {
+        s.spawn(move || {
+            let mut b = [0u8; 64];
+            while far.read_exact(&mut b).is_ok() && far.write_all(&b).is_ok() {}
         });
-        while !done.load(Ordering::Acquire) && !worker.is_finished() {
-            store(out)?;
+        let mut b = [0u8; 64];
+        let t = Instant::now();
+        while t.elapsed() < WINDOW {
+            let one = Instant::now();
+            near.write_all(&b)?;
+            near.read_exact(&mut b)?;
+            out.push(one.elapsed());
         }
-        worker.join().expect("the working thread panicked")
+        near.shutdown(std::net::Shutdown::Both)?;
+        Ok(())
     })
 }
 
@@ -96,9 +132,10 @@ pub struct StallArgs {
     pub marud: Option<std::path::PathBuf>,
 }
 
-/// `rounds` rounds, each a window of 4 KiB stores alone, one while another client allocates
-/// (and frees) `big` bytes (or writes as much through the mount), and one while this process
-/// does the same work on a tmpfs of its own, alternated so that noise hits them alike.
+/// `rounds` rounds, each a window (`WINDOW`) of 4 KiB stores alone, one while another client
+/// allocates (and frees) `big` bytes again and again (or writes as much through the mount),
+/// one while this process does the same work on a tmpfs of its own, and one of bare round
+/// trips between two threads (the machine's floor), alternated so that noise hits them alike.
 pub fn stall(args: &StallArgs, json: Option<&Path>) -> anyhow::Result<String> {
     let StallArgs {
         big,
@@ -138,26 +175,24 @@ pub fn stall(args: &StallArgs, json: Option<&Path>) -> anyhow::Result<String> {
         store(&mut Vec::new())?; // warm: the pack, the lane
     }
     let outside = Tmpfs::mount(&tmp.path().join("outside"), big + (1 << 30))?;
-    let (mut alone, mut loaded, mut beside) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut alone, mut loaded, mut beside, mut floor) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let (mut bigs, mut plain) = (Vec::<f64>::new(), Vec::<f64>::new());
     for _ in 0..rounds {
-        // Alone, as long as the last large allocation took (1 s at first).
-        let span = Duration::from_secs_f64(bigs.last().copied().unwrap_or(1.0).max(0.5));
         let t = Instant::now();
-        while t.elapsed() < span {
+        while t.elapsed() < WINDOW {
             store(&mut alone)?;
         }
         // Loaded: the other client allocates `big` bytes, then frees them (or writes them
-        // through the mount, closes, and deletes the entry).
+        // through the mount, closes, and deletes the entry), again and again.
         let took = match &d.mount {
             Some(mnt) => {
-                let path = mnt.join("bench").join(format!("big{}", bigs.len()));
-                let entry = &path;
+                let entry = mnt.join("bench").join("big");
                 during(
                     &mut store,
                     &mut loaded,
-                    || write_file(entry, big),
-                    || Ok(std::fs::remove_file(entry)?),
+                    || write_file(&entry, big),
+                    || Ok(std::fs::remove_file(&entry)?),
                 )?
             }
             None => {
@@ -166,17 +201,17 @@ pub fn stall(args: &StallArgs, json: Option<&Path>) -> anyhow::Result<String> {
                     &mut store,
                     &mut loaded,
                     || {
-                        *handle.lock().expect("one thread") = Some(other.alloc(big)?);
+                        *handle.lock().expect("one at a time") = Some(other.alloc(big)?);
                         Ok(())
                     },
                     || {
-                        let a = handle.lock().expect("one thread").take();
+                        let a = handle.lock().expect("one at a time").take();
                         Ok(other.free(a.expect("allocated"))?)
                     },
                 )?
             }
         };
-        bigs.push(took);
+        bigs.extend(took);
         // The same work without maru: a file of a tmpfs of this process's own.
         let path = outside.dir.join("big");
         let took = during(
@@ -196,7 +231,8 @@ pub fn stall(args: &StallArgs, json: Option<&Path>) -> anyhow::Result<String> {
             },
             || Ok(std::fs::remove_file(&path)?),
         )?;
-        plain.push(took);
+        plain.extend(took);
+        bare_round_trips(&mut floor)?;
     }
     let size = maru::size::format_size(big);
     let (work, plain_work, pool_kind) = if through_mount {
@@ -216,6 +252,11 @@ pub fn stall(args: &StallArgs, json: Option<&Path>) -> anyhow::Result<String> {
         window("4 KiB stores alone", alone, Vec::new()),
         window(&format!("4 KiB stores while {work}"), loaded, bigs),
         window(&format!("4 KiB stores while {plain_work}"), beside, plain),
+        window(
+            "a bare round trip between two threads (no maru, no large work): the machine's floor",
+            floor,
+            Vec::new(),
+        ),
     ];
     let mut out = format!(
         "\n## small stores while {work} ({pool_kind}, {rounds} rounds, {})\n\n\
@@ -229,15 +270,19 @@ pub fn stall(args: &StallArgs, json: Option<&Path>) -> anyhow::Result<String> {
         ));
     }
     let b = &rows[1].big_alloc_s;
+    let mut took: Vec<f64> = b.clone();
+    took.sort_by(f64::total_cmp);
     out.push_str(&format!(
-        "\nthe large work took {} s; p99 loaded / alone: {:.2}x; longest loaded: {:.2} ms \
-         (target: within 2x, at most 2 ms)\n",
-        b.iter()
-            .map(|x| format!("{x:.2}"))
-            .collect::<Vec<_>>()
-            .join(", "),
+        "\nthe large work ran {} times, {:.3}-{:.3} s (median {:.3} s); p99 loaded / alone: \
+         {:.2}x; longest loaded: {:.2} ms (target: within 2x, at most 2 ms); the machine's \
+         floor, a bare round trip's longest: {:.2} ms\n",
+        took.len(),
+        took.first().copied().unwrap_or_default(),
+        took.last().copied().unwrap_or_default(),
+        took.get(took.len() / 2).copied().unwrap_or_default(),
         rows[1].p99_us / rows[0].p99_us,
-        rows[1].max_us / 1e3
+        rows[1].max_us / 1e3,
+        rows[3].max_us / 1e3
     ));
     drop(outside);
     if let Some(p) = json {
