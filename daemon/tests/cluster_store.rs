@@ -1233,6 +1233,21 @@ fn another_host_s_entry_filed_before_a_grant_here_gives_way_to_it() {
     assert_eq!(get(&h0, "k").as_deref(), Some(&b"granted here"[..]));
     let view = EtcdView::new(&etcd, &uuid);
     assert!(view.has_entry("k"));
+    deleted_everywhere(&h0, &view);
+}
+
+/// `ns/k`, which gave way here to another host's entry, is still this host's publication:
+/// its delete removes etcd's record (a forgotten name was deleted here alone, its extent
+/// freed while etcd kept the record: what the other hosts read there next, they read as it).
+fn deleted_everywhere(h0: &Store, view: &EtcdView) {
+    let deleted = h0
+        .delete(&Caller::root(), "ns", &["k".to_owned()])
+        .expect("delete");
+    assert!(deleted.iter().all(Result::is_ok), "{deleted:?}");
+    assert!(
+        !view.has_entry("k"),
+        "etcd kept the record of a deleted entry"
+    );
 }
 
 /// The same through the mount: another host's entry of the name, filed before a writer's
@@ -1275,4 +1290,37 @@ fn another_host_s_entry_filed_before_a_mount_writer_s_grant_gives_way_to_it() {
         left.is_empty(),
         "another host's entry left behind: {left:?}"
     );
+    deleted_everywhere(&h0, &EtcdView::new(&etcd, &uuid));
+}
+
+/// A writer through the mount renamed after its close, before its publication: the new
+/// name is reserved at etcd with the store's lock let go of (it was asked under it), and
+/// the entry is published under it, the old name given back.
+#[test]
+fn a_mount_writer_renamed_after_its_close_is_published_under_its_new_name() {
+    use maru_fsd::Backend;
+    let Some((etcd, _dir, uuid, h0, _auth)) = one_host() else {
+        return;
+    };
+    let fs = maru_daemon::store::fsview::StoreFs(h0.clone());
+    let caller = Caller::new(0, 0, std::process::id() as i32);
+    let ns = fs
+        .lookup(&caller, maru_fsd::backend::ROOT_INO, "ns")
+        .expect("ns")
+        .ino;
+    let (a, _) = fs.create(&caller, ns, "k.tmp", 0o644).expect("create");
+    fs.write(a.ino, 0, b"renamed before sealed").expect("write");
+    fs.commit(&caller, a.ino, false).expect("close");
+    fs.rename(&caller, ns, "k.tmp", ns, "k").expect("rename");
+    fs.seal(a.ino).expect("published");
+    assert_eq!(
+        get(&h0, "k").as_deref(),
+        Some(&b"renamed before sealed"[..])
+    );
+    assert!(get(&h0, "k.tmp").is_none());
+    let view = EtcdView::new(&etcd, &uuid);
+    assert!(view.has_entry("k"));
+    assert!(!view.has_entry("k.tmp"));
+    // The old name is free again, here and at etcd.
+    put(&h0, "k.tmp", b"another").expect("the old name is free");
 }

@@ -732,6 +732,14 @@ impl Authority for EtcdAuthority {
         self.local.forget(ns, key);
     }
 
+    fn gave_way(&self, ns: &str, key: &str, id: u64) {
+        // This host's publication stays recorded (`published`: its removal is asked of
+        // etcd, a removal elsewhere frees its extent); filing the other entry had taken the
+        // name's claim here.
+        self.remote.lock().remove(&(ns.to_owned(), key.to_owned()));
+        self.local.adopt(ns, key, id);
+    }
+
     fn holder(&self, ns: &str, key: &str) -> Option<Claim> {
         self.local.holder(ns, key)
     }
@@ -754,6 +762,10 @@ impl Authority for EtcdAuthority {
 
     fn shared(&self) -> bool {
         true
+    }
+
+    fn shares(&self, pool: &str) -> bool {
+        pool == self.pool
     }
 
     fn lost(&self, pool: &str, offset: u64) -> bool {

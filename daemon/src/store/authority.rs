@@ -222,6 +222,13 @@ pub trait Authority: Send + Sync {
     fn adopt(&self, ns: &str, key: &str, id: u64);
     /// Forgets `ns/key`, which another host removed (nothing is asked).
     fn forget(&self, ns: &str, key: &str);
+    /// Another host's entry of `ns/key` filed here gave way to this host's publication `id`
+    /// of the name, which the authority granted (that entry's removal is on its way): the
+    /// other host's record of the name is forgotten, the name stays `id`'s, published by
+    /// this host (nothing is asked).
+    fn gave_way(&self, ns: &str, key: &str, id: u64) {
+        self.adopt(ns, key, id);
+    }
     /// Who holds `ns/key`.
     fn holder(&self, ns: &str, key: &str) -> Option<Claim>;
     /// Claims `[offset, offset + len)` of the raw pool `pool` (its UUID) for this host; fails
@@ -239,6 +246,11 @@ pub trait Authority: Send + Sync {
     /// Whether other hosts share the raw pools (cluster mode): they lock their devices
     /// shared, and a region another host claimed is skipped, not an error.
     fn shared(&self) -> bool {
+        false
+    }
+    /// Whether raw pool `pool` (its UUID) is the one shared with other hosts: publications
+    /// of its entries go to the authority they share.
+    fn shares(&self, _pool: &str) -> bool {
         false
     }
     /// Whether this host lost the region of `pool` at `offset` to another host (cut off past

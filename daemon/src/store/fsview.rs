@@ -891,11 +891,8 @@ impl Backend for StoreFs {
         if committed {
             // Its publication was reserved under the old name: reserve the new one first.
             st.ns.check_quota(&np, if np == p { 0 } else { reserved })?;
-            let uuid = st.pools[st.allocs[&id].pool].pool.uuid();
             self.0
-                .authority
-                .reserve_everywhere(&np, newname, id, uuid)?;
-            self.0.authority.release(&p, name, id);
+                .reserve_renamed(&mut st, id, (&p, name), (&np, newname))?;
         }
         st.writer_moved(id, &np, newname)
     }

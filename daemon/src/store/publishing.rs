@@ -215,8 +215,12 @@ impl Store {
     ) -> Result<u64> {
         if unlocked {
             Self::own_alloc(st, session, p.id)?;
-            if placing.pool.is_some() {
-                gave_way.extend(self.give_way(st, p.ns, p.key));
+            if placing
+                .pool
+                .as_deref()
+                .is_some_and(|u| self.authority.shares(u))
+            {
+                gave_way.extend(self.give_way(st, p.ns, p.key, p.id));
             }
         }
         self.check_publishable(st, p.ns, p.key, placing.size)?;
@@ -258,6 +262,49 @@ impl Store {
             place: a.backing.offset().map_or(Place::NOWHERE, Place::Extent),
             write_back: pool.write_back(),
         })
+    }
+
+    /// Reserves `to` for committed writer `id`, whose publication was reserved as `from`
+    /// (a rename after its close), and gives `from` back. The lock is let go of while the
+    /// authority reserves the name when it and the pool are shared (the writer marked as
+    /// asking: an unlink or a rename of it waits); the writer and the new name are checked
+    /// again after, the reservation given back when either changed.
+    pub(super) fn reserve_renamed(
+        &self,
+        st: &mut Locked<'_>,
+        id: u64,
+        from: (&str, &str),
+        to: (&str, &str),
+    ) -> Result<()> {
+        let uuid = st.pools[st.allocs[&id].pool].pool.uuid().map(str::to_owned);
+        if !(self.authority.shared() && uuid.is_some()) {
+            self.authority
+                .reserve_everywhere(to.0, to.1, id, uuid.as_deref())?;
+            self.authority.release(from.0, from.1, id);
+            return Ok(());
+        }
+        st.writer_asking(id, true);
+        let reserved = st.unlocked(|| {
+            self.authority
+                .reserve_everywhere(to.0, to.1, id, uuid.as_deref())
+        });
+        st.writer_asking(id, false);
+        self.sealed.notify_all();
+        reserved?;
+        let taken = st.ns.get(to.0).map(|n| {
+            n.entries.contains_key(to.1)
+                || n.children.contains_key(to.1)
+                || n.writing.contains_key(to.1)
+        });
+        if !st.writer_still(id, from.0, from.1) || !matches!(taken, Ok(false)) {
+            self.authority.release(to.0, to.1, id);
+            return Err(match taken {
+                Ok(true) => Error::Exists(format!("{}/{}: entries are write-once", to.0, to.1)),
+                _ => Error::NotFound(format!("{}/{} (changed meanwhile)", from.0, from.1)),
+            });
+        }
+        self.authority.release(from.0, from.1, id);
+        Ok(())
     }
 
     /// Checks that `ino` can be published under its target as it stands and reserves that:
@@ -546,14 +593,21 @@ impl Store {
                     "{ns}/{key} (unlinked while being published)"
                 )));
             }
-            // Another host's entry of the name filed meanwhile gives way to the grant.
-            if let Some(inv) = self.give_way(st, ns, key) {
-                st.unlocked(|| self.notify(vec![inv]));
-            }
-        } else {
-            placing.write_back();
-            self.authority.publish(ns, key, id, &at)?;
+            // Another host's entry of the name filed meanwhile gives way to the grant; the
+            // kernel is told once the entry is sealed (letting go of the lock before would let
+            // an unlink or a rename of the writer in between the checks and the seal).
+            let gave_way = at
+                .pool
+                .filter(|u| self.authority.shares(u))
+                .and_then(|_| self.give_way(st, ns, key, id));
+            let sealed = self
+                .seal_granted(st, id, ns, key, size)
+                .inspect_err(|_| self.authority.release(ns, key, id));
+            self.notify(gave_way.into_iter().collect());
+            return sealed;
         }
+        placing.write_back();
+        self.authority.publish(ns, key, id, &at)?;
         self.seal_granted(st, id, ns, key, size)
             .inspect_err(|_| self.authority.release(ns, key, id))
     }

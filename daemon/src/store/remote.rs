@@ -104,10 +104,11 @@ impl Store {
     /// asks it to).
     pub fn forget_remote(&self, ns: &str, key: &str, gone: Gone) -> bool {
         let mut st = self.lock();
-        let removed = self.remove_as_elsewhere(&mut st, ns, key, |e| match gone {
+        let which = |e: &Entry| match gone {
             Gone::Own => e.remote().is_none(),
             Gone::Remote(created) => e.remote().is_some_and(|r| r.created == created),
-        });
+        };
+        let removed = self.remove_as_elsewhere(&mut st, ns, key, which, Removal::Elsewhere);
         let Some(inv) = removed else {
             return false;
         };
@@ -117,14 +118,15 @@ impl Store {
     }
 
     /// Removes the entry of `ns/key` here, if `which` says it is the one, as a removal by
-    /// another host does (asking nothing of the authority: it cannot fail); its invalidation.
-    /// None, doing nothing, when the entry is being withdrawn here.
+    /// another host does (`how`: asking nothing of the authority, it cannot fail); its
+    /// invalidation. None, doing nothing, when the entry is being withdrawn here.
     fn remove_as_elsewhere(
         &self,
         st: &mut State,
         ns: &str,
         key: &str,
         which: impl FnOnce(&Entry) -> bool,
+        how: Removal,
     ) -> Option<Option<Invalidation>> {
         let Some(ino) = st.ns.get(ns).ok().and_then(|n| n.entries.get(key).copied()) else {
             return Some(None);
@@ -137,7 +139,7 @@ impl Store {
             return Some(None);
         }
         Some(
-            st.remove_entry(&*self.authority, &self.counters, ino, Removal::Elsewhere)
+            st.remove_entry(&*self.authority, &self.counters, ino, how)
                 .ok()
                 .flatten(),
         )
@@ -149,11 +151,25 @@ impl Store {
     /// changes the name, is still on its way (seed 1985: refused for it, a granted
     /// publication had its extent freed while etcd kept its record, and the other hosts read
     /// the next entry's bytes under its name). Removed here as that removal will remove it
-    /// ([`Store::forget_remote`]), which then finds this host's entry and leaves it. One
-    /// being withdrawn here (deleted or renamed) stays.
-    pub(super) fn give_way(&self, st: &mut State, ns: &str, key: &str) -> Option<Invalidation> {
+    /// ([`Store::forget_remote`]), which then finds this host's entry and leaves it; the
+    /// name stays this host's publication `id` at the authority (forgotten, this host would
+    /// ask no removal of it when it deletes it, and free its extent while etcd kept the
+    /// record). One being withdrawn here (deleted or renamed) stays.
+    pub(super) fn give_way(
+        &self,
+        st: &mut State,
+        ns: &str,
+        key: &str,
+        id: u64,
+    ) -> Option<Invalidation> {
         let inv = self
-            .remove_as_elsewhere(st, ns, key, |e| e.remote().is_some())
+            .remove_as_elsewhere(
+                st,
+                ns,
+                key,
+                |e| e.remote().is_some(),
+                Removal::GaveWay { to: id },
+            )
             .flatten()?;
         tracing::debug!(
             ns,

@@ -353,6 +353,10 @@ pub enum Removal {
     Evicted,
     /// Removed by another host sharing the authority (its name is already released).
     Elsewhere,
+    /// Another host's entry that gave way to this host's publication `to` of its name,
+    /// granted by the authority (its removal elsewhere is still on its way): the name stays
+    /// `to`'s.
+    GaveWay { to: u64 },
     /// Deleted (or, `evicted`, evicted) here, its removal already recorded at the authority
     /// ([`Authority::withdraw`](super::authority::Authority::withdraw)).
     Withdrawn { w: Withdrawn, evicted: bool },

@@ -94,6 +94,10 @@ impl State {
                 auth.forget(&e.ns, &e.key);
                 at.pool.is_some_and(|p| auth.held_elsewhere(p, at.offset()))
             }
+            Removal::GaveWay { to } => {
+                auth.gave_way(&e.ns, &e.key, to);
+                at.pool.is_some_and(|p| auth.held_elsewhere(p, at.offset()))
+            }
             Removal::Withdrawn { w, .. } => auth.unpublish(&e.ns, &e.key, e.ino, &at, Some(w))?,
             Removal::Deleted | Removal::Evicted => {
                 auth.unpublish(&e.ns, &e.key, e.ino, &at, None)?
