@@ -1324,3 +1324,65 @@ fn a_mount_writer_renamed_after_its_close_is_published_under_its_new_name() {
     // The old name is free again, here and at etcd.
     put(&h0, "k.tmp", b"another").expect("the old name is free");
 }
+
+/// Another host's entry of a name, filed late here by a watch that lagged, over this host's
+/// own entry of the name (published here after the other was deleted): its record stays
+/// behind, and this host once took it for the truth when it deleted its own entry. Its
+/// extent was freed at once, as if another host's, while the other hosts' clients still
+/// mapped it. Now it waits for them as any removal of this host's does.
+#[test]
+fn a_late_record_of_another_host_s_entry_frees_nothing_of_this_host_s_before_its_readers_let_go() {
+    let Some(etcd) = Etcd::start() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let uuid = pool_file(dir.path());
+    let (h0, a0) = host_and_authority(&etcd, dir.path(), "h0", &uuid);
+    let h1 = host(&etcd, dir.path(), "h1", &uuid);
+    // h0's watch lags while h1 publishes ns/k and deletes it, and h0 publishes the name
+    // (its bytes placed before: a region is claimed only with the watch caught up).
+    let s0 = h0.open_session("t", Caller::root());
+    let (g, _) = h0
+        .alloc(s0, 4096, 1, None, None)
+        .expect("alloc")
+        .pop()
+        .expect("one grant");
+    h0.raw_pool_fd(g.pool, true)
+        .expect("the pool")
+        .write_all_at(&[7u8; 4096], g.offset)
+        .expect("write");
+    a0.hold_watch(true);
+    put(&h1, "k", b"h1's").expect("h1 publishes");
+    let deleted = h1
+        .delete(&Caller::root(), "ns", &["k".to_owned()])
+        .expect("delete");
+    assert!(deleted.iter().all(Result::is_ok), "{deleted:?}");
+    h0.publish(s0, g.alloc, "ns", "k", None)
+        .expect("h0 publishes the name, free at etcd");
+    h0.close_session(s0);
+    a0.hold_watch(false);
+    eventually("h0 serves again", || !a0.fenced());
+    assert_eq!(get(&h0, "k").as_deref(), Some(&[7u8; 4096][..]));
+    // A client of h1 maps h0's entry.
+    eventually("h1 serves h0's ns/k", || {
+        get(&h1, "k").is_some_and(|b| b == [7u8; 4096])
+    });
+    let reader = h1.open_session("reader", Caller::root());
+    let mapped = h1
+        .retrieve(reader, "ns", &["k".to_owned()], |_| false)
+        .expect("retrieve");
+    assert!(mapped[0].is_some(), "h1 maps ns/k");
+    let used = |h: &Store| h.pools()[0].used;
+    let before = used(&h0);
+    let deleted = h0
+        .delete(&Caller::root(), "ns", &["k".to_owned()])
+        .expect("delete");
+    assert!(deleted.iter().all(Result::is_ok), "{deleted:?}");
+    // h1 applies the removal and records its reader's hold meanwhile.
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(
+        used(&h0),
+        before,
+        "h0 freed its entry's extent while a client of h1 maps it"
+    );
+    h1.close_session(reader);
+    eventually("freed once h1's reader let go", || used(&h0) < before);
+}

@@ -77,7 +77,23 @@ async fn keep_membership(me: std::sync::Weak<EtcdAuthority>) {
                         lost.insert(off, Lost::Taken);
                     }
                 }
-                Err(e) => tracing::warn!(off, len, "claiming a region again: {e}"),
+                // Not known to be this host's: as one another host's entry lives in, nothing
+                // more is placed there and nothing written there is published; the claim,
+                // if it landed, is given back once the region is freed here. Kept as it was,
+                // the region went on taking this host's allocations unclaimed, and another
+                // host could claim and carve it too.
+                Err(e) => {
+                    let mut lost = a.lost.lock();
+                    if a.local.regions(&a.pool).iter().any(|&(o, _)| o == off) {
+                        tracing::error!(
+                            off,
+                            len,
+                            "claiming a region again failed ({e}): nothing more is placed \
+                             there, and what was written there is not published"
+                        );
+                        lost.entry(off).or_insert(Lost::Occupied);
+                    }
+                }
             }
         }
         // What the old lease held is gone: the holds are recorded again (in the background),

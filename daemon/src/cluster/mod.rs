@@ -382,7 +382,8 @@ enum Lost {
     /// Not claimed again after a rejoin: another host took it while this one was cut off.
     Taken,
     /// Claimed again after a rejoin, but another host's entry lives there (that host took,
-    /// wrote and lost it meanwhile): the claim in etcd is this host's, given back when freed.
+    /// wrote and lost it meanwhile), or the claim again failed (whether it landed is not
+    /// known): the claim in etcd, if any, is this host's, given back when freed.
     Occupied,
 }
 
@@ -574,9 +575,19 @@ impl Authority for EtcdAuthority {
             Some(w) => w.revision,
             None => self.remove_own(ns, key)?.revision,
         };
-        self.published.lock().remove(&name);
         // Only this host's own extents are its to free (another host's: its publisher's).
-        let own = self.remote.lock().remove(&name).is_none();
+        // Its own publication of the name at this place says so, whatever `remote` holds: a
+        // record of another host's entry of the name may be left there (filed late, by a
+        // watch that lagged, over this host's entry), and taken for the truth, this host's
+        // extent was freed at once, before the other hosts acknowledged the removal or let
+        // go of their mappings of it.
+        let mine = self
+            .published
+            .lock()
+            .remove(&name)
+            .is_some_and(|p| p.offset == at.offset());
+        let elsewhere = self.remote.lock().remove(&name).is_some();
+        let own = mine || !elsewhere;
         self.local.release(ns, key, id);
         if own {
             // Freed once every other live host acknowledged the removal and none holds it

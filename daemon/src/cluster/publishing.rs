@@ -26,7 +26,17 @@ impl EtcdAuthority {
         let mut out: Vec<Option<Result<()>>> = Vec::with_capacity(items.len());
         let mut shared = Vec::new();
         let mut asks = Vec::new();
+        // Rejoining, or rejoined and not caught up with the entries yet, nothing of the
+        // shared pool is published: a region claimed again may hold another host's entry
+        // (that host took it, wrote and lost it while this one was cut off), which only that
+        // read shows (`lose_occupied`), and bytes written there before the cut are not this
+        // host's to publish.
+        let catching_up = self.catching_up();
         for (i, p) in items.iter().enumerate() {
+            if p.at.pool == Some(self.pool.as_str()) && catching_up {
+                out.push(Some(Err(crate::store::authority::fenced_error())));
+                continue;
+            }
             if p.at.pool == Some(self.pool.as_str()) && self.in_lost_region(p.at.offset()) {
                 out.push(Some(Err(Error::Busy(format!(
                     "{}/{}: its region was claimed by another host while this one was cut off",

@@ -1,6 +1,7 @@
 //! Regions given back to the cluster: a claim's release, tried in the background until etcd
 //! takes it.
 
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use maru::{Error, Result};
@@ -81,6 +82,17 @@ impl EtcdAuthority {
         // another host holds changes nothing). Left, such a claim would keep the region from
         // every host for as long as this one lives (seed 5 of the CI's partitions).
         let e = match r {
+            // A rejoin while the claim waited for the watch marked the region lost here:
+            // nothing goes there (claimed again under the new lease but not known to be free,
+            // the claim is given back).
+            Ok(Claimed::Yes) if self.lost.lock().contains_key(&offset) => {
+                if self.lost.lock().get(&offset) == Some(&Lost::Occupied) {
+                    self.give_back(offset, len, false);
+                }
+                Error::Busy(format!(
+                    "region {offset:#x}+{len:#x} was lost to another host while it was claimed"
+                ))
+            }
             Ok(Claimed::Yes) => return Ok(()),
             Ok(Claimed::Refused) => {
                 self.give_back(offset, len, false);
@@ -156,6 +168,15 @@ impl EtcdAuthority {
                 );
             }
         }
+    }
+
+    /// Whether this host is rejoining the cluster, or rejoined (after a lost lease, not its
+    /// first join: a restart's recovery publishes before its first read) and has not read
+    /// every entry since.
+    pub(super) fn catching_up(&self) -> bool {
+        let rejoins = *self.rejoins.borrow();
+        self.rejoining.load(Ordering::Acquire)
+            || (rejoins > 1 && self.caught_up.load(Ordering::Acquire) < rejoins)
     }
 
     /// Whether the extent at `offset` of the shared pool is in a region of this host's

@@ -236,6 +236,14 @@ impl Raw {
         }
     }
 
+    /// Whether `offset` lies in a region of this host's that it lost to another host.
+    fn in_lost_region(&self, offset: u64) -> bool {
+        self.regions
+            .range(..=offset)
+            .next_back()
+            .is_some_and(|(&o, r)| offset < o + r.len && self.authority.lost(&self.uuid, o))
+    }
+
     /// Packs `size` bytes for allocation `id` into `session`'s open region, or carves a new
     /// region (claimed by the store after: [`Pool::unclaimed`]).
     fn place(&mut self, size: u64, session: Option<SessionId>, id: u64) -> Result<u64> {
@@ -495,7 +503,11 @@ impl Pool for Raw {
             return Ok(None);
         };
         let asize = align_up(size.max(1), ENTRY_ALIGN);
-        if !placed.is_some_and(|(_, held)| held >= asize) {
+        // A place in a region this host lost since (cut off, another host took it) is not
+        // this writer's any more: its bytes go elsewhere (copied there, they overwrote what
+        // that host stored).
+        let lost = placed.is_some_and(|(o, _)| self.in_lost_region(o));
+        if lost || !placed.is_some_and(|(_, held)| held >= asize) {
             let offset = self.place(size, Some(MOUNT_WRITERS), id)?;
             if let Some((old, _)) = placed.replace((offset, asize)) {
                 self.release(old);
