@@ -236,7 +236,7 @@ mod tests {
         // A store the cut host acknowledged past its TTL.
         let late_store = op(1, Kind::Store, 1, (3_000_000, 3_100_000), Outcome::Ok);
         let (r, bad) = recoveries(
-            &[late_store.clone()],
+            std::slice::from_ref(&late_store),
             &[cut(Some(2_500_000), None, None)],
             ttl,
         );
@@ -246,7 +246,9 @@ mod tests {
         // publication the host had sent before the cut (seed 1993). Not past 2.9 s.
         let elected = cut(Some(5_200_000), Some(5_100_000), Some(1_900_000));
         assert_eq!(
-            recoveries(&[late_store], &[elected.clone()], ttl).1.len(),
+            recoveries(&[late_store], std::slice::from_ref(&elected), ttl)
+                .1
+                .len(),
             0
         );
         let later = op(1, Kind::Store, 1, (3_000_000, 4_000_000), Outcome::Ok);
