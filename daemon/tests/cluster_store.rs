@@ -1216,17 +1216,7 @@ fn another_host_s_entry_filed_before_a_grant_here_gives_way_to_it() {
     let Some((etcd, _dir, uuid, h0, _auth)) = one_host() else {
         return;
     };
-    let (me, pool, once) = (Arc::downgrade(&h0), uuid.clone(), AtomicBool::new(false));
-    h0.set_ask_gate(Some(Box::new(move |at, ns, key| {
-        if (at, ns, key) != ("published", "ns", "k") || once.swap(true, Ordering::SeqCst) {
-            return;
-        }
-        // Etcd granted the publication; the applier files another host's entry of the name,
-        // created before it (its removal not yet applied here).
-        let h = me.upgrade().expect("the host");
-        let filed = h.file_remote(&pool, "ns", "k", POOL - UNIT, 4096, 1);
-        assert!(matches!(filed, Ok(true)), "{filed:?}");
-    })));
+    file_another_host_s_k_once_granted(&h0, &uuid);
     let stored = put(&h0, "k", b"granted here");
     h0.set_ask_gate(None);
     stored.expect("the publication etcd granted is sealed");
@@ -1260,25 +1250,9 @@ fn another_host_s_entry_filed_before_a_mount_writer_s_grant_gives_way_to_it() {
     let Some((etcd, _dir, uuid, h0, _auth)) = one_host() else {
         return;
     };
-    let (me, pool, once) = (Arc::downgrade(&h0), uuid.clone(), AtomicBool::new(false));
-    h0.set_ask_gate(Some(Box::new(move |at, ns, key| {
-        if (at, ns, key) != ("published", "ns", "k") || once.swap(true, Ordering::SeqCst) {
-            return;
-        }
-        let h = me.upgrade().expect("the host");
-        let filed = h.file_remote(&pool, "ns", "k", POOL - UNIT, 4096, 1);
-        assert!(matches!(filed, Ok(true)), "{filed:?}");
-    })));
-    let fs = maru_daemon::store::fsview::StoreFs(h0.clone());
-    let caller = Caller::new(0, 0, std::process::id() as i32);
-    let ns = fs
-        .lookup(&caller, maru_fsd::backend::ROOT_INO, "ns")
-        .expect("ns")
-        .ino;
-    let (a, _) = fs.create(&caller, ns, "k", 0o644).expect("create");
-    fs.write(a.ino, 0, b"granted here").expect("write");
-    fs.commit(&caller, a.ino, false).expect("close");
-    let sealed = fs.seal(a.ino);
+    file_another_host_s_k_once_granted(&h0, &uuid);
+    let (fs, _, _, ino) = closed_mount_writer(&h0, "k", b"granted here");
+    let sealed = fs.seal(ino);
     h0.set_ask_gate(None);
     sealed.expect("the publication etcd granted is sealed");
     assert_eq!(get(&h0, "k").as_deref(), Some(&b"granted here"[..]));
@@ -1302,17 +1276,9 @@ fn a_mount_writer_renamed_after_its_close_is_published_under_its_new_name() {
     let Some((etcd, _dir, uuid, h0, _auth)) = one_host() else {
         return;
     };
-    let fs = maru_daemon::store::fsview::StoreFs(h0.clone());
-    let caller = Caller::new(0, 0, std::process::id() as i32);
-    let ns = fs
-        .lookup(&caller, maru_fsd::backend::ROOT_INO, "ns")
-        .expect("ns")
-        .ino;
-    let (a, _) = fs.create(&caller, ns, "k.tmp", 0o644).expect("create");
-    fs.write(a.ino, 0, b"renamed before sealed").expect("write");
-    fs.commit(&caller, a.ino, false).expect("close");
+    let (fs, caller, ns, ino) = closed_mount_writer(&h0, "k.tmp", b"renamed before sealed");
     fs.rename(&caller, ns, "k.tmp", ns, "k").expect("rename");
-    fs.seal(a.ino).expect("published");
+    fs.seal(ino).expect("published");
     assert_eq!(
         get(&h0, "k").as_deref(),
         Some(&b"renamed before sealed"[..])
@@ -1385,4 +1351,38 @@ fn a_late_record_of_another_host_s_entry_frees_nothing_of_this_host_s_before_its
     );
     h1.close_session(reader);
     eventually("freed once h1's reader let go", || used(&h0) < before);
+}
+
+/// Etcd granted `h0`'s first publication of `ns/k`; the applier files another host's entry
+/// of the name, created before it (its removal not yet applied here), before the seal.
+fn file_another_host_s_k_once_granted(h0: &Arc<Store>, uuid: &str) {
+    let (me, pool, once) = (Arc::downgrade(h0), uuid.to_owned(), AtomicBool::new(false));
+    h0.set_ask_gate(Some(Box::new(move |at, ns, key| {
+        if (at, ns, key) != ("published", "ns", "k") || once.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let h = me.upgrade().expect("the host");
+        let filed = h.file_remote(&pool, "ns", "k", POOL - UNIT, 4096, 1);
+        assert!(matches!(filed, Ok(true)), "{filed:?}");
+    })));
+}
+
+/// A writer through `h0`'s mount of `ns/name`, written `data` and closed (committed, not
+/// yet published): the mount's view, its caller, the namespace's inode and the writer's.
+fn closed_mount_writer(
+    h0: &Arc<Store>,
+    name: &str,
+    data: &[u8],
+) -> (maru_daemon::store::fsview::StoreFs, Caller, u64, u64) {
+    use maru_fsd::Backend;
+    let fs = maru_daemon::store::fsview::StoreFs(h0.clone());
+    let caller = Caller::new(0, 0, std::process::id() as i32);
+    let ns = fs
+        .lookup(&caller, maru_fsd::backend::ROOT_INO, "ns")
+        .expect("ns")
+        .ino;
+    let (a, _) = fs.create(&caller, ns, name, 0o644).expect("create");
+    fs.write(a.ino, 0, data).expect("write");
+    fs.commit(&caller, a.ino, false).expect("close");
+    (fs, caller, ns, a.ino)
 }
