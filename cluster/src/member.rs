@@ -385,13 +385,39 @@ impl Member {
         Ok(())
     }
 
+    /// The requests a release of `[offset, offset + len)` sends now, one a unit (tests: one
+    /// the network holds back, to land after a fence).
+    pub fn release_requests(&self, offset: u64, len: u64) -> Result<Vec<Txn>> {
+        Ok(units(offset, len)?
+            .into_iter()
+            .map(|u| self.delete_if_mine_txn(self.keys.region(u)).0)
+            .collect())
+    }
+
     /// Deletes `key` if its value is this node's name (a claim or reservation of its own).
+    /// As a publication, it compares the fence (`publish_cmp`): one whose answer was lost,
+    /// landing late, never deletes a claim this host made again after a fence. Failed for
+    /// a fence made meanwhile, it is asked again under the new one.
     async fn delete_if_mine(&self, key: String) -> Result<()> {
+        loop {
+            let (txn, epoch) = self.delete_if_mine_txn(key.clone());
+            if self.client.txn(txn).await?.succeeded()
+                || self.epoch.load(Ordering::Acquire) == epoch
+            {
+                return Ok(()); // deleted, or not this node's (or its lease is gone)
+            }
+        }
+    }
+
+    fn delete_if_mine_txn(&self, key: String) -> (Txn, i64) {
+        let (current, epoch) = self.publish_cmp();
         let txn = Txn::new()
-            .when([Compare::value_is(key.clone(), self.info.node.clone())])
+            .when([
+                Compare::value_is(key.clone(), self.info.node.clone()),
+                current,
+            ])
             .and_then([Op::delete(key)]);
-        self.client.txn(txn).await?;
-        Ok(())
+        (txn, epoch)
     }
 
     /// Every claimed unit (by index: offset / [`UNIT`]) and its holder.

@@ -272,6 +272,29 @@ async fn a_removal_naming_an_entry_takes_only_that_one() {
     assert!(out[0].as_ref().expect("removed").existed);
 }
 
+/// A release of a region sent before a fence (its answer lost: the network held it) lands
+/// only after this host claimed the region again: it deletes nothing, for it compares the
+/// fence, where it deleted the new claim, and another host could then claim and carve the
+/// region too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_from_before_a_fence_deletes_no_claim_made_after_it() {
+    use maru_cluster::etcd::{Client, Options};
+    let Some(etcd) = Etcd::start() else { return };
+    let a = member(&etcd, "a", 10).await;
+    assert!(a.claim(0, UNIT).await.expect("claim").is_some());
+    let late = a.release_requests(0, UNIT).expect("the requests");
+    a.fence_publications().await.expect("fence");
+    a.release(0, UNIT).await.expect("release");
+    assert!(a.regions().await.expect("regions").is_empty());
+    assert!(a.claim(0, UNIT).await.expect("claim again").is_some());
+    let c = Client::connect(&etcd.endpoints(), Options::default()).expect("client");
+    for t in late {
+        assert!(!c.txn(t).await.expect("the late release").succeeded());
+    }
+    let held = a.regions().await.expect("regions");
+    assert_eq!(held.get(&0).map(String::as_str), Some("a"), "{held:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_publication_from_before_a_fence_cannot_land_and_later_ones_do() {
     use maru_cluster::etcd::{Client, Compare, Op, Options, Range, Txn};

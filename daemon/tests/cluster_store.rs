@@ -1386,3 +1386,49 @@ fn closed_mount_writer(
     fs.commit(&caller, a.ino, false).expect("close");
     (fs, caller, ns, a.ino)
 }
+
+/// The writer's last release comes while its rename after the close is at etcd (the kernel
+/// sends the release on its own, right after the close): the seal waits for the rename's
+/// answer and publishes the entry under its new name. It went ahead under the old name in
+/// between, and the rename's answer then gave that name back here while etcd kept its
+/// record: the entry was dropped, its extent freed under the record.
+#[test]
+fn a_mount_writer_s_release_during_its_rename_publishes_it_under_the_new_name() {
+    use maru_fsd::Backend;
+    let Some((etcd, _dir, uuid, h0, _auth)) = one_host() else {
+        return;
+    };
+    let (fs, caller, ns, ino) = closed_mount_writer(&h0, "k.tmp", b"released while renamed");
+    type Release = std::thread::JoinHandle<maru::Result<()>>;
+    let release: Arc<std::sync::Mutex<Option<Release>>> = Arc::default();
+    let (me, seal, once) = (Arc::downgrade(&h0), release.clone(), AtomicBool::new(false));
+    h0.set_ask_gate(Some(Box::new(move |at, _, key| {
+        if (at, key) != ("reserved", "k") || once.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let fs = maru_daemon::store::fsview::StoreFs(me.upgrade().expect("the host"));
+        let t = std::thread::spawn(move || fs.seal(ino));
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(
+            !t.is_finished(),
+            "the release sealed while the rename was at etcd"
+        );
+        *seal.lock().expect("one") = Some(t);
+    })));
+    fs.rename(&caller, ns, "k.tmp", ns, "k").expect("rename");
+    let t = release
+        .lock()
+        .expect("one")
+        .take()
+        .expect("the release ran");
+    t.join().expect("the release").expect("published");
+    h0.set_ask_gate(None);
+    assert_eq!(
+        get(&h0, "k").as_deref(),
+        Some(&b"released while renamed"[..])
+    );
+    assert!(get(&h0, "k.tmp").is_none());
+    let view = EtcdView::new(&etcd, &uuid);
+    assert!(view.has_entry("k"));
+    assert!(!view.has_entry("k.tmp"));
+}

@@ -52,6 +52,11 @@ impl EtcdAuthority {
                 .filter(|&(&o, r)| o < offset + len && offset < o + r.len)
                 .map(|(&o, r)| (o, *r))
                 .collect();
+            if releasing.late_over(offset, len) {
+                // A release of the range sent before may land yet: fenced, it deletes nothing.
+                m.fence_publications().await?;
+                releasing.late.lock().clear();
+            }
             for (o, r) in before {
                 if r.unanswered {
                     m.fence_publications().await?;
@@ -286,6 +291,7 @@ impl EtcdAuthority {
         releasing.pending.lock().insert(offset, this);
         self.rt.spawn(async move {
             let lease = m.read().await.lease();
+            let mut fence_first = unanswered;
             for attempt in 0u32.. {
                 if attempt > 0 {
                     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -298,8 +304,10 @@ impl EtcdAuthority {
                 let m = m.read().await;
                 // A new lease: the claim went with the old one.
                 let r = if m.lease() == lease {
-                    let fenced = if unanswered {
-                        m.fence_publications().await
+                    let fenced = if fence_first {
+                        m.fence_publications().await.inspect(|()| {
+                            releasing.late.lock().clear();
+                        })
                     } else {
                         Ok(())
                     };
@@ -310,6 +318,14 @@ impl EtcdAuthority {
                 } else {
                     Ok(())
                 };
+                if let Err(e) = &r
+                    && !e.never_sent()
+                {
+                    // Unanswered, it may land yet: the next attempt, and a claim of the
+                    // region meanwhile, fence first.
+                    releasing.late.lock().insert(offset, len);
+                    fence_first = true;
+                }
                 match r {
                     Ok(()) => {
                         releasing.done(offset, this);

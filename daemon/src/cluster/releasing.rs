@@ -28,6 +28,10 @@ pub(super) struct Releasing {
     /// finishes the release pending over it first, and a release never deletes a claim made
     /// after it (it checks, in its turn, that it is still pending).
     pub(super) turn: tokio::sync::Mutex<()>,
+    /// Regions whose release was sent and not answered since the last fence: it may land
+    /// yet, and a claim of the region made meanwhile fences first (the release compares the
+    /// fence, so it then deletes nothing).
+    pub(super) late: parking_lot::Mutex<HashMap<u64, u64>>,
     #[cfg(feature = "seams")]
     pub(super) gate: parking_lot::RwLock<Option<ReleaseGate>>,
 }
@@ -44,6 +48,13 @@ impl Releasing {
         if pending.get(&offset) == Some(&this) {
             pending.remove(&offset);
         }
+    }
+
+    /// Whether a release of a region overlapping `[offset, offset + len)` may land late.
+    pub(super) fn late_over(&self, offset: u64, len: u64) -> bool {
+        let late = self.late.lock();
+        late.iter()
+            .any(|(&o, &l)| o < offset + len && offset < o + l)
     }
 
     /// Waits for a permit of the seam, if one is set.

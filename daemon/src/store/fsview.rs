@@ -12,13 +12,13 @@ use std::time::{Duration, Instant, SystemTime};
 use maru::{Error, Result};
 use maru_fsd::{Attr, Backend, Caller, DirEntry, Kind, OpenedFile, Upcall, Xattr};
 
+use super::Store;
 use super::ids::{Place, PoolIdx};
 use super::namespaces::join;
 use super::policy::{self, Access, ENTRY_MODES, Perm};
 use super::pools::{Backing, kind_name};
 use super::state::{Alloc, Invalidation, Origin, State};
 use super::writer::MountWrite;
-use super::{Store, publication_asked};
 use crate::alloc::align_up;
 
 /// Files being written grow ahead to this boundary: `huge=within_size` gives them 2 MiB pages.
@@ -800,8 +800,7 @@ impl Backend for StoreFs {
         let mut st = self.0.lock();
         let p = st.ns.path_of(parent)?.to_owned();
         // A writer whose publication is at the authority: its answer first.
-        self.0
-            .wait_while(&mut st, |st| publication_asked(st, &p, name));
+        self.0.wait_for_asked(&mut st, &p, name)?;
         let n = st.ns.get(&p)?;
         if n.children.contains_key(name) {
             return Err(Error::from_errno(libc::EISDIR));
@@ -843,11 +842,7 @@ impl Backend for StoreFs {
         let mut st = self.0.lock();
         let p = st.ns.path_of(parent)?.to_owned();
         let np = st.ns.path_of(newparent)?.to_owned();
-        self.0
-            .wait_while(&mut st, |st| publication_asked(st, &p, name));
-        if publication_asked(&st, &p, name) {
-            return Err(Error::from_errno(libc::EBUSY)); // still at the authority
-        }
+        self.0.wait_for_asked(&mut st, &p, name)?;
         if st.ns.get(&p)?.children.contains_key(name) {
             return Err(Error::from_errno(libc::EXDEV));
         }

@@ -116,9 +116,10 @@ pub type InvalidateFn = Box<dyn Fn(Invalidation) + Send + Sync>;
 pub type DataFault = Box<dyn Fn(u64) -> Option<i32> + Send + Sync>;
 
 /// Called with each name a shared authority answered for, before the store takes its lock
-/// again to finish: `"published"` (a client's publication granted, to be sealed) or
-/// `"withdrawn"` (a delete's removal recorded, the entry to be removed). Tests: what happens
-/// meanwhile; feature `seams`.
+/// again to finish: `"published"` (a client's publication granted, to be sealed),
+/// `"withdrawn"` (a delete's removal recorded, the entry to be removed) or `"reserved"` (a
+/// committed mount writer's new name, renamed, reserved). Tests: what happens meanwhile;
+/// feature `seams`.
 #[cfg(feature = "seams")]
 pub type AskGate = Box<dyn Fn(&str, &str, &str) + Send + Sync>;
 
@@ -506,6 +507,18 @@ impl Store {
     }
 
     /// Waits (at most a second) while `pending` holds, woken at each publication.
+    /// Waits (a second at most) for the authority's answer to the writer of `ns/name`, if it
+    /// is asking (its close's reservation or publication, or a rename's); `EBUSY` when it
+    /// has not come: an unlink or a rename made meanwhile would be undone by that answer, or
+    /// leave its record at the authority with nothing behind it.
+    fn wait_for_asked(&self, st: &mut Locked<'_>, ns: &str, name: &str) -> Result<()> {
+        self.wait_while(st, |st| publication_asked(st, ns, name));
+        if publication_asked(st, ns, name) {
+            return Err(Error::from_errno(libc::EBUSY)); // still at the authority
+        }
+        Ok(())
+    }
+
     fn wait_while(&self, st: &mut Locked<'_>, pending: impl Fn(&State) -> bool) {
         let deadline = Instant::now() + Duration::from_secs(1);
         while pending(st) {

@@ -285,8 +285,11 @@ impl Store {
         }
         st.writer_asking(id, true);
         let reserved = st.unlocked(|| {
-            self.authority
-                .reserve_everywhere(to.0, to.1, id, uuid.as_deref())
+            let r = self
+                .authority
+                .reserve_everywhere(to.0, to.1, id, uuid.as_deref());
+            self.ask_gate("reserved", to.0, to.1);
+            r
         });
         st.writer_asking(id, false);
         self.sealed.notify_all();
@@ -314,6 +317,7 @@ impl Store {
     /// asking), and while the bytes are copied; what may have changed meanwhile is checked
     /// again after.
     pub(super) fn try_commit(&self, st: &mut Locked<'_>, ino: u64) -> Result<()> {
+        self.asked(st, ino);
         let Some((ns, key, _)) = Self::commit_checks(st, ino)? else {
             return Ok(()); // unlinked: nothing to publish, nothing to report
         };
@@ -433,11 +437,28 @@ impl Store {
         waited
     }
 
+    /// Waits until writer `ino` asks the authority nothing (a close's reservation or
+    /// publication, a rename's reservation: each clears its mark and wakes the waiters
+    /// however it ends, within the authority's own patience).
+    fn asked(&self, st: &mut Locked<'_>, ino: u64) {
+        while st
+            .allocs
+            .get(&ino)
+            .and_then(Alloc::mount)
+            .is_some_and(|m| m.asking())
+        {
+            st.wait(&self.sealed);
+        }
+    }
+
     /// Publishes writer `ino` under its target at its writer's last release (the mount):
     /// committed again if its length changed since its last close (or it had no close), its
     /// bytes copied, then sealed under its target as it is then. Nothing when it was unlinked
     /// or failed meanwhile (the caller drops it).
     pub(super) fn seal_written(&self, st: &mut Locked<'_>, ino: u64) -> Result<()> {
+        // A rename's (or another close's) round trip at the authority: its answer first, the
+        // writer's target may move.
+        self.asked(st, ino);
         let m = st.allocs[&ino].mount().expect("a mount write");
         let len = m.len;
         // Normally committed by its writer's last close; a size that changed since (or no
