@@ -54,6 +54,7 @@ pub mod etcd;
 pub mod testing;
 
 mod batch;
+mod claims;
 mod detector;
 mod error;
 mod keys;
