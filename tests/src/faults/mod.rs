@@ -464,7 +464,8 @@ fn after(env: &env::Env, cfg: &Config, history: &History, healed: Instant, r: &m
     // The extents come back in the background once every host acknowledged the removals:
     // host 0 fills the pool at once, with entries of 8 MiB and then of one claim unit (2 MiB:
     // holes smaller than 8 MiB that the order of the frees left are not lost space), and
-    // again every 250 ms while it falls short, for three TTLs and 5 s at most. How long the
+    // again every 250 ms while it falls short (or a store failed for now: etcd out of reach
+    // a moment after a partition healed), for three TTLs and 5 s at most. How long the
     // whole pool took to come back is reported; what is left then is lost.
     let deleted = Instant::now();
     let unit = maru_cluster::UNIT;
@@ -501,9 +502,14 @@ fn after(env: &env::Env, cfg: &Config, history: &History, healed: Instant, r: &m
             .filter(|(k, v)| k.contains("/maps/") || v != "h0")
             .map(|(k, v)| format!("{k} = {v}"))
             .collect();
+        let last = filled
+            .transient
+            .as_ref()
+            .map(|e| format!(" (the last store failed: {e})"))
+            .unwrap_or_default();
         r.violations.push(format!(
             "after deleting everything, {} entries filled {} bytes of the pool: {unusable} of \
-             its {capacity} bytes could not be used; etcd holds meanwhile {held:?}",
+             its {capacity} bytes could not be used{last}; etcd holds meanwhile {held:?}",
             filled.keys.len(),
             filled.bytes
         ));

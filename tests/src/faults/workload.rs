@@ -261,8 +261,12 @@ pub struct Filled {
     /// The entries stored, with their namespace.
     pub keys: Vec<String>,
     pub bytes: u64,
-    /// The error that stopped it, if not `ENOSPC`.
+    /// The error that stopped it, if not `ENOSPC` nor one worth trying again after.
     pub failed: Option<String>,
+    /// The error that stopped it last, if one worth trying again after: the host fenced off
+    /// (`EBUSY`), or etcd out of its reach for now (an I/O error: right after a partition
+    /// heals, its connections may still find no route for a moment, seed 2166).
+    pub transient: Option<String>,
 }
 
 impl Filled {
@@ -283,8 +287,13 @@ impl Filled {
                     Ok(()) => {
                         self.keys.push(key);
                         self.bytes += size;
+                        self.transient = None;
                     }
                     Err(maru::Error::NoSpace(_)) => break,
+                    Err(e @ (maru::Error::Busy(_) | maru::Error::Io(_))) => {
+                        self.transient = Some(e.to_string());
+                        return;
+                    }
                     Err(e) => {
                         self.failed = Some(e.to_string());
                         return;
