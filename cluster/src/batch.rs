@@ -188,17 +188,11 @@ impl Member {
                 // An entry is not the one named: each on its own.
                 Ok(_) => {
                     let each = group.iter().map(|t| async move {
-                        let r = self
-                            .client
-                            .txn(Removal::txn(std::slice::from_ref(t), node))
-                            .await;
-                        (t.i, r)
+                        let txn = Removal::txn(std::slice::from_ref(t), node).or_else([t.gone()]);
+                        (t, self.client.txn(txn).await)
                     });
-                    for (i, r) in futures_util::future::join_all(each).await {
-                        out[i] = Some(r.map_err(Into::into).map(|r| Removed {
-                            existed: r.succeeded(),
-                            revision: r.revision(),
-                        }));
+                    for (t, r) in futures_util::future::join_all(each).await {
+                        out[t.i] = Some(r.map_err(Into::into).map(|r| t.removed(&r)));
                     }
                 }
                 Err(e) => {
@@ -232,8 +226,9 @@ impl Member {
     /// fresh claim while the entry is there anyway, and are swept after its removal), then
     /// the removal, which puts one of them again: a host that learns of the removal from a
     /// read of every entry waits for the acknowledgement of its revision, the newest of its
-    /// tombstones' ([`crate::Snapshot::removed_at`]), not of a tombstone put before it. Those
-    /// put are taken back when the entry was not the one named.
+    /// tombstones' ([`crate::Snapshot::removed_at`]), not of a tombstone put before it; so
+    /// does a removal that finds the entry gone ([`Removal::removed`]). Those put are taken
+    /// back when the entry was not the one named.
     async fn remove_big(&self, t: &Removal) -> Result<Removed> {
         let node = self.info.node.clone();
         let mut put: Vec<String> = Vec::new();
@@ -241,7 +236,8 @@ impl Member {
         for chunk in t.tombstones.chunks(MAX_TXN_OPS - 1) {
             let txn = Txn::new()
                 .when([Compare::created(t.key.clone(), t.created)])
-                .and_then(chunk.iter().map(|k| Op::put(k.clone(), node.clone(), 0)));
+                .and_then(chunk.iter().map(|k| Op::put(k.clone(), node.clone(), 0)))
+                .or_else([t.gone()]);
             let r = self.client.txn(txn).await?;
             if !r.succeeded() {
                 removal = Some(r);
@@ -260,17 +256,15 @@ impl Member {
                 );
                 let txn = Txn::new()
                     .when([Compare::created(t.key.clone(), t.created)])
-                    .and_then(ops);
+                    .and_then(ops)
+                    .or_else([t.gone()]);
                 self.client.txn(txn).await?
             }
         };
         if !r.succeeded() {
             self.delete_keys(&put).await?;
         }
-        Ok(Removed {
-            existed: r.succeeded(),
-            revision: r.revision(),
-        })
+        Ok(t.removed(&r))
     }
 
     /// Takes away the tombstones of removals every live host has acknowledged
@@ -425,16 +419,64 @@ struct Removal {
     /// The entry's creation revision.
     created: i64,
     tombstones: Vec<String>,
+    /// Every remover's tombstones of the extent's last unit: each removal of the entry puts
+    /// its own there at the removal's revision (even one whose tombstones go ahead of it,
+    /// [`Member::remove_big`]).
+    last_gone: String,
 }
 
 impl Removal {
     fn new(m: &Member, i: usize, r: &Removing<'_>, key: String, at: EntryAt) -> Self {
+        let last = (at.offset + at.len.max(1) - 1) / UNIT;
         Removal {
             i,
             key,
             pin: m.keys.pin(r.ns, r.name),
             created: at.created,
             tombstones: m.keys.tombstones_of(at.offset, at.len, &m.info.node),
+            last_gone: m.keys.tombstones_at(last, at.offset),
+        }
+    }
+
+    /// The read of the failure branch of a transaction of this removal alone: the
+    /// tombstones of the extent's last unit ([`Removal::removed`]).
+    fn gone(&self) -> Op {
+        Op::get(self.last_gone.clone(), Range::KEYS_UNDER)
+    }
+
+    /// What a transaction of this removal alone did, its failure branch reading
+    /// [`Removal::gone`]: the entry removed, at the transaction's revision; or the entry
+    /// gone already, at the revision of the removal that took it, which this one joins. That
+    /// is the newest tombstone of the extent put since the entry's creation (the other
+    /// removal's: a removal puts tombstones only while the entry is there, and nothing is
+    /// placed in the extent again before its publisher frees it), or, once every one is swept,
+    /// the revision after the creation: a tombstone is swept once every live host has
+    /// acknowledged its removal, and a host that joins later acknowledges its first read of
+    /// the entries. Not the transaction's own revision: hosts acknowledge the revisions of
+    /// the removals they apply, and in a quiet cluster none comes after it (the entry's
+    /// publisher, whose removal lost to another host's, kept the extent until some later
+    /// removal).
+    fn removed(&self, r: &etcd::TxnResponse) -> Removed {
+        if r.succeeded() {
+            return Removed {
+                existed: true,
+                revision: r.revision(),
+            };
+        }
+        let revision = match r.range(0) {
+            Some(stones) => stones
+                .kvs
+                .iter()
+                .map(|kv| kv.mod_revision)
+                .filter(|&m| m > self.created)
+                .max()
+                .unwrap_or(self.created + 1),
+            // Nothing read (never: every such transaction reads them): as late as can be.
+            None => r.revision(),
+        };
+        Removed {
+            existed: false,
+            revision,
         }
     }
 

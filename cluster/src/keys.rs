@@ -172,8 +172,12 @@ impl Keys {
     pub(crate) fn tombstones_from(&self, unit: u64) -> String {
         format!("{}{unit:016x}/", self.tombstones())
     }
+    /// Every remover's tombstone of the extent at `offset` under unit `unit`.
+    pub(crate) fn tombstones_at(&self, unit: u64, offset: u64) -> String {
+        format!("{}{offset:016x}/", self.tombstones_from(unit))
+    }
     pub(crate) fn tombstone(&self, unit: u64, offset: u64, node: &str) -> String {
-        format!("{}{offset:016x}/{node}", self.tombstones_from(unit))
+        format!("{}{node}", self.tombstones_at(unit, offset))
     }
     /// The offset of the removed extent a tombstone's key names.
     pub(crate) fn tombstone_offset(&self, key: &[u8]) -> Option<u64> {

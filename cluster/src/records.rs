@@ -81,8 +81,10 @@ impl Snapshot {
 pub struct Removed {
     /// The entry was there (and is gone now).
     pub existed: bool,
-    /// The revision of the removal: the publisher frees the extent once every other live
-    /// host acknowledged it ([`crate::Member::acknowledged`]) and none holds it ([`crate::Member::held`]).
+    /// The revision of the removal (when the entry was gone already, of the removal that
+    /// took it, or one every live host has acknowledged): the publisher frees the extent
+    /// once every other live host acknowledged it ([`crate::Member::acknowledged`]) and none
+    /// holds it ([`crate::Member::held`]).
     pub revision: i64,
 }
 

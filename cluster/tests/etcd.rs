@@ -5,8 +5,8 @@ use std::time::{Duration, Instant};
 
 use maru_cluster::testing::{Etcd, EtcdCluster};
 use maru_cluster::{
-    EntryAt, EntryEvent, EntryRecord, Error, Member, NodeInfo, Publication, Published, Removing,
-    UNIT,
+    EntryAt, EntryEvent, EntryRecord, Error, Member, NodeInfo, Publication, Published, Removed,
+    Removing, UNIT,
 };
 
 const POOL: &str = "5f0c1d2e-0000-4000-8000-00000000c1a5";
@@ -1048,6 +1048,83 @@ async fn a_huge_entry_read_removed_is_removed_at_its_removals_revision() {
     let snap = b.snapshot().await.expect("snapshot");
     assert!(snap.entries.is_empty());
     assert_eq!(snap.removed_at(huge.offset, 1), gone.revision);
+}
+
+/// `m`'s removal of `r` alone, answered.
+async fn remove_one(m: &Member, r: Removing<'_>) -> Removed {
+    let out = m.remove_many(&[r]).await.pop().expect("one outcome");
+    out.expect("the removal answered")
+}
+
+/// Two hosts remove one entry at once and `b` goes first: `a`'s removal finds the entry gone
+/// and joins `b`'s, at the revision of `b`'s removal (the one hosts acknowledge as they apply
+/// it), not at its own transaction's, which no host acknowledges until some later removal:
+/// the entry's publisher kept its extent until then. So for an entry whose tombstones go
+/// ahead of its removal too; and once the removal's tombstones are swept, at a revision every
+/// live host has acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removal_that_finds_the_entry_removed_joins_the_removal_that_took_it() {
+    let Some(etcd) = Etcd::start() else { return };
+    let a = member(&etcd, "a", 10).await;
+    let b = member(&etcd, "b", 10).await;
+    // 300 units of 2 MiB: more tombstones than a transaction takes.
+    let huge = EntryRecord {
+        offset: 4 * UNIT,
+        len: 300 * UNIT,
+        node: "a".into(),
+        alloc: 1,
+    };
+    assert!(a.claim(0, UNIT).await.expect("claim").is_some());
+    assert!(
+        a.claim(huge.offset, huge.len)
+            .await
+            .expect("claim")
+            .is_some()
+    );
+    let (small, swept) = (record("a", 4096), record("a", 8192));
+    let mut at = std::collections::HashMap::new();
+    for (name, rec) in [("small", &small), ("huge", &huge), ("swept", &swept)] {
+        let Published::New { revision } = a.publish("ns", name, rec).await.expect("publish") else {
+            panic!("{name}: not published");
+        };
+        at.insert(name, EntryAt::of(revision, rec));
+    }
+    let named = |name: &'static str| Removing {
+        ns: "ns",
+        name,
+        entry: Some(at[name]),
+    };
+    for name in ["small", "huge"] {
+        let theirs = remove_one(&b, named(name)).await;
+        assert!(theirs.existed, "{name}");
+        // b acknowledges its removal (a change after it, as renewals and publications make).
+        b.acknowledge(theirs.revision, &[])
+            .await
+            .expect("acknowledge");
+        let ours = remove_one(&a, named(name)).await;
+        assert!(!ours.existed, "{name}: removed by b already");
+        assert_eq!(
+            ours.revision, theirs.revision,
+            "{name}: a's removal joins b's, which b acknowledged"
+        );
+    }
+    // Every live host acknowledges b's removal, and b sweeps its tombstones.
+    let theirs = remove_one(&b, named("swept")).await;
+    for m in [&a, &b] {
+        m.acknowledge(theirs.revision, &[])
+            .await
+            .expect("acknowledge");
+    }
+    let left = b.sweep().await.expect("sweep");
+    assert_eq!(left, 0, "every tombstone of b's swept");
+    let ours = remove_one(&a, named("swept")).await;
+    assert!(!ours.existed);
+    assert!(
+        ours.revision > at["swept"].created && ours.revision <= theirs.revision,
+        "{ours:?}: a revision after the entry's creation that every live host acknowledged"
+    );
+    let acked = a.acknowledged().await.expect("acknowledgements");
+    assert!(acked.is_some_and(|x| x >= ours.revision), "{acked:?}");
 }
 
 /// A read of every entry larger than gRPC's usual limit on a message (4 MiB): 20,000 entries

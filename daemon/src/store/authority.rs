@@ -73,7 +73,8 @@ pub struct Publishing<'a> {
 }
 
 /// A removal [`Authority::withdraw`] recorded: its revision at the authority, and whether
-/// the entry was still there (false: another removal went first, which this one joins).
+/// the entry was still there (false: another removal went first, which this one joins, at
+/// that removal's revision: the one the hosts acknowledge as they apply it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Withdrawn {
     pub revision: i64,
@@ -115,7 +116,11 @@ pub trait Authority: Send + Sync {
             .collect()
     }
     /// Gives `ns/key` back, if `id` holds it: a reservation, or a publication being undone
-    /// (its removal, for every host sharing the authority, as far as it can be done).
+    /// (its removal, for every host sharing the authority, as far as it can be done). Called
+    /// under the store's lock, so never for a publication a shared authority granted in a
+    /// pool it shares: the store removes that one as it removes an entry, the round trip made
+    /// without the lock and the extent kept while other hosts may map it
+    /// (`Store::give_back`).
     fn release(&self, ns: &str, key: &str, id: u64);
     /// The store marked its entry `ns/key` as being withdrawn (a delete, an eviction or a
     /// rename asks for its removal), under its lock. An authority shared by several hosts
