@@ -7,7 +7,7 @@
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use maru::proto::Located;
@@ -726,6 +726,58 @@ fn an_own_entry_found_removed_by_a_read_of_every_entry_is_freed_once_the_removal
     EtcdView::new(&etcd, &uuid).claims_match(&a1, &uuid);
 }
 
+/// This host deletes its entry while another host deletes it too, the other first: this
+/// host's removal finds the entry gone and joins the other's, whose revision every live host
+/// acknowledges as it applies it. This host frees the extent and gives its region back,
+/// though nothing is removed after (it waited for the revision of its own failed
+/// transaction, after the other's, which no host acknowledges until some later removal, and
+/// kept the region for as long as the cluster removed nothing more).
+#[test]
+fn an_own_entry_deleted_here_and_elsewhere_at_once_is_freed_without_a_later_removal() {
+    let Some(etcd) = Etcd::start() else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let uuid = pool_file(dir.path());
+    let (h0, a0) = host_and_authority(&etcd, dir.path(), "h0", &uuid);
+    let h1 = host(&etcd, dir.path(), "h1", &uuid);
+    put(&h0, "k", &[7u8; 5000]).expect("h0 stores ns/k");
+    eventually("h1 serves h0's ns/k", || get(&h1, "k").is_some());
+    assert!(!a0.regions(&uuid).is_empty(), "h0 holds the entry's region");
+    // h0's removal waits at the seam while h1 deletes the entry, then stores another (a
+    // change after h1's removal, as acknowledgements and renewals make too).
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    a0.set_removal_gate(Some(gate.clone()));
+    let h = h0.clone();
+    let deleting = std::thread::spawn(move || h.delete(&Caller::root(), "ns", &["k".to_owned()]));
+    std::thread::sleep(Duration::from_millis(500));
+    let deleted = h1
+        .delete(&Caller::root(), "ns", &["k".to_owned()])
+        .expect("delete on h1");
+    assert!(deleted.iter().all(Result::is_ok), "{deleted:?}");
+    put(&h1, "other", &[8u8; 3000]).expect("h1 stores ns/other");
+    gate.add_permits(1);
+    let out = deleting
+        .join()
+        .expect("the delete's thread")
+        .expect("delete on h0");
+    a0.set_removal_gate(None);
+    assert_eq!(
+        gate.available_permits(),
+        0,
+        "h0's removal went to etcd, after h1's"
+    );
+    assert!(
+        matches!(out[..], [Err(maru::Error::NotFound(_))]),
+        "h1 removed it first: {out:?}"
+    );
+    assert_eq!(get(&h0, "k"), None);
+    eventually(
+        "h0 frees the removed extent and gives its region back",
+        || a0.regions(&uuid).is_empty(),
+    );
+}
+
 /// A writer through the mount reads back what it committed (closed) in the shared pool only
 /// once it is published: until then its publication may yet fail (the name's reservation
 /// goes with a lost lease, and another host may take the name), so its writer, like any
@@ -1431,4 +1483,203 @@ fn a_mount_writer_s_release_during_its_rename_publishes_it_under_the_new_name() 
     let view = EtcdView::new(&etcd, &uuid);
     assert!(view.has_entry("k"));
     assert!(!view.has_entry("k.tmp"));
+}
+
+/// An earlier run of h0 that stored `ns/k` (5000 bytes of 1), then stopped as a killed host
+/// does: cut off from etcd for good (it reached etcd through a relay of its own), its lease
+/// ended. Its state directory and the pool stay for h0's next run; the run itself stays, idle,
+/// with its relay, while the test lasts. Before `ns/k` it stored and deleted another entry,
+/// so that `ns/k`'s record names an allocation the next run does not give it again. Returns
+/// the run, its relay, and the offset of `ns/k`.
+fn an_earlier_run_stored_k(etcd: &Etcd, dir: &Path, uuid: &str) -> (Arc<Store>, Relay, u64) {
+    let relay = Relay::to(etcd);
+    let (h0, _) = host_at(vec![relay.endpoint.clone()], dir, "h0", uuid);
+    put(&h0, "gone", b"an entry deleted").expect("the earlier run stores ns/gone");
+    let deleted = h0
+        .delete(&Caller::root(), "ns", &["gone".to_owned()])
+        .expect("delete");
+    assert!(deleted.iter().all(Result::is_ok), "{deleted:?}");
+    put(&h0, "k", &[1u8; 5000]).expect("the earlier run stores ns/k");
+    let at = offset_of(&h0, "k").expect("the earlier run serves ns/k");
+    relay.set_cut(true);
+    let view = EtcdView::new(etcd, uuid);
+    view.revoke(view.lease("h0").expect("the earlier run's lease"));
+    (h0, relay, at)
+}
+
+/// A restart claims again the regions of the entries it recovered; another host may hold one
+/// a moment (it claimed the region afresh while this host was down, and gives it back once
+/// it finds this host's entry there). The start waits it out: at the first refusal, marud
+/// failed to start.
+#[test]
+fn a_restart_waits_out_another_host_s_moment_over_a_region_of_its_entries() {
+    let Some(etcd) = Etcd::start() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let uuid = pool_file(dir.path());
+    let (_earlier, _relay, at) = an_earlier_run_stored_k(&etcd, dir.path(), &uuid);
+    let view = Arc::new(EtcdView::new(&etcd, &uuid));
+    let region = at / UNIT * UNIT;
+    view.set_claim(region, Some("h9"));
+    let v = view.clone();
+    let other = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(2));
+        v.set_claim(region, None);
+    });
+    let (h0, auth) = host_and_authority(&etcd, dir.path(), "h0", &uuid);
+    other.join().expect("the other host");
+    eventually("h0 serves its ns/k", || {
+        get(&h0, "k").is_some_and(|b| b == [1u8; 5000])
+    });
+    assert!(
+        h0.remote_entries().is_empty(),
+        "h0's ns/k counts as another host's"
+    );
+    view.claims_match(&auth, &uuid);
+}
+
+/// A restart cut off from etcd a moment while it recovers its entries asks again. Given up
+/// on, an entry it published kept its record in etcd with no entry here, and the host's first
+/// read of every entry filed it as another host's: served, never evicted, its extent no
+/// host's to free.
+#[test]
+fn a_restart_cut_off_from_etcd_a_moment_recovers_its_entries_as_its_own() {
+    let Some(etcd) = Etcd::start() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let uuid = pool_file(dir.path());
+    let _earlier = an_earlier_run_stored_k(&etcd, dir.path(), &uuid);
+    // The next run joins, and is cut off for two seconds as its recovery begins.
+    let relay = Relay::to(&etcd);
+    let settings = ClusterSettings {
+        endpoints: vec![relay.endpoint.clone()],
+        node: "h0".to_owned(),
+        ttl: Duration::from_secs(10),
+    };
+    let auth = EtcdAuthority::join(&settings, &uuid).expect("joining the cluster");
+    relay.set_cut(true);
+    let opener = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(2));
+        relay.set_cut(false);
+        relay
+    });
+    let cfg = StoreConfig {
+        eviction: Eviction::Off,
+        state_dir: dir.path().join("state-h0"),
+        wal_sync: false,
+        max_copy_entry: 1 << 30,
+    };
+    let spec = PoolSpec::parse(&format!(
+        "file:{}/cxl.img,size={POOL}",
+        dir.path().display()
+    ))
+    .expect("pool spec");
+    let h0 = Store::open_with(cfg, &[spec], auth.clone()).expect("opening the store");
+    let _relay = opener.join().expect("the relay");
+    start_applier(h0.clone(), auth).expect("the applier");
+    eventually("h0 serves its ns/k", || {
+        get(&h0, "k").is_some_and(|b| b == [1u8; 5000])
+    });
+    assert!(
+        h0.remote_entries().is_empty(),
+        "h0's ns/k counts as another host's"
+    );
+}
+
+/// A publication etcd granted that this host then cannot seal (here a namespace of its name,
+/// made meanwhile) is given back as a delete removes an entry: its record removed from etcd
+/// with the store's lock let go of, and its extent freed only once no host maps it (a client
+/// of h1 mapped the entry between the grant and the seal). It was given back under the lock
+/// (in a debug build an assertion; in a release build a round trip under the lock), and its
+/// extent freed at once, under h1's reader.
+#[test]
+fn a_granted_publication_that_cannot_be_sealed_is_removed_as_a_delete_is() {
+    let Some(etcd) = Etcd::start() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let uuid = pool_file(dir.path());
+    let h0 = host(&etcd, dir.path(), "h0", &uuid);
+    let h1 = host(&etcd, dir.path(), "h1", &uuid);
+    let used = |h: &Store| h.pools()[0].used;
+    let reader = h1.open_session("reader", Caller::root());
+    let before = Arc::new(AtomicU64::new(0));
+    let (me, there, seen) = (Arc::downgrade(&h0), h1.clone(), before.clone());
+    let once = AtomicBool::new(false);
+    h0.set_ask_gate(Some(Box::new(move |at, ns, key| {
+        if (at, ns, key) != ("published", "ns", "k") || once.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        // A client of h1 maps the entry, which h1 learned of from etcd.
+        eventually("h1 serves ns/k", || get(&there, "k").is_some());
+        let mapped = there
+            .retrieve(reader, "ns", &["k".to_owned()], |_| false)
+            .expect("retrieve");
+        assert!(mapped[0].is_some(), "h1 maps ns/k");
+        // On h0 the name becomes a namespace meanwhile: the entry cannot be sealed there.
+        let h0 = me.upgrade().expect("the host");
+        h0.mkdir(&Caller::root(), "ns/k", 0o755)
+            .expect("mkdir ns/k");
+        seen.store(h0.pools()[0].used, Ordering::SeqCst);
+    })));
+    let stored = put(&h0, "k", &[7u8; 5000]);
+    h0.set_ask_gate(None);
+    assert!(matches!(stored, Err(maru::Error::Exists(_))), "{stored:?}");
+    let view = EtcdView::new(&etcd, &uuid);
+    assert!(
+        !view.has_entry("k"),
+        "etcd kept the record of a publication given back"
+    );
+    eventually("h1 drops ns/k", || get(&h1, "k").is_none());
+    let before = before.load(Ordering::SeqCst);
+    assert!(before > 0, "the seam ran");
+    // h1 applies the removal and records its reader's hold meanwhile.
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(
+        used(&h0),
+        before,
+        "h0 freed the extent of a publication it gave back while a client of h1 maps it"
+    );
+    h1.close_session(reader);
+    eventually("freed once h1's reader let go", || used(&h0) < before);
+    // The name is free again, here and at etcd, once the namespace of its name goes.
+    h0.rmdir(&Caller::root(), "ns/k").expect("rmdir ns/k");
+    put(&h0, "k", b"again").expect("the name is free again");
+    eventually("h1 serves the new ns/k", || {
+        get(&h1, "k").is_some_and(|b| b == b"again")
+    });
+    h0.check_invariants().expect("h0's invariants");
+}
+
+/// A namespace's quota holds for a batch in the shared pool: the publication that does not
+/// fit is refused at its placement, before etcd is asked. It was checked again only at the
+/// seal, after etcd's grant, and its publication then given back under the store's lock (in
+/// a debug build an assertion; in a release build a round trip under the lock, and its
+/// extent freed at once while other hosts may serve it).
+#[test]
+fn a_batch_over_its_quota_in_the_shared_pool_is_refused_before_etcd_grants_it() {
+    let Some((etcd, _dir, uuid, h0, _auth)) = one_host() else {
+        return;
+    };
+    h0.set_quota(&Caller::root(), "ns", Some(8192))
+        .expect("quota");
+    let s = h0.open_session("t", Caller::root());
+    let grants = h0.alloc(s, 5000, 2, None, None).expect("alloc");
+    let items: Vec<Publish<'_>> = grants
+        .iter()
+        .zip(["a", "b"])
+        .map(|((g, _), key)| Publish {
+            id: g.alloc,
+            ns: "ns",
+            key,
+            len: None,
+        })
+        .collect();
+    let out = h0.publish_many(s, &items);
+    h0.close_session(s);
+    assert!(out[0].is_ok(), "{out:?}");
+    assert!(matches!(out[1], Err(maru::Error::Quota(_))), "{out:?}");
+    let view = EtcdView::new(&etcd, &uuid);
+    assert!(view.has_entry("a"));
+    assert!(
+        !view.has_entry("b"),
+        "etcd was asked for a publication over the quota"
+    );
+    h0.check_invariants().expect("h0's invariants");
 }

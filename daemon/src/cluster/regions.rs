@@ -235,8 +235,24 @@ impl EtcdAuthority {
         if pool != self.pool {
             return Ok(());
         }
+        // Refused, the region is another host's for a moment only: this host's entries there
+        // are in etcd (the start's recovery published them first), so another host's fresh
+        // claim finds one of them and gives the region back, and the claim of a host cut off
+        // goes with its lease. Asked again until then, for up to twice the lease's TTL: a
+        // refusal fails the start.
         let m = self.member();
-        let r = self.run(async move { m.read().await.claim_again(offset, len).await });
+        let r = self.run(async move {
+            let deadline = tokio::time::Instant::now() + 2 * m.read().await.ttl();
+            loop {
+                let r = m.read().await.claim_again(offset, len).await;
+                match r {
+                    Ok(false) if tokio::time::Instant::now() < deadline => {
+                        tokio::time::sleep(Duration::from_millis(250)).await;
+                    }
+                    r => return r,
+                }
+            }
+        });
         match r {
             Ok(true) => Ok(()),
             r => {

@@ -13,7 +13,7 @@ use maru::{Error, Result};
 use maru_fsd::{Attr, Backend, Caller, DirEntry, Kind, OpenedFile, Upcall, Xattr};
 
 use super::Store;
-use super::ids::{Place, PoolIdx};
+use super::ids::Place;
 use super::namespaces::join;
 use super::policy::{self, Access, ENTRY_MODES, Perm};
 use super::pools::{Backing, kind_name};
@@ -26,114 +26,6 @@ const GROW: u64 = 2 << 20;
 
 /// The store seen through the filesystem's [`Backend`] trait.
 pub struct StoreFs(pub Arc<Store>);
-
-impl Store {
-    /// The entry being written through the mount `ino`.
-    fn writing(st: &mut State, ino: u64) -> Result<&mut Alloc> {
-        let a = st
-            .allocs
-            .get_mut(&ino)
-            .ok_or_else(|| Error::ReadOnly("not an entry being written".into()))?;
-        if a.mount().is_none() {
-            return Err(Error::ReadOnly("not an entry being written".into()));
-        }
-        Ok(a)
-    }
-
-    /// Gives up on publishing `ino`: its name and reservations go; with `failed`, it is
-    /// marked failed (its writer's next close reports it).
-    fn abandon(&self, st: &mut State, ino: u64, failed: Option<i32>) {
-        let Some(m) = st.allocs.get_mut(&ino).and_then(Alloc::mount_mut) else {
-            return;
-        };
-        if failed.is_some() && m.failed.is_none() {
-            m.failed = failed;
-        }
-        if let Some((ns, key)) = st.writer_left(ino) {
-            self.authority.release(&ns, &key, ino);
-        }
-        self.sealed.notify_all();
-    }
-
-    /// Marks `ino` failed with `e` (it will not be published) and returns `e`.
-    fn fail<T>(&self, ino: u64, e: Error) -> Result<T> {
-        let errno = e.errno();
-        tracing::info!(
-            ino,
-            errno,
-            "a write through the mount failed: the entry will not be published"
-        );
-        let mut st = self.lock();
-        self.abandon(&mut st, ino, Some(errno));
-        Err(e)
-    }
-
-    /// The mount drops the passthrough backing of `ino` (an entry being written that will
-    /// not be published), so that the pool gets its memory back once no process maps it.
-    fn forget_backing(&self, ino: u64) {
-        self.notify(vec![Invalidation {
-            parent: 0,
-            name: String::new(),
-            ino,
-            by_kernel: true,
-        }]);
-    }
-
-    /// Reserves `[offset, end)` of the file of an entry being written in `pool` (growing the
-    /// file to `end` first, so that a tmpfs with `huge=within_size` gives it 2 MiB pages);
-    /// with eviction on, a full pool evicts and the reservation is tried again. A refusal
-    /// leaves the file's size as it was. Called without the store's lock (the pages'
-    /// allocation takes as long as zeroing them), which it takes to evict only.
-    fn reserve(&self, pool: PoolIdx, f: &std::fs::File, offset: u64, end: u64) -> Result<()> {
-        let before = f.metadata()?.len();
-        if before < end {
-            f.set_len(end)?;
-        }
-        let fallocate = || {
-            nix::fcntl::fallocate(
-                f,
-                nix::fcntl::FallocateFlags::empty(),
-                offset as i64,
-                (end - offset) as i64,
-            )
-        };
-        let r = match fallocate() {
-            Ok(()) => Ok(()),
-            Err(nix::errno::Errno::ENOSPC)
-                if self.ensure_free(&mut self.lock(), pool, end - offset) =>
-            {
-                fallocate()
-            }
-            Err(e) => Err(e),
-        };
-        r.map_err(|e| {
-            if before < end {
-                // Back to its size; were this to fail, the file would only span more than
-                // its entry (sparse), which publication cuts.
-                let _ = f.set_len(before);
-            }
-            Error::Io(e.into())
-        })
-    }
-
-    /// The buffer of `ino` (an entry being written through the mount into a raw pool).
-    fn buffer(&self, ino: u64) -> Result<Option<super::pools::buffer::Shared>> {
-        let mut st = self.lock();
-        Ok(match &Store::writing(&mut st, ino)?.backing {
-            Backing::Buffer { buf, .. } => Some(buf.clone()),
-            _ => None,
-        })
-    }
-
-    /// The guard of `ino`'s size changes (an entry being written through the mount).
-    fn resizing(&self, ino: u64) -> Result<std::sync::Arc<parking_lot::Mutex<()>>> {
-        let mut st = self.lock();
-        let m = Store::writing(&mut st, ino)?
-            .mount()
-            .expect("a mount write");
-        Ok(m.resizing.clone())
-    }
-}
 
 impl StoreFs {
     /// Whether `ino` is an entry written through the mount whose close committed it and whose
@@ -644,11 +536,23 @@ impl Backend for StoreFs {
             }
             .expect("present");
             if offset >= e.size() {
+                // Nothing read, nothing leased: not used here on this read's account.
+                if sealed {
+                    st.not_leased(&*self.0.authority, ino);
+                }
                 return Ok(Vec::new());
             }
             let n = u64::from(len).min(e.size() - offset) as usize;
             let pool = &st.pools[e.pool()].pool;
-            let reader = pool.reader(&e.loc())?;
+            let reader = match pool.reader(&e.loc()) {
+                Ok(r) => r,
+                Err(err) => {
+                    if sealed {
+                        st.not_leased(&*self.0.authority, ino);
+                    }
+                    return Err(err);
+                }
+            };
             let leased = pool.leases();
             if leased {
                 e.lease();

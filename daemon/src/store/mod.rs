@@ -65,6 +65,7 @@ mod hashmap;
 pub mod ids;
 mod locked;
 mod lru;
+mod mount_writers;
 mod namespaces;
 mod placement;
 mod policy;

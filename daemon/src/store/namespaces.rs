@@ -31,6 +31,9 @@ pub struct Namespace {
     pub bytes: u64,
     /// Bytes reserved by writers whose close passed its checks (publication on its way).
     pub reserved: u64,
+    /// Bytes of clients' publications placed and not yet answered by the authority
+    /// (`Store::publish_many`): they count against the quota, as sealed bytes do.
+    pub asking: u64,
     /// Last change.
     pub mtime: SystemTime,
     /// Publications on their way (writers through the mount that closed their entry).
@@ -50,6 +53,7 @@ impl Namespace {
             index: NsIndex::new(slots)?,
             bytes: 0,
             reserved: 0,
+            asking: 0,
             mtime: SystemTime::now(),
             pending: 0,
             quota: None,
@@ -76,9 +80,13 @@ impl Namespace {
         self.index.set_pending(self.pending);
     }
 
-    /// Whether it holds nothing.
+    /// Whether it holds nothing (nor any publication on its way).
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty() && self.children.is_empty() && self.writing.is_empty()
+        self.entries.is_empty()
+            && self.children.is_empty()
+            && self.writing.is_empty()
+            && self.reserved == 0
+            && self.asking == 0
     }
 }
 
@@ -264,13 +272,14 @@ impl Namespaces {
         self.map.len() - 1
     }
 
-    /// Bytes of sealed entries (and reserved ones) in `ns` and the namespaces under it.
+    /// Bytes of sealed entries (and reserved ones, and those asked for) in `ns` and the
+    /// namespaces under it.
     fn subtree_bytes(&self, ns: &str) -> u64 {
         let prefix = format!("{ns}/");
         self.map
             .iter()
             .filter(|(k, _)| *k == ns || k.starts_with(&prefix))
-            .map(|(_, n)| n.bytes + n.reserved)
+            .map(|(_, n)| n.bytes + n.reserved + n.asking)
             .sum()
     }
 

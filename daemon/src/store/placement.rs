@@ -83,7 +83,7 @@ impl Store {
         }
         let free = st.unlocked(|| self.authority.settle());
         for (pool, offset) in free {
-            st.free_unheld(&pool, offset);
+            st.free_unheld(&*self.authority, &pool, offset);
         }
     }
 

@@ -6,7 +6,13 @@
 //! asked under the lock as before; in cluster mode it is an etcd transaction, asked with the
 //! lock released, and publications waiting at the same moment (a client's batch, other
 //! clients', the mount's) go to etcd together (`crate::cluster::group`). Under the lock again,
-//! each publication the authority granted is sealed, and each it refused is undone. In
+//! each publication the authority granted is sealed, and each it refused is undone. The grant
+//! is the commit point: the quota is checked before it (each publication's bytes count for
+//! those placed after it until the authority has answered), not after. One that the shared
+//! authority granted and the store cannot seal all the same (its namespace or name changed
+//! while the lock was let go of, or its pool could not record it) is given back as a delete
+//! removes an entry, since other hosts may serve it from the grant on: its removal recorded
+//! with the lock let go of, its extent freed once no host maps it (`Store::give_back`). In
 //! between, nothing of a publication is visible: its name is neither an entry nor free. On a
 //! pool without hardware coherence across hosts, the writer's lines are written back just
 //! before the authority is asked (without the lock when it is etcd): once another host can
@@ -15,9 +21,10 @@
 //! The mount's publications take two rounds with the authority, both here: at a writer's
 //! close its name is reserved for every host (`Store::try_commit`), at its release the entry
 //! is published (`Store::seal`). In cluster mode, for a shared pool, each lets go of the lock
-//! while etcd answers, with the writer marked as asking (an unlink or a rename of it waits
-//! for the answer), and what may have changed meanwhile is checked again after.
+//! while etcd answers, with the writer marked as asking (an unlink, a rename or an abandon of
+//! it waits for the answer), and what may have changed meanwhile is checked again after.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use super::locked::Locked;
@@ -65,6 +72,15 @@ impl Placing {
             w.flush(offset, self.size);
         }
     }
+
+    /// Where the entry's bytes are, as the authority is told.
+    fn placed(&self) -> Placed<'_> {
+        Placed {
+            pool: self.pool.as_deref(),
+            place: self.place,
+            size: self.size,
+        }
+    }
 }
 
 impl Store {
@@ -88,10 +104,29 @@ impl Store {
     /// authority is asked for all of them at once (see the module's documentation).
     pub fn publish_many(&self, session: SessionId, items: &[Publish<'_>]) -> Vec<Result<u64>> {
         let mut st = self.lock();
-        let mut placed: Vec<Result<Placing>> = items
-            .iter()
-            .map(|p| self.place_publication(&mut st, session, p))
-            .collect();
+        // An allocation is published once: a second publication of it in the batch is refused
+        // before anything is asked (granted, its seal would find the allocation gone).
+        let mut seen = HashSet::new();
+        let twice: Vec<bool> = items.iter().map(|p| !seen.insert(p.id)).collect();
+        let mut placed: Vec<Result<Placing>> = Vec::with_capacity(items.len());
+        for (p, &twice) in items.iter().zip(&twice) {
+            let r = if twice {
+                Err(Error::InvalidArgument(format!(
+                    "allocation {} is published twice in one batch",
+                    p.id
+                )))
+            } else {
+                self.place_publication(&mut st, session, p)
+            };
+            // Its bytes count against its namespace's quota (and keep the namespace) until the
+            // authority has answered: what is placed after it, in this batch or by other
+            // clients while the lock is let go of, counts them. Once granted, nothing checks
+            // the quota again.
+            if let (Ok(r), Ok(n)) = (&r, st.ns.get_mut(p.ns)) {
+                n.asking += r.size;
+            }
+            placed.push(r);
+        }
         let asks: Vec<Publishing<'_>> = items
             .iter()
             .zip(&placed)
@@ -101,11 +136,7 @@ impl Store {
                     ns: p.ns,
                     key: p.key,
                     id: p.id,
-                    at: Placed {
-                        pool: r.pool.as_deref(),
-                        place: r.place,
-                        size: r.size,
-                    },
+                    at: r.placed(),
                 })
             })
             .collect();
@@ -120,6 +151,11 @@ impl Store {
             verdicts
         };
         let verdicts = if unlocked { st.unlocked(ask) } else { ask() };
+        for (p, r) in items.iter().zip(&placed) {
+            if let (Ok(r), Ok(n)) = (r, st.ns.get_mut(p.ns)) {
+                n.asking -= r.size;
+            }
+        }
         let mut verdicts = verdicts.into_iter();
         for (p, r) in items.iter().zip(&mut placed).filter(|(_, r)| r.is_ok()) {
             if let Err(e) = verdicts.next().expect("one verdict per publication") {
@@ -128,13 +164,26 @@ impl Store {
             }
         }
         let mut gave_way = Vec::new();
+        // Granted by the shared authority and not sealed: given back once all are done.
+        let mut undone: Vec<(Publish<'_>, Placing)> = Vec::new();
         let out = items
             .iter()
             .zip(placed)
-            .map(|(p, r)| {
+            .zip(twice)
+            .map(|((p, r), twice)| {
+                let mut given_back = false;
                 let r = r.and_then(|placing| {
-                    self.seal_placed(&mut st, session, p, &placing, unlocked, &mut gave_way)
-                        .inspect_err(|_| self.authority.release(p.ns, p.key, p.id))
+                    let sealed =
+                        self.seal_placed(&mut st, session, p, &placing, unlocked, &mut gave_way);
+                    if sealed.is_err() {
+                        if self.granted_to_all(&placing) {
+                            undone.push((*p, placing));
+                            given_back = true;
+                        } else {
+                            self.authority.release(p.ns, p.key, p.id);
+                        }
+                    }
+                    sealed
                 });
                 if let Some(s) = st.sessions.get_mut(&session) {
                     s.allocs.remove(&p.id);
@@ -142,13 +191,25 @@ impl Store {
                         s.used += size;
                     }
                 }
-                if r.is_err() {
+                if r.is_err() && !given_back && !twice {
                     // The loser's allocation is freed (write-once: first writer wins).
                     self.drop_alloc(&mut st, p.id);
                 }
                 r.map(|_| p.id)
             })
             .collect();
+        if !undone.is_empty() {
+            let gone: Vec<Publishing<'_>> = undone
+                .iter()
+                .map(|(p, placing)| Publishing {
+                    ns: p.ns,
+                    key: p.key,
+                    id: p.id,
+                    at: placing.placed(),
+                })
+                .collect();
+            self.give_back(&mut st, &gone);
+        }
         drop(st);
         if !gave_way.is_empty() {
             // The kernel may cache the names as the entries that gave way.
@@ -199,11 +260,11 @@ impl Store {
     }
 
     /// The last step of a client's publication the authority granted, under the lock: the
-    /// entry sealed. The name and the quota are checked again (the publications of one batch
-    /// sealed before this one count against its namespace's quota); with the lock let go of
-    /// in between (`unlocked`), the allocation too, and another host's entry of the name
-    /// filed meanwhile gives way to a grant of the shared authority (its invalidation into
-    /// `gave_way`).
+    /// entry sealed. The name is checked again; the quota is not (the grant is the commit
+    /// point: the quota was checked at the publication's placement, counting what was placed
+    /// before it and not yet answered). With the lock let go of in between (`unlocked`), the
+    /// allocation is checked too, and another host's entry of the name filed meanwhile gives
+    /// way to a grant of the shared authority (its invalidation into `gave_way`).
     fn seal_placed(
         &self,
         st: &mut State,
@@ -215,16 +276,63 @@ impl Store {
     ) -> Result<u64> {
         if unlocked {
             Self::own_alloc(st, session, p.id)?;
-            if placing
-                .pool
-                .as_deref()
-                .is_some_and(|u| self.authority.shares(u))
-            {
+            if self.granted_to_all(placing) {
                 gave_way.extend(self.give_way(st, p.ns, p.key, p.id));
             }
         }
-        self.check_publishable(st, p.ns, p.key, placing.size)?;
+        Self::check_free(st, p.ns, p.key)?;
         self.seal_granted(st, p.id, p.ns, p.key, placing.size)
+    }
+
+    /// Whether publication `placing` is asked of the authority that other hosts share: from
+    /// its grant on, they may serve it.
+    fn granted_to_all(&self, placing: &Placing) -> bool {
+        placing
+            .pool
+            .as_deref()
+            .is_some_and(|u| self.authority.shares(u))
+    }
+
+    /// Gives back publications `gone`, which the shared authority granted and the store
+    /// cannot seal (their allocation, namespace or name changed while it answered, or their
+    /// pool could not record them), as a delete removes an entry: other hosts may serve each
+    /// from its grant on. Their removals are recorded with the lock let go of (together: a
+    /// group commit), and each extent is freed once no host maps it, as a removed entry's
+    /// (`State::free_unheld`); the allocations go here (a writer through the mount leaves its
+    /// name; a client's caller takes each out of its session). A removal that cannot be
+    /// recorded leaves the record at the authority: the extent then stays taken (until marud
+    /// restarts), never carved again under it.
+    fn give_back(&self, st: &mut Locked<'_>, gone: &[Publishing<'_>]) {
+        let allocs: Vec<Option<Alloc>> = gone
+            .iter()
+            .map(|p| {
+                st.writer_left(p.id);
+                let a = st.allocs.remove(&p.id)?;
+                st.pools[a.pool].writing_bytes -= a.acct;
+                Some(a)
+            })
+            .collect();
+        let withdrawn = st.unlocked(|| self.authority.withdraw(gone));
+        for ((p, a), w) in gone.iter().zip(allocs).zip(withdrawn) {
+            let held = w.and_then(|w| self.authority.unpublish(p.ns, p.key, p.id, &p.at, w));
+            self.authority.settled(p.ns, p.key);
+            match (held, a) {
+                (Ok(true), Some(a)) => {
+                    let asize = align_up(a.size.max(p.at.size).max(1), ENTRY_ALIGN);
+                    let e = Entry::new(p.id, p.ns, p.key, a.pool, p.at.place, p.at.size, a.perm)
+                        .stored_by(None, asize);
+                    st.zombies.insert(p.id, e);
+                }
+                (Ok(false), Some(a)) => st.pools[a.pool].pool.abort(p.id, &a.backing),
+                (Ok(_), None) => {}
+                (Err(e), _) => tracing::error!(
+                    ns = p.ns,
+                    key = p.key,
+                    "a publication given back: its removal is not recorded ({e}); its extent \
+                     stays taken until marud restarts"
+                ),
+            }
+        }
     }
 
     /// Fails unless `ns/key` is free and `size` more bytes fit `ns`'s quota.
@@ -235,6 +343,12 @@ impl Store {
         key: &str,
         size: u64,
     ) -> Result<()> {
+        Self::check_free(st, ns, key)?;
+        st.ns.check_quota(ns, size)
+    }
+
+    /// Fails unless namespace `ns` is there and holds neither an entry nor a namespace `key`.
+    fn check_free(st: &State, ns: &str, key: &str) -> Result<()> {
         let n = st.ns.get(ns)?;
         if n.entries.contains_key(key) {
             return Err(Error::Exists(format!("{ns}/{key}")));
@@ -242,7 +356,7 @@ impl Store {
         if n.children.contains_key(key) {
             return Err(Error::Exists(format!("{ns}/{key} is a namespace")));
         }
-        st.ns.check_quota(ns, size)
+        Ok(())
     }
 
     /// Gives allocation `id`'s bytes their place (raw pools written through the mount), so
@@ -440,7 +554,7 @@ impl Store {
     /// Waits until writer `ino` asks the authority nothing (a close's reservation or
     /// publication, a rename's reservation: each clears its mark and wakes the waiters
     /// however it ends, within the authority's own patience).
-    fn asked(&self, st: &mut Locked<'_>, ino: u64) {
+    pub(super) fn asked(&self, st: &mut Locked<'_>, ino: u64) {
         while st
             .allocs
             .get(&ino)
@@ -565,7 +679,13 @@ impl Store {
             })
         });
         if moved.is_err() {
-            self.authority.release(ns, key, ino);
+            // The new name goes: its reservation here, or its publication for every host when
+            // the authority made it (a round trip, without the lock; the extent stays, the
+            // entry keeps it under its old name).
+            let back = st.unlocked(|| self.authority.unpublish(ns, key, ino, &placed, None));
+            if let Err(e) = back {
+                tracing::error!(ns, key, "a rename undone: the new name is not removed: {e}");
+            }
         }
         self.authority.settled(ns, key);
         self.authority.settled(&from_ns, &from_key);
@@ -604,12 +724,11 @@ impl Store {
             st.writer_asking(id, false);
             self.sealed.notify_all();
             granted?;
+            let granted = Publishing { ns, key, id, at };
             if !st.writer_still(id, ns, key) {
-                // Unlinked (or failed) while the authority answered: the name goes again.
-                if let Err(e) = self.authority.unpublish(ns, key, id, &at, None) {
-                    tracing::warn!(ns, key, "a publication taken back: {e}");
-                }
-                self.authority.settled(ns, key);
+                // Unlinked (or failed) while the authority answered (each waits for the
+                // answer: not expected), the publication is given back.
+                self.give_back(st, &[granted]);
                 return Err(Error::NotFound(format!(
                     "{ns}/{key} (unlinked while being published)"
                 )));
@@ -621,9 +740,12 @@ impl Store {
                 .pool
                 .filter(|u| self.authority.shares(u))
                 .and_then(|_| self.give_way(st, ns, key, id));
-            let sealed = self
-                .seal_granted(st, id, ns, key, size)
-                .inspect_err(|_| self.authority.release(ns, key, id));
+            let sealed = self.seal_granted(st, id, ns, key, size);
+            if sealed.is_err() {
+                // Its pool could not record it (its bytes changed since their copy, or its log
+                // failed): other hosts may serve it already.
+                self.give_back(st, &[granted]);
+            }
             self.notify(gave_way.into_iter().collect());
             return sealed;
         }
@@ -634,7 +756,8 @@ impl Store {
     }
 
     /// Seals allocation `id`, placed and its publication granted by the authority, as
-    /// `ns/key` of `size` bytes. On failure the caller gives the name back.
+    /// `ns/key` of `size` bytes. On failure the caller gives the publication back (a grant of
+    /// the shared authority as a delete removes an entry: `Store::give_back`).
     fn seal_granted(&self, st: &mut State, id: u64, ns: &str, key: &str, size: u64) -> Result<u64> {
         let a = st.allocs.get_mut(&id).expect("checked by the caller");
         let asize = align_up(a.size.max(size).max(1), ENTRY_ALIGN);

@@ -54,6 +54,8 @@ impl Store {
         }
         let fenced = self.authority.fenced();
         let mut stale = Vec::new();
+        // The entries readied for this answer: should it fail, none is leased on its account.
+        let mut readied = Vec::new();
         // First every item's descriptor, which may fail; then what the answer changes.
         let mut found: Vec<Option<(u64, Option<File>)>> = Vec::with_capacity(keys.len());
         let mut packs_sent = std::collections::HashSet::new();
@@ -74,6 +76,7 @@ impl Store {
                 found.push(None);
                 continue;
             };
+            readied.push(ino);
             stale.extend(lines);
             let e = &st.entries[&ino];
             let pool = e.pool();
@@ -91,7 +94,15 @@ impl Store {
             }
         }
         let out = match failed {
-            Some(err) => Err(err),
+            Some(err) => {
+                // Marked used at the authority, and leased by no client: left so, a removal of
+                // another host's entry among them would make this host hold its extent for the
+                // life of its lease, with no last lease here to let go of it.
+                for ino in readied {
+                    st.not_leased(&*self.authority, ino);
+                }
+                Err(err)
+            }
             None => {
                 let State {
                     entries,

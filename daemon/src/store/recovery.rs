@@ -3,6 +3,7 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use maru::name::{check_component, split_ns};
 use maru::proto::PoolKind;
@@ -134,11 +135,23 @@ fn recover_pool(st: &mut State, p: usize, authority: &dyn Authority) -> anyhow::
             place: f.place,
             size: f.size,
         };
-        if let Err(e) = authority.publish(&f.ns, &f.key, ino, &at) {
-            // The name is another's, or (cluster mode) this host's record of it is gone: it
-            // was removed while this host was down, and its extent is not this host's now.
-            tracing::warn!(ns = %f.ns, key = %f.key, "not recovered: {e}");
-            continue;
+        match publish_recovered(authority, &f.ns, &f.key, ino, &at) {
+            Ok(()) => {}
+            // Not known to be this host's, nor another's: neither kept nor skipped (its record
+            // would count as another host's ever after, an entry no host evicts or frees).
+            Err(e @ maru::Error::Io(_)) => {
+                anyhow::bail!(
+                    "recovering {}/{}: the authority did not answer: {e}",
+                    f.ns,
+                    f.key
+                )
+            }
+            Err(e) => {
+                // The name is another's, or (cluster mode) this host's record of it is gone: it
+                // was removed while this host was down, and its extent is not this host's now.
+                tracing::warn!(ns = %f.ns, key = %f.key, "not recovered: {e}");
+                continue;
+            }
         }
         let perm = Perm {
             uid: f.uid,
@@ -155,4 +168,32 @@ fn recover_pool(st: &mut State, p: usize, authority: &dyn Authority) -> anyhow::
     let locs: Vec<Loc<'_>> = kept.iter().map(|i| st.entries[i].loc()).collect();
     st.pools[p].pool.recovered(&locs)?;
     Ok(())
+}
+
+/// How long a start asks the authority again to publish an entry it recovered while the
+/// authority does not answer (etcd electing a leader, a connection lost a moment).
+const RECOVER_PATIENCE: Duration = Duration::from_secs(30);
+
+/// Publishes recovered entry `ns/key` (`ino`, placed at `at`) at the authority, asking again
+/// every quarter second while the authority does not answer (an I/O error: etcd unreachable,
+/// or its answer lost), for up to [`RECOVER_PATIENCE`]; the last outcome. Given up on at the
+/// first such error, an entry this host published kept its record in etcd with no entry
+/// here, and the first read of every entry filed it as another host's.
+fn publish_recovered(
+    authority: &dyn Authority,
+    ns: &str,
+    key: &str,
+    ino: u64,
+    at: &Placed<'_>,
+) -> maru::Result<()> {
+    let deadline = Instant::now() + RECOVER_PATIENCE;
+    loop {
+        match authority.publish(ns, key, ino, at) {
+            Err(maru::Error::Io(e)) if Instant::now() < deadline => {
+                tracing::warn!(ns, key, "recovering an entry: {e}; asking again");
+                std::thread::sleep(Duration::from_millis(250));
+            }
+            r => return r,
+        }
+    }
 }

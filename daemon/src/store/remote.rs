@@ -194,9 +194,10 @@ impl Store {
     }
 
     /// Frees this host's removed entry at `offset` of raw pool `pool`, which no other host
-    /// maps any more (unless clients here still do: then their last release frees it).
+    /// maps any more (unless clients here still do: then their last release frees it; or a
+    /// later removal at that offset is held: [`State::free_unheld`]).
     pub fn free_unheld(&self, pool: &str, offset: u64) {
-        self.lock().free_unheld(pool, offset);
+        self.lock().free_unheld(&*self.authority, pool, offset);
     }
 
     /// Sets (or clears) namespace `ns`'s quota here because a host sharing the authority did

@@ -152,7 +152,9 @@ pub struct State {
     pub(super) ns: Namespaces,
     /// Sealed entries by inode.
     pub(super) entries: HashMap<u64, Entry>,
-    /// Deleted raw-pool entries whose extent is still leased.
+    /// Deleted raw-pool entries whose extent is still leased here or mapped by other hosts,
+    /// and publications the shared authority granted and the store gave back
+    /// (`Store::give_back`), whose extent other hosts may map.
     pub(super) zombies: HashMap<u64, Entry>,
     /// Allocations by id (an inode too).
     pub(super) allocs: HashMap<u64, Alloc>,

@@ -272,9 +272,31 @@ impl State {
         self.pools[z.pool].pool.free_extent(z.place);
     }
 
+    /// Entry `ino`, readied for a client here ([`State::ready_remote`]), was not leased after
+    /// all (its request failed, or read nothing). If it is another host's and no client here
+    /// leases it, the authority is told that none uses it, as a last lease's release tells it
+    /// ([`Authority::idle_remote`]): left marked used, a removal of it would make this host
+    /// hold the extent from its publisher for the life of its lease.
+    pub fn not_leased(&self, auth: &dyn Authority, ino: u64) {
+        if let Some(e) = self.entries.get(&ino)
+            && e.leases == 0
+            && let Some(id) = e.remote()
+        {
+            auth.idle_remote(id);
+        }
+    }
+
     /// Frees the removed entry of this host at `offset` of raw pool `pool` that no host maps
-    /// any more (the authority said so), unless clients here still do.
-    pub fn free_unheld(&mut self, pool: &str, offset: u64) {
+    /// any more (the authority said so, naming the offset, not the removal), unless clients
+    /// here still do, or the authority holds the offset again
+    /// ([`Authority::held_elsewhere`]): the word comes late (the applier's queue, or an
+    /// eviction's wait without the lock), and meanwhile the entry it was about may have gone
+    /// with its last lease here, its extent carved again, published and removed; that later
+    /// removal, held from before its entry was removed here, waits for a word of its own.
+    pub fn free_unheld(&mut self, auth: &dyn Authority, pool: &str, offset: u64) {
+        if auth.held_elsewhere(pool, offset) {
+            return;
+        }
         let found = self.zombies.iter().find(|(_, z)| {
             z.remote.is_none()
                 && z.leases == 0
