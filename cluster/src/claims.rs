@@ -2,7 +2,6 @@
 //! given back (each 2 MiB unit a key holding its holder's name), and listed.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::Ordering;
 
 use crate::error::Result;
 use crate::etcd::{Compare, Op, Range, Txn};
@@ -123,14 +122,18 @@ impl Member {
 
     /// Deletes `key` if its value is this node's name (a claim or reservation of its own).
     /// As a publication, it compares the fence (`publish_cmp`): one whose answer was lost,
-    /// landing late, never deletes a claim this host made again after a fence. Failed for
-    /// a fence made meanwhile, it is asked again under the new one.
+    /// landing late, never deletes a claim this host made again after a fence. Failed, it
+    /// reads the node record, as a publication does (`epoch_moved`): written after the epoch
+    /// it compared (a fence whose answer was lost, or is still on its way to the task that
+    /// asked for it), it is asked again under that write. The epoch held here is no proof
+    /// that no fence came: taken for one, a release that failed on such a fence was dropped
+    /// as another host's, and the claim stayed in etcd, the region no host's to carve, for as
+    /// long as this one lived (seed 2272).
     pub(crate) async fn delete_if_mine(&self, key: String) -> Result<()> {
         loop {
             let (txn, epoch) = self.delete_if_mine_txn(key.clone());
-            if self.client.txn(txn).await?.succeeded()
-                || self.epoch.load(Ordering::Acquire) == epoch
-            {
+            let r = self.client.txn(txn).await?;
+            if r.succeeded() || !self.epoch_moved(&r, epoch) {
                 return Ok(()); // deleted, or not this node's (or its lease is gone)
             }
         }
@@ -143,7 +146,8 @@ impl Member {
                 Compare::value_is(key.clone(), self.info.node.clone()),
                 current,
             ])
-            .and_then([Op::delete(key)]);
+            .and_then([Op::delete(key)])
+            .or_else([Op::get(self.keys.node(&self.info.node), Range::KEY)]);
         (txn, epoch)
     }
 

@@ -369,6 +369,36 @@ async fn a_fence_whose_answer_was_lost_does_not_stop_later_publications() {
     assert!(b.claim(0, UNIT).await.expect("claim").is_none());
 }
 
+/// Seed 2272: a fence landed that this host had not heard of yet (its answer lost, or on its
+/// way back to another task: a publication's resolution fences outside the claims' turn),
+/// and a release of a region sent then compared the epoch before it. It failed, and was
+/// taken for a release of a claim not this host's: the claim stayed in etcd for as long as
+/// the host lived, and no host could carve the region. The release reads the node record
+/// when it fails and goes again under the fence it finds; a release of another host's claim
+/// still deletes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_after_a_fence_not_heard_of_yet_deletes_the_claim() {
+    use maru_cluster::etcd::{Client, Op, Options, Txn};
+    let Some(etcd) = Etcd::start() else { return };
+    let a = member(&etcd, "a", 10).await;
+    assert!(a.claim(0, UNIT).await.expect("claim").is_some());
+    // The fence's write, as etcd applies it; a never hears of it.
+    let c = Client::connect(&etcd.endpoints(), Options::default()).expect("client");
+    let node = format!("/maru/{POOL}/nodes/a");
+    let info = serde_json::json!({"node": "a", "address": "127.0.0.1", "pid": 1});
+    let fence = Txn::new().and_then([Op::put(node, info.to_string(), a.lease())]);
+    assert!(c.txn(fence).await.expect("txn").succeeded());
+    a.release(0, UNIT).await.expect("release");
+    let held = a.regions().await.expect("regions");
+    assert!(held.is_empty(), "a's claim outlived its release: {held:?}");
+    // Free for another host, whose claim a's release leaves alone.
+    let b = member(&etcd, "b", 10).await;
+    assert!(b.claim(0, UNIT).await.expect("claim").is_some());
+    a.release(0, UNIT).await.expect("a release of b's claim");
+    let held = a.regions().await.expect("regions");
+    assert_eq!(held.get(&0).map(String::as_str), Some("b"), "{held:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_refused_at_the_connection_is_known_never_sent() {
     use maru_cluster::etcd::{Client, Options, Range};
