@@ -342,21 +342,26 @@ async fn a_publication_from_before_a_fence_cannot_land_and_later_ones_do() {
     );
 }
 
-/// Seed 211: a fence whose answer was lost (a timeout) landed all the same; every later
-/// publication and claim compared the epoch before it, failed, and was tried again, for ever
-/// (two marud overflowed their stacks). The write found is taken as the epoch.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_fence_whose_answer_was_lost_does_not_stop_later_publications() {
+/// Fences member `a` (its node record written again under its lease) as etcd applies a fence
+/// whose answer `a` never hears of.
+async fn fence_unheard_of(etcd: &Etcd, a: &Member) {
     use maru_cluster::etcd::{Client, Op, Options, Txn};
-    let Some(etcd) = Etcd::start() else { return };
-    let a = member(&etcd, "a", 10).await;
-    assert!(a.claim(0, UNIT).await.expect("claim").is_some());
-    // The fence's write, as etcd applies it; a never hears of it.
     let c = Client::connect(&etcd.endpoints(), Options::default()).expect("client");
     let node = format!("/maru/{POOL}/nodes/a");
     let info = serde_json::json!({"node": "a", "address": "127.0.0.1", "pid": 1});
     let fence = Txn::new().and_then([Op::put(node, info.to_string(), a.lease())]);
     assert!(c.txn(fence).await.expect("txn").succeeded());
+}
+
+/// Seed 211: a fence whose answer was lost (a timeout) landed all the same; every later
+/// publication and claim compared the epoch before it, failed, and was tried again, for ever
+/// (two marud overflowed their stacks). The write found is taken as the epoch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fence_whose_answer_was_lost_does_not_stop_later_publications() {
+    let Some(etcd) = Etcd::start() else { return };
+    let a = member(&etcd, "a", 10).await;
+    assert!(a.claim(0, UNIT).await.expect("claim").is_some());
+    fence_unheard_of(&etcd, &a).await;
     assert!(matches!(
         a.publish("ns", "x", &record("a", 0))
             .await
@@ -378,16 +383,10 @@ async fn a_fence_whose_answer_was_lost_does_not_stop_later_publications() {
 /// still deletes nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_after_a_fence_not_heard_of_yet_deletes_the_claim() {
-    use maru_cluster::etcd::{Client, Op, Options, Txn};
     let Some(etcd) = Etcd::start() else { return };
     let a = member(&etcd, "a", 10).await;
     assert!(a.claim(0, UNIT).await.expect("claim").is_some());
-    // The fence's write, as etcd applies it; a never hears of it.
-    let c = Client::connect(&etcd.endpoints(), Options::default()).expect("client");
-    let node = format!("/maru/{POOL}/nodes/a");
-    let info = serde_json::json!({"node": "a", "address": "127.0.0.1", "pid": 1});
-    let fence = Txn::new().and_then([Op::put(node, info.to_string(), a.lease())]);
-    assert!(c.txn(fence).await.expect("txn").succeeded());
+    fence_unheard_of(&etcd, &a).await;
     a.release(0, UNIT).await.expect("release");
     let held = a.regions().await.expect("regions");
     assert!(held.is_empty(), "a's claim outlived its release: {held:?}");

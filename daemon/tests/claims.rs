@@ -11,12 +11,13 @@ use std::sync::{Arc, Condvar, Mutex, mpsc};
 use std::time::Duration;
 
 use maru::{Error, Result};
-use maru_daemon::pool::PoolSpec;
+use maru_daemon::store::Store;
 use maru_daemon::store::authority::{Authority, Claim, LocalAuthority, Placed};
 use maru_daemon::store::fsview::StoreFs;
-use maru_daemon::store::{Eviction, Store, StoreConfig};
 use maru_fsd::backend::ROOT_INO;
 use maru_fsd::{Backend, Caller};
+
+mod common;
 
 /// Long enough for anything that is not stuck.
 const WAIT: Duration = Duration::from_secs(30);
@@ -103,22 +104,8 @@ impl Fixture {
     /// A store on a `file:` pool of `mib` MiB and a [`Gated`] authority, with namespace `ns`.
     fn new(mib: u64) -> Fixture {
         let dir = tempfile::tempdir().unwrap();
-        let cfg = StoreConfig {
-            eviction: Eviction::Off,
-            state_dir: dir.path().join("state"),
-            wal_sync: false,
-            max_copy_entry: 1 << 30,
-        };
-        // A pool shared with other hosts is opened, never created: made here as `maructl
-        // device init` would.
-        let dev = dir.path().join("dev.img");
-        let f = std::fs::File::create(&dev).unwrap();
-        f.set_len(mib << 20).unwrap();
-        maru::format::init_header(&f).unwrap();
-        let spec = PoolSpec::parse(&format!("file:{},size={mib}M", dev.display())).unwrap();
         let auth = Arc::new(Gated::default());
-        let store = Store::open_with(cfg, &[spec], auth.clone()).unwrap();
-        store.mkdir(&Caller::root(), "ns", 0o755).unwrap();
+        let (store, _) = common::store_on_file_pool(dir.path(), mib, auth.clone());
         Fixture {
             store,
             auth,
@@ -128,21 +115,7 @@ impl Fixture {
 
     /// Stores `data` as `ns/key` over the socket; the offset it got.
     fn put(&self, key: &str, data: &[u8]) -> Result<u64> {
-        let s = self.store.open_session("t", Caller::root());
-        let r = (|| {
-            let (g, _) = self
-                .store
-                .alloc(s, data.len() as u64, 1, None, None)?
-                .pop()
-                .unwrap();
-            self.store
-                .raw_pool_fd(g.pool, true)?
-                .write_all_at(data, g.offset)?;
-            self.store.publish(s, g.alloc, "ns", key, None)?;
-            Ok(g.offset)
-        })();
-        self.store.close_session(s);
-        r
+        common::put(&self.store, key, data)
     }
 
     /// The bytes of `ns/key` (None: absent).

@@ -4,17 +4,17 @@
 //! removed extents of this host's the other hosts still map (freed once they let go).
 
 use std::collections::HashSet;
-use std::os::unix::fs::FileExt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use maru::Result;
-use maru_daemon::pool::PoolSpec;
 use maru_daemon::store::SharedId;
+use maru_daemon::store::Store;
 use maru_daemon::store::authority::{Authority, Claim, LocalAuthority, Placed, Withdrawn};
 use maru_daemon::store::fsview::StoreFs;
-use maru_daemon::store::{Eviction, Store, StoreConfig};
 use maru_fsd::backend::ROOT_INO;
 use maru_fsd::{Backend, Caller};
+
+mod common;
 
 /// One test at a time: one leaves the process no descriptor to open for a moment.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
@@ -104,20 +104,8 @@ impl Fixture {
     fn new() -> Fixture {
         let one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
         let dir = tempfile::tempdir().unwrap();
-        let cfg = StoreConfig {
-            eviction: Eviction::Off,
-            state_dir: dir.path().join("state"),
-            wal_sync: false,
-            max_copy_entry: 1 << 30,
-        };
-        let dev = dir.path().join("dev.img");
-        let f = std::fs::File::create(&dev).unwrap();
-        f.set_len(64 << 20).unwrap();
-        let uuid = maru::format::init_header(&f).unwrap().uuid_string();
-        let spec = PoolSpec::parse(&format!("file:{},size=64M", dev.display())).unwrap();
         let auth = Arc::new(Elsewhere::default());
-        let store = Store::open_with(cfg, &[spec], auth.clone()).unwrap();
-        store.mkdir(&Caller::root(), "ns", 0o755).unwrap();
+        let (store, uuid) = common::store_on_file_pool(dir.path(), 64, auth.clone());
         Fixture {
             store,
             auth,
@@ -129,21 +117,7 @@ impl Fixture {
 
     /// Stores `data` as `ns/key` over the socket; the offset it got.
     fn put(&self, key: &str, data: &[u8]) -> Result<u64> {
-        let s = self.store.open_session("t", Caller::root());
-        let r = (|| {
-            let (g, _) = self
-                .store
-                .alloc(s, data.len() as u64, 1, None, None)?
-                .pop()
-                .unwrap();
-            self.store
-                .raw_pool_fd(g.pool, true)?
-                .write_all_at(data, g.offset)?;
-            self.store.publish(s, g.alloc, "ns", key, None)?;
-            Ok(g.offset)
-        })();
-        self.store.close_session(s);
-        r
+        common::put(&self.store, key, data)
     }
 
     /// Deletes `ns/key`.
