@@ -1050,6 +1050,17 @@ async fn a_running_member_keeps_its_lease_for_many_ttls() {
     assert!(a.claim(0, UNIT).await.expect("claim").is_some());
 }
 
+/// An entry of host a of 300 units of 2 MiB from unit 4: more tombstones than a
+/// transaction takes.
+fn huge_of_a() -> EntryRecord {
+    EntryRecord {
+        offset: 4 * UNIT,
+        len: 300 * UNIT,
+        node: "a".into(),
+        alloc: 1,
+    }
+}
+
 /// An entry whose tombstones do not fit in one transaction (its removal puts them first, in
 /// transactions of their own): a host that learns of its removal from a read of every entry
 /// waits for the acknowledgement of the removal's own revision, not of its first tombstones'.
@@ -1058,13 +1069,7 @@ async fn a_huge_entry_read_removed_is_removed_at_its_removals_revision() {
     let Some(etcd) = Etcd::start() else { return };
     let a = member(&etcd, "a", 10).await;
     let b = member(&etcd, "b", 10).await;
-    // 300 units of 2 MiB: more tombstones than a transaction takes.
-    let huge = EntryRecord {
-        offset: 4 * UNIT,
-        len: 300 * UNIT,
-        node: "a".into(),
-        alloc: 1,
-    };
+    let huge = huge_of_a();
     assert!(
         a.claim(huge.offset, huge.len)
             .await
@@ -1096,13 +1101,7 @@ async fn a_removal_that_finds_the_entry_removed_joins_the_removal_that_took_it()
     let Some(etcd) = Etcd::start() else { return };
     let a = member(&etcd, "a", 10).await;
     let b = member(&etcd, "b", 10).await;
-    // 300 units of 2 MiB: more tombstones than a transaction takes.
-    let huge = EntryRecord {
-        offset: 4 * UNIT,
-        len: 300 * UNIT,
-        node: "a".into(),
-        alloc: 1,
-    };
+    let huge = huge_of_a();
     assert!(a.claim(0, UNIT).await.expect("claim").is_some());
     assert!(
         a.claim(huge.offset, huge.len)
