@@ -443,7 +443,9 @@ class TensorIO:
     def _take(self, size: int, register: bool) -> Any:
         with self._cv:
             spares = self._reserve.get(size)
-            a = spares.pop() if spares else None
+            # Oldest first, as libmaru's spares: a reserve's bottom, kept for good, would
+            # keep its pack's memory from ever coming back (eviction passes such packs by).
+            a = spares.pop(0) if spares else None
             level = self._level.get(size, 0)
             if level and len(self._reserve[size]) * 2 < level and not self._closed:
                 self._wanted.add(size)

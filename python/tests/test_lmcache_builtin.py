@@ -144,7 +144,8 @@ def test_pins_are_counted_and_keep_entries_from_eviction(marud: Marud, namespace
     sm = lu.make_manager(lu.make_builtin_config(str(marud.socket)))
     try:
         backend = backend_of(sm)
-        keys = stored(sm, range(4))
+        # 64 KiB chunks are packed, 32 to a pack: a pack goes whole, once nothing pins it.
+        keys = stored(sm, range(100))
         path = None
         with maru.MaruHandler(marud.config(namespace)) as h:
             path = h.path_of(keys[0].to_string())
@@ -155,7 +156,8 @@ def test_pins_are_counted_and_keep_entries_from_eviction(marud: Marud, namespace
         assert os.getxattr(path, "user.maru.holds") == b"1"
         assert backend.batched_contains(keys[1:3], pin=True) == 2
         backend.batched_unpin(keys[1:3])
-        # Fill the pool from another client: unpinned chunks are evicted, the pinned one stays.
+        # Fill the pool from another client: unpinned chunks are evicted (the packs nothing
+        # pins, whole), the pinned one stays.
         filler = maru.MaruConfig(socket_path=str(marud.socket), namespace=namespace + "-fill",
                                  pool_size=64 << 20, chunk_size_bytes=64 << 20)
         with maru.MaruHandler(filler) as f:

@@ -369,8 +369,30 @@ fn packed_entries_survive_kill9() {
     );
 }
 
-/// A full pool of packed entries makes room by evicting the least recently used ones: their
-/// packs go once empty, and storing goes on.
+/// The pack that holds packed entry `path`.
+fn pack_of(h: &maru::Handler, path: &str) -> u32 {
+    let s = h.stat(path).unwrap().unwrap_or_else(|| panic!("no {path}"));
+    maru::index::packed(s.offset)
+        .unwrap_or_else(|| panic!("{path} is not packed"))
+        .0
+}
+
+/// For each pack of `packed` (the pack of `e/k{i}` at `i`): its entries, and how many of
+/// them are left.
+fn left_by_pack(h: &maru::Handler, packed: &[u32]) -> std::collections::BTreeMap<u32, (u64, u64)> {
+    let mut by_pack = std::collections::BTreeMap::<u32, (u64, u64)>::new();
+    for (i, p) in packed.iter().enumerate() {
+        let n = by_pack.entry(*p).or_default();
+        n.0 += 1;
+        n.1 += u64::from(h.exists(&format!("e/k{i}")).unwrap());
+    }
+    by_pack
+}
+
+/// A full pool of packed entries makes room by evicting the least recently used packs whole
+/// (a pack's memory comes back only with its last entry), and storing goes on. A handler's
+/// puts fill its packs in order (it takes its spare allocations oldest first), so the oldest
+/// pack is all published and goes first.
 #[test]
 fn a_full_pool_of_packed_entries_evicts_whole_packs() {
     maru_tests::require_root!();
@@ -380,16 +402,30 @@ fn a_full_pool_of_packed_entries_evicts_whole_packs() {
         extra: vec!["--eviction".into(), "lru".into()],
     });
     let h = packing(&d, "e");
-    let n = 3000u64; // 32 KiB each: 94 MiB, three times the pool
+    let n = 3000u64; // 32 KiB each: 94 MiB, three times the pool; 64 to a pack
+    let mut packed = Vec::with_capacity(n as usize);
     for i in 0..n {
-        h.put(&format!("e/k{i}"), &pattern(i, 32 << 10))
+        let k = format!("e/k{i}");
+        h.put(&k, &pattern(i, 32 << 10))
             .unwrap_or_else(|e| panic!("store {i}: {e}"));
+        packed.push(pack_of(&h, &k));
     }
+    assert!(
+        packed.windows(2).all(|w| w[0] <= w[1]),
+        "puts fill packs in order"
+    );
     let st = h.stats().unwrap();
     let p = &st.pools[0];
     assert!(p.evictions > 1500, "{p:?}");
+    assert_eq!(p.evictions % 64, 0, "whole packs of 64 entries go: {p:?}");
     assert!(p.used <= p.capacity, "{p:?}");
-    assert!(!h.exists("e/k0").unwrap(), "the oldest entry is evicted");
+    assert!(!h.exists("e/k0").unwrap(), "the oldest pack is evicted");
+    for (pack, (all, left)) in left_by_pack(&h, &packed) {
+        assert!(
+            left == 0 || left == all,
+            "pack {pack} evicted in part: {left} of its {all} entries left"
+        );
+    }
     for i in n - 100..n {
         let m = h.retrieve(&format!("e/k{i}")).unwrap().expect("recent");
         assert_eq!(m.as_slice(), &pattern(i, 32 << 10)[..]);
@@ -402,6 +438,71 @@ fn a_full_pool_of_packed_entries_evicts_whole_packs() {
         packs(&d).len(),
         p.sealed_bytes
     );
+}
+
+/// A pack's memory comes back only once nothing lives in it: with one entry of each of the
+/// oldest packs held (as a connector holds the chunks it found until it loads them), a full
+/// pool evicts whole the packs nothing keeps, and keeps the held packs' other entries
+/// (evicting them would free nothing).
+#[test]
+fn a_full_pool_evicts_the_packs_it_can_empty() {
+    maru_tests::require_root!();
+    let d = Daemon::start(Opts {
+        pools: vec!["memfs:{dir}/pool,size=32M".into()],
+        mount: false,
+        extra: vec!["--eviction".into(), "lru".into()],
+    });
+    let h = packing(&d, "e");
+    let size = 32usize << 10; // 64 to a pack
+    let per_pack = (2u64 << 20) / size as u64;
+    let put = |i: u64| {
+        h.put(&format!("e/k{i}"), &pattern(i, size))
+            .unwrap_or_else(|e| panic!("store {i}: {e}"))
+    };
+    // 13 packs of the pool's 16, filled in order; the first entry of each of the 11 oldest
+    // held (the packs are found by the entries' locations, not by their numbers).
+    let (filled, held) = (13 * per_pack, 11);
+    let mut packed = Vec::with_capacity(filled as usize);
+    for i in 0..filled {
+        put(i);
+        packed.push(pack_of(&h, &format!("e/k{i}")));
+    }
+    assert!(packed.windows(2).all(|w| w[0] <= w[1]), "{packed:?}");
+    let mut order = packed.clone();
+    order.dedup();
+    assert_eq!(order.len(), 13, "a pack at a time: {order:?}");
+    let kept = &order[..held];
+    for p in kept {
+        let first = packed.iter().position(|q| q == p).expect("an entry");
+        h.hold(&format!("e/k{first}")).unwrap();
+    }
+    assert_eq!(h.stats().unwrap().pools[0].evictions, 0, "it all fits");
+    // Ten packs more: the packs nothing holds turn over, the oldest first.
+    let n = filled + 10 * per_pack;
+    for i in filled..n {
+        put(i);
+    }
+    let st = h.stats().unwrap();
+    let p = &st.pools[0];
+    assert!(p.evictions > 0 && p.used <= p.capacity, "{p:?}");
+    assert_eq!(p.evictions % per_pack, 0, "whole packs go: {p:?}");
+    for (pack, (all, left)) in left_by_pack(&h, &packed) {
+        if kept.contains(&pack) {
+            assert_eq!(
+                left, all,
+                "pack {pack} is held: evicting its entries frees nothing ({p:?})"
+            );
+        } else {
+            assert_eq!(
+                left, 0,
+                "pack {pack}, held by nothing, is older than what was stored after ({p:?})"
+            );
+        }
+    }
+    for i in n - 100..n {
+        let m = h.retrieve(&format!("e/k{i}")).unwrap().expect("recent");
+        assert_eq!(m.as_slice(), &pattern(i, size)[..]);
+    }
 }
 
 #[test]

@@ -2,22 +2,27 @@
 //!
 //! An allocation tries the pools in command-line order (or the one the client names) without
 //! evicting; if none has room and eviction is `lru`, it evicts the least recently used sealed,
-//! unpinned, unheld, unleased entries of the first pool large enough and retries.
+//! unpinned, unheld, unleased entries of the first pool large enough and retries. Packed
+//! entries go by whole packs, since a pack's memory comes back only with its last entry
+//! ([`victims`]).
 
 use maru::{Error, Result};
 
 use super::Store;
 use super::deletion::Found;
-use super::entries::Removal;
+use super::entries::{Entry, Removal};
+use super::hashmap::HashMap;
 use super::ids::PoolIdx;
 use super::locked::Locked;
+use super::pools::packs::Usage;
 use super::pools::{Backing, Requester};
 use super::settings::Eviction;
 use crate::pool::ENTRY_ALIGN;
 
 impl Store {
-    /// Evicts LRU entries of `pool` (any pool when `None`) until `want` bytes were freed;
-    /// returns (entries, bytes) evicted. The mount is told of each at once (from inside the
+    /// Evicts LRU entries of `pool` (any pool when `None`) until `want` bytes were freed, in
+    /// the order of [`victims`]; returns (entries evicted, bytes freed: a packed entry's count
+    /// only with its pack's last). The mount is told of each at once (from inside the
     /// lock: dropping an entry's passthrough backing is an ioctl that takes no store lock, and
     /// the names go to their own thread), so that the pool's free space shows the eviction
     /// before the next look at it. Entries of a pool shared with other hosts are evicted as
@@ -31,30 +36,29 @@ impl Store {
     ) -> (u64, u64) {
         let s = &mut **st;
         s.lru.settle(&mut s.entries);
-        let candidates: Vec<u64> = s
+        let candidates: Vec<Candidate> = s
             .lru
             .oldest_first()
-            .filter(|ino| {
-                let e = &s.entries[ino];
-                !e.protected() && pool.is_none_or(|p| p == e.pool())
-            })
+            .map(|ino| &s.entries[&ino])
+            .filter(|e| !e.protected() && pool.is_none_or(|p| p == e.pool()))
+            .map(Candidate::of)
             .collect();
+        let chosen = victims(&candidates, |p, pack| s.pools[p].pool.pack(pack));
         let shared = self.authority.shared()
-            && candidates
+            && chosen
                 .iter()
-                .any(|ino| s.placed(&s.entries[ino]).pool.is_some());
+                .any(|v| s.placed(&s.entries[&v.ino]).pool.is_some());
         if shared {
-            return self.evict_shared(st, candidates, want);
+            return self.evict_shared(st, chosen, want);
         }
         let (mut freed, mut count) = (0, 0);
-        for ino in candidates {
+        for v in chosen {
             if freed >= want {
                 break;
             }
-            let asize = st.entries[&ino].asize();
-            match st.remove_entry(&*self.authority, &self.counters, ino, Removal::Evicted) {
+            match st.remove_entry(&*self.authority, &self.counters, v.ino, Removal::Evicted) {
                 Ok(Some(i)) => {
-                    freed += asize;
+                    freed += v.frees;
                     count += 1;
                     self.notify(vec![i]);
                 }
@@ -87,18 +91,17 @@ impl Store {
         }
     }
 
-    /// [`Store::evict_lru`] of `candidates` (oldest first) in a pool shared with other hosts.
-    fn evict_shared(&self, st: &mut Locked<'_>, candidates: Vec<u64>, want: u64) -> (u64, u64) {
+    /// [`Store::evict_lru`] of `victims` (in order) in a pool shared with other hosts.
+    fn evict_shared(&self, st: &mut Locked<'_>, victims: Vec<Victim>, want: u64) -> (u64, u64) {
         let (mut chosen, mut sizes) = (Vec::new(), Vec::new());
         let mut planned = 0;
-        for ino in candidates {
+        for v in victims {
             if planned >= want {
                 break;
             }
-            let e = &st.entries[&ino];
-            planned += e.asize();
-            sizes.push(e.asize());
-            chosen.push(Found::of(st, e));
+            planned += v.frees;
+            sizes.push(v.frees);
+            chosen.push(Found::of(st, &st.entries[&v.ino]));
         }
         let (removed, inv) = self.remove_found(st, &chosen, true);
         let (mut freed, mut count) = (0, 0);
@@ -263,6 +266,74 @@ impl Store {
     }
 }
 
+/// An entry eviction may remove: where its bytes are, as eviction weighs them.
+#[derive(Debug, Clone, Copy)]
+struct Candidate {
+    ino: u64,
+    /// Its pool and pack, when it is a piece of one.
+    pack: Option<(PoolIdx, u32)>,
+    /// The bytes it holds in its pool.
+    asize: u64,
+}
+
+impl Candidate {
+    fn of(e: &Entry) -> Candidate {
+        Candidate {
+            ino: e.ino(),
+            pack: e.place().packed().map(|(pack, _)| (e.pool(), pack)),
+            asize: e.asize(),
+        }
+    }
+}
+
+/// One removal an eviction makes, and the bytes it gives back to the pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Victim {
+    ino: u64,
+    /// Its own bytes, or, for the last entry of a pack to go, the pack's; nothing for the
+    /// others of a pack.
+    frees: u64,
+}
+
+/// The order in which eviction removes `candidates` (the unprotected entries, least recently
+/// used first), and what each removal frees; `pack` says what holds a pack's memory. An entry
+/// with bytes of its own comes in its place. A packed entry's bytes come back only with its
+/// pack's file, once nothing lives in the pack: a pack whose every entry is a candidate and
+/// that takes no more allocations goes whole, in the place of its most recently used entry
+/// (a pack is as recent as its most recent entry), its entries in their order. The entries
+/// of a pack that something else keeps (a pinned, held or leased entry, an allocation, its
+/// session still carving from it) are passed by: removing them would free nothing.
+fn victims(candidates: &[Candidate], pack: impl Fn(PoolIdx, u32) -> Option<Usage>) -> Vec<Victim> {
+    let mut packs: HashMap<(PoolIdx, u32), Vec<u64>> = HashMap::default();
+    for c in candidates {
+        if let Some(p) = c.pack {
+            packs.entry(p).or_default().push(c.ino);
+        }
+    }
+    let mut out = Vec::with_capacity(candidates.len());
+    for c in candidates {
+        let Some(p) = c.pack else {
+            out.push(Victim {
+                ino: c.ino,
+                frees: c.asize,
+            });
+            continue;
+        };
+        let members = &packs[&p];
+        if members.last() != Some(&c.ino) {
+            continue; // not its pack's most recent entry
+        }
+        if let Some(u) = pack(p.0, p.1)
+            && !u.open
+            && u.live as usize == members.len()
+        {
+            out.extend(members.iter().map(|&ino| Victim { ino, frees: 0 }));
+            out.last_mut().expect("a pack of candidates has one").frees = u.bytes;
+        }
+    }
+    out
+}
+
 /// The regions whose claims other hosts refused to one placement: it tries other regions
 /// ([`Error::Busy`]: another host claimed the region first) until one is refused a second
 /// time (the pool, tried again once it looked full, has no region free of other hosts').
@@ -280,5 +351,47 @@ impl Refused {
             ))),
             e => Err(e),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn c(ino: u64, pack: Option<u32>) -> Candidate {
+        Candidate {
+            ino,
+            pack: pack.map(|p| (PoolIdx::at(0), p)),
+            asize: 4096,
+        }
+    }
+
+    fn v(ino: u64, frees: u64) -> Victim {
+        Victim { ino, frees }
+    }
+
+    #[test]
+    fn packs_go_whole_in_the_place_of_their_most_recent_entry() {
+        // Least recently used first. Pack 1 (2 entries, closed) goes whole where its second
+        // entry is; pack 2 has a live entry that is not a candidate (held); pack 3 is open.
+        let candidates = [
+            c(1, Some(1)),
+            c(2, None),
+            c(3, Some(2)),
+            c(4, Some(1)),
+            c(5, Some(3)),
+            c(6, None),
+        ];
+        let usage = |_: PoolIdx, pack: u32| {
+            Some(Usage {
+                live: if pack == 3 { 1 } else { 2 },
+                open: pack == 3,
+                bytes: 8192,
+            })
+        };
+        assert_eq!(
+            victims(&candidates, usage),
+            [v(2, 4096), v(1, 0), v(4, 8192), v(6, 4096)]
+        );
     }
 }

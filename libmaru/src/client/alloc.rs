@@ -1,5 +1,6 @@
 //! Allocations: spare grants taken in batches, and the writable mapping of a grant.
 
+use std::collections::VecDeque;
 use std::fs::File;
 use std::os::fd::OwnedFd;
 use std::sync::{Arc, Weak};
@@ -40,11 +41,13 @@ impl Inner {
             return Err(Error::InvalidArgument("allocation of 0 bytes".into()));
         }
         // A refill requested earlier may be on its way: take it rather than asking again.
-        while self.spares.get(&size).is_none_or(Vec::is_empty) && self.refilling.contains(&size) {
+        while self.spares.get(&size).is_none_or(VecDeque::is_empty)
+            && self.refilling.contains(&size)
+        {
             self.recv_one()?;
         }
         if let Some(s) = self.take_spare(size)? {
-            let left = self.spares.get(&size).map_or(0, Vec::len);
+            let left = self.spares.get(&size).map_or(0, VecDeque::len);
             let batch = self.cfg.batch_alloc_count as usize;
             if left < batch / 2 && !self.refilling.contains(&size) && batch > 1 {
                 // Ask for the next batch now; the daemon creates it while we keep storing.
@@ -82,9 +85,10 @@ impl Inner {
             Body::Allocated { grants } => grants,
             other => return Err(unexpected(&other)),
         };
-        let mut spares = self.spares_from(grants, fds)?;
+        // The first granted is used now, the others kept in their order.
+        let mut spares = VecDeque::from(self.spares_from(grants, fds)?);
         let first = spares
-            .pop()
+            .pop_front()
             .ok_or_else(|| Error::Protocol("empty grant".into()))?;
         self.spares.entry(size).or_default().extend(spares);
         self.map_grant(first)
@@ -116,7 +120,9 @@ impl Inner {
         count: usize,
         out: &mut Vec<AllocHandle>,
     ) -> Result<()> {
-        while self.spares.get(&size).is_none_or(Vec::is_empty) && self.refilling.contains(&size) {
+        while self.spares.get(&size).is_none_or(VecDeque::is_empty)
+            && self.refilling.contains(&size)
+        {
             self.recv_one()?;
         }
         while out.len() < count {
@@ -155,12 +161,15 @@ impl Inner {
         Ok(())
     }
 
-    /// A spare allocation of `size` bytes that may still be written into; those whose
-    /// `until` passed (cluster mode: see [`Grant::until`]) are given back on the way.
+    /// The oldest spare allocation of `size` bytes that may still be written into; those
+    /// whose `until` passed (cluster mode: see [`Grant::until`]) are given back on the way.
+    /// Oldest first: a pack's allocations are then published in the order they were carved,
+    /// and the spares kept never hold back a pack filled long ago (its memory comes back only
+    /// once nothing lives in it: eviction passes over the entries of a pack with a spare).
     fn take_spare(&mut self, size: u64) -> Result<Option<Spare>> {
         let mut expired = Vec::new();
         let mut found = None;
-        while let Some(s) = self.spares.get_mut(&size).and_then(Vec::pop) {
+        while let Some(s) = self.spares.get_mut(&size).and_then(VecDeque::pop_front) {
             if past(&s.grant) {
                 expired.push(s.grant.alloc);
             } else {

@@ -1,7 +1,7 @@
 //! The connection's state: the socket, the session, what the handler keeps (spare grants,
 //! indexes, cached mappings), and the request/response plumbing.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fs::File;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
@@ -223,7 +223,10 @@ pub(super) struct Inner {
     /// Writable mappings of the packs this client's allocations were carved from, by pool and
     /// pack, while a spare or a handle uses them.
     pub(super) pack_maps: HashMap<(u32, u32), std::sync::Weak<PackMap>>,
-    pub(super) spares: HashMap<u64, Vec<Spare>>,
+    /// Spare grants by size, oldest first: taken in the order they were granted, so that
+    /// those kept are always the latest ones (the packs of the older ones are all published,
+    /// and eviction can empty them) and the first to expire go first.
+    pub(super) spares: HashMap<u64, VecDeque<Spare>>,
     pub(super) sizes_seen: HashMap<u64, u32>,
     pub(super) refilling: std::collections::HashSet<u64>,
     pub(super) pending: HashMap<u64, Pending>,

@@ -18,7 +18,7 @@ use super::super::ids::{Place, SessionId};
 use super::super::policy::Perm;
 #[cfg(feature = "seams")]
 use super::Seams;
-use super::packs::Packs;
+use super::packs::{Packs, Usage};
 use super::{Backing, Found, Loc, Pool, Prepare, Reader, Requester};
 use crate::pool::PoolSpec;
 use crate::pool::memfs::{
@@ -311,6 +311,10 @@ impl Pool for Memfs {
         if let Some((pack, _)) = place.packed() {
             self.packs.release(pack);
         }
+    }
+
+    fn pack(&self, pack: u32) -> Option<Usage> {
+        self.packs.usage(pack)
     }
 
     fn rename(&mut self, e: &Loc<'_>, ns: &str, key: &str) -> Result<Option<Place>> {

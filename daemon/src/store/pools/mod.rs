@@ -282,6 +282,11 @@ pub trait Pool: Send {
     fn delete(&mut self, e: &Loc<'_>, leased: bool) -> bool;
     /// Frees the bytes of a deleted entry (at `place`) whose last lease went.
     fn free_extent(&mut self, place: Place);
+    /// What holds the memory of pack `pack` (memfs): eviction weighs a packed entry by it,
+    /// since its bytes come back only with its pack's. None where the pool has no such pack.
+    fn pack(&self, _pack: u32) -> Option<packs::Usage> {
+        None
+    }
     /// Moves a sealed entry to `ns/key`; returns its new location if that changed (a packed
     /// entry moved to another namespace leaves its pack).
     fn rename(&mut self, e: &Loc<'_>, ns: &str, key: &str) -> Result<Option<Place>>;

@@ -84,6 +84,18 @@ pub struct Packs {
     next: u32,
 }
 
+/// What holds a pack's memory, as eviction weighs it: the memory comes back only with the
+/// pack's file, once nothing lives in it and it takes no more allocations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Usage {
+    /// Sealed entries and allocations in it (removed entries still leased too).
+    pub live: u32,
+    /// Still takes allocations (the open pack of a session).
+    pub open: bool,
+    /// Bytes handed out of it: at most what its file holds in the pool.
+    pub bytes: u64,
+}
+
 /// An allocation carved from a pack.
 pub struct PackGrant {
     /// The pack.
@@ -323,6 +335,15 @@ impl Packs {
         ) {
             tracing::warn!(pack, offset, "freeing bytes that left a pack: {e}");
         }
+    }
+
+    /// What holds pack `pack`'s memory ([`Usage`]); None when there is no such pack.
+    pub fn usage(&self, pack: u32) -> Option<Usage> {
+        self.packs.get(&pack).map(|p| Usage {
+            live: p.live,
+            open: p.open,
+            bytes: p.end,
+        })
     }
 
     /// One entry or allocation of `pack` is gone.
