@@ -43,16 +43,25 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
     auth.view.this_run(from, recovered);
     let fence_store = store.clone();
     auth.rt.spawn(async move {
+        let mut retry = Retry::default();
         loop {
             // After a rejoin the host is fenced off until an entire read like this one is
-            // applied: it may have missed removals while cut off.
-            let epoch = *rejoins.borrow_and_update();
-            let snap = m.read().await.snapshot().await;
-            let snap = match snap {
+            // applied: it may have missed removals while cut off. The rejoins are counted
+            // under the membership's write lock, so a count read under its read lock, held
+            // while the read is made, is of rejoins all done before the read began, and no
+            // other can finish until it ends: one read after a rejoin unfences the host.
+            // (Counted before the lock, a read that waited on a rejoin counted the one
+            // before and took a second read, and a watch between the two, to unfence.)
+            let snap = {
+                let m = m.read().await;
+                let epoch = *rejoins.borrow_and_update();
+                m.snapshot().await.map(|s| (s, epoch))
+            };
+            let (snap, epoch) = match snap {
                 Ok(s) => s,
                 Err(e) => {
                     tracing::warn!("cluster: reading the entries: {e}");
-                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    retry.wait(&mut rejoins).await;
                     continue;
                 }
             };
@@ -84,9 +93,10 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
             tracing::debug!(revision = rev, epoch, "cluster: every entry read and applied");
             let watch = m.read().await.watch_entries(rev + 1).await;
             let Ok(mut w) = watch else {
-                tokio::time::sleep(Duration::from_secs(1)).await;
+                retry.wait(&mut rejoins).await;
                 continue;
             };
+            retry = Retry::default();
             let (mut check, mut lag) = (tokio::time::interval(LAG_CHECK), Lag::new(lag_limit));
             loop {
                 let next = tokio::select! {
@@ -184,6 +194,28 @@ pub fn start_applier(store: Arc<Store>, auth: Arc<EtcdAuthority>) -> anyhow::Res
         );
     }
     Ok(())
+}
+
+/// The applier's pause after a failed read or watch: 50 ms, doubled after each failure up to
+/// 1 s, cut short by a rejoin. Failures after a cut heals come from connections the cut left
+/// (a request on one fails at once, or when its keep-alive ends it): a flat second after each
+/// kept a rejoined host fenced off, and blind, for up to two seconds more (seed 2275).
+struct Retry(Duration);
+
+impl Default for Retry {
+    fn default() -> Self {
+        Retry(Duration::from_millis(50))
+    }
+}
+
+impl Retry {
+    async fn wait(&mut self, rejoins: &mut tokio::sync::watch::Receiver<u64>) {
+        tokio::select! {
+            _ = tokio::time::sleep(self.0) => {}
+            Ok(()) = rejoins.changed() => {}
+        }
+        self.0 = (self.0 * 2).min(Duration::from_secs(1));
+    }
 }
 
 /// How often the applier looks whether its entry watch lags ([`Lag`]).
