@@ -452,3 +452,45 @@ fn a_marud_stuck_in_its_exit_is_ended_by_its_successor() {
     std::fs::write(d.path("ns/b"), b"after").unwrap();
     assert!(h.exists("ns/b").unwrap());
 }
+
+/// A change of a memfs entry's owner is three steps on its file (mode 0, the owner, the
+/// mode): a crash between them left the entry at mode 0 for good. The owner and mode it is
+/// given are written on the file first (`user.maru.owning`), and a restart finishes the
+/// change; one that is not cut leaves no mark.
+#[test]
+fn a_change_of_owner_cut_by_a_crash_is_finished_at_restart() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    maru_tests::require_root!();
+    let mut d = Daemon::start(Opts::default());
+    let h = d.handler();
+    h.mkdir("own", 0o755).unwrap();
+    let bytes = pattern(7, 200 << 10); // a file of its own, not a piece of a pack
+    for k in ["own/done", "own/cut"] {
+        h.put(k, &bytes).unwrap();
+    }
+    let dir = d.pool_dir().join("n/own");
+    let file = |k: &str| dir.join(k);
+    let owner = |p: &std::path::Path| {
+        let md = std::fs::metadata(p).unwrap();
+        (md.uid(), md.gid(), md.mode() & 0o7777)
+    };
+    std::os::unix::fs::chown(d.path("own/done"), Some(65534), Some(65534)).unwrap();
+    assert_eq!(owner(&file("done")).0, 65534);
+    assert!(
+        maru_tests::xattr(&file("done"), "user.maru.owning").is_err(),
+        "a change done leaves no mark"
+    );
+    d.kill9();
+    // marud died after the first step of giving own/cut to 65534:65534 with mode 0640.
+    maru_tests::set_xattr(&file("cut"), "user.maru.owning", b"65534:65534:640").unwrap();
+    std::fs::set_permissions(file("cut"), std::fs::Permissions::from_mode(0o000)).unwrap();
+    d.restart();
+    assert_eq!(owner(&file("cut")), (65534, 65534, 0o640));
+    assert_eq!(owner(&d.path("own/cut")), (65534, 65534, 0o640));
+    assert!(maru_tests::xattr(&file("cut"), "user.maru.owning").is_err());
+    let h = d.handler();
+    for k in ["own/done", "own/cut"] {
+        let m = h.retrieve(k).unwrap().unwrap_or_else(|| panic!("{k} lost"));
+        assert_eq!(m.as_slice(), &bytes[..], "{k}");
+    }
+}

@@ -595,8 +595,60 @@ pub fn mark_left(f: &File, pack_ino: u64, offset: u64) -> io::Result<()> {
 
 /// Takes the mark of [`mark_left`] off `f` (the pack log has let the entry go).
 pub fn unmark_left(f: &File) -> io::Result<()> {
+    remove_xattr_of(f, LEFT_XATTR)
+}
+
+/// The xattr of an entry's file whose owner is being changed: the owner, group and mode it
+/// is given, as `UID:GID:MODE` (octal). The change is three steps (mode 0, owner, mode): a
+/// crash between them left the entry at mode 0 for good; a restart finishes it now
+/// ([`finish_owning`]).
+const OWNING_XATTR: &str = "user.maru.owning";
+
+/// Marks entry file `f` as being given owner `uid`, group `gid` and `mode`.
+pub fn mark_owning(f: &File, uid: u32, gid: u32, mode: u32) -> io::Result<()> {
+    set_xattr_of(f, OWNING_XATTR, format!("{uid}:{gid}:{mode:o}").as_bytes())
+}
+
+/// Takes the mark of [`mark_owning`] off `f` (the change is done, or undone).
+pub fn unmark_owning(f: &File) -> io::Result<()> {
+    remove_xattr_of(f, OWNING_XATTR)
+}
+
+/// Finishes a change of owner a crash cut ([`mark_owning`]) on the entry file at `p`: gives
+/// it the owner, group and mode its mark says, and takes the mark off. Nothing to do
+/// without a mark.
+pub fn finish_owning(p: &Path) -> io::Result<()> {
+    let Some(text) = xattr_text(p, OWNING_XATTR) else {
+        return Ok(());
+    };
+    let mut parts = text.split(':');
+    let mut field = |radix| {
+        parts
+            .next()
+            .and_then(|v| u32::from_str_radix(v, radix).ok())
+            .ok_or_else(|| {
+                io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("{}: {OWNING_XATTR} is {text:?}", p.display()),
+                )
+            })
+    };
+    let (uid, gid, mode) = (field(10)?, field(10)?, field(8)?);
+    let f = File::open(p)?;
+    nix::unistd::fchown(
+        &f,
+        Some(nix::unistd::Uid::from_raw(uid)),
+        Some(nix::unistd::Gid::from_raw(gid)),
+    )?;
+    nix::sys::stat::fchmod(&f, nix::sys::stat::Mode::from_bits_truncate(mode))?;
+    tracing::info!(file = %p.display(), uid, gid, mode = format!("{mode:o}"), "finished a change of owner a crash cut");
+    unmark_owning(&f)
+}
+
+/// Removes xattr `name` of the open file `f`; removing an absent one is fine.
+fn remove_xattr_of(f: &File, name: &str) -> io::Result<()> {
     use std::os::fd::AsRawFd;
-    let name = CString::new(LEFT_XATTR).expect("no NUL");
+    let name = CString::new(name).expect("no NUL");
     // SAFETY: a live descriptor and a valid C string.
     if unsafe { libc::fremovexattr(f.as_raw_fd(), name.as_ptr()) } != 0 {
         let e = io::Error::last_os_error();
@@ -609,13 +661,19 @@ pub fn unmark_left(f: &File) -> io::Result<()> {
 
 /// The mark of [`mark_left`] on the file at `p`: the pack file's inode number and the offset.
 pub fn left_pack(p: &Path) -> Option<(u64, u64)> {
-    let (p, n) = (cpath(p).ok()?, CString::new(LEFT_XATTR).ok()?);
+    let text = xattr_text(p, LEFT_XATTR)?;
+    let (ino, off) = text.split_once(':')?;
+    Some((ino.parse().ok()?, off.parse().ok()?))
+}
+
+/// The short text xattr `name` of the file at `p` (up to 64 bytes); None if absent.
+fn xattr_text(p: &Path, name: &str) -> Option<String> {
+    let (p, n) = (cpath(p).ok()?, CString::new(name).ok()?);
     let mut buf = [0u8; 64];
     // SAFETY: valid C strings and a buffer of 64 bytes.
     let len = unsafe { libc::getxattr(p.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
     let text = std::str::from_utf8(buf.get(..usize::try_from(len).ok()?)?).ok()?;
-    let (ino, off) = text.split_once(':')?;
-    Some((ino.parse().ok()?, off.parse().ok()?))
+    Some(text.to_owned())
 }
 
 /// Whether `p` has the xattr `name`; an error reading it counts as absent.

@@ -22,7 +22,8 @@ use super::packs::{Packs, Usage};
 use super::{Backing, Found, Loc, Pool, Prepare, Reader, Requester};
 use crate::pool::PoolSpec;
 use crate::pool::memfs::{
-    MemfsPool, MetaStep, WritingDir, left_pack, mark_left, pin_file, unmark_left,
+    MemfsPool, MetaStep, WritingDir, finish_owning, left_pack, mark_left, mark_owning, pin_file,
+    unmark_left, unmark_owning,
 };
 
 /// The mode of the file of a client's allocation: that of the entries clients store.
@@ -356,11 +357,40 @@ impl Pool for Memfs {
         // Clients open entries' files themselves (Store::index_fd), with the kernel deciding
         // from the file's owner and mode: a new owner or group is given to a closed file, so
         // that no one reads it in between under the old mode and the new owner.
-        if md.uid() != e.uid || md.gid() != e.gid {
-            fchmod(&f, Mode::empty()).map_err(errno)?;
-            fchown(&f, Some(Uid::from_raw(e.uid)), Some(Gid::from_raw(e.gid))).map_err(errno)?;
+        let mode = Mode::from_bits_truncate(e.mode);
+        if md.uid() == e.uid && md.gid() == e.gid {
+            fchmod(&f, mode).map_err(errno)?;
+            return Ok(None);
         }
-        fchmod(&f, Mode::from_bits_truncate(e.mode)).map_err(errno)?;
+        // Three steps, whose target is written on the file first: a restart after a crash
+        // between them finishes the change (`recover`), and a failed step undoes the others
+        // (the store keeps the old owner and mode then).
+        mark_owning(&f, e.uid, e.gid, e.mode)?;
+        let changed = fchmod(&f, Mode::empty())
+            .and_then(|()| fchown(&f, Some(Uid::from_raw(e.uid)), Some(Gid::from_raw(e.gid))))
+            .and_then(|()| fchmod(&f, mode));
+        if let Err(err) = changed {
+            let back = fchown(
+                &f,
+                Some(Uid::from_raw(md.uid())),
+                Some(Gid::from_raw(md.gid())),
+            )
+            .and_then(|()| fchmod(&f, Mode::from_bits_truncate(md.mode())));
+            match back {
+                Ok(()) => drop(unmark_owning(&f)),
+                // Left marked: a restart gives the entry the owner the client asked for.
+                Err(b) => tracing::error!(ns = e.ns, key = e.key, "undoing a change of owner: {b}"),
+            }
+            return Err(errno(err));
+        }
+        if let Err(err) = unmark_owning(&f) {
+            // Done all the same; a restart would only do it again.
+            tracing::warn!(
+                ns = e.ns,
+                key = e.key,
+                "a change of owner left its mark: {err}"
+            );
+        }
         Ok(None)
     }
 
@@ -439,6 +469,9 @@ impl Pool for Memfs {
         let mut left = std::collections::HashSet::new();
         for f in found {
             let path = self.fs.entry_path(&f.ns, &f.key);
+            if let Err(e) = finish_owning(&path) {
+                tracing::error!(file = %path.display(), "finishing a change of owner a crash cut: {e}");
+            }
             let md = std::fs::metadata(&path)?;
             left.extend(left_pack(&path));
             let at = Place::File(md.ino());
