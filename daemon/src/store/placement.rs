@@ -14,7 +14,7 @@ use super::entries::{Entry, Removal};
 use super::hashmap::HashMap;
 use super::ids::PoolIdx;
 use super::locked::Locked;
-use super::pools::packs::Usage;
+use super::pools::Usage;
 use super::pools::{Backing, Requester};
 use super::settings::Eviction;
 use crate::pool::ENTRY_ALIGN;

@@ -18,8 +18,8 @@ use super::super::ids::{Place, SessionId};
 use super::super::policy::Perm;
 #[cfg(feature = "seams")]
 use super::Seams;
-use super::packs::{Packs, Usage};
-use super::{Backing, Found, Loc, Pool, Prepare, Reader, Requester};
+use super::packs::Packs;
+use super::{Backing, Found, Loc, Pool, Prepare, Reader, Requester, Usage};
 use crate::pool::PoolSpec;
 use crate::pool::memfs::{
     MemfsPool, MetaStep, WritingDir, finish_owning, left_pack, mark_left, mark_owning, pin_file,

@@ -190,6 +190,18 @@ pub trait Prepare: Send + Sync {
     fn prepare(&self, size: u64) -> Result<Backing>;
 }
 
+/// What holds a pack's memory, as eviction weighs it: the memory comes back only with the
+/// pack's file, once nothing lives in it and it takes no more allocations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Usage {
+    /// Sealed entries and allocations in it (removed entries still leased too).
+    pub live: u32,
+    /// Still takes allocations (the open pack of a session).
+    pub open: bool,
+    /// Bytes handed out of it: at most what its file holds in the pool.
+    pub bytes: u64,
+}
+
 /// One pool.
 pub trait Pool: Send {
     /// Kind.
@@ -284,7 +296,7 @@ pub trait Pool: Send {
     fn free_extent(&mut self, place: Place);
     /// What holds the memory of pack `pack` (memfs): eviction weighs a packed entry by it,
     /// since its bytes come back only with its pack's. None where the pool has no such pack.
-    fn pack(&self, _pack: u32) -> Option<packs::Usage> {
+    fn pack(&self, _pack: u32) -> Option<Usage> {
         None
     }
     /// Moves a sealed entry to `ns/key`; returns its new location if that changed (a packed

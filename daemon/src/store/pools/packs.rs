@@ -34,7 +34,7 @@ use nix::unistd::{Gid, Uid, fchown};
 
 use super::super::ids::{Place, SessionId};
 use super::super::policy::Perm;
-use super::{Found, Loc, Reader};
+use super::{Found, Loc, Reader, Usage};
 use crate::pool::ENTRY_ALIGN;
 use crate::wal::{Durability, FileSink, Wal};
 
@@ -82,18 +82,6 @@ pub struct Packs {
     /// Each session's open pack per class.
     open: HashMap<(SessionId, Class), u32>,
     next: u32,
-}
-
-/// What holds a pack's memory, as eviction weighs it: the memory comes back only with the
-/// pack's file, once nothing lives in it and it takes no more allocations.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Usage {
-    /// Sealed entries and allocations in it (removed entries still leased too).
-    pub live: u32,
-    /// Still takes allocations (the open pack of a session).
-    pub open: bool,
-    /// Bytes handed out of it: at most what its file holds in the pool.
-    pub bytes: u64,
 }
 
 /// An allocation carved from a pack.
