@@ -389,6 +389,15 @@ fn left_by_pack(h: &maru::Handler, packed: &[u32]) -> std::collections::BTreeMap
     by_pack
 }
 
+/// A marud of one 32 MiB memfs pool that evicts (16 packs of 2 MiB), without a mount.
+fn full_of_packs() -> Daemon {
+    Daemon::start(Opts {
+        pools: vec!["memfs:{dir}/pool,size=32M".into()],
+        mount: false,
+        extra: vec!["--eviction".into(), "lru".into()],
+    })
+}
+
 /// A full pool of packed entries makes room by evicting the least recently used packs whole
 /// (a pack's memory comes back only with its last entry), and storing goes on. A handler's
 /// puts fill its packs in order (it takes its spare allocations oldest first), so the oldest
@@ -396,11 +405,7 @@ fn left_by_pack(h: &maru::Handler, packed: &[u32]) -> std::collections::BTreeMap
 #[test]
 fn a_full_pool_of_packed_entries_evicts_whole_packs() {
     maru_tests::require_root!();
-    let d = Daemon::start(Opts {
-        pools: vec!["memfs:{dir}/pool,size=32M".into()],
-        mount: false,
-        extra: vec!["--eviction".into(), "lru".into()],
-    });
+    let d = full_of_packs();
     let h = packing(&d, "e");
     let n = 3000u64; // 32 KiB each: 94 MiB, three times the pool; 64 to a pack
     let mut packed = Vec::with_capacity(n as usize);
@@ -447,11 +452,7 @@ fn a_full_pool_of_packed_entries_evicts_whole_packs() {
 #[test]
 fn a_full_pool_evicts_the_packs_it_can_empty() {
     maru_tests::require_root!();
-    let d = Daemon::start(Opts {
-        pools: vec!["memfs:{dir}/pool,size=32M".into()],
-        mount: false,
-        extra: vec!["--eviction".into(), "lru".into()],
-    });
+    let d = full_of_packs();
     let h = packing(&d, "e");
     let size = 32usize << 10; // 64 to a pack
     let per_pack = (2u64 << 20) / size as u64;
