@@ -319,6 +319,33 @@ fn a_removal_held_back_for_a_delete_here_is_served_to_no_one_meanwhile() {
     assert!(indexed(&h1, "k"));
 }
 
+/// The twin of the test above for an entry of this host's own: its removal by another host
+/// waits here for this host's own delete of it to settle, and meanwhile the entry is refused
+/// to new readers and out of the index (seed 2423: h2's entry, removed while h2 was cut off,
+/// in a region another host took then, was served after h2's rejoin from its extent carved
+/// again, while a client of h2's deleted it through the mount).
+#[test]
+fn a_removal_of_an_own_entry_held_back_for_a_delete_here_is_served_to_no_one_meanwhile() {
+    let Some((_etcd, _dir, h0, h1)) = two_hosts() else {
+        return;
+    };
+    put(&h0, "k", &[1u8; 5000]).expect("stored on h0");
+    eventually("h1 serves ns/k", || get(&h1, "k").is_some());
+    assert!(indexed(&h0, "k"));
+    delete_k_while_its_removal_is_held_back(&h0, &h1, |h0| {
+        assert_eq!(get(h0, "k"), None, "a new reader got the removed entry");
+        assert!(!indexed(h0, "k"), "the index still names the removed entry");
+    });
+    assert_eq!(get(&h0, "k"), None);
+    eventually("h1 drops ns/k", || get(&h1, "k").is_none());
+    // The name stored again: both serve it.
+    put(&h0, "k", &[2u8; 3000]).expect("stored again on h0");
+    assert_eq!(get(&h0, "k"), Some(vec![2u8; 3000]));
+    eventually("h1 serves the new ns/k", || {
+        get(&h1, "k").is_some_and(|b| b == [2u8; 3000])
+    });
+}
+
 /// Stores each of `items` (name, bytes) through `store`, published together: one group
 /// commit, one transaction, so one creation revision for all.
 fn put_together(store: &Store, items: &[(&str, &[u8])]) {

@@ -652,22 +652,34 @@ fn removed(
         revision,
         entry,
     };
+    let own_of = || {
+        auth.published
+            .lock()
+            .get(&(ns.to_owned(), name.to_owned()))
+            .filter(|e| e.created == created)
+            .map(|e| e.offset)
+    };
     loop {
         match auth.changing.hold_back(ns, name, change) {
             Some(c) => change = c,
             None => {
-                store.unindex_removed(ns, name, created);
+                // Refused to new readers meanwhile, this host's own entry too (seed 2423:
+                // removed while this host was cut off, in a region another host took then,
+                // it was served after the rejoin's read from its extent carved again).
+                let gone = match own_of() {
+                    Some(_) => {
+                        auth.own_gone.lock().insert(entry);
+                        Gone::Own
+                    }
+                    None => Gone::Remote(created),
+                };
+                store.unindex_removed(ns, name, gone);
                 return;
             }
         }
         // An entry of this host's that another host removed: its extent stays until every
         // live host acknowledged the removal and none holds it.
-        let own = auth
-            .published
-            .lock()
-            .get(&(ns.to_owned(), name.to_owned()))
-            .filter(|e| e.created == created)
-            .map(|e| e.offset);
+        let own = own_of();
         tracing::debug!(ns, name, revision, created, own = own.is_some(), "removed");
         if let Some(offset) = own {
             auth.held.lock().insert(offset, revision);
@@ -679,6 +691,7 @@ fn removed(
         };
         if store.forget_remote(ns, name, gone) {
             auth.removal_applied(entry);
+            auth.own_gone.lock().remove(&entry);
             return;
         }
         // The store began withdrawing the name meanwhile: held back in turn.

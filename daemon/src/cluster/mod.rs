@@ -114,6 +114,10 @@ pub struct EtcdAuthority {
     /// Bumped at every change to the other hosts' acknowledgements (etcd's watch), and at each
     /// removal of this host's: what waits for removals to settle looks again.
     acks_seen: tokio::sync::watch::Sender<u64>,
+    /// This host's entries that another host removed, whose removal is held back here for a
+    /// change of the name this host is making: refused to new readers meanwhile
+    /// ([`Authority::own_removed`]).
+    own_gone: Mutex<HashSet<SharedId>>,
     /// Extents (offsets) this host removed, with the removal's revision: freed once every
     /// other live host acknowledged that revision and none holds the extent.
     held: Mutex<HashMap<u64, i64>>,
@@ -222,6 +226,7 @@ impl EtcdAuthority {
             applied: AtomicI64::new(0),
             ack_kick: Arc::new(tokio::sync::Notify::new()),
             acks_seen: tokio::sync::watch::Sender::new(0),
+            own_gone: Mutex::new(HashSet::new()),
             held: Mutex::new(HashMap::new()),
             settle_stalled: AtomicBool::new(false),
             tombstones: AtomicBool::new(false),
@@ -643,6 +648,20 @@ impl Authority for EtcdAuthority {
 
     fn use_remote(&self, id: SharedId) -> bool {
         self.readers.lock().start(id)
+    }
+
+    fn own_removed(&self, ns: &str, key: &str) -> bool {
+        let gone = self.own_gone.lock();
+        if gone.is_empty() {
+            return false;
+        }
+        let name = (ns.to_owned(), key.to_owned());
+        self.published.lock().get(&name).is_some_and(|e| {
+            gone.contains(&SharedId {
+                created: e.created,
+                offset: e.offset,
+            })
+        })
     }
 
     fn idle_remote(&self, id: SharedId) {

@@ -178,6 +178,14 @@ pub trait Authority: Send + Sync {
     fn use_remote(&self, _id: SharedId) -> bool {
         true
     }
+    /// Whether this host's own entry `ns/key` in the shared pool is removed at the authority
+    /// by another host while the removal waits here (held back for a change of the name this
+    /// host is making): new readers are refused it, as another host's removed entry is
+    /// ([`Authority::use_remote`]), since nothing keeps its extent for them. Called under the
+    /// store's lock; asks nothing remote.
+    fn own_removed(&self, _ns: &str, _key: &str) -> bool {
+        false
+    }
     /// No client of this host maps another host's entry `id` any more (its last lease went):
     /// a hold on it is let go of.
     fn idle_remote(&self, _id: SharedId) {}

@@ -273,21 +273,26 @@ impl Store {
             .collect()
     }
 
-    /// Another host removed its entry `ns/key` (created at revision `created`), and the
-    /// removal waits here for a change of the name to settle: the entry leaves the index at
-    /// once, so that no client serves itself a mapping of it it kept (the extent may be
-    /// carved again already: removed while this host was cut off, the entry's publisher
-    /// waited for no acknowledgement of this host's). marud refuses it to new readers
-    /// meanwhile ([`Authority::use_remote`]); it goes for good once the removal applies.
-    pub fn unindex_removed(&self, ns: &str, key: &str, created: i64) {
+    /// Another host removed entry `ns/key` (`removed`: this host's publication of the name,
+    /// or another host's entry created at that revision), and the removal waits here for a
+    /// change of the name to settle: the entry leaves the index at once, so that no client
+    /// serves itself a mapping of it it kept (the extent may be carved again already: removed
+    /// while this host was cut off, the removal waited for no acknowledgement of this host's,
+    /// and another host's entry's publisher, or the host that took a region of this one's
+    /// during the cut, may carve it). marud refuses it to new readers meanwhile
+    /// ([`Authority::use_remote`], [`Authority::own_removed`]); it goes for good once the
+    /// removal applies.
+    pub fn unindex_removed(&self, ns: &str, key: &str, removed: Gone) {
         let mut st = self.lock();
         let Some(ino) = st.ns.get(ns).ok().and_then(|n| n.entries.get(key).copied()) else {
             return;
         };
-        if st.entries[&ino]
-            .remote()
-            .is_some_and(|r| r.created == created)
-        {
+        let remote = st.entries[&ino].remote();
+        let that = match removed {
+            Gone::Own => remote.is_none(),
+            Gone::Remote(created) => remote.is_some_and(|r| r.created == created),
+        };
+        if that {
             st.unindex(ino);
         }
     }
@@ -363,7 +368,10 @@ impl State {
             return Some(None);
         };
         let Some(id) = e.remote() else {
-            return Some(None);
+            // This host's own, removed by another host while the removal is held back here:
+            // its extent may be carved again (seed 2423).
+            let shared = self.pools[e.pool()].pool.leases();
+            return (!shared || !auth.own_removed(e.ns(), e.key())).then_some(None);
         };
         if !auth.use_remote(id) {
             return None;
