@@ -272,6 +272,19 @@ impl Member {
     /// clients map the extent): this host's own, and those whose remover is gone (its lease
     /// ran out, or it left). Returns how many of this host's are left.
     pub async fn sweep(&self) -> Result<usize> {
+        Ok(self.sweep_acknowledged().await?.0)
+    }
+
+    /// [`Member::sweep`]; true when every tombstone this host put at or before `revision` is
+    /// gone (every live host, this one included, has acknowledged it).
+    pub async fn sweep_through(&self, revision: i64) -> Result<bool> {
+        let (_, least) = self.sweep_acknowledged().await?;
+        Ok(least.is_none_or(|l| l >= revision))
+    }
+
+    /// [`Member::sweep`]: how many of this host's tombstones are left, and the least
+    /// revision every live host acknowledged (None: no tombstone was there to sweep).
+    async fn sweep_acknowledged(&self) -> Result<(usize, Option<i64>)> {
         let read = Txn::new().and_then([
             Op::get(self.keys.nodes(), Range::KEYS_UNDER),
             Op::get(self.keys.acks(), Range::PREFIX),
@@ -285,7 +298,7 @@ impl Member {
             ));
         };
         if stones.kvs.is_empty() {
-            return Ok(0);
+            return Ok((0, None));
         }
         let live: Vec<&[u8]> = nodes
             .kvs
@@ -328,7 +341,7 @@ impl Member {
                 }
             }
         }
-        Ok(left)
+        Ok((left, Some(least)))
     }
 }
 

@@ -11,6 +11,10 @@ pub use maru::daemon_config::{DEFAULT_MOUNT, DEFAULT_POOL, DEFAULT_SOCKET, DEFAU
 /// Default niceness: left alone (see `--nice`).
 pub const DEFAULT_NICE: i32 = 0;
 
+/// Seconds a cluster host stays gone before the others may evict its entries, unless
+/// configured.
+pub const DEFAULT_ORPHANS_AFTER: u64 = 300;
+
 /// Control socket connections served at once unless configured.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
 
@@ -91,6 +95,10 @@ pub struct Cli {
     /// Seconds a dead or cut-off host keeps its claims (its etcd lease's TTL; default 10).
     #[arg(long, value_name = "SECS")]
     pub cluster_ttl: Option<u64>,
+    /// Seconds a host stays gone (its lease ran out, it has not come back) before the other
+    /// hosts may evict its entries, which otherwise only it evicts (default 300).
+    #[arg(long, value_name = "SECS")]
+    pub cluster_orphans_after: Option<u64>,
     /// The remote door: workers on hosts without CXL store and load entries in this host's
     /// raw pool with one-sided NIXL reads and writes, their control requests on this TCP
     /// address (e.g. 0.0.0.0:7860). Needs NIXL at run time, a raw pool, and a token file or
@@ -224,6 +232,11 @@ impl Settings {
                     endpoints,
                     node,
                     ttl: std::time::Duration::from_secs(ttl),
+                    orphans_after: std::time::Duration::from_secs(
+                        cli.cluster_orphans_after
+                            .or(file.cluster_orphans_after)
+                            .unwrap_or(DEFAULT_ORPHANS_AFTER),
+                    ),
                 })
             }
         };

@@ -197,6 +197,14 @@ pub fn render(s: &Stats) -> String {
         let _ = writeln!(o, "maru_cluster_hosts {live}");
         head(
             &mut o,
+            "maru_cluster_orphaned_hosts",
+            "gauge",
+            "Hosts gone long enough that this host may evict their entries.",
+        );
+        let orphaned = c.hosts.iter().filter(|h| h.orphaned).count();
+        let _ = writeln!(o, "maru_cluster_orphaned_hosts {orphaned}");
+        head(
+            &mut o,
             "maru_cluster_entries",
             "gauge",
             "Entries this host serves, by who published them.",
@@ -424,11 +432,13 @@ mod tests {
                     claimed: 4 << 20,
                     entries: 5,
                     gone: false,
+                    orphaned: false,
                 },
                 maru::proto::HostInfo {
                     node: "c".into(),
                     entries: 2,
                     gone: true,
+                    orphaned: true,
                     ..Default::default()
                 },
             ],
@@ -442,6 +452,7 @@ mod tests {
             "maru_cluster_live 1",
             "maru_cluster_fenced 1",
             "maru_cluster_hosts 1",
+            "maru_cluster_orphaned_hosts 1",
             "maru_cluster_entries{origin=\"here\"} 3",
             "maru_cluster_entries{origin=\"elsewhere\"} 7",
             "maru_cluster_uses_reported_total 9",

@@ -50,6 +50,7 @@ fn host_at(
         endpoints,
         node: node.to_owned(),
         ttl: Duration::from_secs(10),
+        orphans_after: Duration::from_secs(300),
     };
     let auth = EtcdAuthority::join(&settings, uuid).expect("joining the cluster");
     let cfg = StoreConfig {
@@ -1580,6 +1581,7 @@ fn a_restart_cut_off_from_etcd_a_moment_recovers_its_entries_as_its_own() {
         endpoints: vec![relay.endpoint.clone()],
         node: "h0".to_owned(),
         ttl: Duration::from_secs(10),
+        orphans_after: Duration::from_secs(300),
     };
     let auth = EtcdAuthority::join(&settings, &uuid).expect("joining the cluster");
     relay.set_cut(true);

@@ -60,6 +60,8 @@ pub struct FileConfig {
     pub node: Option<String>,
     /// Lease TTL in seconds (cluster mode).
     pub cluster_ttl: Option<u64>,
+    /// Seconds a host stays gone before the others may evict its entries (cluster mode).
+    pub cluster_orphans_after: Option<u64>,
     /// The remote door's address (ADDR:PORT).
     pub remote_bind: Option<std::net::SocketAddr>,
     /// The raw pool remote entries live in.

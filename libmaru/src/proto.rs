@@ -516,9 +516,12 @@ impl ClusterInfo {
 }
 
 impl HostInfo {
-    /// Its host name and marud's pid, as shown: `(gone)` and `-` for a host that is gone.
+    /// Its host name and marud's pid, as shown: `(gone)` and `-` for a host that is gone,
+    /// `(orphaned)` once its entries are evictable here.
     pub fn shown_address_pid(&self) -> (String, String) {
-        if self.gone {
+        if self.orphaned {
+            ("(orphaned)".to_owned(), "-".to_owned())
+        } else if self.gone {
             ("(gone)".to_owned(), "-".to_owned())
         } else {
             (self.address.clone(), self.pid.to_string())
@@ -544,6 +547,10 @@ pub struct HostInfo {
     /// which stay.
     #[serde(default)]
     pub gone: bool,
+    /// Gone for longer than `--cluster-orphans-after`: its entries are orphans, which this
+    /// host's eviction may take.
+    #[serde(default)]
+    pub orphaned: bool,
 }
 
 /// The body of a successful response.

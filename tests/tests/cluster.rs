@@ -34,21 +34,33 @@ fn host_in(etcd: &Etcd, pool: &Path, node: &str, netns: Option<&str>) -> Daemon 
 
 /// A host whose pool spec ends with `options` (`,opt=value...`).
 fn host_with(etcd: &Etcd, pool: &Path, node: &str, netns: Option<&str>, options: &str) -> Daemon {
+    // Full means full: the fill tests count what fits.
+    host_flags(etcd, pool, node, netns, options, &["--eviction", "off"])
+}
+
+/// [`host_with`], with marud's `flags` after the cluster's.
+fn host_flags(
+    etcd: &Etcd,
+    pool: &Path,
+    node: &str,
+    netns: Option<&str>,
+    options: &str,
+    flags: &[&str],
+) -> Daemon {
+    let mut extra = vec![
+        "--cluster".into(),
+        etcd.endpoints().join(","),
+        "--node".into(),
+        node.into(),
+        "--cluster-ttl".into(),
+        TTL.as_secs().to_string(),
+    ];
+    extra.extend(flags.iter().map(|f| f.to_string()));
     Daemon::start_in(
         Opts {
             pools: vec![format!("file:{},size={POOL_SIZE}{options}", pool.display())],
             mount: true,
-            extra: vec![
-                "--cluster".into(),
-                etcd.endpoints().join(","),
-                "--node".into(),
-                node.into(),
-                "--cluster-ttl".into(),
-                TTL.as_secs().to_string(),
-                // Full means full: the fill tests count what fits.
-                "--eviction".into(),
-                "off".into(),
-            ],
+            extra,
         },
         netns,
     )
@@ -788,6 +800,123 @@ fn reads_on_another_host_keep_an_entry_young_where_it_is_evicted() {
         [true, false, false, true],
         "k0 was used on b: it is not the oldest"
     );
+}
+
+/// How long the orphans test's host `b` waits before it may evict the entries of a host gone.
+const ORPHANS_AFTER: Duration = Duration::from_secs(10);
+
+#[test]
+fn the_entries_of_a_host_gone_for_good_are_evicted_by_the_others_once_it_is_gone_long_enough() {
+    require_root!();
+    let Some(etcd) = Etcd::start() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = pool_file(dir.path());
+    let mut a = host(&etcd, &pool, "a");
+    let after = ORPHANS_AFTER.as_secs().to_string();
+    let b = host_flags(
+        &etcd,
+        &pool,
+        "b",
+        None,
+        "",
+        &["--eviction", "lru", "--cluster-orphans-after", &after],
+    );
+    let hb = b.handler();
+    // a fills half the pool: sixteen 8 MiB entries, a0 the oldest.
+    let chunk = 8usize << 20;
+    let a_entry = |i: u64| pattern(300 + i, chunk);
+    {
+        let ha = a.handler();
+        ha.mkdir("ns", 0o777).expect("mkdir");
+        for i in 0..16 {
+            store(&ha, &format!("ns/a{i}"), &a_entry(i)).expect("store on a");
+        }
+    }
+    eventually("b sees a's entries", || {
+        hb.exists("ns/a15").unwrap_or(false)
+    });
+    // b uses a0 and a1 (the youngest of a's on b now), and pins a2.
+    for k in ["ns/a0", "ns/a1"] {
+        let m = hb.retrieve(k).expect("retrieve").expect("a's entry");
+        assert!(m.as_slice() == a_entry(u64::from(k == "ns/a1")).as_slice());
+    }
+    hb.pin("ns/a2").expect("pin on b");
+    hb.trim();
+    hb.stats().expect("stats"); // b's client lets go of its mappings
+    // a dies and does not come back.
+    a.kill9();
+    let a_on_b = || {
+        let c = hb.stats().expect("stats").cluster.expect("cluster");
+        c.hosts.into_iter().find(|h| h.node == "a")
+    };
+    eventually_within("b shows a gone", TTL * 4, || {
+        a_on_b().is_some_and(|h| h.gone && h.entries == 16)
+    });
+    // Gone, not yet for long enough: only its publisher evicts an entry.
+    let (n, _) = hb.evict(POOL_SIZE).expect("evict");
+    assert_eq!(n, 0, "b evicted entries of a host gone a moment ago");
+    assert!(!a_on_b().expect("a").orphaned);
+    eventually_within("b shows a orphaned", ORPHANS_AFTER * 2, || {
+        a_on_b().is_some_and(|h| h.orphaned)
+    });
+    // b stores twenty 8 MiB entries: more than the half a left free. Each store that finds
+    // the pool full evicts a's entries, least recently used on b first.
+    let b_entry = |i: u64| pattern(400 + i, chunk);
+    for i in 0..20 {
+        store(&hb, &format!("ns/b{i}"), &b_entry(i))
+            .unwrap_or_else(|e| panic!("store ns/b{i} on b: {e}"));
+    }
+    let here: Vec<bool> = (0..16)
+        .map(|i| hb.exists(&format!("ns/a{i}")).expect("exists"))
+        .collect();
+    let evicted = here.iter().filter(|h| !**h).count();
+    assert!(evicted >= 2, "b made room for its entries: {here:?}");
+    assert!(
+        here[..3].iter().all(|h| *h),
+        "a0 and a1 (used on b) and a2 (pinned) stay: {here:?}"
+    );
+    let first_kept = 3 + here[3..].iter().position(|h| *h).unwrap_or(13);
+    assert!(
+        here[first_kept..].iter().all(|h| *h),
+        "a's entries went least recently used first: {here:?}"
+    );
+    for i in 0..20 {
+        let m = hb
+            .retrieve(&format!("ns/b{i}"))
+            .expect("retrieve")
+            .expect("b's entry");
+        assert!(m.as_slice() == b_entry(i).as_slice(), "ns/b{i} changed");
+    }
+    for i in (0..16).filter(|i| here[*i as usize]) {
+        let m = hb
+            .retrieve(&format!("ns/a{i}"))
+            .expect("retrieve")
+            .expect("a's entry left");
+        assert!(m.as_slice() == a_entry(i).as_slice(), "ns/a{i} changed");
+    }
+    let c = hb.stats().expect("stats").cluster.expect("cluster");
+    let a_left = c.hosts.iter().find(|h| h.node == "a").expect("a");
+    assert_eq!(a_left.entries as usize, 16 - evicted);
+    // a comes back after all: what b evicted is gone there too, the rest is a's again, and no
+    // two entries share a byte of the pool.
+    a.restart();
+    let ha = a.handler();
+    for i in 0..16 {
+        let k = format!("ns/a{i}");
+        let m = ha.retrieve(&k).expect("retrieve");
+        assert_eq!(m.is_some(), here[i as usize], "{k} on a after its return");
+        if let Some(m) = m {
+            assert!(m.as_slice() == a_entry(i as u64).as_slice(), "{k} changed");
+        }
+    }
+    let spans: Vec<(u64, u64, String)> = (0..16)
+        .map(|i| format!("ns/a{i}"))
+        .filter(|k| ha.exists(k).unwrap_or(false))
+        .chain((0..20).map(|i| format!("ns/b{i}")))
+        .map(|k| (location(&a, &k).1, chunk as u64, k))
+        .collect();
+    assert_apart(spans);
+    drop((ha, hb));
 }
 
 #[test]

@@ -655,6 +655,7 @@ mod tests {
             claimed,
             entries,
             gone: false,
+            orphaned: false,
         };
         let mut s = stats(100);
         s.cluster = Some(Box::new(maru::proto::ClusterInfo {
@@ -667,6 +668,11 @@ mod tests {
                 maru::proto::HostInfo {
                     gone: true,
                     ..host("host-c", 0, 3)
+                },
+                maru::proto::HostInfo {
+                    gone: true,
+                    orphaned: true,
+                    ..host("host-d", 0, 4)
                 },
             ],
             entries_here: 5,
@@ -693,6 +699,8 @@ mod tests {
             assert!(b.contains("8.0 MiB") && b.contains(" 5 "), "{b}");
             let c = find("host-c").expect("the gone host's line");
             assert!(c.contains("(gone)") && c.contains(" 3 "), "{c}");
+            let d = find("host-d").expect("the orphaned host's line");
+            assert!(d.contains("(orphaned)") && d.contains(" 4 "), "{d}");
         }
     }
 

@@ -416,20 +416,24 @@ async fn tend(me: std::sync::Weak<EtcdAuthority>, tx: tokio::sync::mpsc::Unbound
         let now = tokio::time::Instant::now();
         if a.tombstones.swap(false, Ordering::AcqRel) || now >= next_sweep {
             next_sweep = now + Duration::from_secs(2);
+            let others = *a.others_removed.lock();
             let left = a.member.read().await.sweep().await;
             if left.is_ok_and(|n| n == 0) {
                 tracing::trace!("cluster: every tombstone of this host's swept");
+                a.swept_others(others);
             } else {
                 a.tombstones.store(true, Ordering::Release);
             }
         }
         let pending: Vec<(u64, i64)> = a.held.lock().iter().map(|(o, r)| (*o, *r)).collect();
-        if pending.is_empty() {
+        let others = *a.others_removed.lock();
+        if pending.is_empty() && others.is_none() {
             a.settle_stalled.store(false, Ordering::Release);
         } else {
             let m = a.member.read().await;
             if let Ok(acked) = m.acknowledged().await {
-                if pending.iter().all(|(_, r)| acked.is_none_or(|x| x >= *r)) {
+                let removals = pending.iter().map(|(_, r)| *r).chain(others);
+                if removals.into_iter().all(|r| acked.is_none_or(|x| x >= r)) {
                     a.settle_stalled.store(false, Ordering::Release);
                 }
                 let free = super::free_of(&m, &pending, acked).await;

@@ -145,6 +145,7 @@ impl EtcdAuthority {
     /// The hosts (as last refreshed) with the entries each published that this host
     /// knows, and the publishers gone whose entries stay, for stats.
     pub(super) fn hosts_info(&self) -> Vec<maru::proto::HostInfo> {
+        let now = std::time::Instant::now();
         let mut by_node: HashMap<&str, u64> = HashMap::new();
         let remote = self.remote.lock();
         for (node, _) in remote.values() {
@@ -161,6 +162,7 @@ impl EtcdAuthority {
                 node: node.to_owned(),
                 entries,
                 gone: true,
+                orphaned: self.orphans.orphaned(node, now),
                 ..Default::default()
             })
             .collect();
@@ -170,7 +172,8 @@ impl EtcdAuthority {
     }
 }
 
-/// Refreshes the hosts and their claims every second, for stats.
+/// Refreshes the hosts and their claims every second, for stats, and since when the
+/// publishers of the entries served here have been gone (their entries become orphans).
 async fn watch_hosts(me: std::sync::Weak<EtcdAuthority>) {
     loop {
         let Some(a) = me.upgrade() else { return };
@@ -182,6 +185,15 @@ async fn watch_hosts(me: std::sync::Weak<EtcdAuthority>) {
             }
         };
         if let Some((nodes, regions)) = seen {
+            let live: std::collections::HashSet<&str> =
+                nodes.iter().map(|n| n.node.as_str()).collect();
+            let publishers: std::collections::HashSet<String> =
+                a.remote.lock().values().map(|(p, _)| p.clone()).collect();
+            a.orphans.seen(
+                &live,
+                publishers.iter().map(String::as_str),
+                std::time::Instant::now(),
+            );
             let mut claimed: HashMap<String, u64> = HashMap::new();
             for holder in regions.values() {
                 *claimed.entry(holder.clone()).or_default() += maru_cluster::UNIT;
@@ -195,6 +207,7 @@ async fn watch_hosts(me: std::sync::Weak<EtcdAuthority>) {
                     address: n.address,
                     pid: n.pid,
                     gone: false,
+                    orphaned: false,
                 })
                 .collect();
             hosts.sort_by(|x, y| x.node.cmp(&y.node));

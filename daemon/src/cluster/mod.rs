@@ -39,6 +39,7 @@ mod client_pins;
 mod group;
 mod known;
 mod membership;
+mod orphans;
 mod publishing;
 mod readers;
 mod regions;
@@ -60,7 +61,7 @@ pub use releasing::ReleaseGate;
 /// An entry's name: (namespace, key).
 type Name = (String, String);
 
-/// `--cluster`, `--node`, `--cluster-ttl`.
+/// `--cluster`, `--node`, `--cluster-ttl`, `--cluster-orphans-after`.
 #[derive(Debug, Clone)]
 pub struct ClusterSettings {
     /// etcd endpoints (`http://HOST:2379`).
@@ -69,6 +70,8 @@ pub struct ClusterSettings {
     pub node: String,
     /// The lease's time to live: how long a dead or cut-off host keeps its claims.
     pub ttl: Duration,
+    /// How long a publisher stays gone before the other hosts may evict its entries.
+    pub orphans_after: Duration,
 }
 
 /// The cluster's metadata could not do what the store asked: an I/O error for the store's
@@ -127,6 +130,12 @@ pub struct EtcdAuthority {
     /// This host's removals may have left tombstones in etcd that are not swept yet
     /// (`maru_cluster::Member::sweep`).
     tombstones: AtomicBool,
+    /// The newest removal here of another host's entry (a delete, or an eviction of an
+    /// orphan) whose tombstones may not be swept yet: they keep the extent's units from a
+    /// fresh claim, so an eviction waits for them as for its own extents (`settle`).
+    others_removed: Mutex<Option<i64>>,
+    /// Since when the publishers of the entries served here have been gone.
+    orphans: orphans::Orphans,
     /// Names this host reserved in etcd for writers through its mount.
     reserved: Mutex<HashSet<Name>>,
     /// The entries pinned in the cluster (this host's pins, and every host's from etcd's
@@ -230,6 +239,8 @@ impl EtcdAuthority {
             held: Mutex::new(HashMap::new()),
             settle_stalled: AtomicBool::new(false),
             tombstones: AtomicBool::new(false),
+            others_removed: Mutex::new(None),
+            orphans: orphans::Orphans::new(s.orphans_after),
             reserved: Mutex::new(HashSet::new()),
             pins: Mutex::new(Known::default()),
             client_pins,
@@ -315,6 +326,16 @@ impl EtcdAuthority {
     /// whose recording went unanswered (timed out: it may have landed, or land later, the
     /// network having queued it) is deleted too, after a fence of this host's publications
     /// (`Member::fence_publications`), which the recordings compare: none lands after.
+    /// The tombstones of this host's removals of other hosts' entries, up to the newest
+    /// known when `through` was read, are swept: nothing to wait for, unless a newer one
+    /// came since.
+    fn swept_others(&self, through: Option<i64>) {
+        let mut r = self.others_removed.lock();
+        if *r == through {
+            *r = None;
+        }
+    }
+
     fn forget_hold(&self, h: Hold) {
         if !h.recorded && !h.unanswered {
             return;
@@ -395,6 +416,10 @@ enum Lost {
 /// How long an eviction waits for every live host's acknowledgement of its removals before
 /// it leaves their extents to be freed in the background.
 const SETTLE_WAIT: Duration = Duration::from_millis(100);
+
+/// How long an eviction waits for the tombstones of other hosts' entries it removed (an
+/// orphan's) to be swept ([`EtcdAuthority::settle`]).
+const SWEEP_WAIT: Duration = Duration::from_secs(1);
 
 /// Writes this host's acknowledgements: whenever the applier has applied further removals
 /// (or this host rejoined, or a hold is not recorded yet), records the new holds and then the
@@ -594,6 +619,10 @@ impl Authority for EtcdAuthority {
         let elsewhere = self.remote.lock().remove(&name).is_some();
         let own = mine || !elsewhere;
         self.local.release(ns, key, id);
+        if !own {
+            let mut r = self.others_removed.lock();
+            *r = Some(r.map_or(revision, |r| r.max(revision)));
+        }
         if own {
             // Freed once every other live host acknowledged the removal and none holds it
             // (`settle`, or in the background, which looks at once: with no other live host
@@ -606,7 +635,8 @@ impl Authority for EtcdAuthority {
 
     fn settle(&self) -> Vec<(String, u64)> {
         let pending: Vec<(u64, i64)> = self.held.lock().iter().map(|(o, r)| (*o, *r)).collect();
-        let Some(newest) = pending.iter().map(|(_, r)| *r).max() else {
+        let others = *self.others_removed.lock();
+        let Some(newest) = pending.iter().map(|(_, r)| *r).chain(others).max() else {
             return Vec::new();
         };
         crate::store::assert_unlocked("an eviction's wait for the other hosts");
@@ -614,17 +644,37 @@ impl Authority for EtcdAuthority {
             return Vec::new();
         }
         let (m, mut seen) = (self.member(), self.acks_seen.subscribe());
-        let deadline = tokio::time::Instant::now() + SETTLE_WAIT;
-        let (free, complete) = self.run(async move {
+        // The units of other hosts' entries removed here come back to this host only through
+        // a fresh claim, which their tombstones refuse: longer, so that the eviction that
+        // made room for a grant is not answered "full" for want of a sweep.
+        let wait = if others.is_some() {
+            SWEEP_WAIT
+        } else {
+            SETTLE_WAIT
+        };
+        let deadline = tokio::time::Instant::now() + wait;
+        let (free, complete, swept) = self.run(async move {
             loop {
                 seen.borrow_and_update();
                 let Ok(acked) = m.read().await.acknowledged().await else {
-                    return (Vec::new(), false);
+                    return (Vec::new(), false, false);
                 };
                 let complete = acked.is_none_or(|a| a >= newest);
-                if complete || tokio::time::Instant::now() >= deadline {
-                    let free = free_of(&*m.read().await, &pending, acked).await;
-                    return (free.unwrap_or_default(), complete);
+                let late = tokio::time::Instant::now() >= deadline;
+                if complete || late {
+                    let m = m.read().await;
+                    // Removals here of other hosts' entries free no extent of this host's,
+                    // but their tombstones keep the units from a fresh claim: swept once every
+                    // live host acknowledged them (this host's own acknowledgement may trail
+                    // the others': looked at again, until the deadline).
+                    let swept = match others {
+                        None => true,
+                        Some(r) => complete && m.sweep_through(r).await.unwrap_or(false),
+                    };
+                    if swept || late {
+                        let free = free_of(&m, &pending, acked).await;
+                        return (free.unwrap_or_default(), complete, swept);
+                    }
                 }
                 let _ = tokio::time::timeout_at(deadline, seen.changed()).await;
             }
@@ -636,10 +686,25 @@ impl Authority for EtcdAuthority {
             );
             self.settle_stalled.store(true, Ordering::Release);
         }
+        if swept {
+            self.swept_others(others);
+        }
         unhold(&self.held, free)
             .into_iter()
             .map(|o| (self.pool.clone(), o))
             .collect()
+    }
+
+    fn orphaned(&self, ns: &str, key: &str) -> bool {
+        if !self.orphans.any(std::time::Instant::now()) {
+            return false;
+        }
+        let remote = self.remote.lock();
+        remote
+            .get(&(ns.to_owned(), key.to_owned()))
+            .is_some_and(|(publisher, _)| {
+                self.orphans.orphaned(publisher, std::time::Instant::now())
+            })
     }
 
     fn held_elsewhere(&self, pool: &str, offset: u64) -> bool {

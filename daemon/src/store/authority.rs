@@ -164,6 +164,14 @@ pub trait Authority: Send + Sync {
     fn settle(&self) -> Vec<(String, u64)> {
         Vec::new()
     }
+    /// Whether another host's entry `ns/key` that this host serves is an orphan: its
+    /// publisher, the only host that evicts it, has been gone from the authority (its lease
+    /// ran out and it has not come back) for the configured while. An eviction here may then
+    /// take it, as a delete here would remove it. Called under the store's lock; asks nothing
+    /// remote.
+    fn orphaned(&self, _ns: &str, _key: &str) -> bool {
+        false
+    }
     /// Whether other hosts may still map the extent at `offset` of raw pool `pool`, which
     /// this host published and has removed.
     fn held_elsewhere(&self, _pool: &str, _offset: u64) -> bool {

@@ -40,7 +40,13 @@ impl Store {
             .lru
             .oldest_first()
             .map(|ino| &s.entries[&ino])
-            .filter(|e| !e.protected() && pool.is_none_or(|p| p == e.pool()))
+            .filter(|e| pool.is_none_or(|p| p == e.pool()))
+            .filter(|e| {
+                !e.protected()
+                    || (e.remote().is_some()
+                        && !e.kept()
+                        && self.authority.orphaned(e.ns(), e.key()))
+            })
             .map(Candidate::of)
             .collect();
         let chosen = victims(&candidates, |p, pack| s.pools[p].pool.pack(pack));

@@ -321,11 +321,19 @@ impl Entry {
     /// Whether eviction must pass it by: pinned, held (here or on other hosts), leased, or
     /// another host's.
     pub fn protected(&self) -> bool {
+        self.kept() || self.remote.is_some()
+    }
+
+    /// Whether something keeps it whoever published it: pinned, held (here or on other
+    /// hosts), leased, or being withdrawn. Another host's entry that nothing keeps is evicted
+    /// here only once its publisher is gone for good ([`Authority::orphaned`]).
+    ///
+    /// [`Authority::orphaned`]: crate::store::authority::Authority::orphaned
+    pub fn kept(&self) -> bool {
         self.pinned
             || self.holds > 0
             || self.pinned_elsewhere
             || self.leases > 0
-            || self.remote.is_some()
             || self.withdrawing
     }
 
