@@ -401,9 +401,12 @@ impl Member {
         check_ns(ns)?;
         check_name(name)?;
         let (key, rkey) = (self.keys.entry(ns, name), self.keys.reservation(ns, name));
+        // As a publication, it compares the fence: one whose answer was lost, given back
+        // after a fence (`fence_publications`), cannot land after and keep the name.
+        let (current, epoch) = self.publish_cmp();
         let txn = Txn::new()
             .when([
-                self.alive_cmp(),
+                current,
                 Compare::absent(key.clone()),
                 Compare::absent(rkey.clone()),
             ])
@@ -416,6 +419,9 @@ impl Member {
         let r = self.client.txn(txn).await?;
         if r.succeeded() {
             return Ok(None);
+        }
+        if self.epoch_moved(&r, epoch) {
+            return Box::pin(self.reserve(ns, name)).await;
         }
         self.check_alive(&r)?;
         self.name_taken(&r)

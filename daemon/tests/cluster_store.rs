@@ -447,9 +447,18 @@ impl EtcdView {
 
     /// Whether etcd holds an entry `ns/key`.
     fn has_entry(&self, key: &str) -> bool {
-        let key = format!("{}entries/ns/{key}", self.root);
+        self.has(&format!("entries/ns/{key}"))
+    }
+
+    /// Whether a host holds a reservation of `ns/key`.
+    fn has_reservation(&self, key: &str) -> bool {
+        self.has(&format!("reserved/ns/{key}"))
+    }
+
+    fn has(&self, key: &str) -> bool {
+        let key = format!("{}{key}", self.root);
         let r = self.rt.block_on(self.client.get(key, Range::KEY));
-        !r.expect("the entry").kvs.is_empty()
+        !r.expect("the key").kvs.is_empty()
     }
 
     /// The revision that created entry `ns/key`.
@@ -1465,6 +1474,37 @@ fn closed_mount_writer(
     fs.write(a.ino, 0, data).expect("write");
     fs.commit(&caller, a.ino, false).expect("close");
     (fs, caller, ns, a.ino)
+}
+
+/// A mount writer's reservation that etcd made but whose answer was lost (its close failed)
+/// is given back: the name is free again for every host. It stayed reserved for as long as
+/// the host's lease lived, and no host could store the name.
+#[test]
+fn a_reservation_whose_answer_was_lost_is_given_back() {
+    use maru_fsd::Backend;
+    let Some((etcd, dir, uuid, h0, auth)) = one_host() else {
+        return;
+    };
+    let h1 = host(&etcd, dir.path(), "h1", &uuid);
+    auth.lose_reservation_answers(1);
+    let fs = maru_daemon::store::fsview::StoreFs(h0.clone());
+    let caller = Caller::new(0, 0, std::process::id() as i32);
+    let ns = fs
+        .lookup(&caller, maru_fsd::backend::ROOT_INO, "ns")
+        .expect("ns")
+        .ino;
+    let (a, _) = fs.create(&caller, ns, "k", 0o644).expect("create");
+    fs.write(a.ino, 0, b"lost").expect("write");
+    let closed = fs.commit(&caller, a.ino, false);
+    assert!(closed.is_err(), "the close heard no answer: {closed:?}");
+    eventually("the reservation is given back", || {
+        !auth.unreserving("ns", "k")
+    });
+    assert!(!EtcdView::new(&etcd, &uuid).has_reservation("k"));
+    put(&h1, "k", b"stored elsewhere").expect("h1 stores the name");
+    eventually("h0 serves h1's entry", || {
+        get(&h0, "k").as_deref() == Some(&b"stored elsewhere"[..])
+    });
 }
 
 /// The writer's last release comes while its rename after the close is at etcd (the kernel

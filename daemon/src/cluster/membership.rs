@@ -114,7 +114,14 @@ async fn keep_membership(me: std::sync::Weak<EtcdAuthority>) {
         }
         let names: Vec<Name> = a.reserved.lock().iter().cloned().collect();
         for (ns, key) in names {
-            if !matches!(m.reserve(&ns, &key).await, Ok(None)) {
+            let r = m.reserve(&ns, &key).await;
+            if r.as_ref()
+                .is_err_and(|e| matches!(e, maru_cluster::Error::Etcd(_)) && !e.never_sent())
+            {
+                // It may have landed all the same.
+                a.give_back_reservation((ns.clone(), key.clone()), true);
+            }
+            if !matches!(r, Ok(None)) {
                 tracing::warn!(
                     ns,
                     key,

@@ -44,6 +44,7 @@ mod publishing;
 mod readers;
 mod regions;
 mod releasing;
+mod reservations;
 #[cfg(feature = "seams")]
 mod seams;
 mod view;
@@ -138,6 +139,8 @@ pub struct EtcdAuthority {
     orphans: orphans::Orphans,
     /// Names this host reserved in etcd for writers through its mount.
     reserved: Mutex<HashSet<Name>>,
+    /// Names whose reservation this host is giving back in etcd.
+    reservations: Arc<reservations::Reservations>,
     /// The entries pinned in the cluster (this host's pins, and every host's from etcd's
     /// watch), each with the revision of its last change.
     pins: Mutex<Known<Name, ()>>,
@@ -242,6 +245,7 @@ impl EtcdAuthority {
             others_removed: Mutex::new(None),
             orphans: orphans::Orphans::new(s.orphans_after),
             reserved: Mutex::new(HashSet::new()),
+            reservations: Default::default(),
             pins: Mutex::new(Known::default()),
             client_pins,
             client_pinned: Mutex::new(HashMap::new()),
@@ -513,30 +517,10 @@ impl Authority for EtcdAuthority {
 
     fn reserve_everywhere(&self, ns: &str, key: &str, id: u64, pool: Option<&str>) -> Result<()> {
         self.local.reserve(ns, key, id)?;
-        let name = (ns.to_owned(), key.to_owned());
         if pool != Some(self.pool.as_str()) {
             return Ok(());
         }
-        if self.reserved.lock().contains(&name) {
-            self.changing.begin(ns, key);
-            return Ok(());
-        }
-        // From now on the other hosts' changes of the name wait for the store to settle it:
-        // one the watch brings late (a put before this reservation) would otherwise be filed
-        // over the name this host's writer holds, and refuse its publication (seed 1149).
-        self.changing.begin(ns, key);
-        let (m, n, k) = (self.member(), ns.to_owned(), key.to_owned());
-        let e = match self.run(async move { m.read().await.reserve(&n, &k).await }) {
-            Ok(None) => {
-                self.reserved.lock().insert(name);
-                return Ok(());
-            }
-            Ok(Some(taken)) => taken_error(ns, key, &taken),
-            Err(e) => cluster_error(e),
-        };
-        self.local.release(ns, key, id);
-        self.changing.settle(ns, key);
-        Err(e)
+        self.reserve_shared(ns, key, id)
     }
 
     fn publish(&self, ns: &str, key: &str, id: u64, at: &Placed<'_>) -> Result<()> {

@@ -206,21 +206,6 @@ impl EtcdAuthority {
         r.map_err(unavailable)
     }
 
-    /// Gives back this host's reservation of `ns/key` in etcd, if it has one (in the
-    /// background: a late one only keeps the name a moment longer).
-    pub(super) fn drop_reservation(&self, ns: &str, key: &str) {
-        let name = (ns.to_owned(), key.to_owned());
-        if !self.reserved.lock().remove(&name) {
-            return;
-        }
-        let m = self.member();
-        self.rt.spawn(async move {
-            if let Err(e) = m.read().await.unreserve(&name.0, &name.1).await {
-                tracing::warn!(ns = %name.0, key = %name.1, "giving a reservation back: {e}");
-            }
-        });
-    }
-
     /// [`Authority::withdraw`]: the removals of the entries in the shared pool that this host
     /// has published, through the group commit.
     pub(super) fn withdraw_group(
