@@ -2,13 +2,13 @@
 //!
 //! Only an entry's publisher evicts it, so a host that leaves the cluster for good (its
 //! lease ran out and it never came back: decommissioned, its disk lost) would leave its
-//! entries in the shared pool until a client deleted them by name, and a full pool of them
-//! would answer `ENOSPC` to every other host. Each host notes from the hosts' records (read
-//! every second) since when each publisher of the entries it serves has been gone; once that
-//! is longer than `--cluster-orphans-after`, its eviction may take them as the publisher's
-//! would, in its own order of use, by removing them at etcd as a delete here does. A
-//! publisher that comes back later finds them removed, as after a delete made while it was
-//! down.
+//! entries in the shared pool until a client deleted them by name, while every other host
+//! made room by evicting its own entries only, however recently used. Each host notes from
+//! the hosts' records (read every second) since when each publisher of the entries it serves
+//! has been gone; once that is longer than `--cluster-orphans-after`, its eviction may take
+//! them as the publisher's would, in its own order of use, by removing them at etcd as a
+//! delete here does. A publisher that comes back later finds them removed, as after a
+//! delete made while it was down.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
