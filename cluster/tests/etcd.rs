@@ -412,6 +412,34 @@ async fn a_request_refused_at_the_connection_is_known_never_sent() {
     assert!(Error::Etcd(e).never_sent());
 }
 
+/// A member killed (its port refuses every connection) costs no request: the balancer goes
+/// on choosing it among the others, and what it could not send there goes to another (seed
+/// 2484: a mount writer's publication at its release went to a killed member and failed,
+/// and the entry its close had promised was dropped, while two members could take it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_killed_costs_no_request() {
+    let Some(mut etcd) = EtcdCluster::on_loopback(3) else {
+        return;
+    };
+    let a = member_at(&etcd.endpoints(), "a", 10).await;
+    assert!(a.claim(0, UNIT).await.expect("claim").is_some());
+    let killed = (etcd.leader_member().expect("a leader") + 1) % etcd.len();
+    etcd.kill(killed);
+    let mut failed = Vec::new();
+    for i in 0..60u64 {
+        let name = format!("k{i}");
+        if let Err(e) = a.publish("ns", &name, &record("a", i * 4096)).await {
+            failed.push(e.to_string());
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "{} of 60 publications failed with member m{killed} killed, the first: {:?}",
+        failed.len(),
+        failed.first()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_name_is_held_while_its_host_lives() {
     let Some(etcd) = Etcd::start() else { return };

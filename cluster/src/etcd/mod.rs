@@ -60,26 +60,32 @@ impl Error {
     /// Whether the request never reached etcd: its connection was refused, or its host or
     /// network unreachable, so its outcome is known (nothing happened).
     pub fn never_sent(&self) -> bool {
-        use std::error::Error as _;
         let Error::Status(s) = self else {
             return matches!(self, Error::Endpoint(..) | Error::NoEndpoint);
         };
-        let mut cause = s.source();
-        while let Some(c) = cause {
-            if let Some(io) = c.downcast_ref::<std::io::Error>()
-                && matches!(
-                    io.kind(),
-                    std::io::ErrorKind::ConnectionRefused
-                        | std::io::ErrorKind::HostUnreachable
-                        | std::io::ErrorKind::NetworkUnreachable
-                )
-            {
-                return true;
-            }
-            cause = c.source();
-        }
-        false
+        not_sent(s)
     }
+}
+
+/// Whether a request that failed with `s` never reached etcd: the connection to its member
+/// was refused, or the member's host or network unreachable.
+fn not_sent(s: &tonic::Status) -> bool {
+    use std::error::Error as _;
+    let mut cause = s.source();
+    while let Some(c) = cause {
+        if let Some(io) = c.downcast_ref::<std::io::Error>()
+            && matches!(
+                io.kind(),
+                std::io::ErrorKind::ConnectionRefused
+                    | std::io::ErrorKind::HostUnreachable
+                    | std::io::ErrorKind::NetworkUnreachable
+            )
+        {
+            return true;
+        }
+        cause = c.source();
+    }
+    false
 }
 
 /// A status as one line: etcd's message, or what the transport says went wrong.
@@ -139,6 +145,9 @@ pub struct Client {
     maintenance: MaintenanceClient<Service>,
     /// How long a request may take, refusals for want of a leader retried included.
     patience: Duration,
+    /// It balances requests over more than one member: one that cannot reach its member is
+    /// sent again (to another, maybe).
+    several: bool,
 }
 
 /// How a [`Client`] connects.
@@ -186,6 +195,7 @@ impl Client {
         if list.is_empty() {
             return Err(Error::NoEndpoint);
         }
+        let several = list.len() > 1;
         let channel = Channel::balance_list(list.into_iter());
         let service = InterceptedService::new(channel, RequireLeader(options.require_leader));
         Ok(Client {
@@ -197,6 +207,7 @@ impl Client {
             lease: LeaseClient::new(service.clone()),
             maintenance: MaintenanceClient::new(service),
             patience: options.patience,
+            several,
         })
     }
 
@@ -212,9 +223,16 @@ impl Client {
 
     /// Sends a unary request (made afresh by `call`) again while the member that answers
     /// refuses it for want of a leader (etcd's `hasleader`: a member cut off from its quorum;
-    /// every member during an election). etcd refuses such a request before doing anything
-    /// with it, so sending it again, which the balancer may send to another member, cannot
-    /// apply it twice. Gives up with the refusal once the client's patience is spent.
+    /// every member during an election), or, for a client of several members, while the
+    /// member the balancer chose cannot be reached at all (its connection refused: a member
+    /// killed; the balancer goes on choosing it among the others). etcd refuses the first
+    /// before doing anything with it, and never saw the second, so sending it again, which
+    /// the balancer may send to another member, cannot apply it twice. A client of one
+    /// member fails at once when it cannot reach it (a lease's renewals then go on through
+    /// the next member's client). Gives up with the refusal once the client's patience is
+    /// spent. (Seed 2484: a mount writer's publication at its release went to a killed
+    /// member and failed, and the entry its close had promised was dropped, while two
+    /// members could take it.)
     async fn again<T, F, Fut>(&self, mut call: F) -> Result<T>
     where
         F: FnMut() -> Fut,
@@ -225,7 +243,10 @@ impl Client {
         loop {
             match call().await {
                 Ok(r) => return Ok(r.into_inner()),
-                Err(s) if no_leader(&s) && tokio::time::Instant::now() + pause < deadline => {
+                Err(s)
+                    if (no_leader(&s) || (self.several && not_sent(&s)))
+                        && tokio::time::Instant::now() + pause < deadline =>
+                {
                     tokio::time::sleep(pause).await;
                     pause = (pause * 2).min(Duration::from_millis(100));
                 }
