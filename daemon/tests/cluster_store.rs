@@ -827,36 +827,29 @@ fn a_writer_reads_back_an_entry_of_the_shared_pool_once_it_is_published() {
     let Some((_etcd, _dir, h0, _h1)) = two_hosts() else {
         return;
     };
-    let fs = maru_daemon::store::fsview::StoreFs(h0.clone());
-    let me = Caller::new(0, 0, std::process::id() as i32);
-    let ns = fs
-        .lookup(&me, maru_fsd::backend::ROOT_INO, "ns")
-        .expect("ns")
-        .ino;
-    let (a, _) = fs.create(&me, ns, "k", 0o644).expect("create");
-    fs.write(a.ino, 0, b"the bytes of k").expect("write");
+    let (fs, me, ns, ino) = mount_writer(&h0, "k", b"the bytes of k");
     assert_eq!(
         fs.lookup(&me, ns, "k").expect("its writer sees it").ino,
-        a.ino
+        ino
     );
-    fs.commit(&me, a.ino, false).expect("close");
+    fs.commit(&me, ino, false).expect("close");
     // Committed, not published: its writer still sees the name (stat, rename, unlink), but
     // does not read bytes that may never be published.
     assert_eq!(
         fs.lookup(&me, ns, "k").expect("its writer sees it").ino,
-        a.ino
+        ino
     );
     assert!(matches!(
-        fs.open(&me, a.ino, false),
+        fs.open(&me, ino, false),
         Err(maru::Error::NotFound(_))
     ));
     // Published while its writer waits: it reads the entry.
     std::thread::scope(|s| {
         s.spawn(|| {
             std::thread::sleep(Duration::from_millis(100));
-            fs.seal(a.ino).expect("published");
+            fs.seal(ino).expect("published");
         });
-        assert!(fs.open(&me, a.ino, false).is_ok(), "published");
+        assert!(fs.open(&me, ino, false).is_ok(), "published");
     });
     assert_eq!(get(&h0, "k").as_deref(), Some(&b"the bytes of k"[..]));
 }
@@ -1456,9 +1449,9 @@ fn file_another_host_s_k_once_granted(h0: &Arc<Store>, uuid: &str) {
     })));
 }
 
-/// A writer through `h0`'s mount of `ns/name`, written `data` and closed (committed, not
-/// yet published): the mount's view, its caller, the namespace's inode and the writer's.
-fn closed_mount_writer(
+/// A writer through `h0`'s mount of `ns/name`, written `data`, not closed: the mount's
+/// view, its caller, the namespace's inode and the writer's.
+fn mount_writer(
     h0: &Arc<Store>,
     name: &str,
     data: &[u8],
@@ -1472,8 +1465,19 @@ fn closed_mount_writer(
         .ino;
     let (a, _) = fs.create(&caller, ns, name, 0o644).expect("create");
     fs.write(a.ino, 0, data).expect("write");
-    fs.commit(&caller, a.ino, false).expect("close");
     (fs, caller, ns, a.ino)
+}
+
+/// [`mount_writer`], closed (committed, not yet published).
+fn closed_mount_writer(
+    h0: &Arc<Store>,
+    name: &str,
+    data: &[u8],
+) -> (maru_daemon::store::fsview::StoreFs, Caller, u64, u64) {
+    use maru_fsd::Backend;
+    let (fs, caller, ns, ino) = mount_writer(h0, name, data);
+    fs.commit(&caller, ino, false).expect("close");
+    (fs, caller, ns, ino)
 }
 
 /// A mount writer's reservation that etcd made but whose answer was lost (its close failed)
@@ -1487,15 +1491,8 @@ fn a_reservation_whose_answer_was_lost_is_given_back() {
     };
     let h1 = host(&etcd, dir.path(), "h1", &uuid);
     auth.lose_reservation_answers(1);
-    let fs = maru_daemon::store::fsview::StoreFs(h0.clone());
-    let caller = Caller::new(0, 0, std::process::id() as i32);
-    let ns = fs
-        .lookup(&caller, maru_fsd::backend::ROOT_INO, "ns")
-        .expect("ns")
-        .ino;
-    let (a, _) = fs.create(&caller, ns, "k", 0o644).expect("create");
-    fs.write(a.ino, 0, b"lost").expect("write");
-    let closed = fs.commit(&caller, a.ino, false);
+    let (fs, caller, _, ino) = mount_writer(&h0, "k", b"lost");
+    let closed = fs.commit(&caller, ino, false);
     assert!(closed.is_err(), "the close heard no answer: {closed:?}");
     eventually("the reservation is given back", || {
         !auth.unreserving("ns", "k")
