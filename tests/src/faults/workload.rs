@@ -154,8 +154,10 @@ mod mount {
 
     /// A store as a careful writer makes one (doc/SEMANTICS.md): create the name, write,
     /// close (whose answer is the commit's: the name and room reserved), unlinking the name
-    /// before the close when a write fails. Acknowledged once the other door sees the
-    /// entry: the publication itself follows the close, at the kernel's release.
+    /// before the close when a write fails. Acknowledged once the other door serves this
+    /// store's bytes under the name: the publication itself follows the close, at the
+    /// kernel's release. (Seed 2484: a publication that failed at the release was
+    /// acknowledged, since the other door saw the name, stored by another client meanwhile.)
     fn store(h: &maru::Handler, key: &str, path: &Path, bytes: &[u8]) -> Outcome {
         let mut f = match std::fs::File::create_new(path) {
             Ok(f) => f,
@@ -168,9 +170,10 @@ mod mount {
         if let Err(e) = nix::unistd::close(f.into_raw_fd()) {
             return io(e.into(), Kind::Store);
         }
-        match h.exists(key) {
-            Ok(true) => Outcome::Ok,
-            Ok(false) => Outcome::Failed("closed, but not published".into()),
+        match h.retrieve(key) {
+            Ok(Some(m)) if m.as_slice() == bytes => Outcome::Ok,
+            Ok(Some(_)) => Outcome::Failed("closed, but another entry has the name".into()),
+            Ok(None) => Outcome::Failed("closed, but not published".into()),
             Err(e) => Outcome::Failed(format!("{e:?}")),
         }
     }
